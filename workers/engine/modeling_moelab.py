@@ -232,6 +232,15 @@ class MoeFFN(nn.Module):
             mod.router_up.copy_(_check_router(u, E, d_model, "router_up"))
         return mod
 
+    def active_param_count(self) -> int:
+        """Parameters one token uses: shared expert, ``top_k`` routed experts and the router."""
+        router = sum(p.numel() for n, p in self.named_parameters(recurse=False) if n.startswith("router"))
+        shared = 3 * self.d_model * self.d_shared
+        k, m, d = min(self.top_k, self.n_experts), self.expert_size, self.d_model
+        if self.router == "gate_mass" and k < self.n_experts:  # every routed gate row scores the experts
+            return shared + d * m * (self.n_experts + 2 * k)
+        return shared + 3 * d * m * k + router
+
     def extra_repr(self) -> str:
         return (
             f"d_model={self.d_model}, d_shared={self.d_shared}, n_experts={self.n_experts}, "
@@ -414,6 +423,10 @@ class AbsTopKGLU(nn.Module):
         mod.up_proj.weight.copy_(up_w)
         mod.down_proj.weight.copy_(down_w)
         return mod
+
+    def active_param_count(self) -> int:
+        """All gate rows are computed to pick the top k; up and down only for those k neurons."""
+        return self.d_model * (self.d_ffn + 2 * self.k)
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, d_ffn={self.d_ffn}, k={self.k}, act={self.act}"
