@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .calibration import load_calibration
-from .modeling_moelab import MoeFFN
 from .models import ModelAdapter
 from .progress import NO_PROGRESS, Progress
 
@@ -134,9 +133,10 @@ def load_cv(counts: np.ndarray) -> float:
 
 
 def _is_moe(module: nn.Module) -> bool:
-    """A MoeFFN from the engine *or* from an exported model's own copy of ``modeling_moelab``
-    (loaded with trust_remote_code as a different class object), so not an isinstance check."""
-    return type(module).__name__ == MoeFFN.__name__ and hasattr(module, "recorder") and hasattr(module, "n_experts")
+    """Any routed module of ``modeling_moelab`` (MoeFFN, the MIDAS and hierarchical layers), from
+    the engine *or* from an exported model's own copy of the file (loaded with
+    trust_remote_code as a different class object), so duck-typed, not an isinstance check."""
+    return all(hasattr(module, a) for a in ("recorder", "n_experts", "top_k")) and not isinstance(module, torch.Tensor)
 
 
 @dataclass
@@ -182,38 +182,88 @@ class RoutingRecorder:
         }
 
 
+def routed_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """Layer index -> routed module of a whole converted model (empty for a dense model)."""
+    get = getattr(model, "moe_modules", None)
+    return {i: m for i, m in get().items() if _is_moe(m)} if callable(get) else {}
+
+
+def _score(
+    model: nn.Module, tokenizer: Any, routed: dict[int, nn.Module], windows: torch.Tensor, batch_size: int,
+    progress: Progress, stage: str, choice_items: list["ChoiceItem"] | None,
+) -> dict[str, Any]:
+    """Perplexity, tokens/s, routing load (of ``routed``) and multiple-choice accuracy of one model."""
+    recorder = RoutingRecorder(len(windows))
+    recorder.attach(routed)
+    try:
+        ppl, tps = perplexity(model, windows, batch_size, progress, stage, before_batch=recorder.set_offset)
+    finally:
+        recorder.detach(routed)
+    entry: dict[str, Any] = {"perplexity": ppl, "tokens_per_s": tps}
+    if choice_items:
+        entry["multiple_choice"] = multiple_choice_accuracy(model, tokenizer, choice_items)
+    if recorder.counts:
+        entry["routing"] = recorder.summary()
+    return entry
+
+
+def _add_ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    dense = results.get("dense", {}).get("perplexity")
+    if dense:
+        for entry in results.values():
+            entry["perplexity_ratio"] = entry["perplexity"] / dense
+    return results
+
+
 def evaluate_variants(
     adapter: ModelAdapter, variants: dict[str, dict[int, nn.Module] | None], windows: torch.Tensor,
     batch_size: int = 8, reconstruction: bool = True, progress: Progress = NO_PROGRESS,
     choice_items: list["ChoiceItem"] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Perplexity, tokens/s, reconstruction error, routing load and (when ``choice_items`` are
-    given) multiple-choice accuracy of every variant, in one run."""
+    given) multiple-choice accuracy of every variant, in one run. A variant is a set of MLP
+    replacements swapped into the loaded dense model (None: the dense model itself)."""
     results: dict[str, dict[str, Any]] = {}
     for name, modules in variants.items():
-        modules = modules or {}
-        recorder = RoutingRecorder(len(windows))
-        recorder.attach(modules)
         with swapped_mlps(adapter, modules):
-            ppl, tps = perplexity(
-                adapter.model, windows, batch_size, progress, f"evaluate {name}", before_batch=recorder.set_offset
+            results[name] = _score(
+                adapter.model, adapter.tokenizer, dict(modules or {}), windows, batch_size, progress,
+                f"evaluate {name}", choice_items,
             )
-            recorder.detach(modules)
-            entry: dict[str, Any] = {"perplexity": ppl, "tokens_per_s": tps}
-            if choice_items:
-                entry["multiple_choice"] = multiple_choice_accuracy(adapter.model, adapter.tokenizer, choice_items)
-        if recorder.counts:
-            entry["routing"] = recorder.summary()
-        results[name] = entry
     replaced = {name: modules for name, modules in variants.items() if modules}
     if reconstruction and replaced:
         for name, errors in reconstruction_errors(adapter, replaced, windows, batch_size).items():
             results[name]["reconstruction_error"] = errors
-    dense = results.get("dense", {}).get("perplexity")
-    if dense:
-        for entry in results.values():
-            entry["perplexity_ratio"] = entry["perplexity"] / dense
-    return results
+    return _add_ratios(results)
+
+
+def evaluate_models(
+    models: dict[str, nn.Module], tokenizer: Any, windows: torch.Tensor, batch_size: int = 8,
+    progress: Progress = NO_PROGRESS, choice_items: list["ChoiceItem"] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Like ``evaluate_variants`` for whole models that cannot be swapped into one dense model
+    (Dense2MoE drops layers, MIDAS replaces every FFN by low-rank experts, hierarchical starts
+    from an MoE): the same windows, perplexity, speed, routing and accuracy for each."""
+    results = {
+        name: _score(model, tokenizer, routed_modules(model), windows, batch_size, progress, f"evaluate {name}", choice_items)
+        for name, model in models.items()
+    }
+    return _add_ratios(results)
+
+
+@torch.inference_mode()
+def load_cv_by_source(
+    model: nn.Module, tokenizer: Any, sources: list[str], data_dir: Path | None, *, n_windows: int = 8,
+    seq_len: int = 256, batch_size: int = 8, progress: Progress = NO_PROGRESS,
+) -> dict[str, dict[str, Any]]:
+    """MI Eq. 7 per layer and per evaluation set: routing load CV on each source's held-out text."""
+    routed = routed_modules(model)
+    out: dict[str, dict[str, Any]] = {}
+    for source in sources:
+        windows = heldout_windows(tokenizer, data_dir, seq_len=seq_len, n_windows=n_windows, source=source)
+        entry = _score(model, tokenizer, routed, windows, batch_size, progress, f"routing on {source}", None)
+        out[source] = {"windows": int(len(windows)), **entry.get("routing", {})}
+    return out
 
 
 # --------------------------------------------------------------------------- multiple choice
