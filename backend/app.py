@@ -33,7 +33,8 @@ log = logging.getLogger("moelab.api")
 DESCRIPTION = """\
 Turn dense GLU language models into Mixture-of-Experts models, and see why.
 
-Resources: **models** → **calibration sets** → **profiles** → **conversions** → **evaluations**.
+Resources: **models** → **calibration sets** → **profiles** → **conversions** → **evaluations**;
+**fine-tunes** recover a conversion's quality and publish the result as a new conversion.
 Creating a profile, conversion or evaluation returns **202** with a job; follow it at
 `GET /api/v1/jobs/{id}` (state, progress `{stage,current,total}`), cancel it with `DELETE`.
 Charts are read from stored artifacts (no model work in a request). Errors are

@@ -39,7 +39,7 @@ from sqlalchemy.orm import (
     sessionmaker,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def utcnow() -> datetime:
@@ -75,7 +75,7 @@ class Job(Base):
     __tablename__ = "jobs"
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(32))  # inspect_model | build_calibration | profile | conversion | evaluation
+    kind: Mapped[str] = mapped_column(String(32))  # inspect_model | build_calibration | profile | conversion | evaluation | finetune
     queue: Mapped[str] = mapped_column(String(16))
     resource_type: Mapped[str] = mapped_column(String(32))
     resource_id: Mapped[str] = mapped_column(String(40), index=True)
@@ -136,7 +136,9 @@ class Profile(_Resource, Base):
 class Conversion(_Resource, Base):
     __tablename__ = "conversions"
 
-    profile_id: Mapped[str] = mapped_column(ForeignKey("profiles.id"), index=True)
+    # Profile-based methods read a profile; hierarchical conversion reads a model + calibration set.
+    profile_id: Mapped[str | None] = mapped_column(ForeignKey("profiles.id"), index=True, nullable=True)
+    model_id: Mapped[str | None] = mapped_column(ForeignKey("models.id"), default=None, nullable=True)
     job: Mapped[Job | None] = relationship(lazy="joined")
 
 
@@ -144,6 +146,17 @@ class Evaluation(_Resource, Base):
     __tablename__ = "evaluations"
 
     conversion_id: Mapped[str] = mapped_column(ForeignKey("conversions.id"), index=True)
+    job: Mapped[Job | None] = relationship(lazy="joined")
+
+
+class Finetune(_Resource, Base):
+    """Recovery fine-tuning of a conversion; its work dir (train log, checkpoints) survives re-runs,
+    and on success the fine-tuned model becomes the conversion ``result_conversion_id``."""
+
+    __tablename__ = "finetunes"
+
+    conversion_id: Mapped[str] = mapped_column(ForeignKey("conversions.id"), index=True)
+    result_conversion_id: Mapped[str | None] = mapped_column(ForeignKey("conversions.id"), default=None)
     job: Mapped[Job | None] = relationship(lazy="joined")
 
 
@@ -160,6 +173,7 @@ RESOURCE_TABLES: dict[str, type[_Resource]] = {
     "profiles": Profile,
     "conversions": Conversion,
     "evaluations": Evaluation,
+    "finetunes": Finetune,
 }
 
 
@@ -199,6 +213,7 @@ def migrate(engine: Engine) -> None:
         Base.metadata.create_all(engine)
     except (OperationalError, ProgrammingError):  # another process created a table concurrently
         Base.metadata.create_all(engine)
+    _conversion_profile_optional(engine)
     existing = inspect(engine)
     with engine.begin() as conn:
         for table in Base.metadata.sorted_tables:
@@ -217,6 +232,49 @@ def migrate(engine: Engine) -> None:
             conn.execute(text("INSERT INTO moelab_meta (key, value) VALUES ('schema_version', :v)"), {"v": str(SCHEMA_VERSION)})
         elif int(row[0]) < SCHEMA_VERSION:
             conn.execute(text("UPDATE moelab_meta SET value = :v WHERE key = 'schema_version'"), {"v": str(SCHEMA_VERSION)})
+
+
+def _conversion_profile_optional(engine: Engine) -> None:
+    """Schema 2: ``conversions.profile_id`` becomes nullable (hierarchical conversions have no
+    profile). Postgres alters the column. SQLite cannot, so the table is rebuilt with its rows in
+    one transaction on a connection of its own, with foreign keys off (they cannot be switched
+    inside a transaction) and the legacy rename, so evaluations keep pointing at ``conversions``."""
+    column = next(c for c in inspect(engine).get_columns("conversions") if c["name"] == "profile_id")
+    if column["nullable"]:
+        return
+    if engine.dialect.name != "sqlite":
+        with engine.begin() as conn:
+            conn.execute(text("ALTER TABLE conversions ALTER COLUMN profile_id DROP NOT NULL"))
+        return
+    from sqlalchemy.schema import CreateIndex, CreateTable
+
+    table = Conversion.__table__
+    old = [c["name"] for c in inspect(engine).get_columns("conversions")]
+    names = ", ".join(f'"{n}"' for n in old if n in table.columns)
+    raw = engine.raw_connection()
+    try:
+        raw.driver_connection.isolation_level = None  # explicit BEGIN/COMMIT below
+        cur = raw.cursor()
+        cur.execute("PRAGMA foreign_keys=OFF")
+        cur.execute("PRAGMA legacy_alter_table=ON")
+        cur.execute("BEGIN")
+        for index in inspect(engine).get_indexes("conversions"):
+            cur.execute(f'DROP INDEX IF EXISTS "{index["name"]}"')
+        cur.execute("ALTER TABLE conversions RENAME TO conversions_v1")
+        cur.execute(str(CreateTable(table).compile(dialect=engine.dialect)))
+        for index in table.indexes:
+            cur.execute(str(CreateIndex(index).compile(dialect=engine.dialect)))
+        cur.execute(f"INSERT INTO conversions ({names}) SELECT {names} FROM conversions_v1")
+        cur.execute("DROP TABLE conversions_v1")
+        if cur.execute("PRAGMA foreign_key_check").fetchall():
+            cur.execute("ROLLBACK")
+            raise RuntimeError("rebuilding the conversions table would break foreign keys; database left unchanged")
+        cur.execute("COMMIT")
+    finally:
+        cur.execute("PRAGMA legacy_alter_table=OFF")
+        cur.execute("PRAGMA foreign_keys=ON")
+        raw.driver_connection.isolation_level = ""
+        raw.close()
 
 
 class Database:

@@ -20,7 +20,7 @@ from workers.engine.builtin_data import BUILTIN_SETS
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 ResourceStatus = Literal["queued", "running", "ready", "failed", "cancelled"]
-JobKind = Literal["inspect_model", "build_calibration", "profile", "conversion", "evaluation"]
+JobKind = Literal["inspect_model", "build_calibration", "profile", "conversion", "evaluation", "finetune"]
 BuiltinName = Literal[tuple(BUILTIN_SETS)]  # type: ignore[valid-type]
 
 
@@ -269,8 +269,66 @@ class AllocationIn(_In):
         return self
 
 
+class Dense2MoEIn(_In):
+    """D2 §2.3 / Eq. 6: layers l*+1…l*+n* lose their attention; their MLPs join layer l* as experts."""
+
+    delta: float = Field(0.1, gt=0, le=2, description="threshold on the MLP-input distance 1 - S_M[l, l+n]")
+    layer: int | None = Field(None, ge=0, description="l*; null: chosen from S_L and S_M")
+    n_fused: int | None = Field(None, ge=1, description="n*: layers after l* fused into it; null: chosen")
+    max_fused: int = Field(8, ge=1, description="cap on n* when it is chosen")
+    own_copies: int = Field(1, ge=1, le=64, description="N copies of layer l*'s MLP")
+    fused_copies: int = Field(1, ge=1, le=64, description="M copies of each fused MLP")
+    top_k: int = Field(2, ge=1, description="experts per token (softmax router)")
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> Dense2MoEIn:
+        if (self.layer is None) != (self.n_fused is None):
+            raise ValueError("give both layer (l*) and n_fused (n*), or neither to let D2 §2.3 choose them")
+        return self
+
+
+class MidasIn(_In):
+    """MI §3.2: one low-rank expert per calibration set (whitened SVD, MI Eqs. 1–2) and a top-k gate."""
+
+    keep_ratio: float = Field(0.25, gt=0, le=1, description="share of each FFN matrix's parameters an expert keeps")
+    top_k: int = Field(2, ge=1, description="experts per token")
+    seed: int = Field(0, ge=0)
+
+
+class HierarchicalIn(_In):
+    """AF §4.4 / Eq. 10: every expert of an MoE model split into shared + routed sub-experts (S·A·E)."""
+
+    n_experts: int = Field(8, ge=1, description="sub-experts per expert, shared included")
+    shared: int = Field(2, ge=0, description="shared sub-experts per expert")
+    active: int = Field(2, ge=0, description="routed sub-experts active per token")
+    samples: int = Field(64, ge=1, le=100000, description="calibration samples")
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _sae(self) -> HierarchicalIn:
+        if self.shared + self.active > self.n_experts:
+            raise ValueError(f"shared + active ({self.shared} + {self.active}) exceeds n_experts ({self.n_experts})")
+        if self.shared + self.active == 0:
+            raise ValueError("shared = active = 0 computes nothing: activate at least one sub-expert")
+        return self
+
+
+ConversionMethod = Literal["expertweaver", "cmoe", "dense2moe", "midas", "hierarchical"]
+
+
 class ConversionCreate(_In):
-    profile_id: str
+    method: ConversionMethod | None = Field(
+        None, description="null: allocation.method (expertweaver or cmoe); dense2moe, midas, hierarchical read their own block"
+    )
+    profile_id: str | None = Field(None, description="the dense model's profile (all methods but hierarchical)")
+    extra_profile_ids: list[str] = Field(
+        default_factory=list, max_length=63, description="midas: profiles of the other calibration sets (same model)"
+    )
+    model_id: str | None = Field(None, description="hierarchical: the registered MoE model")
+    calibration: str | None = Field(
+        None, max_length=200, description="hierarchical: builtin:NAME or the id of a stored calibration set"
+    )
     allocation: AllocationIn = Field(default_factory=AllocationIn)
     router: Literal["paper", "gate_mass"] = Field(
         "paper", description="paper: EW centroid router (Eq. 9) / CMoE representative neurons (Eq. 18); gate_mass: L1 mass of each expert's gate activations"
@@ -278,11 +336,50 @@ class ConversionCreate(_In):
     combine: Literal["sum", "weighted"] = Field("sum", description="EW Eq. 10 / CM Eq. 11: unweighted sum")
     seed: int = Field(0, ge=0)
     max_iter: int = Field(50, ge=1, le=10000, description="balanced k-means iteration cap")
+    dense2moe: Dense2MoEIn = Field(default_factory=Dense2MoEIn)
+    midas: MidasIn = Field(default_factory=MidasIn)
+    hierarchical: HierarchicalIn = Field(default_factory=HierarchicalIn)
+
+    @property
+    def resolved_method(self) -> str:
+        return self.method or self.allocation.method
+
+    @model_validator(mode="after")
+    def _inputs_of_method(self) -> ConversionCreate:
+        m = self.resolved_method
+        if m == "hierarchical":
+            if not self.model_id or not self.calibration:
+                raise ValueError("hierarchical conversion needs model_id (an MoE model) and calibration (e.g. builtin:mixed)")
+            if self.profile_id or self.extra_profile_ids:
+                raise ValueError("hierarchical conversion profiles the MoE model itself: drop profile_id")
+            return self
+        if not self.profile_id:
+            raise ValueError(f"{m} conversion needs profile_id (profile the dense model first)")
+        if m == "midas":
+            if not self.extra_profile_ids:
+                raise ValueError("midas builds one expert per calibration set: give extra_profile_ids (≥ 1 more profile of the same model)")
+            if self.midas.top_k > 1 + len(self.extra_profile_ids):
+                raise ValueError(f"midas top_k ({self.midas.top_k}) exceeds the number of experts ({1 + len(self.extra_profile_ids)})")
+        elif self.extra_profile_ids:
+            raise ValueError(f"{m} reads one profile; only midas takes extra_profile_ids")
+        if m in ("expertweaver", "cmoe") and self.method and self.method != self.allocation.method:
+            raise ValueError(f"method {self.method!r} disagrees with allocation.method {self.allocation.method!r}")
+        return self
+
+    def engine_params(self) -> dict[str, Any]:
+        """The engine's parameters dict for this request (``workers.engine.methods.params_from_dict``)."""
+        m = self.resolved_method
+        if m in ("expertweaver", "cmoe"):
+            return {"allocation": self.allocation.model_dump(), "router": self.router, "combine": self.combine,
+                    "seed": self.seed, "max_iter": self.max_iter}
+        return {"method": m, **getattr(self, m).model_dump()}
 
 
 class ConversionOut(BaseModel):
     id: str
-    profile_id: str
+    method: str = Field(description="expertweaver, cmoe, dense2moe, midas or hierarchical")
+    profile_id: str | None = Field(None, description="the profile it was made from (null for hierarchical)")
+    model_id: str | None = Field(None, description="hierarchical: the MoE model it restructures")
     params: dict[str, Any]
     status: ResourceStatus
     summary: dict[str, Any] | None = Field(None, description="active fraction, static and clamped layers, timings")
@@ -337,6 +434,104 @@ class EvaluationList(BaseModel):
     items: list[EvaluationOut]
     total: int
 
+
+
+# --------------------------------------------------------------------------- recovery fine-tuning
+
+FinetuneMode = Literal["cmoe", "expertweaver", "midas", "dense2moe"]
+
+
+class FinetuneCreate(_In):
+    """Recovery fine-tuning of a ready conversion (``workers.engine.finetune.FinetuneParams``).
+
+    Bounds here catch typos; the engine's ``validate`` makes the checks that need several
+    fields or the conversion (answered 422 with its message).
+    """
+
+    conversion_id: str
+    mode: FinetuneMode | None = Field(
+        None, description="what is trained and how; default: the conversion's method (expertweaver → expertweaver, cmoe → cmoe, "
+        "midas → midas, dense2moe → dense2moe)",
+    )
+    steps: int = Field(200, ge=1, le=100_000, description="optimizer steps")
+    batch_size: int = Field(4, ge=1, le=1024, description="sequences per step")
+    seq_len: int = Field(256, ge=8, le=32768, description="tokens per sequence")
+    lr: float = Field(5e-4, gt=0, le=1, description="learning rate of the LoRA adapters (CM §4 uses 5.95e-5 on 7B models)")
+    router_lr: float = Field(1e-3, gt=0, le=1, description="learning rate of the router: scale u (cmoe, CM §4: 1e-3) or router weights")
+    lora_rank: int = Field(8, ge=0, le=4096, description="LoRA rank r (CM §4: 8); 0: no adapters (expertweaver trains its routers only)")
+    lora_alpha: float = Field(32.0, gt=0, le=1e6, description="LoRA alpha (CM §4: 32)")
+    lb_coef: float = Field(0.01, ge=0, le=100, description="λ of the load-balancing loss L_NTP + λ·L_LB (EW Eq. 12); not used by cmoe")
+    bias_step: float = Field(1e-3, ge=0, le=1, description="γ: per-step update of the routing bias b (CM §3.3, AF Eq. 9; cmoe only)")
+    checkpoint_every: int = Field(50, ge=1, le=100_000, description="steps between checkpoints (a cancelled run resumes from the latest)")
+    source: str = Field(
+        "builtin:mixed", min_length=1, max_length=200,
+        description="training text: builtin:NAME (its calibration split) or the id of a stored calibration set",
+    )
+    eval_source: str | None = Field(
+        None, min_length=1, max_length=200,
+        description="held-out text for perplexity before / after / dense: builtin:NAME (its held-out split); default: source, "
+        "which must then be a built-in",
+    )
+    eval_windows: int = Field(16, ge=1, le=4096, description="held-out windows for perplexity before / after / dense")
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _known_builtin(self) -> FinetuneCreate:
+        for name in ("source", "eval_source"):
+            value = getattr(self, name)
+            if value is not None and value.startswith("builtin:") and value[len("builtin:"):] not in BUILTIN_SETS:
+                raise ValueError(f"{name}: unknown built-in set {value!r}; use one of: " + ", ".join(f"builtin:{n}" for n in BUILTIN_SETS))
+        if self.eval_source is not None and not self.eval_source.startswith("builtin:"):
+            raise ValueError(f"eval_source {self.eval_source!r}: perplexity needs a held-out split, which only built-in sets have; "
+                             "use builtin:NAME")
+        return self
+
+
+class FinetuneOut(BaseModel):
+    id: str
+    conversion_id: str = Field(description="the conversion being fine-tuned")
+    params: dict[str, Any] = Field(description="the engine's parameters (mode resolved)")
+    status: ResourceStatus
+    summary: dict[str, Any] | None = Field(
+        None, description="perplexity before / after / dense, steps, tokens, seconds, result_conversion_id"
+    )
+    result_conversion_id: str | None = Field(None, description="the fine-tuned model as a conversion (evaluate it like any other)")
+    job_id: str | None
+    job: JobOut | None = None
+    created_at: datetime
+
+
+class FinetuneList(BaseModel):
+    items: list[FinetuneOut]
+    total: int
+
+
+class TrainStep(BaseModel):
+    step: int
+    loss: float | None = Field(None, description="total loss L_NTP + λ·L_LB (EW Eq. 12)")
+    ntp_loss: float | None = Field(None, description="next-token prediction loss")
+    aux_loss: float | None = Field(None, description="load-balancing loss L_LB (EW Eq. 12); null when the routers have no probabilities")
+    load_cv: float | None = Field(None, description="mean over layers of the step's expert-load CV (MI Eq. 7)")
+    lr: float | None = None
+    tokens: int | None = Field(None, description="training tokens seen so far")
+    elapsed_s: float | None = None
+
+
+class TrainLog(BaseModel):
+    finetune_id: str
+    state: JobState | None = Field(None, description="state of the fine-tune's latest job")
+    status: str | None = Field(None, description="the trainer's own status in its log; null before it wrote one")
+    mode: str | None = None
+    total_steps: int = Field(description="steps asked for")
+    n_steps: int = Field(description="steps logged so far (across resumed runs)")
+    steps: list[TrainStep] = Field(description="logged steps in order; bucket means of consecutive steps when aggregated")
+    aggregated: bool = Field(description="True when more than max_points steps were logged and buckets were averaged")
+    resumed_at: list[int] = Field(default_factory=list, description="steps a re-run resumed from (its checkpoints)")
+    perplexity_before: float | None = Field(None, description="the conversion as it was")
+    perplexity_start: float | None = Field(None, description="where training starts (differs when the mode re-parameterises the routers)")
+    perplexity_after: float | None = None
+    dense_perplexity: float | None = Field(None, description="the dense model on the same held-out windows")
+    result_conversion_id: str | None = None
 
 # --------------------------------------------------------------------------- artifacts
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .db import CalibrationSet, Conversion, Evaluation, Job, Model, Profile, utcnow
+from .db import CalibrationSet, Conversion, Evaluation, Finetune, Job, Model, Profile, utcnow
 from .schemas import (
     CalibrationSetOut,
     ConversionOut,
     EvaluationOut,
+    FinetuneOut,
     JobOut,
     ModelOut,
     ProfileOut,
@@ -64,8 +65,18 @@ def profile_out(row: Profile) -> ProfileOut:
 
 
 def conversion_out(row: Conversion, layers: list[dict[str, Any]] | None = None) -> ConversionOut:
-    return ConversionOut(**_common(row), profile_id=row.profile_id, summary=row.summary, layers=layers)
+    from workers.engine.methods import method_of
+
+    return ConversionOut(
+        **_common(row), method=method_of(row.params or {}), profile_id=row.profile_id, model_id=row.model_id,
+        summary=row.summary, layers=layers,
+    )
 
 
 def evaluation_out(row: Evaluation) -> EvaluationOut:
     return EvaluationOut(**_common(row), conversion_id=row.conversion_id, summary=row.summary)
+
+
+def finetune_out(row: Finetune) -> FinetuneOut:
+    return FinetuneOut(**_common(row), conversion_id=row.conversion_id, summary=row.summary,
+                       result_conversion_id=row.result_conversion_id)

@@ -115,8 +115,13 @@ class ApiClient:
     def conversion(self, conversion_id: str) -> dict[str, Any]:
         return self.get(f"/conversions/{conversion_id}")
 
-    def create_conversion(self, profile_id: str, allocation: dict[str, Any], router: str = "paper") -> dict[str, Any]:
-        return self.post("/conversions", {"profile_id": profile_id, "allocation": allocation, "router": router})
+    def create_conversion(self, profile_id: str | None = None, allocation: dict[str, Any] | None = None,
+                          router: str = "paper", **body: Any) -> dict[str, Any]:
+        """EW / CMoE from ``allocation``; other methods pass ``method=`` and their block (see the API)."""
+        payload = {"profile_id": profile_id, "router": router, **body}
+        if allocation is not None:
+            payload["allocation"] = allocation
+        return self.post("/conversions", {k: v for k, v in payload.items() if v is not None})
 
     def evaluations(self, conversion_id: str | None = None) -> list[dict[str, Any]]:
         return self.get("/evaluations", conversion_id=conversion_id)["items"]
@@ -138,6 +143,23 @@ class ApiClient:
 
     def cancel_job(self, job_id: str) -> Any:
         return self.request("DELETE", f"/jobs/{job_id}")
+
+    def retry_job(self, job_id: str) -> dict[str, Any]:
+        """Re-run a failed or cancelled job (a fine-tune resumes from its latest checkpoint)."""
+        return self.request("POST", f"/jobs/{job_id}/retry")
+
+    def finetunes(self, conversion_id: str | None = None) -> list[dict[str, Any]]:
+        return self.get("/finetunes", conversion_id=conversion_id)["items"]
+
+    def finetune(self, finetune_id: str) -> dict[str, Any]:
+        return self.get(f"/finetunes/{finetune_id}")
+
+    def create_finetune(self, conversion_id: str, **params: Any) -> dict[str, Any]:
+        """``params``: mode, steps, batch_size, seq_len, lr, lora_rank, lb_coef, bias_step … (None: the API default)."""
+        return self.post("/finetunes", {"conversion_id": conversion_id, **{k: v for k, v in params.items() if v is not None}})
+
+    def finetune_log(self, finetune_id: str, max_points: int | None = None) -> dict[str, Any]:
+        return self.get(f"/finetunes/{finetune_id}/log", max_points=max_points)
 
     # ------------------------------------------------------------------ charts
 

@@ -14,7 +14,7 @@ from dash import Dash, dcc, html
 from moelab.settings import get_settings
 
 NAV = [("Workspace", "/"), ("Calibration sets", "/calibration"), ("Neuron explorer", "/neurons"),
-       ("Layer similarity", "/layers"), ("Conversion designer", "/designer"), ("Routing explorer", "/routing"),
+       ("Layer similarity", "/layers"), ("Conversion designer", "/designer"), ("Fine-tune", "/finetune"), ("Routing explorer", "/routing"),
        ("Compare conversions", "/compare")]
 
 

@@ -289,6 +289,47 @@ def compare_active(plans: dict[str, list[dict[str, Any]]]) -> go.Figure:
     return _layout(fig, "Active share of FFN neurons per layer", None, xaxis_title="layer", yaxis_title="active fraction")
 
 
+# --------------------------------------------------------------------------- recovery fine-tuning
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, (int, float)) else "?"
+
+
+def finetune_summary_text(log: dict[str, Any]) -> str | None:
+    """'perplexity 41.2 → 18.3 (dense 12.0)' once the trainer measured it; None before."""
+    before, after, dense = log.get("perplexity_before"), log.get("perplexity_after"), log.get("dense_perplexity")
+    if before is None and after is None:
+        return None
+    text = f"perplexity {_fmt(before)} → {_fmt(after) if after is not None else '…'}"
+    return text + (f" (dense {_fmt(dense)})" if dense is not None else "")
+
+
+def finetune_loss(log: dict[str, Any]) -> go.Figure:
+    """Training curve of a fine-tune (the ``/finetunes/{id}/log`` payload): total loss
+    L_NTP + λ·L_LB (EW Eq. 12) and next-token loss on the left axis, the load-balancing loss
+    L_LB on the right one (its scale differs by orders of magnitude)."""
+    steps = log.get("steps") or []
+    if not steps:
+        state = log.get("state") or "queued"
+        return message_figure(f"no training step logged yet (job {state})")
+    x = [s["step"] for s in steps]
+    traces = [go.Scatter(x=x, y=[s.get("loss") for s in steps], mode="lines+markers", name="loss (total)")]
+    if any(s.get("ntp_loss") is not None and s.get("ntp_loss") != s.get("loss") for s in steps):
+        traces.append(go.Scatter(x=x, y=[s.get("ntp_loss") for s in steps], mode="lines", name="next-token loss", line={"dash": "dot"}))
+    if any(s.get("aux_loss") is not None for s in steps):
+        traces.append(go.Scatter(x=x, y=[s.get("aux_loss") for s in steps], mode="lines", name="aux loss L_LB", yaxis="y2"))
+    notes = [f"{log.get('n_steps', len(steps))}/{log.get('total_steps', '?')} steps"]
+    if log.get("aggregated"):
+        notes.append("points are bucket means of consecutive steps (aggregated server-side)")
+    if summary := finetune_summary_text(log):
+        notes.append(summary)
+    fig = _layout(go.Figure(traces), f"Fine-tuning loss ({log.get('mode') or '?'})", "; ".join(notes),
+                  xaxis_title="step", yaxis_title="loss", legend={"orientation": "h", "y": -0.2})
+    fig.update_layout(yaxis2={"title": "aux loss", "overlaying": "y", "side": "right", "showgrid": False})
+    return fig
+
+
 # --------------------------------------------------------------------------- CSV rows of each figure's data
 
 
@@ -326,6 +367,8 @@ def table(kind: str, data: dict[str, Any], **kw: Any) -> list[dict[str, Any]]:
                 for e, v in enumerate(data["share"][s][li]):
                     out.append({"set": name, "layer": layer, "expert": e, "share": v, "load_cv": data["load_cv"][s][li]})
         return out
+    if kind == "finetune-log":
+        return [{k: st.get(k) for k in ("step", "loss", "ntp_loss", "aux_loss", "lr", "tokens", "elapsed_s")} for st in data["steps"]]
     raise ValueError(f"no table for {kind!r}")
 
 

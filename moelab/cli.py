@@ -157,55 +157,113 @@ def _print_profile_summary(stored: Any) -> None:
 
 
 @main.command()
-@click.option("--profile", "profile_dir", type=click.Path(path_type=Path), required=True, help="profile directory (moelab profile)")
-@click.option("--method", type=click.Choice(["expertweaver", "cmoe"]), default="expertweaver", show_default=True)
-@click.option("--experts", type=int, default=64, show_default=True, help="experts per layer (N_e / E), shared included")
+@click.option("--method", type=click.Choice(["expertweaver", "cmoe", "dense2moe", "midas", "hierarchical"]), default="expertweaver", show_default=True)
+@click.option("--profile", "profile_dirs", type=click.Path(path_type=Path), multiple=True, help="profile directory (moelab profile); midas: one per calibration set, repeat the option")
+@click.option("--model", "model_source", help="hierarchical: the MoE model to restructure (a local directory or hub id)")
+@click.option("--calib", help="hierarchical: calibration set spec, e.g. builtin:mixed")
+@click.option("--experts", type=int, default=64, show_default=True, help="experts per layer (N_e / E), shared included; hierarchical: sub-experts per expert")
 @click.option("--alpha-min", type=float, default=0.2, show_default=True, help="EW Eq. 5")
 @click.option("--alpha-max", type=float, default=0.7, show_default=True, help="EW Eq. 5")
 @click.option("--tau", type=float, default=0.6, show_default=True, help="EW Eq. 4 CV threshold")
 @click.option("--sparsity", type=float, default=0.25, show_default=True, help="fraction of FFN neurons NOT computed per token")
 @click.option("--alpha-basis", type=click.Choice(["total", "active"]), default="total", show_default=True, help="alpha as a share of all neurons (EW Eq. 6) or of the active budget")
-@click.option("--shared", type=int, default=1, show_default=True, help="CMoE S: shared experts")
-@click.option("--active", type=int, default=1, show_default=True, help="CMoE A: routed experts active per token")
+@click.option("--shared", type=int, default=1, show_default=True, help="CMoE / hierarchical S: shared (sub-)experts")
+@click.option("--active", type=int, default=1, show_default=True, help="CMoE / hierarchical A: routed (sub-)experts active per token")
 @click.option("--router", type=click.Choice(["paper", "gate_mass"]), default="paper", show_default=True, help="paper: EW centroid (Eq. 9) / CMoE representative (Eq. 18); gate_mass: L1 mass of each expert's gate activations")
 @click.option("--combine", type=click.Choice(["sum", "weighted"]), default="sum", show_default=True)
+@click.option("--delta", type=float, default=0.1, show_default=True, help="dense2moe: D2 §2.3 threshold on the MLP-input distance 1 - S_M")
+@click.option("--fuse-layer", type=int, default=None, help="dense2moe: l* (default: chosen from S_L and S_M)")
+@click.option("--fuse-count", type=int, default=None, help="dense2moe: n*, the layers after l* fused into it")
+@click.option("--own-copies", type=int, default=1, show_default=True, help="dense2moe: N copies of layer l*'s MLP (D2 Eq. 6)")
+@click.option("--fused-copies", type=int, default=1, show_default=True, help="dense2moe: M copies of each fused MLP (D2 Eq. 6)")
+@click.option("--keep-ratio", type=float, default=0.25, show_default=True, help="midas: share of each FFN matrix's parameters an expert keeps (MI §4.1)")
+@click.option("--top-k", type=int, default=2, show_default=True, help="dense2moe / midas: experts per token")
+@click.option("--samples", type=int, default=64, show_default=True, help="hierarchical: calibration samples")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--max-iter", type=click.IntRange(min=1), default=50, show_default=True, help="balanced k-means iteration cap")
 @click.option("--out", type=click.Path(path_type=Path), required=True)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--quiet", is_flag=True)
 def convert(
-    profile_dir: Path, method: str, experts: int, alpha_min: float, alpha_max: float, tau: float, sparsity: float,
-    alpha_basis: str, shared: int, active: int, router: str, combine: str, seed: int, max_iter: int, out: Path,
+    method: str, profile_dirs: tuple[Path, ...], model_source: str | None, calib: str | None, experts: int,
+    alpha_min: float, alpha_max: float, tau: float, sparsity: float, alpha_basis: str, shared: int, active: int,
+    router: str, combine: str, delta: float, fuse_layer: int | None, fuse_count: int | None, own_copies: int,
+    fused_copies: int, keep_ratio: float, top_k: int, samples: int, seed: int, max_iter: int, out: Path,
     as_json: bool, quiet: bool,
 ) -> None:
-    """Convert a profiled dense model into an MoE model (training-free) and export it."""
-    from workers.engine.allocation import AllocationParams
-    from workers.engine.conversion import ConversionParams
+    """Convert a model into an MoE model and export it.
+
+    \b
+    expertweaver, cmoe  neuron partitioning of a profiled dense model (training-free)
+    dense2moe           layer-fusion upcycling from the profile's S_L / S_M (D2 §2.3)
+    midas               one low-rank expert per calibration set: one --profile per set (MI §3.2)
+    hierarchical        shared + routed sub-experts inside every expert of an MoE model (AF §4.4)
+    """
+    from workers.engine.methods import params_from_dict
     from workers.engine.runs import run_conversion
 
     cfg = get_settings()
     _quiet_transformers()
-    params = ConversionParams(
-        allocation=AllocationParams(
-            method=method, n_experts=experts, alpha_min=alpha_min, alpha_max=alpha_max, tau=tau,
-            sparsity=sparsity, alpha_basis=alpha_basis, shared=shared, active=active,
-        ),
-        router=router, combine=combine, seed=seed, max_iter=max_iter,
+    if method == "hierarchical":
+        if profile_dirs:
+            raise click.UsageError("hierarchical conversion profiles the MoE model itself: give --model and --calib, not --profile")
+        if not model_source or not calib:
+            raise click.UsageError("hierarchical conversion needs --model (an MoE model) and --calib (e.g. builtin:mixed)")
+    elif not profile_dirs:
+        raise click.UsageError(f"{method} needs --profile (run `moelab profile` first)")
+    elif method == "midas" and len(profile_dirs) < 2:
+        raise click.UsageError("midas builds one expert per calibration set: give --profile once per set (at least 2)")
+    elif method != "midas" and len(profile_dirs) > 1:
+        raise click.UsageError(f"{method} reads one profile; only midas takes several")
+    given = dict(
+        method=method, n_experts=experts, shared=shared, active=active, delta=delta, layer=fuse_layer,
+        n_fused=fuse_count, own_copies=own_copies, fused_copies=fused_copies, keep_ratio=keep_ratio, top_k=top_k,
+        samples=samples, seed=seed,
     )
+    if method in ("expertweaver", "cmoe"):
+        given = dict(
+            allocation=dict(
+                method=method, n_experts=experts, alpha_min=alpha_min, alpha_max=alpha_max, tau=tau,
+                sparsity=sparsity, alpha_basis=alpha_basis, shared=shared, active=active,
+            ),
+            router=router, combine=combine, seed=seed, max_iter=max_iter,
+        )
     with _progress(quiet) as progress:
+        params = params_from_dict(_known_fields(method, given))
         record = run_conversion(
-            profile_dir, params, out, data_dir=cfg.data_dir, device=cfg.device,
-            trust_remote_code=cfg.trust_remote_code, progress=progress,
+            profile_dirs[0] if profile_dirs else None, params, out, data_dir=cfg.data_dir, device=cfg.device,
+            trust_remote_code=cfg.trust_remote_code, progress=progress, extra_profiles=profile_dirs[1:],
+            model=model_source, calib=calib,
         )
     if as_json:
         click.echo(json.dumps(record, indent=2))
         return
     s = record["summary"]
-    click.echo(
-        f"converted model written to {out} ({method}, router {router}): "
-        f"{100 * s['active_fraction']:.1f}% of FFN neurons active, {record['timings']['total_s']:.1f}s"
-    )
+    sizes = ""
+    if s.get("total_params"):
+        sizes = f", {s['active_params'] / 1e6:.1f}M of {s['total_params'] / 1e6:.1f}M parameters active per token"
+    click.echo(f"converted model written to {out} ({method}){sizes}, {record['timings']['total_s']:.1f}s")
+    if method in ("expertweaver", "cmoe"):
+        _print_partition(record)
+    else:
+        for key, value in s.items():
+            if not isinstance(value, (dict, list)):
+                click.echo(f"  {key}: {value}")
+
+
+def _known_fields(method: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The options a method's parameters class reads (the CLI has one flat option set)."""
+    import dataclasses
+
+    from workers.engine.methods import params_class
+
+    names = {f.name for f in dataclasses.fields(params_class(method))}
+    return {k: v for k, v in given.items() if k in names}
+
+
+def _print_partition(record: dict[str, Any]) -> None:
+    s = record["summary"]
+    click.echo(f"  {100 * s['active_fraction']:.1f}% of FFN neurons active")
     click.echo("  layer  shared  routed  top-k  expert  objective  iters")
     for row in record["layers"]:
         obj = "-" if row["objective"] is None else f"{row['objective']:.4g}"

@@ -153,3 +153,67 @@ def test_convert_unknown_profile_and_evaluate_non_conversion(tmp_path, data_dir)
     assert proc.returncode == 1 and "no such profile" in proc.stderr
     proc = moelab("evaluate", str(tmp_path), data_dir=data_dir, check=False)
     assert proc.returncode == 1 and "moelab convert" in proc.stderr
+
+
+def _convert_and_evaluate(tmp_path, data_dir, *args: str) -> tuple[dict, dict]:
+    out = tmp_path / "c"
+    record = json.loads(moelab("convert", *args, "--out", str(out), "--json", "--quiet", data_dir=data_dir).stdout)
+    report = json.loads(moelab("evaluate", str(out), "--windows", "2", "--seq-len", "32", "--json", data_dir=data_dir).stdout)
+    return record, report
+
+
+def test_convert_dense2moe_fuses_layers_and_evaluates(tmp_path, tiny_profile, data_dir):
+    record, report = _convert_and_evaluate(
+        tmp_path, data_dir, "--method", "dense2moe", "--profile", str(tiny_profile), "--fuse-layer", "0", "--fuse-count", "1",
+        "--top-k", "1",
+    )
+    s = record["summary"]
+    assert s["method"] == "dense2moe" and s["n_layers"] == 2  # 3 layers, one fused away
+    assert s["total_params"] > s["active_params"] and s["active_params"] < s["dense_active_params"]
+    assert report["method"] == "dense2moe" and set(report["results"]) == {"dense", "converted"}
+    assert report["results"]["converted"]["routing"]["load_cv"]  # the fused layer's router was recorded
+
+
+def test_convert_midas_from_two_profiles(tmp_path, tiny_profile, tiny_model, data_dir):
+    other = tmp_path / "p-code"
+    moelab("profile", "--model", str(tiny_model("llama")), "--calib", "builtin:code", "--samples", "12",
+           "--max-tokens", "32", "--out", str(other), "--quiet", data_dir=data_dir)
+    record, report = _convert_and_evaluate(
+        tmp_path, data_dir, "--method", "midas", "--profile", str(tiny_profile), "--profile", str(other),
+        "--keep-ratio", "0.5", "--top-k", "1",
+    )
+    assert record["summary"]["method"] == "midas" and len(record["profiles"]) == 2
+    assert set(report["load_cv_by_set"]) == {"builtin:mixed", "builtin:code"}
+    for per_set in report["load_cv_by_set"].values():
+        assert len(per_set["load_cv"]) == 3  # every layer routed
+
+
+def test_convert_hierarchical_needs_an_moe_model(tmp_path, tiny_profile, tiny_model, data_dir):
+    proc = moelab("convert", "--method", "hierarchical", "--model", str(tiny_model("llama")), "--calib", "builtin:mixed",
+                  "--samples", "4", "--out", str(tmp_path / "h"), "--quiet", data_dir=data_dir, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and not (tmp_path / "h").exists()
+    proc = moelab("convert", "--method", "midas", "--profile", str(tiny_profile), "--out", str(tmp_path / "m"),
+                  data_dir=data_dir, check=False)
+    assert proc.returncode != 0 and "at least 2" in proc.stderr
+
+
+def test_convert_hierarchical_tiny_mixtral_and_evaluate(tmp_path, default_model_dir, data_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    config = MixtralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                           num_experts_per_tok=2, max_position_embeddings=512, initializer_range=0.1,
+                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    torch.manual_seed(0)
+    src = tmp_path / "mixtral"
+    AutoModelForCausalLM.from_config(config).save_pretrained(src)
+    tok.save_pretrained(src)
+    record, report = _convert_and_evaluate(
+        tmp_path, data_dir, "--method", "hierarchical", "--model", str(src), "--calib", "builtin:mixed", "--samples", "6",
+        "--experts", "8", "--shared", "2", "--active", "2",
+    )
+    assert record["summary"]["method"] == "hierarchical" and record["summary"]["active_params"] < record["summary"]["dense_active_params"]
+    assert report["results"]["converted"]["perplexity"] > 0 and report["results"]["dense"]["perplexity"] > 0
+    assert report["results"]["converted"]["routing"]["load_cv"]

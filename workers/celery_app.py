@@ -8,7 +8,7 @@ Rules (see "Lessons from the peers" in PRODUCT.md):
 * The broker's ``visibility_timeout`` is above the longest job, so Redis does not hand a
   running job to a second worker.
 * No result backend: tasks return nothing; outputs are artifacts, state is the SQL job row.
-* Queues: ``gpu`` for model work (profile, convert, evaluate), ``cpu`` for light work
+* Queues: ``gpu`` for model work (profile, convert, evaluate, fine-tune), ``cpu`` for light work
   (inspect a model, build a calibration set). Task id = job id.
 * Pool ``solo`` (default) or ``threads``: never forked children, which cannot use CUDA.
 
@@ -33,6 +33,7 @@ TASKS: dict[str, tuple[str, str]] = {
     "profile": ("moelab.profile", GPU_QUEUE),
     "conversion": ("moelab.convert", GPU_QUEUE),
     "evaluation": ("moelab.evaluate", GPU_QUEUE),
+    "finetune": ("moelab.finetune", GPU_QUEUE),
 }
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -7,14 +7,17 @@ path through the engine's atomic directory rename, replacing the previous one wh
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 from celery import signals
 
 from backend import jobs
-from backend.db import Model, Profile
+from backend.db import Conversion, Model, Profile
 from workers import liveness, model_cache
 from workers.celery_app import TASKS, app, broker_url
 from workers.engine.atomic import atomic_directory, write_json_atomic
@@ -37,15 +40,39 @@ def _trust(ctx: JobContext, model: Model) -> bool:
 
 def inspect_model(ctx: JobContext) -> Outcome:
     """Load the model once and describe its layers (the API never loads models itself)."""
+    from workers.engine.models import ModelError
+
     model = ctx.resource()
     s = ctx.settings
-    with model_cache.job_models(give_back=True):
-        adapter = model_cache.cached_load_model(
-            model.source, data_dir=s.data_dir, device=s.device, dtype=s.dtype,
-            trust_remote_code=_trust(ctx, model), progress=ctx.progress,
-        )
-        info = adapter.describe()
+    try:
+        with model_cache.job_models(give_back=True):
+            adapter = model_cache.cached_load_model(
+                model.source, data_dir=s.data_dir, device=s.device, dtype=s.dtype,
+                trust_remote_code=_trust(ctx, model), progress=ctx.progress,
+            )
+            info = {"kind": "dense", **adapter.describe()}
+    except ModelError as dense_error:  # not a dense GLU model: an MoE one is fine for hierarchical conversion
+        info = _describe_moe(model.source, s.device, _trust(ctx, model), dense_error)
     return Outcome(summary=info)
+
+
+def _describe_moe(source: str, device: str, trust: bool, dense_error: Exception) -> dict[str, Any]:
+    from workers.engine.conversion import ConversionError
+    from workers.engine.hierarchical import load_moe_model, sparse_moe_layers
+
+    try:
+        hf, _ = load_moe_model(source, device=device, trust_remote_code=trust)
+        layers = sparse_moe_layers(hf)
+    except ConversionError:
+        raise dense_error from None  # neither dense GLU nor a supported MoE: the dense message says what is supported
+    cfg = hf.config
+    return {
+        "kind": "moe", "family": cfg.model_type, "n_layers": int(cfg.num_hidden_layers), "d_model": int(cfg.hidden_size),
+        "moe_layers": [lay.index for lay in layers], "num_experts": layers[0].num_experts,
+        "experts_per_token": layers[0].experts_per_token, "d_expert_ffn": layers[0].d_ffn,
+        "n_params": int(sum(p.numel() for p in hf.parameters())),
+        "note": "an MoE model: convert it with the hierarchical method (AF §4.4)",
+    }
 
 
 def build_calibration(ctx: JobContext) -> Outcome:
@@ -96,21 +123,34 @@ def profile(ctx: JobContext) -> Outcome:
 
 
 def convert(ctx: JobContext) -> Outcome:
-    from workers.engine.conversion import ConversionParams
+    from workers.engine.methods import params_from_dict
     from workers.engine.runs import run_conversion
 
     row = ctx.resource()
-    prof = ctx.row(Profile, row.profile_id)
-    model = ctx.row(Model, prof.model_id)
-    params = ConversionParams.from_dict(dict(row.params))
+    inputs = dict(row.params)
+    extra_ids = inputs.pop("extra_profile_ids", [])
+    calib = inputs.pop("calibration", None)
+    params = params_from_dict(inputs)
+    if row.profile_id is None:  # hierarchical: an MoE model and a calibration set
+        model = ctx.row(Model, row.model_id)
+        profile_dir, source = None, model.source
+        if calib and not calib.startswith("builtin:"):
+            calib = str(ctx.store.path("calibration-sets", calib))
+    else:
+        prof = ctx.row(Profile, row.profile_id)
+        model = ctx.row(Model, prof.model_id)
+        profile_dir, source = ctx.store.path("profiles", prof.id), None
     with model_cache.job_models(give_back=False):  # conversion rewrites the loaded model in place
         record = run_conversion(
-            ctx.store.path("profiles", prof.id), params, ctx.store.path("conversions", row.id),
+            profile_dir, params, ctx.store.path("conversions", row.id),
             data_dir=ctx.settings.data_dir, device=ctx.settings.device, trust_remote_code=_trust(ctx, model),
             progress=ctx.progress, loader=model_cache.cached_load_model,
+            extra_profiles=[ctx.store.path("profiles", pid) for pid in extra_ids], model=source, calib=calib,
         )
     notes = [{"layer": r["layer"], "note": r["note"]} for r in record.get("layers", []) if r.get("note")]
-    return Outcome(summary={**record["summary"], "notes": notes}, timings=record.get("timings"))
+    from backend.charts import jsonable
+
+    return Outcome(summary=jsonable({**record["summary"], "notes": notes}), timings=record.get("timings"))
 
 
 def _mean(values: Any) -> float | None:
@@ -149,6 +189,54 @@ def evaluate(ctx: JobContext) -> Outcome:
     return Outcome(summary=jsonable({"variants": variants, "heldout": report["heldout"]}), timings=report.get("timings"))
 
 
+def finetune(ctx: JobContext) -> Outcome:
+    """Fine-tune a conversion in a work dir that outlives the job (a re-run resumes from its latest
+    checkpoint), then publish the fine-tuned model as a new conversion of the same profile."""
+    from workers.engine.finetune import MODEL_DIR, FinetuneParams, run_finetune
+
+    row = ctx.resource()
+    parent = ctx.row(Conversion, row.conversion_id)
+    p = dict(row.params)
+    if not p["source"].startswith("builtin:"):
+        p["source"] = str(ctx.store.path("calibration-sets", p["source"]))
+    work = ctx.store.path("finetunes", row.id)
+    work.mkdir(parents=True, exist_ok=True)  # never atomic_directory: that would replace the checkpoints
+    with model_cache.job_models(give_back=False):  # what a training run loads may be changed in place: never reuse it
+        summary = run_finetune(
+            ctx.store.path("conversions", parent.id), FinetuneParams.from_dict(p), work, data_dir=ctx.settings.data_dir,
+            device=ctx.settings.device, progress=ctx.progress, loader=model_cache.cached_load_model,
+        )
+    result_id = _publish_finetuned(ctx, row, parent, work / MODEL_DIR, summary)
+    from backend.charts import jsonable
+
+    # server paths (the model dir, which moved; a calibration set's dir) stay out of the API's summary
+    public = {k: v for k, v in summary.items() if k not in ("model", "conversion", "params")}
+    return Outcome(summary=jsonable({**public, "conversion_id": parent.id, "result_conversion_id": result_id}),
+                   fields={"result_conversion_id": result_id})
+
+
+def _publish_finetuned(ctx: JobContext, row: Any, parent: Any, model_dir: Path, summary: dict[str, Any]) -> str:
+    """Move the exported model into the conversions store and record it as a conversion.
+
+    The new row shares the fine-tune's job, so it turns ready exactly when that job succeeds
+    (and shows the job's failure if the job is lost before it records its success).
+    """
+    from backend.charts import jsonable
+    from workers.engine.export import CONVERSION_FILE
+
+    record = json.loads((model_dir / CONVERSION_FILE).read_text())
+    result_id = jobs.new_id("conv")
+    os.replace(model_dir, ctx.store.path("conversions", result_id))  # same file system: one rename
+    lineage = {"finetune_of": parent.id, "finetune_id": row.id}
+    ppl = {k: summary.get(k) for k in ("perplexity_before", "perplexity_after", "dense_perplexity") if k in summary}
+    with ctx.db.session() as session:
+        session.add(Conversion(
+            id=result_id, profile_id=parent.profile_id, params={**(parent.params or {}), **lineage},
+            summary=jsonable({**(record.get("summary") or {}), **lineage, **ppl}), job_id=ctx.job_id,
+        ))
+    return result_id
+
+
 # --------------------------------------------------------------------------- tasks
 
 
@@ -168,6 +256,7 @@ build_calibration_task = _task("build_calibration", build_calibration)
 profile_task = _task("profile", profile)
 convert_task = _task("conversion", convert)
 evaluate_task = _task("evaluation", evaluate)
+finetune_task = _task("finetune", finetune)
 
 
 # --------------------------------------------------------------------------- worker lifecycle

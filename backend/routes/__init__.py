@@ -9,6 +9,7 @@ from . import (
     charts,
     conversions,
     evaluations,
+    finetunes,
     health,
     jobs,
     models,
@@ -18,6 +19,6 @@ from . import (
 
 def api_router() -> APIRouter:
     router = APIRouter(prefix="/api/v1", dependencies=[Depends(require_token)])
-    for module in (health, models, calibration_sets, profiles, conversions, evaluations, jobs, artifacts, charts):
+    for module in (health, models, calibration_sets, profiles, conversions, evaluations, finetunes, jobs, artifacts, charts):
         router.include_router(module.router)
     return router

@@ -11,7 +11,7 @@ from fastapi.responses import FileResponse
 from sqlalchemy import select
 
 from ..artifacts import KINDS, ArtifactMissing
-from ..db import CalibrationSet, Conversion, Evaluation, Job, Profile
+from ..db import CalibrationSet, Conversion, Evaluation, Finetune, Job, Profile
 from ..deps import SessionDep, StoreDep
 from ..errors import ApiError
 from ..jobs import new_id
@@ -19,8 +19,9 @@ from ..schemas import ArtifactFile, ArtifactList, ArtifactOut, ArtifactSummary
 
 router = APIRouter(prefix="/artifacts", tags=["artifacts"])
 
-Kind = Literal["calibration-sets", "profiles", "conversions", "evaluations"]
-TABLES = {"calibration-sets": CalibrationSet, "profiles": Profile, "conversions": Conversion, "evaluations": Evaluation}
+Kind = Literal["calibration-sets", "profiles", "conversions", "evaluations", "finetunes"]
+TABLES = {"calibration-sets": CalibrationSet, "profiles": Profile, "conversions": Conversion, "evaluations": Evaluation,
+          "finetunes": Finetune}
 assert tuple(TABLES) == KINDS
 
 

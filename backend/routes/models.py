@@ -91,6 +91,9 @@ def model_layers(model_id: str, session: SessionDep) -> ModelLayers:
         state = job.state if job else "unknown"
         reason = f": {job.error}" if job is not None and job.error else ""
         raise ApiError(409, f"model {model_id} is not inspected yet (job {row.job_id} {state}{reason}); poll GET /api/v1/jobs/{row.job_id}")
+    if info.get("kind") == "moe":
+        raise ApiError(409, f"model {model_id} is a Mixture-of-Experts model ({info.get('family')}, {info.get('num_experts')} experts "
+                            "per layer): it has no dense GLU layers; convert it with method 'hierarchical'")
     return ModelLayers(
         model_id=row.id, family=info["family"], tested_family=info["tested_family"], activation=info["activation"],
         n_layers=info["n_layers"], d_model=info["d_model"], fused_gate_up=info["fused_gate_up"],

@@ -23,6 +23,9 @@ def create_profile(body: ProfileCreate, session: SessionDep, queue: QueueDep) ->
     if model.job is not None and model.job.state in ("failed", "cancelled"):
         raise ApiError(409, f"model {model.id} could not be loaded (job {model.job.id} {model.job.state}: {model.job.error}); fix the source and register it again")
     require_ready(cset, "calibration set")
+    if (model.summary or {}).get("kind") == "moe":
+        raise ApiError(422, f"model {model.id} is a Mixture-of-Experts model: profiling reads dense GLU layers; "
+                            "convert it with method 'hierarchical' (it profiles its experts itself)")
     n = (cset.summary or {}).get("n_samples")
     if body.samples is not None and n is not None and body.samples > n:
         raise ApiError(422, f"samples: the set {cset.id} has {n} samples, cannot draw {body.samples}; ask for at most {n}")

@@ -12,7 +12,7 @@ from sqlalchemy import create_engine, inspect, text
 
 from backend import jobs
 from backend.artifacts import ArtifactMissing, ArtifactStore
-from backend.db import Database, Job, Model, migrate, utcnow
+from backend.db import CalibrationSet, Database, Job, Model, Profile, migrate, utcnow
 from workers.model_cache import ModelCache
 
 
@@ -66,7 +66,43 @@ def test_migration_adds_missing_columns(tmp_path):
     assert {"summary", "trust_remote_code"} <= cols and "jobs" in inspect(engine).get_table_names()
     with engine.connect() as conn:
         assert conn.execute(text("SELECT name, trust_remote_code FROM models")).one() == ("old", 0)
-        assert conn.execute(text("SELECT value FROM moelab_meta")).scalar() == "1"
+        assert conn.execute(text("SELECT value FROM moelab_meta")).scalar() == "2"
+
+
+def test_migration_makes_conversion_profile_optional_and_keeps_rows(tmp_path):
+    """Schema 1 -> 2 on SQLite: conversions.profile_id loses NOT NULL (hierarchical conversions have
+    no profile) by a table rebuild that keeps every conversion and the evaluations pointing at them."""
+    url = f"sqlite:///{tmp_path / 'v1.sqlite'}"
+    db = Database(url)
+    with db.session() as s:
+        s.add(Model(id="mod-1", name="m", source="default", kind="default"))
+        s.add(CalibrationSet(id="cal-1", name="c", origin="builtin"))
+        s.add(Profile(id="prof-1", model_id="mod-1", calibration_set_id="cal-1"))
+    engine = db.engine
+    with engine.begin() as conn:  # turn the fresh schema back into schema 1
+        conn.execute(text("DROP TABLE conversions"))
+        conn.execute(text(
+            "CREATE TABLE conversions (id VARCHAR(40) PRIMARY KEY, created_at DATETIME, params JSON, summary JSON, "
+            "job_id VARCHAR(40) REFERENCES jobs(id), profile_id VARCHAR(40) NOT NULL REFERENCES profiles(id))"
+        ))
+        conn.execute(text("UPDATE moelab_meta SET value = '1' WHERE key = 'schema_version'"))
+        conn.execute(text("INSERT INTO conversions (id, created_at, profile_id, params) VALUES "
+                          "('conv-1', '2026-11-20 10:00:00.000000', 'prof-1', '{\"router\": \"paper\"}')"))
+        conn.execute(text("INSERT INTO evaluations (id, created_at, conversion_id, params) VALUES "
+                          "('eval-1', '2026-11-20 10:00:00.000000', 'conv-1', '{}')"))
+    db.dispose()
+    db = Database(url)
+    db.init()
+    cols = {c["name"]: c for c in inspect(db.engine).get_columns("conversions")}
+    assert cols["profile_id"]["nullable"] and "model_id" in cols
+    with db.engine.begin() as conn:
+        assert conn.execute(text("SELECT id, profile_id, params FROM conversions")).one() == ("conv-1", "prof-1", '{"router": "paper"}')
+        assert conn.execute(text("SELECT conversion_id FROM evaluations")).scalar() == "conv-1"
+        assert conn.execute(text("PRAGMA foreign_key_check")).all() == []
+        assert conn.execute(text("SELECT value FROM moelab_meta")).scalar() == "2"
+        conn.execute(text("INSERT INTO conversions (id, created_at, model_id, params) VALUES "
+                          "('conv-2', '2026-11-20 10:00:00.000000', 'mod-1', '{}')"))
+    db.dispose()
 
 
 def _postgres_url() -> str | None:

@@ -14,6 +14,10 @@ Contents
                   (ExpertWeaver Eqs. 7-11, CMoE Eqs. 5, 11, 18-19).
 ``AbsTopKGLU``    ExpertWeaver Eq. 2 baseline: per token only the k neurons with the largest
                   ``|act(x W_gate)|`` are kept.
+``HierarchicalExperts``  AF Eq. 10: replaces the ``experts`` of an existing sparse-MoE block
+                  (Mixtral, Qwen2/3-MoE); every expert becomes a ``MoeFFN`` of sub-experts.
+``LowRankMoeFFN`` MIDAS (MI §3.2): low-rank factorised copies of the dense GLU, one per
+                  calibration set, behind a softmax top-k gating network.
 ``MoelabConfig``  ``base_config`` (the dense model's config) + ``moe_layers`` (one dict a layer).
 ``MoelabForCausalLM``  the base architecture built from ``base_config`` with each decoder
                   layer's ``mlp`` replaced as its ``moe_layers`` entry says.
@@ -29,13 +33,23 @@ MoE layer::
 score = act(x W_g^R) * (x W_u^R)), ``gate_mass`` (score_e = sum_{j in e} |act(x W_gate_j)|,
 the gate activations are computed once for every routed neuron and reused by the selected
 experts), ``softmax`` (EW Eq. 11, trainable). ``combine``: ``sum`` (EW Eq. 10 / CMoE Eq. 11,
-training-free default) or ``weighted`` (each selected expert scaled by its softmax probability
-over all experts, EW Eq. 11). Optional ``dispatch``: ``auto`` (default), ``loop`` (one matmul
-chain per expert on its gathered tokens) or ``padded`` (capacity-padded batched matmul).
+training-free default), ``weighted`` (each selected expert scaled by its softmax probability
+over all experts, EW Eq. 11, D2 §2.1), ``normalized`` (softmax over the top_k selected
+scores only, so a token's weights sum to 1, as in Mixtral) or ``scaled`` (CM §3.3 / AF Eq. 9:
+``s' = softmax(s)``, experts selected by ``TopK(s' + b)``, weighted ``1 + s'_i u_i``; ``u`` is
+the parameter ``router_scale``, ``b`` the load-balancing buffer ``router_bias``, both zero
+after ``use_scaled_combine()``, which leaves the output of a ``sum`` module unchanged).
+Optional ``dispatch``: ``auto``
+(default), ``loop`` (one matmul chain per expert on its gathered tokens) or ``padded``
+(capacity-padded batched matmul).
 Any other keys are kept and written back by ``MoeFFN.spec``.
 
 AbsTopK layer: ``{"kind": "abstopk", "d_model", "d_ffn", "act", "k"}``. Dense layer:
-``{"kind": "dense"}`` (or ``null``): the base architecture's MLP is kept.
+``{"kind": "dense"}`` (or ``null``): the base architecture's MLP is kept. Hierarchical layer:
+``{"kind": "hierarchical", "d_model", "num_experts", "experts_per_token", "experts": [MoE
+layer spec, ...]}`` (the sparse-MoE block stays, only its ``experts`` module is replaced).
+MIDAS layer: ``{"kind": "lowrank_moe", "d_model", "d_ffn", "act", "n_experts", "rank",
+"top_k"}``.
 
 Neuron order inside an expert is irrelevant to the result; with ``top_k == n_experts`` and
 ``combine == "sum"`` a MoeFFN computes exactly the dense GLU it was sliced from (up to float
@@ -44,6 +58,7 @@ summation order).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -58,7 +73,7 @@ except ImportError:  # pragma: no cover - older transformers
     SubConfigSpec = None
 
 ROUTERS = ("centroid", "representative", "gate_mass", "softmax")
-COMBINES = ("sum", "weighted")
+COMBINES = ("sum", "weighted", "normalized", "scaled")
 DISPATCHES = ("auto", "loop", "padded")
 
 # "auto" dispatch: on CPU always one matmul chain per expert ("loop"): the padded batched
@@ -135,8 +150,28 @@ class MoeFFN(nn.Module):
         elif self.router == "representative":
             self.router_gate = nn.Parameter(torch.empty(E, d))
             self.router_up = nn.Parameter(torch.empty(E, d))
+        if self.combine == "scaled":
+            self._add_scaled_gating()
         self.recorder: Callable[[torch.Tensor], None] | None = None
         self.reset_parameters()
+
+    def _add_scaled_gating(self) -> None:
+        # b is a persistent buffer: it is saved and reloaded, but never receives a gradient
+        # (CM §3.3 updates it by +-gamma from the expert loads after each training step).
+        ref = self.experts_gate
+        self.router_scale = nn.Parameter(torch.zeros(self.n_experts, device=ref.device, dtype=ref.dtype))
+        self.register_buffer("router_bias", torch.zeros(self.n_experts, device=ref.device, dtype=ref.dtype))
+
+    @torch.no_grad()
+    def use_scaled_combine(self) -> None:
+        """Switch to the ``scaled`` combine (CM §3.3) with ``u = b = 0``: same selections and
+        outputs as the ``sum`` combine, but ``u`` now receives gradients and ``b`` can balance."""
+        if self.combine == "scaled":
+            return
+        if self.combine != "sum":
+            raise ValueError(f"the scaled combine extends the 'sum' combine; this module combines {self.combine!r}")
+        self.combine = "scaled"
+        self._add_scaled_gating()
 
     # ..................................................................... construction
 
@@ -146,6 +181,9 @@ class MoeFFN(nn.Module):
         for p in self.parameters(recurse=False):
             if p.device.type != "meta":
                 nn.init.normal_(p, 0.0, std)
+        if self.combine == "scaled" and self.router_scale.device.type != "meta":
+            self.router_scale.zero_()  # u = b = 0: no perturbation of the sum combine (CM §3.3)
+            self.router_bias.zero_()
 
     @property
     def spec(self) -> dict:
@@ -230,6 +268,9 @@ class MoeFFN(nn.Module):
             u = router_up if router_up is not None else mod.experts_up.mean(dim=1)
             mod.router_gate.copy_(_check_router(g, E, d_model, "router_gate"))
             mod.router_up.copy_(_check_router(u, E, d_model, "router_up"))
+        if mod.combine == "scaled":  # to_empty left them uninitialised
+            mod.router_scale.zero_()
+            mod.router_bias.zero_()
         return mod
 
     def active_param_count(self) -> int:
@@ -282,7 +323,12 @@ class MoeFFN(nn.Module):
             y = y + self._all_experts(xt)
             return y.reshape(x.shape)
         scores, act_gate = self._route(xt)
-        top = torch.topk(scores, k, dim=-1, sorted=False).indices  # [T, k]
+        key = scores
+        if self.combine == "scaled":
+            # CM §3.3: TopK(softmax(s) + b). In float64, because a float32 softmax of widely
+            # spread scores underflows to ties at 0, and with b = 0 the selection must be TopK(s).
+            key = torch.softmax(scores.detach().double(), dim=-1) + self.router_bias.double()
+        top = torch.topk(key, k, dim=-1, sorted=False).indices  # [T, k]
         self._record(top, lead)
         y = self._dispatch(xt, y, scores, top, act_gate)
         return y.reshape(x.shape)
@@ -293,12 +339,14 @@ class MoeFFN(nn.Module):
         g = F.linear(x, self.experts_gate.reshape(E * m, d))
         a = self.act_fn(g)
         h = a * F.linear(x, self.experts_up.reshape(E * m, d))
-        if self.combine == "weighted":
+        if self.combine in ("weighted", "normalized", "scaled"):  # every expert selected: the first two coincide
             if self.router == "gate_mass":
                 scores = a.abs().reshape(-1, E, m).sum(dim=-1)
             else:
                 scores, _ = self._route(x)
             p = torch.softmax(scores.float(), dim=-1).to(x.dtype)
+            if self.combine == "scaled":
+                p = 1 + p * self.router_scale
             h = (h.reshape(-1, E, m) * p.unsqueeze(-1)).reshape(-1, E * m)
         w_down = self.experts_down.permute(1, 0, 2).reshape(d, E * m)
         return F.linear(h, w_down)
@@ -321,6 +369,13 @@ class MoeFFN(nn.Module):
         if self.combine == "weighted":
             probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
             w_sorted = probs.t()[mask_t].unsqueeze(-1)
+        elif self.combine == "normalized":
+            sel = torch.softmax(scores.gather(1, top).float(), dim=-1).to(x.dtype)
+            probs = torch.zeros(T, E, dtype=x.dtype, device=x.device).scatter_(1, top, sel)
+            w_sorted = probs.t()[mask_t].unsqueeze(-1)
+        elif self.combine == "scaled":  # CM §3.3: g_i = 1 + s'_i u_i (exactly 1 while u = 0)
+            gates = 1 + torch.softmax(scores.float(), dim=-1).to(x.dtype) * self.router_scale
+            w_sorted = gates.t()[mask_t].unsqueeze(-1)
         mode = self.dispatch
         if mode == "auto":
             mode = "loop"
@@ -441,6 +496,292 @@ class AbsTopKGLU(nn.Module):
         return self.down_proj(a * self.up_proj(x))
 
 
+# --------------------------------------------------------------------------- hierarchical experts
+
+
+class HierarchicalExperts(nn.Module):
+    """AF §4.4, Eq. 10: the routed experts of an existing sparse-MoE block, each expert
+    restructured into shared + routed sub-experts with its own sub-router,
+    ``E_i(x) -> E_i^s(x) + sum_j g'_ij E_ij^r(x)``; ``sub_experts[i]`` is a ``MoeFFN``.
+
+    Replaces the fused ``experts`` module of a transformers sparse-MoE block (Mixtral,
+    Qwen2-MoE, Qwen3-MoE) with the same call, ``forward(hidden_states [T, d], top_k_index
+    [T, k], top_k_weights [T, k]) -> [T, d]``, so the block's top-level router, its top-k
+    weights and (Qwen2-MoE) its shared expert and shared_expert_gate keep working untouched:
+    every (token, slot) pair routed to expert i runs ``sub_experts[i]`` on that token, scaled by
+    the slot's weight, exactly as the replaced module does. Index ``num_experts`` means "no
+    expert" (transformers' expert-parallel convention) and adds nothing.
+
+    Spec: ``{"kind": "hierarchical", "d_model", "num_experts", "experts_per_token",
+    "experts": [MoeFFN spec, ...]}``; ``experts_per_token`` is the top-level router's k (used by
+    ``active_param_count`` only). Every sub-MoE has the same ``top_k``.
+
+    Routing statistics are about sub-experts: ``n_experts`` counts the routed sub-experts of all
+    experts (sub-expert j of expert i has the global id ``offsets[i] + j``) and ``top_k`` =
+    ``experts_per_token * sub top_k``. ``recorder`` receives ``[batch, seq, top_k]`` global ids,
+    slot-major (top-level slot s owns columns ``s*sub_top_k : (s+1)*sub_top_k``), -1 for a "no
+    expert" slot. ``[batch, seq]`` is the enclosing block's input shape, remembered by a
+    pre-hook ``convert_in_place`` installs; called on its own the module records ``[T, top_k]``.
+    """
+
+    def __init__(self, spec: dict):
+        super().__init__()
+        spec = dict(spec)
+        kind = spec.pop("kind", "hierarchical")
+        if kind != "hierarchical":
+            raise ValueError(f"HierarchicalExperts needs a spec of kind 'hierarchical', got {kind!r}")
+        subs = list(spec.pop("experts", None) or [])
+        if not subs:
+            raise ValueError("a hierarchical spec needs 'experts': one MoE spec per expert of the block")
+        self.d_model = int(spec.pop("d_model"))
+        self.num_experts = int(spec.pop("num_experts", len(subs)))
+        self.experts_per_token = int(spec.pop("experts_per_token"))
+        if self.num_experts != len(subs):
+            raise ValueError(f"num_experts={self.num_experts} but the spec lists {len(subs)} expert specs")
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"experts_per_token={self.experts_per_token} must be in [1, num_experts={self.num_experts}]"
+            )
+        self._extra = spec
+        self.sub_experts = nn.ModuleList(MoeFFN(s) for s in subs)
+        if {m.d_model for m in self.sub_experts} != {self.d_model}:
+            raise ValueError(f"every sub-MoE must have d_model={self.d_model}")
+        tops = {m.top_k for m in self.sub_experts}
+        if len(tops) != 1:  # the recorder's selections must form one rectangular tensor
+            raise ValueError(f"every sub-MoE must have the same top_k, got {sorted(tops)}")
+        self.sub_top_k = tops.pop()
+        counts = [m.n_experts for m in self.sub_experts]
+        self.offsets = [sum(counts[:i]) for i in range(len(counts))]
+        self.n_experts = sum(counts)
+        self.top_k = self.experts_per_token * self.sub_top_k
+        self.recorder: Callable[[torch.Tensor], None] | None = None
+        self._lead: tuple[int, ...] | None = None
+
+    @property
+    def spec(self) -> dict:
+        return {"kind": "hierarchical", "d_model": self.d_model, "num_experts": self.num_experts,
+                "experts_per_token": self.experts_per_token, **self._extra,
+                "experts": [m.spec for m in self.sub_experts]}
+
+    @classmethod
+    def from_sub_experts(cls, subs: list[MoeFFN], experts_per_token: int, **extra: Any) -> "HierarchicalExperts":
+        """Wrap already-built sub-MoEs (one per expert, in expert order); no weight copy."""
+        if not subs:
+            raise ValueError("from_sub_experts needs one MoeFFN per expert")
+        spec = {"kind": "hierarchical", "d_model": subs[0].d_model, "num_experts": len(subs),
+                "experts_per_token": int(experts_per_token), **extra, "experts": [m.spec for m in subs]}
+        with torch.device("meta"):  # validates the spec; the meta sub-MoEs are replaced right away
+            mod = cls(spec)
+        mod.sub_experts = nn.ModuleList(subs)
+        return mod
+
+    def active_param_count(self) -> int:
+        """Per token: ``experts_per_token`` experts, each its shared part, its active sub-experts
+        and its sub-router (``MoeFFN.active_param_count``); with unequal experts the largest ones
+        (an upper bound). The block's top-level router stays outside this module."""
+        per_expert = sorted((m.active_param_count() for m in self.sub_experts), reverse=True)
+        return sum(per_expert[: self.experts_per_token])
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, experts_per_token={self.experts_per_token}, "
+                f"sub_experts={self.n_experts}, top_k={self.top_k}")
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        T, k = top_k_index.shape
+        lead, self._lead = self._lead, None
+        out = torch.zeros_like(hidden_states)
+        selected = None
+        if self.recorder is not None:
+            selected = top_k_index.new_full((T, k, self.sub_top_k), -1)
+        flat = top_k_index.reshape(-1)
+        # (token, slot) pairs grouped by expert (stable: tokens ascending); "no expert" sorts last.
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts].tolist()
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            pairs = order[start : start + c]
+            start += c
+            tok, pos = pairs // k, pairs % k
+            sub = self.sub_experts[e]
+            xe = hidden_states.index_select(0, tok)
+            if selected is None:
+                y = sub(xe)
+            else:
+                got: list[torch.Tensor] = []
+                previous, sub.recorder = sub.recorder, got.append
+                try:
+                    y = sub(xe)
+                finally:
+                    sub.recorder = previous
+                selected[tok, pos] = got[0].to(selected.dtype) + self.offsets[e]
+            y = y * top_k_weights[tok, pos, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        if selected is not None:
+            shape = lead if lead is not None and math.prod(lead) == T else (T,)
+            self.recorder(selected.reshape(*shape, k * self.sub_top_k))
+        return out
+
+
+def _remember_lead_shape(block: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Pre-hook on a sparse-MoE block: its experts see flattened tokens, the recorder wants
+    ``[batch, seq, ...]``."""
+    x = args[0] if args else kwargs.get("hidden_states")
+    experts = getattr(block, "experts", None)
+    if isinstance(experts, HierarchicalExperts) and isinstance(x, torch.Tensor):
+        experts._lead = tuple(x.shape[:-1])
+
+
+def _set_experts(block: nn.Module, mod: HierarchicalExperts, i: int) -> None:
+    """A hierarchical layer replaces only the ``experts`` of the layer's sparse-MoE block."""
+    moe_block = getattr(block, "mlp", None)
+    if not isinstance(getattr(moe_block, "experts", None), nn.Module):
+        raise ValueError(
+            f"layer {i}: a hierarchical layer replaces the experts of a sparse-MoE block (mlp.experts), "
+            f"but this layer's MLP is a {type(moe_block).__name__}"
+        )
+    moe_block.experts = mod
+    if not getattr(moe_block, "_moelab_lead_hook", False):
+        moe_block.register_forward_pre_hook(_remember_lead_shape, with_kwargs=True)
+        moe_block._moelab_lead_hook = True
+
+
+# --------------------------------------------------------------------------- MIDAS low-rank MoE
+
+_LOWRANK_FACTORS = ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b")
+_LOWRANK_KEYS = {"kind", "d_model", "d_ffn", "act", "n_experts", "rank", "top_k"}
+
+
+class LowRankMoeFFN(nn.Module):
+    """MIDAS (MI §3.2, Alg. 1): ``n_experts`` low-rank copies of one dense GLU, each factorised
+    on its own calibration set, behind a new softmax top-k gating network G.
+
+    Expert e: ``down_b[e] down_a[e] ( act(gate_b[e] gate_a[e] x) * up_b[e] up_a[e] x )``.
+    Factors are stacked ``nn.Parameter`` tensors named as in LoRA (A maps in, B maps out):
+    ``gate_a``/``up_a`` ``[E, r, d_model]``, ``gate_b``/``up_b`` ``[E, d_ffn, r]``,
+    ``down_a`` ``[E, r, d_ffn]``, ``down_b`` ``[E, d_model, r]``. ``router`` is G, an
+    ``nn.Linear(d_model, E, bias=False)``.
+
+    Combine: ``p = softmax(G x)`` over all E experts, the ``top_k`` largest are kept and
+    renormalised to sum to 1 (Mixtral / LLaMA-MoE gating), so the output is a convex
+    combination of the selected experts: with a fresh G it is roughly an average of low-rank
+    approximations of the same FFN, and G stays trainable through the weights.
+
+    Spec: ``{"kind": "lowrank_moe", "d_model", "d_ffn", "act", "n_experts", "rank", "top_k"}``.
+    ``recorder``: optional callable receiving the selected expert ids ``[..., top_k]``.
+    """
+
+    def __init__(self, spec: dict):
+        super().__init__()
+        spec = dict(spec)
+        kind = spec.pop("kind", "lowrank_moe")
+        if kind != "lowrank_moe":
+            raise ValueError(f"LowRankMoeFFN needs a spec of kind 'lowrank_moe', got {kind!r}")
+        self.d_model, self.d_ffn = int(spec["d_model"]), int(spec["d_ffn"])
+        self.act = str(spec.get("act", "silu"))
+        self.n_experts, self.rank, self.top_k = int(spec["n_experts"]), int(spec["rank"]), int(spec["top_k"])
+        E, r, d, f = self.n_experts, self.rank, self.d_model, self.d_ffn
+        if min(d, f, E, r) < 1:
+            raise ValueError(f"d_model, d_ffn, n_experts and rank must be ≥ 1 in spec {spec}")
+        if not 1 <= self.top_k <= E:
+            raise ValueError(f"top_k={self.top_k} must be within 1 … n_experts={E}")
+        self._extra = {k: v for k, v in spec.items() if k not in _LOWRANK_KEYS}
+        self.act_fn = ACT2FN[self.act]
+        self.router = nn.Linear(d, E, bias=False)
+        self.gate_a = nn.Parameter(torch.empty(E, r, d))
+        self.gate_b = nn.Parameter(torch.empty(E, f, r))
+        self.up_a = nn.Parameter(torch.empty(E, r, d))
+        self.up_b = nn.Parameter(torch.empty(E, f, r))
+        self.down_a = nn.Parameter(torch.empty(E, r, f))
+        self.down_b = nn.Parameter(torch.empty(E, d, r))
+        self.recorder: Callable[[torch.Tensor], None] | None = None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Random init (a fresh model only; converted and loaded models overwrite it)."""
+        for p in self.parameters():
+            if p.device.type != "meta":
+                nn.init.normal_(p, 0.0, std)
+
+    @property
+    def spec(self) -> dict:
+        return {
+            "kind": "lowrank_moe", "d_model": self.d_model, "d_ffn": self.d_ffn, "act": self.act,
+            "n_experts": self.n_experts, "rank": self.rank, "top_k": self.top_k, **self._extra,
+        }
+
+    @classmethod
+    @torch.no_grad()
+    def from_factors(
+        cls, factors: dict[str, torch.Tensor], router_weight: torch.Tensor, act: str, top_k: int, **extra: Any
+    ) -> "LowRankMoeFFN":
+        """Build from stacked factors (keys ``gate_a`` … ``down_b``, shapes as in the class
+        docstring) and the gating network's weight ``[E, d_model]``; dtype/device of ``gate_a``."""
+        missing = [k for k in _LOWRANK_FACTORS if k not in factors]
+        if missing:
+            raise ValueError(f"missing factors: {', '.join(missing)}")
+        E, r, d = factors["gate_a"].shape
+        f = factors["gate_b"].shape[1]
+        spec = {"kind": "lowrank_moe", "d_model": int(d), "d_ffn": int(f), "act": str(act), "n_experts": int(E),
+                "rank": int(r), "top_k": int(top_k), **extra}
+        with torch.device("meta"):
+            mod = cls(spec)
+        ref = factors["gate_a"]
+        mod.to_empty(device=ref.device)
+        mod.to(ref.dtype)
+        for name in _LOWRANK_FACTORS:
+            p = getattr(mod, name)
+            if tuple(factors[name].shape) != tuple(p.shape):
+                raise ValueError(f"{name} must be {tuple(p.shape)}, got {tuple(factors[name].shape)}")
+            p.copy_(factors[name])
+        if tuple(router_weight.shape) != (E, d):
+            raise ValueError(f"router_weight must be [n_experts={E}, d_model={d}], got {tuple(router_weight.shape)}")
+        mod.router.weight.copy_(router_weight)
+        return mod
+
+    def active_param_count(self) -> int:
+        """Gating network plus ``top_k`` experts of three rank-r factor pairs each."""
+        return self.n_experts * self.d_model + self.top_k * 3 * self.rank * (self.d_model + self.d_ffn)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, d_ffn={self.d_ffn}, n_experts={self.n_experts}, rank={self.rank}, "
+                f"top_k={self.top_k}, act={self.act}")
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` alone on ``x [..., d_model]`` (MI Eq. 2's E_e as a GLU)."""
+        g = F.linear(F.linear(x, self.gate_a[e]), self.gate_b[e])
+        u = F.linear(F.linear(x, self.up_a[e]), self.up_b[e])
+        return F.linear(F.linear(self.act_fn(g) * u, self.down_a[e]), self.down_b[e])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        xt = x.reshape(-1, self.d_model)
+        T, E = xt.shape[0], self.n_experts
+        probs = torch.softmax(self.router(xt).float(), dim=-1)
+        weight, top = probs.topk(self.top_k, dim=-1)
+        weight = (weight / weight.sum(dim=-1, keepdim=True)).to(x.dtype)
+        if self.recorder is not None:
+            self.recorder(top.reshape(*lead, self.top_k))
+        y = xt.new_zeros(T, self.d_model)
+        # Group (token, expert) pairs by expert: the nonzeros of the [E, T] selection mask in
+        # row-major order, so each expert runs once on all of its tokens.
+        mask_t = torch.zeros(T, E, dtype=torch.bool, device=x.device).scatter_(1, top, True).t()
+        tok = mask_t.nonzero()[:, 1]
+        w_sorted = torch.zeros(T, E, dtype=x.dtype, device=x.device).scatter(1, top, weight).t()[mask_t]
+        s = 0
+        for e, c in enumerate(mask_t.sum(dim=1).tolist()):
+            if c == 0:
+                continue
+            te = tok[s : s + c]
+            y.index_add_(0, te, self.expert(e, xt.index_select(0, te)) * w_sorted[s : s + c, None])
+            s += c
+        return y.reshape(*lead, self.d_model)
+
+
 # --------------------------------------------------------------------------- layer specs
 
 
@@ -455,7 +796,11 @@ def build_layer_module(entry: dict | None) -> nn.Module | None:
         return MoeFFN(entry)
     if kind == "abstopk":
         return AbsTopKGLU(entry)
-    raise ValueError(f"unknown layer kind {kind!r} (moe, abstopk or dense)")
+    if kind == "hierarchical":
+        return HierarchicalExperts(entry)
+    if kind == "lowrank_moe":
+        return LowRankMoeFFN(entry)
+    raise ValueError(f"unknown layer kind {kind!r} (moe, abstopk, hierarchical, lowrank_moe or dense)")
 
 
 def layer_spec(module: nn.Module | None) -> dict:
@@ -476,7 +821,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def convert_in_place(model: nn.Module, layer_modules: dict[int, nn.Module | None]) -> nn.Module:
-    """Replace ``layers[i].mlp`` by ``layer_modules[i]`` (None keeps the layer dense)."""
+    """Replace ``layers[i].mlp`` by ``layer_modules[i]`` (None keeps the layer dense); a
+    ``HierarchicalExperts`` replaces ``layers[i].mlp.experts`` instead."""
     layers = decoder_layers(model)
     for i, mod in layer_modules.items():
         if mod is None:
@@ -484,6 +830,9 @@ def convert_in_place(model: nn.Module, layer_modules: dict[int, nn.Module | None
         if not 0 <= int(i) < len(layers):
             raise IndexError(f"layer {i} out of range (model has {len(layers)} layers)")
         block = layers[int(i)]
+        if isinstance(mod, HierarchicalExperts):
+            _set_experts(block, mod, int(i))
+            continue
         attr = "mlp" if hasattr(block, "mlp") else "feed_forward"
         setattr(block, attr, mod)
     return model
@@ -560,7 +909,7 @@ class MoelabPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["past_key_values"]
 
     def _init_weights(self, module):
-        if isinstance(module, MoeFFN):
+        if isinstance(module, (MoeFFN, LowRankMoeFFN)):
             module.reset_parameters(getattr(self.config.get_text_config(), "initializer_range", 0.02))
         else:
             super()._init_weights(module)
@@ -602,12 +951,15 @@ class MoelabForCausalLM(MoelabPreTrainedModel, GenerationMixin):
         self.model.set_decoder(decoder)
 
     def moe_modules(self) -> dict[int, nn.Module]:
-        """Layer index -> replaced MLP module (MoeFFN / AbsTopKGLU)."""
+        """Layer index -> replaced MLP module (MoeFFN / AbsTopKGLU), or the HierarchicalExperts
+        inside a sparse-MoE block."""
         out = {}
         for i, block in enumerate(decoder_layers(self.model)):
             mlp = getattr(block, "mlp", None)
-            if isinstance(mlp, (MoeFFN, AbsTopKGLU)):
+            if isinstance(mlp, (MoeFFN, AbsTopKGLU, LowRankMoeFFN)):
                 out[i] = mlp
+            elif isinstance(getattr(mlp, "experts", None), HierarchicalExperts):
+                out[i] = mlp.experts
         return out
 
     def set_recorder(self, recorder_factory: Callable[[int], Callable[[torch.Tensor], None]] | None) -> None:
@@ -651,6 +1003,8 @@ class MoelabForCausalLM(MoelabPreTrainedModel, GenerationMixin):
 
 __all__ = [
     "AbsTopKGLU",
+    "HierarchicalExperts",
+    "LowRankMoeFFN",
     "MoeFFN",
     "MoelabConfig",
     "MoelabForCausalLM",

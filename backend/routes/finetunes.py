@@ -1,0 +1,143 @@
+"""Recovery fine-tuning: queue a fine-tune of a ready conversion, follow its live train log,
+and find the fine-tuned model as a new conversion.
+
+Cancel and resume are the job endpoints (``DELETE /jobs/{id}``, ``POST /jobs/{id}/retry``): the
+fine-tune's work dir (``<artifacts>/finetunes/<ft-id>/``) is kept across runs, so a re-run
+continues from the latest checkpoint instead of starting over.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import numpy as np
+from fastapi import APIRouter, Query
+from sqlalchemy import select
+
+from ..db import CalibrationSet, Conversion, Finetune
+from ..deps import QueueDep, SessionDep, StoreDep, launch, lookup, require_ready
+from ..errors import ApiError
+from ..jobs import new_id
+from ..schemas import FinetuneCreate, FinetuneList, FinetuneOut, TrainLog, TrainStep
+from ..views import finetune_out
+
+router = APIRouter(prefix="/finetunes", tags=["finetunes"])
+
+MODES = ("cmoe", "expertweaver", "midas", "dense2moe")
+LOG_FILE = "train_log.json"
+#: step fields averaged over a bucket when a long log is thinned; the others keep the bucket's last value
+_MEAN_FIELDS = ("loss", "ntp_loss", "aux_loss", "load_cv", "lr")
+_LAST_FIELDS = ("step", "tokens", "elapsed_s")
+
+
+def conversion_method(params: dict[str, Any]) -> str:
+    """The method a conversion row was made with (``method``, or ``allocation.method`` for EW/CMoE)."""
+    return params.get("method") or (params.get("allocation") or {}).get("method") or "expertweaver"
+
+
+def default_mode(conversion: Conversion) -> str:
+    """The fine-tuning mode of a conversion's method; 422 when the method has none."""
+    method = conversion_method(conversion.params or {})
+    if method not in MODES:
+        raise ApiError(422, f"mode: conversion {conversion.id} was made with method {method!r}, which has no default "
+                            f"fine-tuning mode; pass mode explicitly (one of {', '.join(MODES)})")
+    return method
+
+
+def engine_source(source: str, store: Any) -> str:
+    """The API's ``source`` (builtin:NAME or a calibration-set id) as the engine reads it."""
+    return source if source.startswith("builtin:") else str(store.path("calibration-sets", source))
+
+
+def check_params(params: dict[str, Any], store: Any) -> None:
+    """The engine's own ``FinetuneParams.validate`` (422 with its message), before anything is queued."""
+    from workers.engine.finetune import FinetuneError, FinetuneParams
+
+    try:
+        FinetuneParams.from_dict({**params, "source": engine_source(params["source"], store)}).validate()
+    except (FinetuneError, TypeError) as exc:
+        raise ApiError(422, f"fine-tuning: {exc}") from exc
+
+
+@router.post("", response_model=FinetuneOut, status_code=202, responses={404: {}, 409: {}, 422: {}},
+             summary="Fine-tune a conversion to recover quality (queued job)")
+def create_finetune(body: FinetuneCreate, session: SessionDep, queue: QueueDep, store: StoreDep) -> FinetuneOut:
+    conversion = lookup(session, Conversion, body.conversion_id, "conversion", "conversions")
+    require_ready(conversion, "conversion")
+    if not body.source.startswith("builtin:"):
+        cset = session.get(CalibrationSet, body.source)
+        if cset is None:
+            raise ApiError(422, f"source: {body.source!r} is neither builtin:NAME nor the id of a stored calibration set "
+                                "(GET /api/v1/calibration-sets)")
+        require_ready(cset, "calibration set")
+    params = body.model_dump(exclude={"conversion_id"})
+    params["mode"] = body.mode or default_mode(conversion)
+    check_params(params, store)
+    row = Finetune(id=new_id("ft"), conversion_id=conversion.id, params=params)
+    session.add(row)
+    launch(session, queue, row, "finetunes", "finetune")
+    return finetune_out(row)
+
+
+@router.get("", response_model=FinetuneList, summary="Fine-tunes, newest first")
+def list_finetunes(session: SessionDep, conversion_id: str | None = None) -> FinetuneList:
+    query = select(Finetune).order_by(Finetune.created_at.desc())
+    if conversion_id:
+        query = query.where(Finetune.conversion_id == conversion_id)
+    rows = session.execute(query).scalars().unique().all()
+    return FinetuneList(items=[finetune_out(r) for r in rows], total=len(rows))
+
+
+@router.get("/{finetune_id}", response_model=FinetuneOut, summary="One fine-tune: perplexity before / after, result conversion")
+def get_finetune(finetune_id: str, session: SessionDep) -> FinetuneOut:
+    return finetune_out(lookup(session, Finetune, finetune_id, "fine-tune", "finetunes"))
+
+
+def thin_steps(steps: list[dict[str, Any]], max_points: int) -> tuple[list[dict[str, Any]], bool]:
+    """At most ``max_points`` points: buckets of consecutive steps, losses and LR averaged
+    (so a thinned curve is a smoothed one, not a subsample), step / tokens / time of the bucket's end."""
+    if len(steps) <= max_points:
+        return steps, False
+    k = -(-len(steps) // max_points)
+    n_buckets = -(-len(steps) // k)
+    pad = n_buckets * k - len(steps)
+    out: list[dict[str, Any]] = [{} for _ in range(n_buckets)]
+    last = [min((b + 1) * k, len(steps)) - 1 for b in range(n_buckets)]
+    for name in _MEAN_FIELDS:
+        col = np.array([s.get(name) for s in steps] + [None] * pad, dtype=float).reshape(n_buckets, k)
+        seen = np.isfinite(col).sum(1)
+        means = np.where(seen > 0, np.nansum(col, 1) / np.maximum(seen, 1), np.nan)
+        for row, value in zip(out, means.tolist()):
+            row[name] = value if value == value else None
+    for name in _LAST_FIELDS:
+        for row, i in zip(out, last):
+            row[name] = steps[i].get(name)
+    return out, True
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and value == value else None
+
+
+@router.get("/{finetune_id}/log", response_model=TrainLog,
+            summary="The live train log: loss and aux loss per step, status, perplexities (readable while it runs)")
+def get_log(
+    finetune_id: str, session: SessionDep, store: StoreDep,
+    max_points: Annotated[int, Query(ge=2, le=100_000, description="at most this many points (bucket means beyond)")] = 2000,
+) -> TrainLog:
+    row = lookup(session, Finetune, finetune_id, "fine-tune", "finetunes")
+    path = store.path("finetunes", row.id) / LOG_FILE
+    # the trainer replaces the file atomically after every step: a read sees one whole version
+    log: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    raw = [s for s in log.get("steps") or [] if isinstance(s, dict) and "step" in s]
+    steps, aggregated = thin_steps(raw, max_points)
+    return TrainLog(
+        finetune_id=row.id, state=row.job.state if row.job is not None else None, status=log.get("status"),
+        mode=log.get("mode") or (row.params or {}).get("mode"), total_steps=int((row.params or {}).get("steps", 0)),
+        n_steps=len(raw), steps=[TrainStep(**{k: s.get(k) for k in TrainStep.model_fields}) for s in steps],
+        aggregated=aggregated, resumed_at=[int(s) for s in log.get("resumed_at") or []],
+        perplexity_before=_num(log.get("perplexity_before")), perplexity_start=_num(log.get("perplexity_start")),
+        perplexity_after=_num(log.get("perplexity_after")), dense_perplexity=_num(log.get("dense_perplexity")),
+        result_conversion_id=row.result_conversion_id,
+    )

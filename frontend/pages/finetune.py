@@ -1,0 +1,200 @@
+"""Fine-tune: recover a conversion's quality with a short training run and watch it live.
+
+Pick a ready conversion, the mode (defaulted from the conversion's method) and the budget;
+Start queues the job; the loss curve (total and load-balancing loss) is redrawn from the train
+log every second until the job ends; Cancel stops it at the next step (it checkpoints first),
+Resume re-runs it from the latest checkpoint. The result: perplexity before → after next to the
+dense model, and the fine-tuned model as a new conversion to evaluate.
+State in the URL: ?conversion=…&finetune=…"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dash
+from dash import Input, Output, State, callback, ctx, dcc, html, no_update
+
+from frontend import figures as F
+from frontend.api_client import ApiError, api
+from frontend.components import error_box, figure_card, progress, to_search
+
+dash.register_page(__name__, path="/finetune", name="Fine-tune", order=7)
+
+N = "ft"
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+#: one line per mode: what is trained and the paper's equation
+MODES: dict[str, str] = {
+    "expertweaver": "ExpertWeaver: softmax router over the routed experts, outputs weighted by its probabilities (EW Eq. 11); "
+                    "loss L_NTP + λ·L_LB (EW Eq. 12).",
+    "cmoe": "CMoE: LoRA on the experts and a learnable router scale, g_i = 1 + s′_i·u_i (CM §3.3); a routing bias b moved by γ "
+            "each step toward equal load, no auxiliary loss (AF Eq. 9).",
+    "midas": "MIDAS: only the gating network and the LoRA adapters are trained, the low-rank experts (MI Eqs. 1–2) stay frozen "
+             "(MI §3.3, Alg. 1).",
+    "dense2moe": "Dense2MoE: a short fine-tune of the fused-layer MoE (D2 §3): its new router and LoRA adapters, "
+                 "with the load-balancing loss of λ.",
+}
+
+#: (field, label, default, min, max, step)
+BUDGET: list[tuple[str, str, float, float, float, float | str]] = [
+    ("steps", "steps", 200, 1, 100_000, 1),
+    ("batch_size", "batch (sequences)", 4, 1, 1024, 1),
+    ("seq_len", "seq len (tokens)", 256, 8, 32768, 1),
+    ("lr", "LR (LoRA)", 5.95e-5, 0, 1, "any"),
+    ("lora_rank", "LoRA rank", 8, 1, 4096, 1),
+    ("lb_coef", "λ load-balance loss (EW Eq. 12)", 0.01, 0, 100, "any"),
+    ("bias_step", "γ bias step (CM §3.3)", 0.001, 0, 1, "any"),
+]
+
+
+def method_of(conversion: dict[str, Any]) -> str:
+    """A conversion's method as the API stores it (``method``, or ``allocation.method`` for EW/CMoE)."""
+    params = conversion.get("params") or {}
+    return params.get("method") or (params.get("allocation") or {}).get("method") or "expertweaver"
+
+
+def _label(conversion: dict[str, Any]) -> str:
+    params = conversion.get("params") or {}
+    tuned = f", fine-tune of {params['finetune_of']}" if params.get("finetune_of") else ""
+    return f"{conversion['id']} ({method_of(conversion)}{tuned})"
+
+
+def _run_options(conversion: str | None) -> list[dict[str, str]]:
+    if not conversion:
+        return []
+    return [{"label": f"{f['id']} ({f['params'].get('mode')}, {f['params'].get('steps')} steps): {f['status']}", "value": f["id"]}
+            for f in api().finetunes(conversion)]
+
+
+def layout(conversion: str | None = None, finetune: str | None = None, **_):
+    try:
+        ready = [c for c in api().conversions() if c["status"] == "ready"]
+        if finetune and conversion is None:
+            conversion = api().finetune(finetune)["conversion_id"]
+        if conversion is None and ready:
+            conversion = ready[0]["id"]
+        runs, err = _run_options(conversion), None
+    except ApiError as exc:
+        ready, runs, err = [], [], str(exc)
+    methods = {c["id"]: method_of(c) for c in ready}
+    mode = methods.get(conversion, "expertweaver")
+    mode = mode if mode in MODES else "expertweaver"
+    return html.Div([
+        dcc.Location(id=f"{N}-url", refresh=False),
+        html.H2("Fine-tune"),
+        error_box(err),
+        html.Div(className="controls", children=[
+            html.Div([html.Label("conversion"), dcc.Dropdown(id=f"{N}-conversion", options=[{"label": _label(c), "value": c["id"]} for c in ready],
+                                                             value=conversion, clearable=False, style={"width": 420})]),
+            html.Div([html.Label("mode"), dcc.RadioItems(id=f"{N}-mode", options=list(MODES), value=mode, inline=True)]),
+        ]),
+        html.Div(id=f"{N}-mode-help", className="note"),
+        html.Div(className="controls", children=[
+            html.Div([html.Label(label), dcc.Input(id=f"{N}-{name}", type="number", value=default, min=lo, max=hi, step=step,
+                                                   style={"width": 110})])
+            for name, label, default, lo, hi, step in BUDGET
+        ]),
+        html.Div(className="controls", children=[
+            html.Button("Start", id=f"{N}-start", className="primary"),
+            html.Button("Cancel", id=f"{N}-cancel", disabled=True),
+            html.Button("Resume", id=f"{N}-resume", disabled=True, title="re-run from the latest checkpoint"),
+            html.Div([html.Label("fine-tune"), dcc.Dropdown(id=f"{N}-run", options=runs, value=finetune, style={"width": 420})]),
+        ]),
+        html.Div(id=f"{N}-action"),
+        html.Div(id=f"{N}-job"),
+        html.Div(className="row", children=[figure_card(f"{N}-loss", "Training loss", loading=False)]),
+        html.Div(id=f"{N}-result"),
+        dcc.Store(id=f"{N}-methods", data=methods),
+        dcc.Interval(id=f"{N}-poll", interval=1000, disabled=True),
+    ])
+
+
+@callback(Output(f"{N}-mode", "value"), Output(f"{N}-run", "options"), Output(f"{N}-run", "value"),
+          Input(f"{N}-conversion", "value"), State(f"{N}-methods", "data"), prevent_initial_call=True)
+def _conversion_changed(conversion, methods):
+    """Another conversion: its method's mode, and its newest fine-tune (if any) shown."""
+    mode = (methods or {}).get(conversion)
+    try:
+        runs = _run_options(conversion)
+    except ApiError:
+        runs = []
+    return (mode if mode in MODES else no_update), runs, (runs[0]["value"] if runs else None)
+
+
+@callback(Output(f"{N}-mode-help", "children"), Input(f"{N}-mode", "value"), Input(f"{N}-conversion", "value"),
+          State(f"{N}-methods", "data"))
+def _mode_help(mode, conversion, methods):
+    text = MODES.get(mode, "")
+    method = (methods or {}).get(conversion)
+    if method and method != mode:
+        text += f" (the conversion was made with {method}: its default mode is {method if method in MODES else 'none'})"
+    return text
+
+
+@callback(Output(f"{N}-poll", "disabled"), Output(f"{N}-url", "search"),
+          Input(f"{N}-run", "value"), State(f"{N}-conversion", "value"))
+def _run_changed(run, conversion):
+    return not run, to_search(conversion=conversion, finetune=run)
+
+
+@callback(Output(f"{N}-run", "options", allow_duplicate=True), Output(f"{N}-run", "value", allow_duplicate=True),
+          Output(f"{N}-poll", "disabled", allow_duplicate=True), Output(f"{N}-action", "children"),
+          Input(f"{N}-start", "n_clicks"), Input(f"{N}-cancel", "n_clicks"), Input(f"{N}-resume", "n_clicks"),
+          State(f"{N}-conversion", "value"), State(f"{N}-mode", "value"), State(f"{N}-run", "value"),
+          *[State(f"{N}-{name}", "value") for name, *_ in BUDGET], prevent_initial_call=True)
+def _act(_s, _c, _r, conversion, mode, run, *budget):
+    try:
+        if ctx.triggered_id == f"{N}-start":
+            if not conversion:
+                return no_update, no_update, no_update, error_box("choose a ready conversion first (make one in the Conversion designer)")
+            params = dict(zip([name for name, *_ in BUDGET], budget))
+            created = api().create_finetune(conversion, mode=mode, **params)
+            return _run_options(conversion), created["id"], False, error_box(None)
+        if not run:
+            return no_update, no_update, no_update, error_box("choose a fine-tune first")
+        job_id = api().finetune(run)["job_id"]
+        if ctx.triggered_id == f"{N}-cancel":
+            api().cancel_job(job_id)
+        else:
+            api().retry_job(job_id)
+    except ApiError as exc:
+        return no_update, no_update, no_update, error_box(f"could not {str(ctx.triggered_id).removeprefix(f'{N}-')}: {exc}")
+    return no_update, no_update, False, error_box(None)
+
+
+@callback(Output(f"{N}-loss", "figure"), Output({"type": "csv-data", "name": f"{N}-loss"}, "data"), Output(f"{N}-job", "children"),
+          Output(f"{N}-poll", "disabled", allow_duplicate=True), Output(f"{N}-cancel", "disabled"), Output(f"{N}-resume", "disabled"),
+          Output(f"{N}-result", "children"),
+          Input(f"{N}-poll", "n_intervals"), State(f"{N}-run", "value"), prevent_initial_call=True)
+def _poll(_n, run):
+    """One poll: the run's job and train log; polling stops when the job has ended."""
+    if not run:
+        return F.message_figure("start a fine-tune or pick an earlier one"), None, html.Div(), True, True, True, html.Div()
+    try:
+        ft = api().finetune(run)
+        log = api().finetune_log(run, max_points=1000)
+    except ApiError as exc:
+        return F.message_figure(str(exc)), None, error_box(str(exc)), True, True, True, html.Div()
+    job = ft.get("job") or {}
+    state = job.get("state")
+    done = state in TERMINAL
+    store = {"kind": "finetune-log", "data": log, "filename": f"train_log_{run}"}
+    return (F.finetune_loss(log), store, progress(job), done, state not in ("queued", "running"), state not in ("failed", "cancelled"),
+            _result(ft, log) if done else html.Div())
+
+
+def _result(ft: dict[str, Any], log: dict[str, Any]) -> html.Div:
+    """Perplexity before → after (and dense), and where the fine-tuned model went."""
+    result = ft.get("result_conversion_id")
+    if ft["status"] != "ready" or not result:
+        return html.Div(f"Fine-tune {ft['id']} {ft['status']}: press Resume to continue from its latest checkpoint.", className="note",
+                        id=f"{N}-result-card")
+    summary = F.finetune_summary_text(log) or "perplexity not measured"
+    return html.Div(className="card", id=f"{N}-result-card", children=[
+        html.H3(f"Fine-tune {ft['id']}: ready"),
+        html.Div(summary, id=f"{N}-result-ppl"),
+        html.Div([f"The fine-tuned model is conversion {result}: ",
+                  dcc.Link("evaluate it in the routing explorer", href=f"/routing?conversion={result}"), html.Span(" · "),
+                  dcc.Link("compare with the original", href=f"/compare?ids={ft['conversion_id']},{result}"), html.Span(" · "),
+                  dcc.Link("fine-tune it further", href=f"/finetune?conversion={result}")], className="note"),
+    ])

@@ -1,0 +1,385 @@
+"""Dense2MoE layer fusion (D2 §2.3, Eq. 6) on tiny random-weight models of several families.
+
+Fusion modifies the dense model in place, so every test loads its own copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.engine.conversion import ConversionError
+from workers.engine.dense2moe import Dense2MoEParams, choose_fusion, fuse_model, remove_decoder_layers
+from workers.engine.export import export_model, load_exported
+from workers.engine.modeling_moelab import MoeFFN, decoder_layers
+from workers.engine.models import adapt, load_model
+from workers.engine.param_count import parameter_counts
+
+IDS = torch.tensor([[1, 17, 256, 999, 42, 5, 77, 3001, 12, 640, 8, 91, 2048, 33]])
+
+
+def load(tiny_model, data_dir, family: str):
+    return load_model(str(tiny_model(family)), data_dir=data_dir)
+
+
+def logits(model, ids=IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits
+
+
+# ------------------------------------------------------------------ choose_fusion (D2 §2.3)
+
+
+def reference_choice(s_l, s_m, delta, max_fused):
+    """Plain-loop version of D2 §2.3: every pair, sorted by S_L desc (ties: n, then l)."""
+    L = len(s_l)
+    pairs = [(l, n) for l in range(L) for n in range(1, max_fused + 1) if l + n <= L - 1]
+    pairs.sort(key=lambda p: (-s_l[p[0], p[0] + p[1]], p[1], p[0]))
+    for l, n in pairs:
+        if 1 - s_m[l, l + n] < delta:
+            return l, n, pairs
+    return None, None, pairs
+
+
+def synthetic(L=7, seed=0):
+    rng = np.random.default_rng(seed)
+    a = rng.uniform(0.5, 0.9, (L, L))
+    s_l = (a + a.T) / 2
+    b = rng.uniform(0.6, 0.99, (L, L))
+    s_m = (b + b.T) / 2
+    np.fill_diagonal(s_l, 1.0)
+    np.fill_diagonal(s_m, 1.0)
+    # The most similar outputs are l=1 → 1+3, but their MLP inputs are far apart (distance 0.3);
+    # the runner-up l=2 → 2+1 has close MLP inputs (distance 0.05).
+    s_l[1, 4] = s_l[4, 1] = 0.99
+    s_m[1, 4] = s_m[4, 1] = 0.70
+    s_l[2, 3] = s_l[3, 2] = 0.98
+    s_m[2, 3] = s_m[3, 2] = 0.95
+    return s_l, s_m
+
+
+def test_choose_fusion_takes_the_first_pair_by_s_layer_whose_mlp_inputs_are_close():
+    s_l, s_m = synthetic()
+    c = choose_fusion(s_l, s_m, delta=0.1, max_fused=8)
+    assert (c.layer, c.n_fused) == (2, 1)
+    assert c.fused_layers == [3]
+    assert c.s_layer == pytest.approx(s_l[2, 3]) and c.s_mlp == pytest.approx(s_m[2, 3])
+    assert c.rank == 1 and c.candidates[0]["layer"] == 1 and not c.candidates[0]["admitted"]
+    # δ above the best pair's distance (0.3) admits it; the condition is strict
+    loose = choose_fusion(s_l, s_m, delta=0.31, max_fused=8)
+    assert (loose.layer, loose.n_fused, loose.rank) == (1, 3, 0)
+    at = choose_fusion(s_l, s_m, delta=1 - 0.70, max_fused=8)
+    assert (at.layer, at.n_fused) == (2, 1)
+    # max_fused excludes the n = 3 pair, so even a loose δ cannot pick it
+    capped = choose_fusion(s_l, s_m, delta=0.5, max_fused=2)
+    assert (capped.layer, capped.n_fused) == (2, 1) and max(d["n_fused"] for d in capped.candidates) == 2
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("delta,max_fused", [(0.05, 8), (0.2, 3), (0.35, 1), (2.0, 6)])
+def test_choose_fusion_matches_a_plain_loop(seed, delta, max_fused):
+    s_l, s_m = synthetic(L=9, seed=seed)
+    l, n, pairs = reference_choice(s_l, s_m, delta, max_fused)
+    if l is None:
+        with pytest.raises(ConversionError, match="δ >"):
+            choose_fusion(s_l, s_m, delta, max_fused)
+        return
+    c = choose_fusion(s_l, s_m, delta, max_fused)
+    assert (c.layer, c.n_fused) == (l, n)
+    assert [(d["layer"], d["n_fused"]) for d in c.candidates] == pairs
+
+
+def test_choose_fusion_error_names_the_delta_that_admits_the_best_pair():
+    s_l, s_m = synthetic()
+    with pytest.raises(ConversionError, match=r"δ > 0\.3000 would admit it"):
+        choose_fusion(s_l, s_m, delta=0.001, max_fused=8)
+
+
+def test_choose_fusion_with_given_layer_or_pair():
+    s_l, s_m = synthetic()
+    c = choose_fusion(s_l, s_m, delta=0.01, max_fused=8, layer=1, n_fused=3)  # given: no δ test
+    assert (c.layer, c.n_fused, c.rank) == (1, 3, None) and c.s_mlp == pytest.approx(0.70)
+    only_l1 = choose_fusion(s_l, s_m, delta=1.0, max_fused=8, layer=1)
+    assert only_l1.layer == 1 and all(d["layer"] == 1 for d in only_l1.candidates)
+    only_n2 = choose_fusion(s_l, s_m, delta=1.0, max_fused=8, n_fused=2)
+    assert only_n2.n_fused == 2 and all(d["n_fused"] == 2 for d in only_n2.candidates)
+    with pytest.raises(ConversionError, match="square matrices"):
+        choose_fusion(s_l[:, :3], s_m, 0.1, 8)
+
+
+# ------------------------------------------------------------------ parameters
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"delta": 0.0}, "δ must be in"),
+        ({"delta": float("nan")}, "δ must be in"),
+        ({"layer": 2}, r"l\* must be in \[0, 1\]"),
+        ({"layer": -1}, r"l\* must be in"),
+        ({"n_fused": 0}, "at least 1"),
+        ({"layer": 1, "n_fused": 2}, "must be < n_layers = 3"),
+        ({"max_fused": 0}, "cap on n"),
+        ({"own_copies": 0}, "N .copies"),
+        ({"fused_copies": 0}, "plain layer pruning"),
+        ({"top_k": 0}, "at least one expert"),
+        ({"layer": 0, "n_fused": 1, "top_k": 3}, "exceeds the 2 experts"),
+        ({"layer": 1, "top_k": 3}, "exceeds the 2 experts"),
+        ({"combine": "mean"}, "use one of"),
+        ({"seed": -1}, "non-negative"),
+        ({"method": "cmoe"}, "must be 'dense2moe'"),
+    ],
+)
+def test_bad_params_raise_a_conversion_error(change, message):
+    with pytest.raises(ConversionError, match=message):
+        dataclasses.replace(Dense2MoEParams(), **change).validate(3)
+
+
+def test_params_round_trip_and_unknown_keys():
+    p = Dense2MoEParams(delta=0.2, layer=3, n_fused=2, own_copies=2, top_k=3, combine="normalized", seed=4)
+    assert Dense2MoEParams.from_dict(p.to_dict()) == p and p.to_dict()["method"] == "dense2moe"
+    with pytest.raises(ConversionError, match="unknown dense2moe parameters"):
+        Dense2MoEParams.from_dict({**p.to_dict(), "alpha": 1})
+    Dense2MoEParams(top_k=9, fused_copies=1, own_copies=1).validate(30)  # n* ≤ 8 may give 9 experts
+
+
+def test_needs_a_profile_unless_the_pair_is_given(tiny_model, data_dir):
+    with pytest.raises(ConversionError, match="needs a profile"):
+        fuse_model(load(tiny_model, data_dir, "llama"), Dense2MoEParams(layer=0), None)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "olmo2"])
+def test_refuses_blocks_that_normalise_the_mlp_output(tiny_model, data_dir, family):
+    with pytest.raises(ConversionError, match="post_feedforward_layernorm"):
+        fuse_model(load(tiny_model, data_dir, family), Dense2MoEParams(layer=0, n_fused=1), None)
+
+
+# ------------------------------------------------------------------ structure and counts
+
+
+@pytest.mark.parametrize(
+    "family,layer,n,N,M,k",
+    [("llama", 0, 2, 2, 1, 2), ("qwen3", 1, 1, 1, 2, 2), ("phi3", 0, 1, 2, 2, 3), ("gemma", 0, 1, 1, 1, 1),
+     ("mistral", 1, 1, 3, 1, 4)],
+)
+def test_layer_and_parameter_counts_follow_eq6(tiny_model, data_dir, family, layer, n, N, M, k):
+    adapter = load(tiny_model, data_dir, family)
+    L, d, d_ffn = adapter.n_layers, adapter.d_model, adapter.d_ffn
+    blocks = decoder_layers(adapter.model)
+    block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    weights = [(lay.gate_weight().clone(), lay.up_weight().clone(), lay.down_weight().clone()) for lay in adapter.layers]
+    dense_total = sum(p.numel() for p in {id(p): p for p in adapter.model.parameters()}.values())
+    kept_blocks = [b for i, b in enumerate(blocks) if not layer < i <= layer + n]
+
+    moe, rec = fuse_model(adapter, Dense2MoEParams(layer=layer, n_fused=n, own_copies=N, fused_copies=M, top_k=k), None)
+
+    E, P_mlp = N + n * M, 3 * d * d_ffn
+    total = dense_total - sum(block_params[layer + 1 : layer + n + 1]) + (E - 1) * P_mlp + E * d  # + router W_g
+    active = total - (E - k) * P_mlp
+    s = rec["summary"]
+    assert (s["dense_total_params"], s["total_params"], s["active_params"]) == (dense_total, total, active)
+    assert parameter_counts(moe) == {"total": total, "active": active}
+    assert (s["layers_before"], s["layers_after"], s["n_layers"]) == (L, L - n, L - n)
+    assert s["removed_layers"] == list(range(layer + 1, layer + n + 1)) and s["n_experts"] == E
+
+    new_blocks = decoder_layers(moe.model)
+    assert list(new_blocks) == kept_blocks and moe.config.base_config.num_hidden_layers == L - n
+    assert [b.self_attn.layer_idx for b in new_blocks] == list(range(L - n))
+    assert [r["kind"] for r in rec["layers"]] == ["fused" if i == layer else "dense" for i in range(L - n)]
+    assert [r["source_layer"] for r in rec["layers"]] == [i for i in range(L) if not layer < i <= layer + n]
+    assert list(moe.moe_modules()) == [layer]
+    assert [e["kind"] for e in moe.config.moe_layers] == ["moe" if i == layer else "dense" for i in range(L - n)]
+
+    ffn = moe.moe_modules()[layer]
+    sources = [layer] * N + [j for j in range(layer + 1, layer + n + 1) for _ in range(M)]
+    assert ffn.spec["expert_source_layers"] == sources and ffn.d_shared == 0 and ffn.router == "softmax"
+    for e, src in enumerate(sources):  # expert e is an exact copy of MLP^(src)
+        g, u, dn = weights[src]
+        assert torch.equal(ffn.experts_gate[e], g) and torch.equal(ffn.experts_up[e], u)
+        assert torch.equal(ffn.experts_down[e], dn)
+
+
+# ------------------------------------------------------------------ Eq. 6 by hand
+
+
+def hand_composition(model, ids, layer: int, n: int) -> torch.Tensor:
+    """x → blocks < l* → block l*'s attention → h → h + Σ_{j=l*..l*+n*} MLP^(j)(norm_l*(h))
+    → blocks > l*+n* → final norm → LM head, calling the dense model's own modules."""
+    body = model.model
+    T = ids.shape[1]
+    x = body.embed_tokens(ids)
+    pos = torch.arange(T)[None]
+    pe = body.rotary_emb(x, pos)
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+
+    def run(block, x):
+        out = block(x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
+        return out[0] if isinstance(out, tuple) else out
+
+    blocks = body.layers
+    for i in range(layer):
+        x = run(blocks[i], x)
+    b = blocks[layer]
+    attn = b.self_attn(b.input_layernorm(x), attention_mask=mask, position_ids=pos, position_embeddings=pe)[0]
+    h = x + attn
+    u = b.post_attention_layernorm(h)
+    x = h + sum(blocks[j].mlp(u) for j in range(layer, layer + n + 1))
+    for i in range(layer + n + 1, len(blocks)):
+        x = run(blocks[i], x)
+    return model.lm_head(body.norm(x))
+
+
+@pytest.mark.parametrize("family,layer,n", [("llama", 0, 1), ("qwen3", 0, 2), ("phi3", 1, 1)])
+def test_all_experts_summed_equal_the_hand_computed_eq6(tiny_model, data_dir, family, layer, n):
+    reference = load(tiny_model, data_dir, family).model
+    with torch.no_grad():
+        expected = hand_composition(reference, IDS, layer, n)
+    dense = logits(reference)
+    params = Dense2MoEParams(layer=layer, n_fused=n, top_k=n + 1, combine="sum")
+    moe, _ = fuse_model(load(tiny_model, data_dir, family), params, None)
+    got = logits(moe)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert (got - dense).abs().max() > 1e-3  # the removed attention really is gone
+
+
+# ------------------------------------------------------------------ runtime, export, generation
+
+
+def sliding_qwen3():
+    """4 blocks: full, full, sliding, sliding (window 4) - the kept blocks keep their type."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config(
+        vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, use_sliding_window=True,
+        sliding_window=4, max_window_layers=2,
+    )
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    assert model.config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
+    return adapt(model)
+
+
+def check_cache_and_reload(moe, tmp_path, record):
+    """Incremental decoding with the KV cache == full forward; export → reload: same logits."""
+    full = logits(moe)
+    with torch.no_grad():
+        out = moe(IDS[:, :-3], use_cache=True)
+        cache = out.past_key_values
+        steps = []
+        for t in range(IDS.shape[1] - 3, IDS.shape[1]):
+            o = moe(IDS[:, t : t + 1], past_key_values=cache, use_cache=True)
+            cache = o.past_key_values
+            steps.append(o.logits[:, -1])
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, -3:], rtol=1e-4, atol=1e-5)
+    gen = moe.generate(IDS, max_new_tokens=6, do_sample=False)
+    gen_nocache = moe.generate(IDS, max_new_tokens=6, do_sample=False, use_cache=False)
+    assert gen.shape == (1, IDS.shape[1] + 6) and torch.equal(gen, gen_nocache)
+
+    export_model(moe, tmp_path / "fused", None, record)
+    loaded = load_exported(tmp_path / "fused")
+    assert torch.equal(logits(loaded), full)
+    assert torch.equal(loaded.generate(IDS, max_new_tokens=6, do_sample=False), gen)
+    return loaded
+
+
+def test_export_reload_and_generate_llama(tiny_model, data_dir, tmp_path):
+    adapter = load(tiny_model, data_dir, "llama")
+    moe, rec = fuse_model(adapter, Dense2MoEParams(layer=0, n_fused=1, own_copies=2, top_k=2), None)
+    picked = []
+    moe.set_recorder(lambda i: lambda idx: picked.append((i, idx.clone())))
+    loaded = check_cache_and_reload(moe, tmp_path, rec)
+    moe.set_recorder(None)
+    assert picked and {i for i, _ in picked} == {0}
+    assert picked[0][1].shape == (*IDS.shape, 2) and picked[0][1].max() < 3
+    assert len(decoder_layers(loaded.model)) == 2 and loaded.config.base_config.num_hidden_layers == 2
+
+
+def test_sliding_layer_types_follow_their_blocks(tmp_path):
+    adapter = sliding_qwen3()
+    moe, rec = fuse_model(adapter, Dense2MoEParams(layer=1, n_fused=2, top_k=2, combine="normalized"), None)
+    assert moe.config.base_config.layer_types == ["full_attention", "full_attention"]
+    loaded = check_cache_and_reload(moe, tmp_path, rec)
+    assert loaded.config.base_config.layer_types == ["full_attention", "full_attention"]
+
+
+def test_sliding_layer_types_mixed(tmp_path):
+    adapter = sliding_qwen3()
+    moe, rec = fuse_model(adapter, Dense2MoEParams(layer=0, n_fused=2, top_k=3, combine="weighted"), None)
+    assert moe.config.base_config.layer_types == ["full_attention", "sliding_attention"]
+    assert [b.self_attn.sliding_window for b in decoder_layers(moe.model)] == [None, 4]
+    loaded = check_cache_and_reload(moe, tmp_path, rec)
+    assert loaded.config.base_config.layer_types == ["full_attention", "sliding_attention"]
+
+
+def test_remove_decoder_layers_refuses_unknown_per_layer_config(tiny_model, data_dir):
+    model = load(tiny_model, data_dir, "llama").model
+    model.config.mlp_only_layers = [1]
+    with pytest.raises(ConversionError, match="mlp_only_layers"):
+        remove_decoder_layers(model, [1])
+    with pytest.raises(ConversionError, match="out of range"):
+        remove_decoder_layers(model, [3])
+
+
+# ------------------------------------------------------------------ normalized combine (MoeFFN)
+
+
+@pytest.mark.parametrize("dispatch", ["loop", "padded"])
+def test_normalized_combine_weights_the_selected_experts_by_their_own_softmax(dispatch):
+    g = torch.Generator().manual_seed(0)
+    E, m, d, k = 5, 8, 16, 2
+    spec = {"kind": "moe", "d_model": d, "act": "silu", "n_experts": E, "expert_size": m, "top_k": k,
+            "router": "softmax", "combine": "normalized", "dispatch": dispatch}
+    mod = MoeFFN(spec)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    x = torch.randn(3, 7, d, generator=g)
+    with torch.no_grad():
+        y = mod(x)
+        xt = x.reshape(-1, d)
+        s = xt @ mod.router_weight.T
+        top = s.topk(k, dim=-1)
+        w = torch.softmax(top.values, dim=-1)
+        ref = torch.zeros_like(xt)
+        for t in range(xt.shape[0]):
+            for j in range(k):
+                e = top.indices[t, j]
+                h = F.silu(mod.experts_gate[e] @ xt[t]) * (mod.experts_up[e] @ xt[t])
+                ref[t] += w[t, j] * (mod.experts_down[e] @ h)
+    torch.testing.assert_close(y.reshape(-1, d), ref, rtol=1e-4, atol=1e-5)
+    assert MoeFFN(mod.spec).combine == "normalized"
+
+
+# ------------------------------------------------------------------ with a real (tiny) profile
+
+
+def test_fusion_chosen_from_a_profile(tiny_model, data_dir, tmp_path):
+    from workers.engine.calibration import CalibrationSet, Sample
+    from workers.engine.profile_store import StoredProfile, write_profile
+    from workers.engine.profiling import ProfileSettings, profile_model
+
+    words = "river stone cloud alpha beta gamma sigma omega lambda kappa".split()
+    texts = [" ".join(words[(i + j) % len(words)] for j in range(20 + 3 * i)) for i in range(6)]
+    cset = CalibrationSet(name="t", samples=[Sample(text=t, task=f"t{i % 2}") for i, t in enumerate(texts)], source="test")
+    adapter = load(tiny_model, data_dir, "llama")
+    settings = ProfileSettings(max_tokens=32, batch_tokens=256, atopk_k=4, feature_tokens=256, hist_bins=11)
+    prof = StoredProfile.open(write_profile(profile_model(adapter, cset, settings), cset, tmp_path / "p"))
+    s_l, s_m = prof.similarity("outputs"), prof.similarity("mlp_inputs")
+    l, n, _ = reference_choice(s_l, s_m, 2.0, 8)
+
+    moe, rec = fuse_model(adapter, Dense2MoEParams(delta=2.0, top_k=1), prof)
+    s = rec["summary"]
+    assert (s["fused_layer"], s["n_fused"], s["chosen"]) == (l, n, True)
+    assert s["s_layer"] == pytest.approx(float(s_l[l, l + n])) and s["distance"] == pytest.approx(1 - float(s_m[l, l + n]))
+    assert rec["fusion"]["candidates"][rec["fusion"]["rank"]]["layer"] == l
+    assert rec["layers"][l]["s_mlp_fused"] == pytest.approx([float(s_m[l, j]) for j in range(l + 1, l + n + 1)])
+    assert rec["params"] == Dense2MoEParams(delta=2.0, top_k=1).to_dict() and rec["timings"]["total_s"] > 0
+
+    tight = float((1 - s_m[np.triu_indices(len(s_m), 1)]).min()) / 2  # below every pair's distance
+    with pytest.raises(ConversionError, match="would admit it"):
+        fuse_model(load(tiny_model, data_dir, "llama"), Dense2MoEParams(delta=tight), prof)

@@ -1,0 +1,337 @@
+"""Recovery fine-tuning (CM §3.3, EW Eqs. 11-12, MI Alg. 1, D2 §2) on tiny random-weight models.
+
+Conversions are made once per module from a tiny profiled Llama; every run trains a few steps
+on a short, repetitive text (learnable in a few steps) and measures perplexity on two held-out
+windows, so the whole file stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.engine.test_profiling import make_set
+from workers.engine.allocation import AllocationParams
+from workers.engine.checkpoint import list_checkpoints, load_checkpoint
+from workers.engine.conversion import ConversionParams
+from workers.engine.dense2moe import Dense2MoEParams
+from workers.engine.export import load_exported
+from workers.engine.finetune import (
+    EW_INIT_LOGIT_STD, FinetuneError, FinetuneParams, RoutingTap, apply_mode, load_balancing_loss,
+    load_conversion_for_training, merge_adapters, read_train_log, run_finetune, to_softmax_router,
+    update_router_bias, window_indices,
+)
+from workers.engine.modeling_moelab import MoeFFN
+from workers.engine.models import load_model
+from workers.engine.profile_store import write_profile
+from workers.engine.profiling import ProfileSettings, profile_model
+from workers.engine.progress import Cancelled, Progress
+from workers.engine.runs import run_conversion
+
+CPU = torch.device("cpu")
+IDS = torch.tensor([[1, 17, 256, 999, 42, 5, 77, 3001, 12, 640, 8, 91, 2048, 33, 7, 400]])
+
+
+@pytest.fixture(scope="module")
+def convs(tiny_model, data_dir, tmp_path_factory):
+    """Exported tiny conversions: cmoe (representative router), expertweaver (centroid),
+    dense2moe (layers 0+1 fused, softmax router) and, once MIDAS exists, midas."""
+    root = tmp_path_factory.mktemp("ft-convs")
+    model_dir = tiny_model("llama")
+    adapter = load_model(str(model_dir), data_dir=data_dir)
+    cset = make_set(n=24, tasks=4, seed=5)
+    res = profile_model(adapter, cset, ProfileSettings(max_tokens=48, batch_tokens=192, atopk_k=8))
+    prof = write_profile(res, cset, root / "prof")
+    out = {}
+    plans = {
+        "cmoe": ConversionParams(AllocationParams(method="cmoe", shared=2, active=2, n_experts=8)),
+        "expertweaver": ConversionParams(AllocationParams(n_experts=8, sparsity=0.25, alpha_min=0.2, alpha_max=0.5, tau=0.3)),
+        "dense2moe": Dense2MoEParams(layer=0, n_fused=1, own_copies=2, fused_copies=1, top_k=1),
+    }
+    for name, params in plans.items():
+        run_conversion(prof, params, root / name, data_dir=data_dir)
+        out[name] = root / name
+    return out
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    """A short repetitive training text: a few steps visibly lower its loss."""
+    path = tmp_path_factory.mktemp("ft-text") / "train.jsonl"
+    line = "the cat sat on the mat and the dog sat on the log. "
+    path.write_text("".join(json.dumps({"text": line * 6}) + "\n" for _ in range(12)))
+    return str(path)
+
+
+def quick(mode: str, source: str, **kw) -> FinetuneParams:
+    base = dict(mode=mode, steps=4, batch_size=2, seq_len=32, lr=1e-2, router_lr=1e-2, lora_rank=4,
+                lora_alpha=8.0, checkpoint_every=100, source=source, eval_source="builtin:mixed", eval_windows=2)
+    return FinetuneParams(**{**base, **kw})
+
+
+def logits(model, ids=IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def trainable(model) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"mode": "adam"}, "mode"), ({"steps": 0}, "steps"), ({"lr": 0.0}, "lr"), ({"router_lr": float("nan")}, "router_lr"),
+    ({"lb_coef": -1.0}, "lb_coef"), ({"seq_len": 4}, "seq_len"), ({"lora_rank": 0}, "lora_rank"),
+    ({"source": "  "}, "source"), ({"source": "/data/set", "eval_source": None}, "eval_source"),
+    ({"checkpoint_every": 0}, "checkpoint_every"), ({"batch_size": 2.5}, "batch_size"),
+])
+def test_bad_params_say_what_to_fix(change, words):
+    with pytest.raises(FinetuneError, match=words):
+        FinetuneParams(**change).validate()
+
+
+def test_params_round_trip_and_unknown_keys():
+    p = FinetuneParams(mode="expertweaver", steps=7, lb_coef=0.02, eval_source="builtin:code")
+    p.validate()
+    assert FinetuneParams.from_dict(p.to_dict()) == p
+    assert FinetuneParams(mode="cmoe", lb_coef=0.5).lb_used == 0.0  # CMoE balances with b instead
+    FinetuneParams(mode="expertweaver", lora_rank=0).validate()  # router-only EW is allowed
+    with pytest.raises(FinetuneError, match="unknown fine-tuning parameters"):
+        FinetuneParams.from_dict({**p.to_dict(), "epochs": 3})
+
+
+# ----------------------------------------------------------------------------- equations
+
+
+def test_load_balancing_loss_is_eq12_on_a_hand_example():
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3]])
+    selected = torch.tensor([[0, 1], [1, 2]])
+    # f = (1/4, 2/4, 1/4) of the four selections; P = column means (0.4, 0.4, 0.2)
+    expected = 3 * (0.25 * 0.4 + 0.5 * 0.4 + 0.25 * 0.2)
+    assert float(load_balancing_loss(probs, selected, 3)) == pytest.approx(expected, rel=1e-6)
+    uniform = torch.full((4, 4), 0.25)
+    assert float(load_balancing_loss(uniform, torch.tensor([[0], [1], [2], [3]]), 4)) == pytest.approx(1.0)
+    p = probs.clone().requires_grad_(True)
+    load_balancing_loss(p, selected, 3).backward()  # the gradient reaches P only: 3·f_i/T
+    torch.testing.assert_close(p.grad, torch.tensor([[0.375, 0.75, 0.375]] * 2))
+
+
+def test_bias_update_direction():
+    b = torch.zeros(4)
+    update_router_bias(b, torch.tensor([6, 2, 3, 1]), 1e-3)  # p = .5 .17 .25 .08 vs p* = .25
+    assert b.tolist() == pytest.approx([-1e-3, 1e-3, 0.0, 1e-3])
+    update_router_bias(b, torch.tensor([5, 5, 5, 5]), 1e-3)  # balanced: unchanged
+    assert b.tolist() == pytest.approx([-1e-3, 1e-3, 0.0, 1e-3])
+
+
+def random_moe(router: str, combine: str = "sum", seed: int = 0) -> MoeFFN:
+    g = torch.Generator().manual_seed(seed)
+    d, f = 32, 48
+    w = [torch.randn(f, d, generator=g) * 0.2, torch.randn(f, d, generator=g) * 0.2, torch.randn(d, f, generator=g) * 0.2]
+    routed = torch.arange(8, 48).reshape(8, 5)
+    return MoeFFN.from_dense(*w, "silu", torch.arange(8), routed, top_k=3, router=router, combine=combine)
+
+
+@pytest.mark.parametrize("router", ["representative", "centroid", "gate_mass"])
+def test_scaled_combine_with_zero_u_and_b_is_the_sum_model(router):
+    mod = random_moe(router)
+    x = torch.randn(2, 50, 32, generator=torch.Generator().manual_seed(1))
+    picks = {}
+    mod.recorder = lambda idx: picks.__setitem__("sum", idx.sort(-1).values)
+    ref = mod(x)
+    mod.use_scaled_combine()
+    mod.recorder = lambda idx: picks.__setitem__("scaled", idx.sort(-1).values)
+    assert mod.spec["combine"] == "scaled" and float(mod.router_scale.abs().sum()) == 0
+    assert torch.equal(mod(x), ref), "CM §3.3: u = b = 0 must not perturb the training-free model"
+    assert torch.equal(picks["sum"], picks["scaled"])
+    # b shifts the selection (TopK(s' + b)); u scales the selected experts (1 + s'·u)
+    with torch.no_grad():
+        mod.router_bias[5] = 2.0
+    mod(x)
+    assert bool((picks["scaled"] == 5).any(-1).all()), "a large b_5 puts expert 5 in every token's top-k"
+    with torch.no_grad():
+        mod.router_bias.zero_()
+        mod.router_scale.fill_(0.5)
+    assert not torch.allclose(mod(x), ref)
+    # the spec rebuilds the module, u and b included
+    again = MoeFFN(mod.spec)
+    again.load_state_dict(mod.state_dict())
+    assert torch.equal(again(x), mod(x)) and "router_bias" in mod.state_dict()
+
+
+def test_ew_router_init_keeps_topk_and_starts_near_the_sum_model():
+    mod = random_moe("centroid")
+    x = torch.randn(200, 32, generator=torch.Generator().manual_seed(2))
+    z = x @ mod.router_weight.detach().t()
+    beta = EW_INIT_LOGIT_STD / float(z.std(-1).mean())
+    new = to_softmax_router(mod, beta)
+    assert (new.router, new.combine) == ("softmax", "weighted")
+    picks = []
+    for m in (mod, new):
+        m.recorder = lambda idx: picks.append(idx.sort(-1).values)
+        m(x)
+    assert torch.equal(picks[0], picks[1]), "β > 0 keeps the TopK order of the centroid router"
+    gates = new.n_experts * torch.softmax(x @ new.router_weight.detach().t(), -1)
+    assert 0.7 < float(gates.min()) and float(gates.max()) < 1.4  # N_e·softmax(β z) ≈ 1
+    rel = float((new(x) - mod(x)).norm() / mod(x).norm())
+    assert rel < 0.1
+
+
+def test_window_order_is_a_seeded_permutation_per_epoch():
+    order = [int(i) for c in range(0, 10, 2) for i in window_indices(c, 2, 5, seed=3)]
+    assert sorted(order[:5]) == list(range(5)) and sorted(order[5:]) == list(range(5))
+    assert order == [int(i) for c in range(0, 10, 5) for i in window_indices(c, 5, 5, seed=3)], "batch size does not matter"
+    assert order[:5] != order[5:], "each epoch is reshuffled"
+
+
+# ----------------------------------------------------------------------------- modes
+
+
+def test_mode_parameter_selection(convs):
+    x = IDS[:, :8]
+    moe = load_conversion_for_training(convs["cmoe"], CPU)
+    ref = logits(moe)
+    setup = apply_mode(moe, quick("cmoe", "builtin:mixed"), x)
+    names = trainable(setup.model)
+    assert names and all("lora_" in n or n.endswith("router_scale") for n in names)
+    assert sum(n.endswith("router_scale") for n in names) == 3  # u of every layer; router weights frozen
+    assert any(".self_attn.q_proj.lora_A" in n for n in names) and any("shared_gate.lora_A" in n for n in names)
+    assert any(n.endswith("mlp.lora_A.default.weight") for n in names), "routed experts (3-D) get LoRA too"
+    assert len(setup.buffers) == 3 and all(k.endswith("router_bias") for k in setup.buffers)
+    assert torch.equal(logits(setup.model), ref), "u = b = 0 and LoRA B = 0: the model is unchanged"
+
+    moe = load_conversion_for_training(convs["expertweaver"], CPU)
+    setup = apply_mode(moe, quick("expertweaver", "builtin:mixed"), x)
+    names = trainable(setup.model)
+    assert all("lora_" in n or n.endswith("router_weight") for n in names)
+    assert sum(n.endswith("router_weight") for n in names) == len(setup.modules)
+    assert all((m.router, m.combine) == ("softmax", "weighted") for m in setup.modules.values())
+    assert setup.changes_function
+
+    moe = load_conversion_for_training(convs["dense2moe"], CPU)
+    setup = apply_mode(moe, quick("dense2moe", "builtin:mixed"), x)
+    assert setup.model is moe, "dense2moe trains routers only: no adapters"
+    assert trainable(moe) == {f"model.model.layers.{i}.mlp.router_weight" for i in setup.modules}
+
+    with pytest.raises(FinetuneError, match="lowrank_moe"):
+        apply_mode(load_conversion_for_training(convs["cmoe"], CPU), quick("midas", "builtin:mixed"), x)
+
+
+def test_lb_loss_reaches_the_router(convs):
+    moe = load_conversion_for_training(convs["expertweaver"], CPU)
+    setup = apply_mode(moe, quick("expertweaver", "builtin:mixed", lora_rank=0), IDS)
+    tap = RoutingTap(setup.modules, with_lb=True)
+    setup.model(input_ids=IDS, use_cache=False)
+    aux = tap.aux_loss()
+    assert aux is not None and len(tap.terms) == len(tap.modules)
+    assert abs(float(aux) - 1.0) < 0.1, "near-uniform initial probabilities (β-scaled router): L_LB ≈ Σ f_i = 1"
+    aux.backward()
+    w = next(iter(setup.modules.values())).router_weight
+    assert w.grad is not None and float(w.grad.abs().sum()) > 0
+    tap.close()
+    assert all(m.recorder is None for m in setup.modules.values())
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def cancel_after(step: int) -> Progress:
+    """Cancel requested when ``step`` is reported, honoured at the next report (step + 1)."""
+    seen = {"stop": False}
+
+    def callback(stage, current, total):
+        if stage == "train" and current >= step:
+            seen["stop"] = True
+
+    return Progress(callback=callback, should_cancel=lambda: seen["stop"])
+
+
+@pytest.fixture(scope="module")
+def cmoe_run(convs, text, data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ft-run") / "full"
+    params = quick("cmoe", text, steps=6)
+    summary = run_finetune(convs["cmoe"], params, out, data_dir=data_dir, device="cpu")
+    return params, out, summary
+
+
+def test_training_lowers_the_loss_and_reports(cmoe_run):
+    params, out, summary = cmoe_run
+    log = read_train_log(out)
+    losses = [s["ntp_loss"] for s in log["steps"]]
+    assert [s["step"] for s in log["steps"]] == list(range(1, 7)) and log["status"] == "done"
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.1, losses
+    assert log["steps"][-1]["tokens"] == 6 * 2 * 32 == summary["tokens"]
+    assert all(s["aux_loss"] is None for s in log["steps"]), "cmoe balances with b, not Eq. 12"
+    assert summary["perplexity_start"] == summary["perplexity_before"]
+    for key in ("perplexity_before", "perplexity_after", "dense_perplexity", "peak_rss_mib", "train_s"):
+        assert math.isfinite(summary[key]) and summary[key] > 0
+    assert json.loads((out / "finetune.json").read_text()) == summary
+    assert [s for s, _ in list_checkpoints(out / "checkpoints")] == [6]
+    biases = [t for k, t in load_checkpoint(out / "checkpoints" / "step-000006").tensors.items() if k.endswith("router_bias")]
+    assert len(biases) == 3 and any(float(b.abs().sum()) > 0 for b in biases), "b moved by ±γ"
+
+
+def test_export_reloads_with_the_trained_logits(cmoe_run, convs):
+    params, out, summary = cmoe_run
+    record = json.loads((out / "model" / "conversion.json").read_text())
+    assert record["finetune"]["params"] == params.to_dict() and record["finetune"]["steps"] == 6
+    assert record["finetune"]["perplexity_after"] == summary["perplexity_after"]
+    assert record["summary"]["total_params"] == summary["total_params"]
+    # the in-memory trained model: the conversion, the mode, the final checkpoint, merged
+    moe = load_conversion_for_training(convs["cmoe"], CPU)
+    setup = apply_mode(moe, params, IDS)
+    ckpt = load_checkpoint(out / "checkpoints" / "step-000006")
+    with torch.no_grad():
+        for name, t in setup.state_tensors().items():
+            t.copy_(ckpt.tensors[name])
+    trained = logits(setup.model)
+    merged = merge_adapters(setup)
+    assert torch.allclose(logits(merged), trained, atol=1e-5)
+    reloaded = load_exported(out / "model")
+    assert all(m.spec["combine"] == "scaled" for m in reloaded.moe_modules().values())
+    assert torch.equal(logits(reloaded), logits(merged))
+
+
+def test_cancel_then_resume_equals_an_uninterrupted_run(cmoe_run, convs, data_dir, tmp_path_factory):
+    params, full, _ = cmoe_run
+    out = tmp_path_factory.mktemp("ft-resume") / "run"
+    with pytest.raises(Cancelled):
+        run_finetune(convs["cmoe"], params, out, data_dir=data_dir, device="cpu", progress=cancel_after(3))
+    log = read_train_log(out)
+    assert log["status"] == "cancelled" and len(log["steps"]) == 4
+    assert [s for s, _ in list_checkpoints(out / "checkpoints")] == [4], "the last completed step is saved"
+    assert not (out / "model").exists()
+    with pytest.raises(FinetuneError, match="other parameters"):
+        run_finetune(convs["cmoe"], quick("cmoe", params.source, steps=7), out, data_dir=data_dir, device="cpu")
+    summary = run_finetune(convs["cmoe"], params, out, data_dir=data_dir, device="cpu")
+    a, b = read_train_log(full), read_train_log(out)
+    assert [s["loss"] for s in b["steps"]] == [s["loss"] for s in a["steps"]], "bit-identical losses"
+    assert b["resumed_at"] == [4]
+    wa, wb = load_file(str(full / "model" / "model.safetensors")), load_file(str(out / "model" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert summary["perplexity_after"] == a["perplexity_after"]
+
+
+def test_expertweaver_and_dense2moe_runs(convs, text, data_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ft-modes")
+    ew = run_finetune(convs["expertweaver"], quick("expertweaver", text, steps=3), root / "ew", data_dir=data_dir, device="cpu")
+    log = read_train_log(root / "ew")
+    assert all(s["aux_loss"] is not None and math.isfinite(s["aux_loss"]) for s in log["steps"])
+    assert ew["perplexity_start"] != ew["perplexity_before"]  # Eq. 11 changes the model (slightly)
+    assert abs(math.log(ew["perplexity_start"] / ew["perplexity_before"])) < 0.05
+    reloaded = load_exported(root / "ew" / "model")
+    assert {(m.router, m.combine) for m in reloaded.moe_modules().values()} == {("softmax", "weighted")}
+
+    d2 = run_finetune(convs["dense2moe"], quick("dense2moe", text, steps=3), root / "d2", data_dir=data_dir, device="cpu")
+    before = load_exported(convs["dense2moe"]).moe_modules()
+    after = load_exported(root / "d2" / "model").moe_modules()
+    (i, m0), = before.items()
+    assert not torch.equal(after[i].router_weight, m0.router_weight), "the router was trained"
+    assert torch.equal(after[i].experts_gate, m0.experts_gate), "…and nothing else"
+    assert d2["trainable_params"] == {"routers": m0.router_weight.numel()}

@@ -1,0 +1,51 @@
+"""The fine-tuning loss figure and its CSV rows are pure functions of the train-log payload."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from frontend import figures as F
+
+STEPS = [{"step": i, "loss": 4.0 - 0.5 * i, "ntp_loss": 3.9 - 0.5 * i, "aux_loss": 0.1 + 0.01 * i, "lr": 1e-4,
+          "tokens": 512 * i, "elapsed_s": 0.3 * i} for i in range(1, 5)]
+LOG = {"finetune_id": "ft-0123456789abcdef", "state": "running", "status": "running", "mode": "expertweaver", "total_steps": 10,
+       "n_steps": 4, "steps": STEPS, "aggregated": False, "perplexity_before": 41.25, "perplexity_after": None,
+       "dense_perplexity": 12.5, "result_conversion_id": None}
+
+
+def test_loss_curve_has_total_ntp_and_aux_loss_on_its_own_axis():
+    fig = F.finetune_loss(LOG)
+    assert isinstance(fig, go.Figure)
+    fig.to_json()
+    by_name = {t.name: t for t in fig.data}
+    assert set(by_name) == {"loss (total)", "next-token loss", "aux loss L_LB"}
+    assert list(by_name["loss (total)"].x) == [1, 2, 3, 4] and list(by_name["loss (total)"].y) == [3.5, 3.0, 2.5, 2.0]
+    assert by_name["aux loss L_LB"].yaxis == "y2" and by_name["loss (total)"].yaxis in (None, "y")
+    assert fig.layout.yaxis2.overlaying == "y"
+    title = fig.layout.title.text
+    assert "expertweaver" in title and "4/10 steps" in title and "perplexity 41.250 → …" in title and "dense 12.500" in title
+    assert "aggregated" not in title
+
+
+def test_loss_curve_without_aux_loss_or_ntp_split_has_one_trace_and_says_when_aggregated():
+    steps = [{"step": s["step"], "loss": s["loss"], "ntp_loss": s["loss"], "aux_loss": None} for s in STEPS]
+    fig = F.finetune_loss({**LOG, "steps": steps, "aggregated": True, "n_steps": 4000, "total_steps": 4000,
+                           "perplexity_before": None})
+    assert [t.name for t in fig.data] == ["loss (total)"]
+    assert "bucket means" in fig.layout.title.text and "4000/4000 steps" in fig.layout.title.text
+    assert "perplexity" not in fig.layout.title.text
+
+
+def test_empty_log_is_a_message_not_an_empty_chart():
+    fig = F.finetune_loss({**LOG, "steps": [], "n_steps": 0, "state": "queued"})
+    assert not fig.data and "no training step logged yet (job queued)" in fig.layout.annotations[0].text
+
+
+def test_summary_text_and_csv_rows():
+    assert F.finetune_summary_text({"perplexity_before": 41.25, "perplexity_after": 18.0, "dense_perplexity": None}) == \
+        "perplexity 41.250 → 18.000"
+    assert F.finetune_summary_text({"perplexity_before": None, "perplexity_after": None}) is None
+    rows = F.table("finetune-log", LOG)
+    assert len(rows) == 4 and rows[0] == {"step": 1, "loss": 3.5, "ntp_loss": 3.4, "aux_loss": 0.11, "lr": 1e-4, "tokens": 512,
+                                          "elapsed_s": 0.3}
+    assert F.csv_text(rows).splitlines()[0] == "step,loss,ntp_loss,aux_loss,lr,tokens,elapsed_s"

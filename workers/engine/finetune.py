@@ -1,0 +1,709 @@
+"""Recovery fine-tuning of a converted MoE: a short CPU-sized run that recovers quality.
+
+Every method's paper follows its conversion with training; each ``mode`` here follows one:
+
+``cmoe`` (CM §3.3, AF §4.3 Eq. 9)
+    Every ``MoeFFN`` switches to the ``scaled`` combine: ``s' = softmax(s)``, experts selected by
+    ``TopK(s' + b)``, gated ``g_i = 1 + s'_i·u_i``. ``u`` (init 0) is learnt at ``router_lr``;
+    ``b`` (init 0) gets no gradient: after every optimizer step ``b_i -= γ`` when expert i is
+    over-loaded (``p_i > p* = 1/N_r``, p_i its share of the step's top-k selections) and
+    ``b_i += γ`` when under-loaded (``bias_step`` = γ). Plus LoRA (``lr``) on attention q/k/v/o,
+    on the shared expert's Linears and on every routed expert (CM §4: "LoRA ... router scale
+    parameter (0.001) and other LoRA parameters (5.95e-5)"). The routers' own weights stay
+    frozen, as in CM §4. With ``u = b = 0`` the model is exactly the training-free one.
+    CMoE balances without an auxiliary loss (AF §4.3), so ``lb_coef`` is not used here.
+``expertweaver`` (EW §3.4.2, Eqs. 11-12)
+    Routers switch to the softmax router with weighted combine (Eq. 11,
+    ``y = E_shared(x) + Σ_{i∈TopK} g_i E_i(x)``, ``g = softmax(x W_router)``), initialised from
+    the expert centroids of the gate rows (EW Eq. 9: the conversion's own router weights when it
+    used the centroid router). Trained: routers (``router_lr``) + LoRA (``lr``) on attention and
+    experts, with ``L = L_NTP + λ·L_LB`` (Eq. 12, λ = ``lb_coef``). EW trains every weight
+    (continued pre-training on billions of tokens); on 2 CPU cores LoRA is what fits.
+``midas`` (MI App. A.1, Alg. 1 lines 12-15)
+    ``LowRankMoeFFN`` layers: the gating network G (``router``) at ``router_lr`` and LoRA on
+    attention q/k/v/o and on the experts' factors (``lr``); ``lb_coef`` adds Eq. 12 if > 0.
+``dense2moe`` (D2 §2.1, §3)
+    The fused ``MoeFFN`` layers' softmax routers (``router_weight``) at ``router_lr``, nothing
+    else, with Eq. 12 when ``lb_coef`` > 0. D2 fine-tunes the whole model on 180B tokens; the
+    randomly initialised router is the part that cannot work without training.
+
+Choices where the papers leave room (each tested in tests/engine/test_finetune.py):
+
+* **EW router initialisation.** Taken literally, Eq. 11 on a converted model multiplies every
+  routed expert by its probability (about 1/N_e): the model starts far worse than the
+  training-free conversion and a CPU-sized run cannot recover that. We initialise the softmax
+  router to ``β·W_centroid`` and multiply every routed expert's down projection by ``N_e``: the
+  TopK order is unchanged (β > 0), and with β small ``N_e·softmax(β·z) ≈ 1``, so training
+  starts from (nearly) the training-free model. β is set per layer from one batch of training
+  text so the router logits have a standard deviation of ``EW_INIT_LOGIT_STD`` across
+  experts. ``perplexity_start`` reports where training really starts.
+* **LoRA on stacked experts.** Routed experts are 3-D ``nn.Parameter`` tensors; peft's
+  ``target_parameters`` gives each expert its own rank-r adapter (``[E, r, in]``/``[E, out, r]``)
+  and merges them at export. Alpha scaling as peft's (``lora_alpha / r``).
+* **Eq. 12.** ``f_i`` = share of the layer's top-k selections that went to expert i (Σ f = 1),
+  ``P_i`` = mean router probability over the batch's tokens; ``L_LB`` is averaged over layers.
+* **Schedule.** AdamW (β = 0.9, 0.95 as CM §4; no weight decay), linear warm-up over the first
+  5% of steps, cosine decay to 10%; gradient norm clipped at 1.
+* **Data.** Training windows of ``seq_len`` tokens are cut from the calibration split of
+  ``source`` (samples joined by EOS, as ``evaluation.heldout_windows`` does on the held-out
+  split), shuffled per epoch with ``seed``; when the text runs out the next epoch reshuffles.
+  Perplexity is measured on the held-out split only (``eval_source``: default ``source``).
+
+``run_finetune`` loads the conversion with the engine's own ``MoelabForCausalLM`` (not the
+copy bundled in the conversion: training needs the current runtime's combine modes), trains,
+checkpoints (``checkpoint.py``: safetensors + JSON, atomic, last two kept, resumable bit for
+bit), merges the adapters and exports the result with ``export.export_model``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .atomic import write_json_atomic
+from .calibration import load_calibration
+from .checkpoint import CHECKPOINT_DIR, CheckpointError, latest_checkpoint, list_checkpoints, restore, save_checkpoint
+from .evaluation import heldout_windows, load_cv, perplexity
+from .export import CONVERSION_FILE, export_model
+from .modeling_moelab import MoeFFN, MoelabForCausalLM, convert_in_place, layer_spec, realign_parameters
+from .models import load_model, resolve_device
+from .param_count import parameter_counts
+from .progress import NO_PROGRESS, Cancelled, Progress
+
+Mode = Literal["cmoe", "expertweaver", "midas", "dense2moe"]
+MODES: tuple[str, ...] = ("cmoe", "expertweaver", "midas", "dense2moe")
+TRAIN_LOG = "train_log.json"
+SUMMARY_FILE = "finetune.json"
+MODEL_DIR = "model"
+
+#: Target std of the initial EW softmax-router logits across experts (see module docstring).
+EW_INIT_LOGIT_STD = 0.05
+#: Calibration samples loaded per training window needed (built-in sets; ~500 tokens a sample).
+_MAX_BUILTIN_SAMPLES = 4000
+_ATTENTION_PARTS = ("self_attn", "attention", "attn")
+#: Kinds of layer module that route tokens and can be trained here.
+ROUTED_KINDS = ("moe", "lowrank_moe")
+
+
+class FinetuneError(ValueError):
+    """The fine-tuning cannot run as asked; the message says what to change."""
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+@dataclass(frozen=True)
+class FinetuneParams:
+    """Hyper-parameters of a recovery fine-tune (see the module docstring for each mode).
+
+    Defaults follow CM §4 where it gives a value (LoRA rank 8, alpha 32, router-scale lr 1e-3,
+    γ = 1e-3) and are sized so the default model (SmolLM2-135M) trains in minutes on 2 CPU
+    cores (tests/benchmarks/bench_recovery.py).
+    """
+
+    mode: Mode = "cmoe"
+    steps: int = 200
+    batch_size: int = 4
+    seq_len: int = 256
+    lr: float = 5e-4  # LoRA (and expert) parameters
+    router_lr: float = 1e-3  # u (cmoe), router weights (expertweaver, midas, dense2moe)
+    lora_rank: int = 8
+    lora_alpha: float = 32.0
+    lb_coef: float = 0.01  # λ of EW Eq. 12; not used by cmoe (bias balancing instead)
+    bias_step: float = 1e-3  # γ of CM §3.3 / AF Eq. 9 (cmoe only)
+    checkpoint_every: int = 50
+    source: str = "builtin:mixed"
+    eval_source: str | None = None  # held-out text for perplexity; None: ``source`` (a built-in)
+    eval_windows: int = 16
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "FinetuneParams":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise FinetuneError(f"unknown fine-tuning parameters {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.mode != "dense2moe" and self.lora_rank > 0
+
+    @property
+    def lb_used(self) -> float:
+        """λ actually applied: CMoE balances with the bias b instead (AF §4.3)."""
+        return 0.0 if self.mode == "cmoe" else float(self.lb_coef)
+
+    def heldout_source(self) -> str:
+        return self.eval_source or self.source
+
+    def validate(self) -> None:
+        """Raise FinetuneError saying what to change."""
+        if self.mode not in MODES:
+            raise FinetuneError(f"mode={self.mode!r}: use one of {', '.join(MODES)}")
+        ints = {"steps": 1, "batch_size": 1, "seq_len": 8, "checkpoint_every": 1, "eval_windows": 1, "lora_rank": 0, "seed": 0}
+        for name, low in ints.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise FinetuneError(f"{name}={value!r}: use an integer ≥ {low}")
+        for name in ("lr", "router_lr", "lora_alpha"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise FinetuneError(f"{name}={value!r}: use a positive number")
+        for name in ("lb_coef", "bias_step"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise FinetuneError(f"{name}={value!r}: use a number ≥ 0 (0 switches it off)")
+        if self.mode in ("cmoe", "midas") and self.lora_rank == 0:
+            raise FinetuneError(f"mode {self.mode!r} trains LoRA adapters: use lora_rank ≥ 1")
+        if not isinstance(self.source, str) or not self.source.strip():
+            raise FinetuneError("source is empty: use builtin:NAME or a stored calibration set directory")
+        held = self.heldout_source()
+        if not held.startswith("builtin:"):
+            raise FinetuneError(
+                f"perplexity needs held-out text, which only built-in sets have; {held!r} has none: set eval_source "
+                "to a built-in set (e.g. builtin:mixed)"
+            )
+
+
+# --------------------------------------------------------------------------- data
+
+
+def training_windows(tokenizer: Any, data_dir: Path | None, source: str, seq_len: int, n_windows: int,
+                     seed: int = 0) -> torch.Tensor:
+    """``[n, seq_len]`` windows cut without overlap from the CALIBRATION split of ``source``
+    (samples joined by EOS). ``n ≤ n_windows``: the trainer cycles when the text runs out."""
+    samples = None
+    if source.startswith("builtin:"):
+        samples = int(min(_MAX_BUILTIN_SAMPLES, max(240, math.ceil(n_windows * seq_len / 400))))
+    cset = load_calibration(source, samples=samples, seed=seed, data_dir=data_dir, split="calibration")
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    ids = tokenizer([s.text for s in cset.samples], add_special_tokens=False)["input_ids"]
+    stream = np.concatenate([np.append(np.asarray(x, dtype=np.int64), eos) for x in ids])
+    n = min(n_windows, len(stream) // seq_len)
+    if n == 0:
+        raise FinetuneError(f"the training text of {source} ({len(stream)} tokens) is shorter than one {seq_len}-token window: "
+                            "lower seq_len or use more text")
+    return torch.from_numpy(stream[: n * seq_len].reshape(n, seq_len).copy())
+
+
+def window_indices(cursor: int, batch_size: int, n_windows: int, seed: int) -> np.ndarray:
+    """Indices of the windows at positions ``cursor … cursor+batch_size-1`` of the training order:
+    epoch e is a permutation seeded by (seed, e), so any position can be recomputed on resume."""
+    pos = np.arange(cursor, cursor + batch_size)
+    out = np.empty(batch_size, dtype=np.int64)
+    for epoch in np.unique(pos // n_windows):  # one or two epochs per batch
+        perm = np.random.default_rng([seed, int(epoch)]).permutation(n_windows)
+        sel = pos // n_windows == epoch
+        out[sel] = perm[pos[sel] % n_windows]
+    return out
+
+
+def lr_factor(step: int, steps: int) -> float:
+    """Linear warm-up over the first 5% of steps, then cosine decay to 10% (``step`` 0-based)."""
+    warmup = max(1, round(0.05 * steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+
+# --------------------------------------------------------------------------- routing statistics
+
+
+def load_balancing_loss(probs: torch.Tensor, selected: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """EW Eq. 12: ``L_LB = N_e · Σ_i f_i P_i`` for one layer.
+
+    ``probs`` ``[T, E]``: router probabilities (differentiable); ``selected`` ``[T, k]``: the
+    top-k expert ids. ``f_i`` = share of all T·k selections that chose expert i; ``P_i`` = mean
+    of ``probs[:, i]``. Equals 1 for perfectly balanced routing with uniform probabilities.
+    """
+    sel = selected.reshape(-1)
+    f = torch.bincount(sel, minlength=n_experts).to(probs.dtype) / max(1, sel.numel())
+    return n_experts * (f * probs.reshape(-1, n_experts).mean(0)).sum()
+
+
+@torch.no_grad()
+def update_router_bias(bias: torch.Tensor, counts: torch.Tensor, gamma: float) -> None:
+    """CM §3.3 / AF Eq. 9: ``b_i -= γ`` if expert i is over-loaded (``p_i > p* = 1/N_r``),
+    ``b_i += γ`` if under-loaded, unchanged at exactly p*; ``counts``: selections per expert."""
+    total = counts.sum()
+    if total <= 0:
+        return
+    p = counts.to(torch.float64) / total
+    bias += (gamma * torch.sign(1.0 / counts.numel() - p)).to(bias.dtype)
+
+
+def router_logits(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The logits whose softmax is the router probability P of EW Eq. 12, or None when the
+    module's routing has no such probabilities (centroid/representative/gate-mass scores)."""
+    w = getattr(module, "router_weight", None)
+    if isinstance(w, torch.Tensor) and getattr(module, "router", None) == "softmax":
+        return F.linear(x, w)
+    gate = getattr(module, "router", None)
+    if isinstance(gate, nn.Linear):  # MIDAS gating network G
+        return gate(x)
+    return None
+
+
+class RoutingTap:
+    """Collects, per training step, each routed layer's selections (via ``recorder``) and,
+    where the router has probabilities, its Eq. 12 term (via a forward hook)."""
+
+    def __init__(self, modules: dict[int, nn.Module], with_lb: bool):
+        self.modules = {i: m for i, m in modules.items() if 0 < m.top_k < m.n_experts}
+        self.with_lb = with_lb
+        self.counts: dict[int, torch.Tensor] = {}
+        self.terms: list[torch.Tensor] = []
+        self._selected: dict[int, torch.Tensor] = {}
+        self._hooks = []
+        for i, mod in self.modules.items():
+            mod.recorder = self._recorder(i)
+            self._hooks.append(mod.register_forward_hook(self._hook(i)))
+
+    def _recorder(self, layer: int):
+        def record(idx: torch.Tensor) -> None:
+            sel = idx.reshape(-1, idx.shape[-1]).detach()
+            self._selected[layer] = sel
+            E = self.modules[layer].n_experts
+            counts = torch.bincount(sel.reshape(-1).cpu(), minlength=E)
+            self.counts[layer] = self.counts.get(layer, torch.zeros(E, dtype=torch.long)) + counts
+
+        return record
+
+    def _hook(self, layer: int):
+        def hook(mod: nn.Module, args: tuple, _out: Any) -> None:
+            if not self.with_lb or not torch.is_grad_enabled():
+                return
+            sel = self._selected.get(layer)
+            logits = router_logits(mod, args[0].reshape(-1, args[0].shape[-1]))
+            if sel is not None and logits is not None:
+                self.terms.append(load_balancing_loss(torch.softmax(logits.float(), -1), sel, mod.n_experts))
+
+        return hook
+
+    def reset(self) -> None:
+        self.counts, self.terms, self._selected = {}, [], {}
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Eq. 12 averaged over the layers that have router probabilities (None if none)."""
+        return torch.stack(self.terms).mean() if self.terms else None
+
+    def mean_load_cv(self) -> float | None:
+        """MI Eq. 7 per layer, averaged: how unbalanced this step's routing was."""
+        cvs = [load_cv(c.numpy()) for c in self.counts.values()]
+        cvs = [c for c in cvs if math.isfinite(c)]
+        return float(np.mean(cvs)) if cvs else None
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        for mod in self.modules.values():
+            mod.recorder = None
+        self._hooks = []
+
+
+# --------------------------------------------------------------------------- modes
+
+
+@dataclass
+class TrainSetup:
+    """What a mode made of the model: ``model`` is called in training (a peft wrapper when
+    LoRA is used), ``moe`` is the MoelabForCausalLM inside it, ``modules`` the routed layers."""
+
+    model: nn.Module
+    moe: MoelabForCausalLM
+    modules: dict[int, nn.Module]
+    groups: dict[str, list[tuple[str, nn.Parameter]]]
+    buffers: dict[str, torch.Tensor]
+    changes_function: bool = False
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def trainable(self) -> dict[str, nn.Parameter]:
+        return {n: p for group in self.groups.values() for n, p in group}
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Everything training changes: trainable parameters and the CMoE biases."""
+        return {**{n: p.data for n, p in self.trainable().items()}, **self.buffers}
+
+
+def _kind(module: nn.Module) -> str:
+    spec = getattr(module, "spec", None)
+    return str(spec.get("kind", "")) if isinstance(spec, dict) else ""
+
+
+def routed_modules(moe: MoelabForCausalLM) -> dict[int, nn.Module]:
+    """Layer -> routed MoE module (``MoeFFN`` / ``LowRankMoeFFN`` kinds) of a converted model."""
+    return {i: m for i, m in moe.moe_modules().items() if _kind(m) in ROUTED_KINDS}
+
+
+def _is_router(name: str) -> bool:
+    return name.split(".")[0].startswith("router")
+
+
+def _lora_targets(moe: MoelabForCausalLM, modules: dict[int, nn.Module]) -> tuple[list[str], list[str]]:
+    """(Linear module names, stacked 3-D expert parameter names) that get LoRA adapters:
+    attention projections, shared-expert Linears and the routed experts (never the routers)."""
+    prefix = {id(m): n for n, m in moe.named_modules()}
+    moe_prefixes = [prefix[id(m)] + "." for m in modules.values()]
+    linears, params = [], []
+    for name, mod in moe.named_modules():
+        if isinstance(mod, nn.Linear) and not any(name.startswith(p) for p in moe_prefixes):
+            if any(part in _ATTENTION_PARTS for part in name.split(".")):
+                linears.append(name)
+    for mod in modules.values():
+        base = prefix[id(mod)]
+        for child, sub in mod.named_children():
+            if isinstance(sub, nn.Linear) and not _is_router(child):
+                linears.append(f"{base}.{child}")
+        for pname, p in mod.named_parameters(recurse=False):
+            if p.dim() == 3 and not _is_router(pname):
+                params.append(f"{base}.{pname}")
+    return linears, params
+
+
+def _router_params(setup_model: nn.Module, modules: dict[int, nn.Module], only: tuple[str, ...] | None = None
+                   ) -> list[tuple[str, nn.Parameter]]:
+    ids = {}
+    for mod in modules.values():
+        for pname, p in mod.named_parameters():
+            if _is_router(pname) and (only is None or pname in only):
+                ids[id(p)] = p
+    return [(n, p) for n, p in setup_model.named_parameters() if id(p) in ids]
+
+
+@torch.no_grad()
+def _centroid_logit_std(moe: MoelabForCausalLM, modules: dict[int, MoeFFN], batch: torch.Tensor) -> dict[int, float]:
+    """Per layer: std across experts of ``x · W_centroid^T`` on one batch (mean over tokens)."""
+    stds: dict[int, list[float]] = {i: [] for i in modules}
+    hooks = []
+    for i, mod in modules.items():
+        w = _centroid(mod)
+
+        def pre(m, args, i=i, w=w):
+            z = F.linear(args[0].reshape(-1, args[0].shape[-1]).float(), w.float())
+            stds[i].append(float(z.std(dim=-1).mean()))
+
+        hooks.append(mod.register_forward_pre_hook(pre))
+    try:
+        moe(input_ids=batch, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {i: float(np.mean(v)) for i, v in stds.items()}
+
+
+def _centroid(mod: MoeFFN) -> torch.Tensor:
+    """EW Eq. 9 router: the conversion's centroid router, else the experts' gate-row centroids."""
+    if mod.router in ("centroid", "softmax"):
+        return mod.router_weight.detach()
+    return mod.experts_gate.detach().mean(dim=1)
+
+
+@torch.no_grad()
+def to_softmax_router(mod: MoeFFN, beta: float) -> MoeFFN:
+    """EW Eq. 11 module from a training-free one: router ``softmax`` initialised to
+    ``β·W_centroid``, combine ``weighted``, routed down projections × N_e (see module docstring)."""
+    spec = {**mod.spec, "router": "softmax", "combine": "weighted"}
+    with torch.device("meta"):
+        new = type(mod)(spec)
+    ref = mod.experts_gate
+    new.to_empty(device=ref.device)
+    new.to(ref.dtype)
+    state = {k: v for k, v in mod.state_dict().items() if not _is_router(k)}
+    state["router_weight"] = _centroid(mod) * beta
+    state["experts_down"] = mod.experts_down.detach() * mod.n_experts
+    new.load_state_dict(state, strict=True)
+    return new
+
+
+def apply_mode(moe: MoelabForCausalLM, params: FinetuneParams, batch: torch.Tensor) -> TrainSetup:
+    """Make ``moe`` trainable as ``params.mode`` says; freezes everything else.
+
+    ``batch``: training windows, used by ``expertweaver`` to scale its router initialisation.
+    """
+    modules = routed_modules(moe)
+    kinds = sorted({_kind(m) for m in moe.moe_modules().values()}) or ["none"]
+    want = {"cmoe": "moe", "expertweaver": "moe", "dense2moe": "moe", "midas": "lowrank_moe"}[params.mode]
+    modules = {i: m for i, m in modules.items() if _kind(m) == want}
+    if not modules:
+        raise FinetuneError(
+            f"mode {params.mode!r} trains layers of kind {want!r}, but this conversion has layer kinds {kinds}: "
+            f"use the mode of the conversion's method"
+        )
+    changes = False
+    notes: dict[str, Any] = {}
+    if params.mode == "cmoe":
+        bad = sorted(i for i, m in modules.items() if m.combine not in ("sum", "scaled"))
+        if bad:
+            raise FinetuneError(f"cmoe fine-tuning extends the training-free 'sum' combine; layers {bad} combine "
+                                f"{modules[bad[0]].combine!r}: use mode expertweaver or dense2moe for those")
+        for mod in modules.values():
+            if mod.n_experts > 0:
+                mod.use_scaled_combine()
+    elif params.mode == "expertweaver":
+        switch = {i: m for i, m in modules.items() if not (m.router == "softmax" and m.combine == "weighted")}
+        bad = sorted(i for i, m in switch.items() if m.combine != "sum")
+        if bad:
+            raise FinetuneError(f"expertweaver fine-tuning starts from the training-free 'sum' combine (EW Eq. 10); "
+                                f"layers {bad} combine {modules[bad[0]].combine!r}")
+        switch = {i: m for i, m in switch.items() if m.n_experts > 0}
+        if switch:
+            std = _centroid_logit_std(moe, switch, batch)
+            betas = {i: EW_INIT_LOGIT_STD / s if s > 0 else 1.0 for i, s in std.items()}
+            new = {i: to_softmax_router(m, betas[i]) for i, m in switch.items()}
+            convert_in_place(moe.model, new)
+            modules.update(new)
+            notes["router_init_beta"] = {str(i): b for i, b in betas.items()}
+            changes = True
+    model: nn.Module = moe
+    for p in moe.parameters():
+        p.requires_grad_(False)
+    groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    if params.uses_lora:
+        from peft import LoraConfig, get_peft_model
+
+        linears, stacked = _lora_targets(moe, modules)
+        config = LoraConfig(r=params.lora_rank, lora_alpha=params.lora_alpha, lora_dropout=0.0, bias="none",
+                            target_modules=linears, target_parameters=stacked or None)
+        model = get_peft_model(moe, config)
+        groups["adapters"] = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        notes["lora_targets"] = {"modules": len(linears), "stacked_parameters": len(stacked)}
+    only = ("router_scale",) if params.mode == "cmoe" else None  # CM §4: u, not the router weights
+    groups["routers"] = _router_params(model, modules, only)
+    if not groups["routers"]:
+        raise FinetuneError(f"mode {params.mode!r}: the routed layers have no trainable router parameters")
+    for _, p in groups["routers"]:
+        p.requires_grad_(True)
+    names = {id(b): n for n, b in model.named_buffers()}
+    buffers = {names[id(m.router_bias)]: m.router_bias for m in modules.values()
+               if getattr(m, "router_bias", None) is not None}
+    return TrainSetup(model, moe, modules, groups, buffers, changes, notes)
+
+
+def merge_adapters(setup: TrainSetup) -> MoelabForCausalLM:
+    """Fold LoRA into the weights (peft ``merge_and_unload``) and record each changed layer's
+    new structure in the config, so the export rebuilds it."""
+    moe = setup.model.merge_and_unload() if setup.model is not setup.moe else setup.moe
+    specs = list(moe.config.moe_layers)
+    for i, mod in setup.modules.items():
+        specs[i] = {**specs[i], **layer_spec(mod)}
+    moe.config.moe_layers = specs
+    for p in moe.parameters():
+        p.requires_grad_(False)
+    realign_parameters(moe)
+    return moe
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def read_train_log(out: Path) -> dict[str, Any] | None:
+    """The run's ``train_log.json`` (None before it was written)."""
+    path = Path(out) / TRAIN_LOG
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def load_conversion_for_training(conversion_dir: Path, device: torch.device) -> MoelabForCausalLM:
+    """The exported conversion as the engine's ``MoelabForCausalLM`` in float32."""
+    if not (Path(conversion_dir) / CONVERSION_FILE).is_file():
+        raise FinetuneError(f"{conversion_dir}: not a converted model (no {CONVERSION_FILE}); convert first")
+    moe = MoelabForCausalLM.from_pretrained(str(conversion_dir), dtype=torch.float32)
+    return moe.to(device)
+
+
+def load_tokenizer(conversion_dir: Path) -> Any:
+    """The tokenizer exported with the conversion (its tokenizer.json; AutoTokenizer would
+    first read config.json, whose model type only the bundled remote code knows)."""
+    from transformers import PreTrainedTokenizerFast
+
+    if not (Path(conversion_dir) / "tokenizer.json").is_file():
+        raise FinetuneError(f"{conversion_dir}: no tokenizer.json; re-export the conversion with its tokenizer")
+    return PreTrainedTokenizerFast.from_pretrained(str(conversion_dir))
+
+
+def _optimizer(setup: TrainSetup, params: FinetuneParams) -> torch.optim.Optimizer:
+    groups = [{"params": [p for _, p in setup.groups[g]], "lr": lr, "base_lr": lr, "name": g}
+              for g, lr in (("adapters", params.lr), ("routers", params.router_lr)) if setup.groups.get(g)]
+    return torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def run_finetune(
+    conversion_dir: Path,
+    params: FinetuneParams,
+    out: Path,
+    *,
+    data_dir: Path | None,
+    device: str = "auto",
+    progress: Progress = NO_PROGRESS,
+    loader: Any = load_model,
+) -> dict[str, Any]:
+    """Fine-tune the conversion in ``conversion_dir`` into ``out`` and export ``out/model``.
+
+    Resumes from the latest checkpoint in ``out/checkpoints`` when there is one (same params
+    required). ``progress.update("train", step, steps)`` after every step may raise
+    ``Cancelled``: the last completed step is checkpointed first, so a re-run continues there.
+    Returns the summary also written to ``out/finetune.json``.
+    """
+    t0 = time.perf_counter()
+    params.validate()
+    conversion_dir, out = Path(conversion_dir), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_root = out / CHECKPOINT_DIR
+    ckpt = latest_checkpoint(ckpt_root)
+    log = read_train_log(out) if ckpt is not None else None
+    if ckpt is not None and ckpt.state.get("params") != params.to_dict():
+        raise FinetuneError(
+            f"{out} holds checkpoints of a run with other parameters ({ckpt.state.get('params')}); "
+            "resume with those parameters or use a new output directory"
+        )
+    dev = resolve_device(device)
+    record = json.loads((conversion_dir / CONVERSION_FILE).read_text()) if (conversion_dir / CONVERSION_FILE).is_file() else None
+    moe = load_conversion_for_training(conversion_dir, dev)
+    tokenizer = load_tokenizer(conversion_dir)
+    eval_win = heldout_windows(tokenizer, data_dir, seq_len=params.seq_len, n_windows=params.eval_windows,
+                               source=params.heldout_source())
+    train_win = training_windows(tokenizer, data_dir, params.source, params.seq_len, params.steps * params.batch_size,
+                                 params.seed)
+    moe.eval()
+    if log is None or log.get("perplexity_before") is None:
+        log = {"params": params.to_dict(), "mode": params.mode, "status": "evaluating", "steps": [],
+               "conversion": str(conversion_dir.resolve()), "train_windows": int(len(train_win)),
+               "eval_windows": int(len(eval_win)), "lb_coef_used": params.lb_used}
+        log["perplexity_before"], _ = perplexity(moe, eval_win, progress=progress, stage="perplexity before")
+        log["dense_perplexity"] = _dense_perplexity(record, eval_win, data_dir, device, progress, loader)
+        write_json_atomic(out / TRAIN_LOG, log)
+
+    torch.manual_seed(params.seed)
+    first = torch.as_tensor(train_win[window_indices(0, params.batch_size, len(train_win), params.seed)]).to(dev)
+    setup = apply_mode(moe, params, first)
+    if "perplexity_start" not in log:
+        log["perplexity_start"] = log["perplexity_before"]
+        if setup.changes_function:
+            setup.model.eval()
+            log["perplexity_start"], _ = perplexity(setup.model, eval_win, progress=progress, stage="perplexity start")
+        log["trainable_params"] = {g: int(sum(p.numel() for _, p in ps)) for g, ps in setup.groups.items()}
+        log["mode_notes"] = setup.notes
+    optimizer = _optimizer(setup, params)
+    names = {id(p): n for n, p in setup.trainable().items()}
+    step, elapsed = 0, 0.0
+    if ckpt is not None:
+        try:
+            restore(ckpt, setup.state_tensors(), optimizer, names)
+        except CheckpointError as exc:
+            raise FinetuneError(str(exc)) from exc
+        step, elapsed = ckpt.step, float(ckpt.state.get("elapsed_s", 0.0))
+        log["steps"] = [s for s in log.get("steps", []) if s["step"] <= step]
+        log.setdefault("resumed_at", []).append(step)
+    tap = RoutingTap(setup.modules, with_lb=True)
+
+    def checkpoint(at: int) -> None:
+        if list_checkpoints(ckpt_root) and list_checkpoints(ckpt_root)[-1][0] == at:
+            return
+        meta = {"params": params.to_dict(), "cursor": at * params.batch_size, "elapsed_s": elapsed}
+        save_checkpoint(ckpt_root, at, setup.state_tensors(), optimizer, names, meta)
+
+    trainable = list(setup.trainable().values())
+    setup.model.train()
+    log["status"] = "training"
+    try:
+        progress.update("train", step, params.steps)
+        while step < params.steps:
+            t_step = time.perf_counter()
+            idx = window_indices(step * params.batch_size, params.batch_size, len(train_win), params.seed)
+            x = train_win[idx].to(dev)
+            factor = lr_factor(step, params.steps)
+            for group in optimizer.param_groups:
+                group["lr"] = group["base_lr"] * factor
+            tap.reset()
+            ntp = setup.model(input_ids=x, labels=x, use_cache=False).loss
+            aux = tap.aux_loss()
+            loss = ntp + params.lb_used * aux if aux is not None and params.lb_used > 0 else ntp
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if params.mode == "cmoe" and params.bias_step > 0:
+                for i, counts in tap.counts.items():
+                    update_router_bias(setup.modules[i].router_bias, counts, params.bias_step)
+            step += 1
+            elapsed += time.perf_counter() - t_step
+            log["steps"].append({
+                "step": step, "loss": float(loss.detach()), "ntp_loss": float(ntp.detach()),
+                "aux_loss": None if aux is None else float(aux.detach()), "load_cv": tap.mean_load_cv(),
+                "lr": params.lr * factor if setup.groups.get("adapters") else params.router_lr * factor,
+                "tokens": step * params.batch_size * params.seq_len, "elapsed_s": elapsed,
+            })
+            write_json_atomic(out / TRAIN_LOG, log)
+            if step % params.checkpoint_every == 0 or step == params.steps:
+                checkpoint(step)
+            progress.update("train", step, params.steps)
+    except Cancelled:
+        if step > 0:
+            checkpoint(step)
+        log["status"] = "cancelled"
+        write_json_atomic(out / TRAIN_LOG, log)
+        tap.close()
+        raise
+    tap.close()
+
+    log["status"] = "exporting"
+    write_json_atomic(out / TRAIN_LOG, log)
+    moe = merge_adapters(setup)
+    moe.eval()
+    log["perplexity_after"], _ = perplexity(moe, eval_win, progress=progress, stage="perplexity after")
+    counts = parameter_counts(moe)
+    block = {
+        "params": params.to_dict(), "parent": str(conversion_dir.resolve()), "steps": step,
+        "tokens": step * params.batch_size * params.seq_len,
+        **{k: log.get(k) for k in ("perplexity_before", "perplexity_start", "perplexity_after", "dense_perplexity",
+                                   "trainable_params", "mode_notes", "lb_coef_used")},
+    }
+    new_record = dict(record or {})
+    new_record["summary"] = {**(new_record.get("summary") or {}), "total_params": counts["total"],
+                             "active_params": counts["active"], "finetuned": True}
+    new_record["finetune"] = block
+    progress.update("export", 0, 1)
+    export_model(moe, out / MODEL_DIR, tokenizer, new_record)
+    progress.update("export", 1, 1)
+    last = log["steps"][-1] if log["steps"] else {}
+    summary = {
+        "mode": params.mode, "steps": step, "tokens": block["tokens"],
+        **{k: log.get(k) for k in ("perplexity_before", "perplexity_start", "perplexity_after", "dense_perplexity")},
+        "final_loss": last.get("ntp_loss"), "train_s": elapsed, "total_s": time.perf_counter() - t0,
+        "peak_rss_mib": _peak_rss_mib(), "total_params": counts["total"], "active_params": counts["active"],
+        "trainable_params": log.get("trainable_params"), "model": str((out / MODEL_DIR).resolve()),
+        "conversion": str(conversion_dir.resolve()), "params": params.to_dict(),
+    }
+    write_json_atomic(out / SUMMARY_FILE, summary)
+    log["status"] = "done"
+    write_json_atomic(out / TRAIN_LOG, log)
+    return summary
+
+
+def _dense_perplexity(record: dict | None, windows: torch.Tensor, data_dir: Path | None, device: str,
+                      progress: Progress, loader: Any) -> float | None:
+    """The dense model's perplexity on the same windows (reference), when the record names it."""
+    source = ((record or {}).get("model") or {}).get("source")
+    if not source:
+        return None
+    adapter = loader(source, data_dir=data_dir, device=device, dtype="float32", progress=progress)
+    ppl, _ = perplexity(adapter.model, windows, progress=progress, stage="perplexity dense")
+    return ppl
