@@ -293,11 +293,11 @@ def compare_active(plans: dict[str, list[dict[str, Any]]]) -> go.Figure:
 
 
 def _fmt(value: Any) -> str:
-    return f"{value:.3f}" if isinstance(value, (int, float)) else "?"
+    return f"{value:.2f}" if isinstance(value, (int, float)) else "?"
 
 
 def finetune_summary_text(log: dict[str, Any]) -> str | None:
-    """'perplexity 41.2 → 18.3 (dense 12.0)' once the trainer measured it; None before."""
+    """'perplexity 41.25 → 18.30 (dense 12.00)' once the trainer measured it; None before."""
     before, after, dense = log.get("perplexity_before"), log.get("perplexity_after"), log.get("dense_perplexity")
     if before is None and after is None:
         return None

@@ -15,8 +15,10 @@ import numpy as np
 from fastapi import APIRouter, Query
 from sqlalchemy import select
 
+from workers.engine.builtin_data import bigbench_installed
+
 from ..db import CalibrationSet, Conversion, Finetune
-from ..deps import QueueDep, SessionDep, StoreDep, launch, lookup, require_ready
+from ..deps import QueueDep, SessionDep, SettingsDep, StoreDep, launch, lookup, require_ready
 from ..errors import ApiError
 from ..jobs import new_id
 from ..schemas import FinetuneCreate, FinetuneList, FinetuneOut, TrainLog, TrainStep
@@ -51,7 +53,11 @@ def engine_source(source: str, store: Any) -> str:
 
 
 def check_params(params: dict[str, Any], store: Any) -> None:
-    """The engine's own ``FinetuneParams.validate`` (422 with its message), before anything is queued."""
+    """The engine's own ``FinetuneParams.validate`` (422 with its message), before anything is queued.
+
+    Imported here, not at module level: the engine module pulls in torch (seconds, hundreds of
+    MB), which the API otherwise never loads; only the first fine-tune request pays for it.
+    """
     from workers.engine.finetune import FinetuneError, FinetuneParams
 
     try:
@@ -62,9 +68,11 @@ def check_params(params: dict[str, Any], store: Any) -> None:
 
 @router.post("", response_model=FinetuneOut, status_code=202, responses={404: {}, 409: {}, 422: {}},
              summary="Fine-tune a conversion to recover quality (queued job)")
-def create_finetune(body: FinetuneCreate, session: SessionDep, queue: QueueDep, store: StoreDep) -> FinetuneOut:
+def create_finetune(body: FinetuneCreate, session: SessionDep, queue: QueueDep, store: StoreDep, settings: SettingsDep) -> FinetuneOut:
     conversion = lookup(session, Conversion, body.conversion_id, "conversion", "conversions")
     require_ready(conversion, "conversion")
+    if "builtin:bigbench" in (body.source, body.eval_source) and not bigbench_installed(settings.data_dir):
+        raise ApiError(409, "builtin:bigbench is not installed on this server; run `moelab data install bigbench` there first")
     if not body.source.startswith("builtin:"):
         cset = session.get(CalibrationSet, body.source)
         if cset is None:

@@ -25,23 +25,23 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 #: one line per mode: what is trained and the paper's equation
 MODES: dict[str, str] = {
-    "expertweaver": "ExpertWeaver: softmax router over the routed experts, outputs weighted by its probabilities (EW Eq. 11); "
-                    "loss L_NTP + λ·L_LB (EW Eq. 12).",
-    "cmoe": "CMoE: LoRA on the experts and a learnable router scale, g_i = 1 + s′_i·u_i (CM §3.3); a routing bias b moved by γ "
-            "each step toward equal load, no auxiliary loss (AF Eq. 9).",
-    "midas": "MIDAS: only the gating network and the LoRA adapters are trained, the low-rank experts (MI Eqs. 1–2) stay frozen "
-             "(MI §3.3, Alg. 1).",
-    "dense2moe": "Dense2MoE: a short fine-tune of the fused-layer MoE (D2 §3): its new router and LoRA adapters, "
-                 "with the load-balancing loss of λ.",
+    "expertweaver": "ExpertWeaver: a softmax router (started from the centroid router) weights the top-k experts (EW Eq. 11); "
+                    "routers and LoRA adapters learn L_NTP + λ·L_LB (EW Eq. 12); γ unused.",
+    "cmoe": "CMoE: top-k of s′ + b, gate g_i = 1 + s′_i·u_i (CM §3.3); learns the scale u and LoRA adapters, moves the bias b "
+            "by γ per step toward equal load (AF Eq. 9); no auxiliary loss, λ unused.",
+    "midas": "MIDAS: trains the gating network G and LoRA adapters on attention and the low-rank experts (MI App. A.1, Alg. 1); "
+             "adds λ·L_LB (EW Eq. 12) when λ > 0.",
+    "dense2moe": "Dense2MoE: trains only the fused layers' softmax routers g = softmax(h W_g) (D2 §2.1, §3); adds λ·L_LB "
+                 "(EW Eq. 12) when λ > 0; no LoRA.",
 }
 
-#: (field, label, default, min, max, step)
+#: (field, label, default, min, max, step); defaults are the API's (tests/frontend/test_finetune_figures.py)
 BUDGET: list[tuple[str, str, float, float, float, float | str]] = [
     ("steps", "steps", 200, 1, 100_000, 1),
     ("batch_size", "batch (sequences)", 4, 1, 1024, 1),
     ("seq_len", "seq len (tokens)", 256, 8, 32768, 1),
-    ("lr", "LR (LoRA)", 5.95e-5, 0, 1, "any"),
-    ("lora_rank", "LoRA rank", 8, 1, 4096, 1),
+    ("lr", "LR (LoRA)", 5e-4, 0, 1, "any"),
+    ("lora_rank", "LoRA rank", 8, 0, 4096, 1),
     ("lb_coef", "λ load-balance loss (EW Eq. 12)", 0.01, 0, 100, "any"),
     ("bias_step", "γ bias step (CM §3.3)", 0.001, 0, 1, "any"),
 ]
@@ -74,8 +74,9 @@ def layout(conversion: str | None = None, finetune: str | None = None, **_):
         if conversion is None and ready:
             conversion = ready[0]["id"]
         runs, err = _run_options(conversion), None
+        sources = [b["spec"] for b in api().builtin_sets()]
     except ApiError as exc:
-        ready, runs, err = [], [], str(exc)
+        ready, runs, sources, err = [], [], ["builtin:mixed"], str(exc)
     methods = {c["id"]: method_of(c) for c in ready}
     mode = methods.get(conversion, "expertweaver")
     mode = mode if mode in MODES else "expertweaver"
@@ -91,9 +92,10 @@ def layout(conversion: str | None = None, finetune: str | None = None, **_):
         html.Div(id=f"{N}-mode-help", className="note"),
         html.Div(className="controls", children=[
             html.Div([html.Label(label), dcc.Input(id=f"{N}-{name}", type="number", value=default, min=lo, max=hi, step=step,
-                                                   style={"width": 110})])
+                                                   style={"width": 110 if step == 1 else 140})])
             for name, label, default, lo, hi, step in BUDGET
-        ]),
+        ] + [html.Div([html.Label("training text (its held-out split measures perplexity)"),
+                       dcc.Dropdown(id=f"{N}-source", options=sources, value="builtin:mixed", clearable=False, style={"width": 220})])]),
         html.Div(className="controls", children=[
             html.Button("Start", id=f"{N}-start", className="primary"),
             html.Button("Cancel", id=f"{N}-cancel", disabled=True),
@@ -140,15 +142,15 @@ def _run_changed(run, conversion):
 @callback(Output(f"{N}-run", "options", allow_duplicate=True), Output(f"{N}-run", "value", allow_duplicate=True),
           Output(f"{N}-poll", "disabled", allow_duplicate=True), Output(f"{N}-action", "children"),
           Input(f"{N}-start", "n_clicks"), Input(f"{N}-cancel", "n_clicks"), Input(f"{N}-resume", "n_clicks"),
-          State(f"{N}-conversion", "value"), State(f"{N}-mode", "value"), State(f"{N}-run", "value"),
+          State(f"{N}-conversion", "value"), State(f"{N}-mode", "value"), State(f"{N}-run", "value"), State(f"{N}-source", "value"),
           *[State(f"{N}-{name}", "value") for name, *_ in BUDGET], prevent_initial_call=True)
-def _act(_s, _c, _r, conversion, mode, run, *budget):
+def _act(_s, _c, _r, conversion, mode, run, source, *budget):
     try:
         if ctx.triggered_id == f"{N}-start":
             if not conversion:
                 return no_update, no_update, no_update, error_box("choose a ready conversion first (make one in the Conversion designer)")
             params = dict(zip([name for name, *_ in BUDGET], budget))
-            created = api().create_finetune(conversion, mode=mode, **params)
+            created = api().create_finetune(conversion, mode=mode, source=source, **params)
             return _run_options(conversion), created["id"], False, error_box(None)
         if not run:
             return no_update, no_update, no_update, error_box("choose a fine-tune first")

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.engine.conversion import ConversionError
-from workers.engine.dense2moe import Dense2MoEParams, choose_fusion, fuse_model, remove_decoder_layers
+from workers.engine.dense2moe import Dense2MoEParams, choose_fusion, fuse_model, fused_ffn, remove_decoder_layers
 from workers.engine.export import export_model, load_exported
 from workers.engine.modeling_moelab import MoeFFN, decoder_layers
 from workers.engine.models import adapt, load_model
@@ -276,14 +276,14 @@ def check_cache_and_reload(moe, tmp_path, record):
             cache = o.past_key_values
             steps.append(o.logits[:, -1])
     torch.testing.assert_close(torch.stack(steps, 1), full[:, -3:], rtol=1e-4, atol=1e-5)
-    gen = moe.generate(IDS, max_new_tokens=6, do_sample=False)
-    gen_nocache = moe.generate(IDS, max_new_tokens=6, do_sample=False, use_cache=False)
-    assert gen.shape == (1, IDS.shape[1] + 6) and torch.equal(gen, gen_nocache)
+    gen = moe.generate(IDS, max_new_tokens=4, do_sample=False)
+    gen_nocache = moe.generate(IDS, max_new_tokens=4, do_sample=False, use_cache=False)
+    assert gen.shape == (1, IDS.shape[1] + 4) and torch.equal(gen, gen_nocache)
 
     export_model(moe, tmp_path / "fused", None, record)
     loaded = load_exported(tmp_path / "fused")
     assert torch.equal(logits(loaded), full)
-    assert torch.equal(loaded.generate(IDS, max_new_tokens=6, do_sample=False), gen)
+    assert torch.equal(loaded.generate(IDS, max_new_tokens=4, do_sample=False), gen)
     return loaded
 
 
@@ -309,7 +309,7 @@ def test_sliding_layer_types_follow_their_blocks(tmp_path):
 
 def test_sliding_layer_types_mixed(tmp_path):
     adapter = sliding_qwen3()
-    moe, rec = fuse_model(adapter, Dense2MoEParams(layer=0, n_fused=2, top_k=3, combine="weighted"), None)
+    moe, rec = fuse_model(adapter, Dense2MoEParams(layer=0, n_fused=2, top_k=2, combine="weighted"), None)
     assert moe.config.base_config.layer_types == ["full_attention", "sliding_attention"]
     assert [b.self_attn.sliding_window for b in decoder_layers(moe.model)] == [None, 4]
     loaded = check_cache_and_reload(moe, tmp_path, rec)
@@ -323,6 +323,22 @@ def test_remove_decoder_layers_refuses_unknown_per_layer_config(tiny_model, data
         remove_decoder_layers(model, [1])
     with pytest.raises(ConversionError, match="out of range"):
         remove_decoder_layers(model, [3])
+
+
+def test_only_weighted_combines_train_the_router(tiny_model, data_dir):
+    adapter = load(tiny_model, data_dir, "llama")
+    assert Dense2MoEParams().combine == "sum"  # training-free default (see the module docstring)
+    x = torch.randn(2, 9, adapter.d_model, generator=torch.Generator().manual_seed(0))
+    for combine in ("weighted", "normalized", "sum"):
+        params = Dense2MoEParams(layer=0, n_fused=2, own_copies=2, top_k=2, combine=combine)
+        ffn = fused_ffn(adapter, 0, 2, params)
+        assert ffn.n_experts == 4 and ffn.combine == combine
+        ffn(x).pow(2).sum().backward()
+        grad = ffn.router_weight.grad
+        if combine == "sum":
+            assert grad is None or not grad.any()
+        else:
+            assert grad is not None and grad.abs().sum() > 0
 
 
 # ------------------------------------------------------------------ normalized combine (MoeFFN)

@@ -25,6 +25,7 @@ from workers.engine.finetune import (
     load_conversion_for_training, merge_adapters, read_train_log, run_finetune, to_softmax_router,
     update_router_bias, window_indices,
 )
+from workers.engine.midas import MidasParams
 from workers.engine.modeling_moelab import MoeFFN
 from workers.engine.models import load_model
 from workers.engine.profile_store import write_profile
@@ -36,16 +37,28 @@ CPU = torch.device("cpu")
 IDS = torch.tensor([[1, 17, 256, 999, 42, 5, 77, 3001, 12, 640, 8, 91, 2048, 33, 7, 400]])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: thread hand-offs cost more than the math (10x on a busy 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def convs(tiny_model, data_dir, tmp_path_factory):
     """Exported tiny conversions: cmoe (representative router), expertweaver (centroid),
-    dense2moe (layers 0+1 fused, softmax router) and, once MIDAS exists, midas."""
+    dense2moe (layers 0+1 fused, softmax router) and midas (two calibration sets)."""
     root = tmp_path_factory.mktemp("ft-convs")
     model_dir = tiny_model("llama")
     adapter = load_model(str(model_dir), data_dir=data_dir)
     cset = make_set(n=24, tasks=4, seed=5)
     res = profile_model(adapter, cset, ProfileSettings(max_tokens=48, batch_tokens=192, atopk_k=8))
     prof = write_profile(res, cset, root / "prof")
+    cset2 = make_set(n=24, tasks=3, seed=6)
+    res2 = profile_model(adapter, cset2, ProfileSettings(max_tokens=48, batch_tokens=192, atopk_k=8))
+    prof2 = write_profile(res2, cset2, root / "prof2")
     out = {}
     plans = {
         "cmoe": ConversionParams(AllocationParams(method="cmoe", shared=2, active=2, n_experts=8)),
@@ -55,6 +68,8 @@ def convs(tiny_model, data_dir, tmp_path_factory):
     for name, params in plans.items():
         run_conversion(prof, params, root / name, data_dir=data_dir)
         out[name] = root / name
+    run_conversion(prof, MidasParams(keep_ratio=0.5, top_k=1), root / "midas", data_dir=data_dir, extra_profiles=[prof2])
+    out["midas"] = root / "midas"
     return out
 
 
@@ -219,8 +234,21 @@ def test_mode_parameter_selection(convs):
     assert setup.model is moe, "dense2moe trains routers only: no adapters"
     assert trainable(moe) == {f"model.model.layers.{i}.mlp.router_weight" for i in setup.modules}
 
+    moe = load_conversion_for_training(convs["midas"], CPU)
+    ref = logits(moe)
+    setup = apply_mode(moe, quick("midas", "builtin:mixed"), x)
+    names = trainable(setup.model)
+    assert sum(n.endswith("router.weight") for n in names) == 3, "the gating network G of every layer"
+    assert all("lora_" in n or n.endswith("router.weight") for n in names)
+    assert any(".self_attn.v_proj.lora_B" in n for n in names)
+    stacked = setup.notes["lora_targets"]["stacked_parameters"]
+    assert stacked == 3 * 6, "MI Alg. 1 line 15: LoRA on the six factors of every layer's experts"
+    assert torch.equal(logits(setup.model), ref)
+
     with pytest.raises(FinetuneError, match="lowrank_moe"):
         apply_mode(load_conversion_for_training(convs["cmoe"], CPU), quick("midas", "builtin:mixed"), x)
+    with pytest.raises(FinetuneError, match="kind 'moe'"):
+        apply_mode(load_conversion_for_training(convs["midas"], CPU), quick("cmoe", "builtin:mixed"), x)
 
 
 def test_lb_loss_reaches_the_router(convs):
@@ -335,3 +363,12 @@ def test_expertweaver_and_dense2moe_runs(convs, text, data_dir, tmp_path_factory
     assert not torch.equal(after[i].router_weight, m0.router_weight), "the router was trained"
     assert torch.equal(after[i].experts_gate, m0.experts_gate), "…and nothing else"
     assert d2["trainable_params"] == {"routers": m0.router_weight.numel()}
+
+    mi = run_finetune(convs["midas"], quick("midas", text, steps=3, lb_coef=0.01), root / "mi", data_dir=data_dir, device="cpu")
+    log = read_train_log(root / "mi")
+    assert all(s["aux_loss"] is not None for s in log["steps"]), "Eq. 12 on G's probabilities"
+    before = load_exported(convs["midas"]).moe_modules()
+    after = load_exported(root / "mi" / "model").moe_modules()
+    assert all(not torch.equal(after[i].router.weight, m.router.weight) for i, m in before.items())
+    assert all(not torch.equal(after[i].gate_a, m.gate_a) for i, m in before.items()), "LoRA merged into the factors"
+    assert mi["perplexity_start"] == mi["perplexity_before"]

@@ -23,7 +23,7 @@ def test_loss_curve_has_total_ntp_and_aux_loss_on_its_own_axis():
     assert by_name["aux loss L_LB"].yaxis == "y2" and by_name["loss (total)"].yaxis in (None, "y")
     assert fig.layout.yaxis2.overlaying == "y"
     title = fig.layout.title.text
-    assert "expertweaver" in title and "4/10 steps" in title and "perplexity 41.250 → …" in title and "dense 12.500" in title
+    assert "expertweaver" in title and "4/10 steps" in title and "perplexity 41.25 → …" in title and "dense 12.50" in title
     assert "aggregated" not in title
 
 
@@ -43,9 +43,22 @@ def test_empty_log_is_a_message_not_an_empty_chart():
 
 def test_summary_text_and_csv_rows():
     assert F.finetune_summary_text({"perplexity_before": 41.25, "perplexity_after": 18.0, "dense_perplexity": None}) == \
-        "perplexity 41.250 → 18.000"
+        "perplexity 41.25 → 18.00"
     assert F.finetune_summary_text({"perplexity_before": None, "perplexity_after": None}) is None
     rows = F.table("finetune-log", LOG)
     assert len(rows) == 4 and rows[0] == {"step": 1, "loss": 3.5, "ntp_loss": 3.4, "aux_loss": 0.11, "lr": 1e-4, "tokens": 512,
                                           "elapsed_s": 0.3}
     assert F.csv_text(rows).splitlines()[0] == "step,loss,ntp_loss,aux_loss,lr,tokens,elapsed_s"
+
+
+def test_the_pages_budget_defaults_are_the_apis():
+    import sys
+
+    import frontend.app  # noqa: F401  (Dash imports the pages, as "pages.<name>", when the app is made)
+    from backend.schemas import FinetuneCreate
+
+    page = sys.modules["pages.finetune"]
+
+    fields = FinetuneCreate.model_fields
+    assert {name: default for name, _, default, *_ in page.BUDGET} == {name: fields[name].default for name, *_ in page.BUDGET}
+    assert set(page.MODES) == set(FinetuneCreate.model_fields["mode"].annotation.__args__[0].__args__)

@@ -180,3 +180,24 @@ def test_calibration_set_from_a_datasets_file(client, tmp_path):
     bad = client.post("/api/v1/calibration-sets", json={"source": "hf", "dataset": str(data), "text_field": "nope"})
     job = wait_job(client, bad.json()["job_id"])
     assert job["state"] == "failed" and job["error_type"] == "invalid_input" and "no column 'nope'" in job["error"]
+
+
+def test_dense2moe_conversion_through_the_api(client, profile_id):
+    """Another method through the same endpoint: the job runs the engine's Dense2MoE and the row says so."""
+    created = client.post("/api/v1/conversions", json={
+        "profile_id": profile_id, "method": "dense2moe", "dense2moe": {"layer": 0, "n_fused": 1, "top_k": 1},
+    })
+    assert created.status_code == 202, created.text
+    succeeded(client, created.json())
+    row = client.get(f"/api/v1/conversions/{created.json()['id']}").json()
+    assert row["method"] == "dense2moe" and row["summary"]["active_params"] < row["summary"]["dense_active_params"]
+    bad = client.post("/api/v1/conversions", json={"profile_id": profile_id, "method": "dense2moe",
+                                                    "dense2moe": {"layer": 0, "n_fused": 9}})
+    assert bad.status_code == 422 and ("n_fused" in bad.text or "layers" in bad.text), bad.text
+    for body, needle in [
+        ({"profile_id": profile_id, "method": "midas"}, "extra_profile_ids"),
+        ({"method": "hierarchical", "calibration": "builtin:mixed"}, "model_id"),
+        ({"profile_id": profile_id, "method": "cmoe", "extra_profile_ids": [profile_id]}, "only midas"),
+    ]:
+        r = client.post("/api/v1/conversions", json=body)
+        assert r.status_code == 422 and needle in r.text, (body, r.text)

@@ -494,10 +494,35 @@ def apply_mode(moe: MoelabForCausalLM, params: FinetuneParams, batch: torch.Tens
     return TrainSetup(model, moe, modules, groups, buffers, changes, notes)
 
 
+@torch.no_grad()
+def _merge_lora(model: nn.Module) -> None:
+    """Fold every LoRA adapter into its base weight and put the base module back, innermost
+    wrappers included. (peft's ``merge_and_unload`` skips modules nested inside a tuner layer,
+    e.g. the shared-expert Linears inside the ``target_parameters`` wrapper of a MoeFFN.)"""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    while True:
+        name = next((n for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)), None)
+        if name is None:
+            break
+        layer = model.get_submodule(name)
+        if hasattr(layer, "unload_and_optionally_merge_module"):  # nested ParamWrappers: all at once
+            base = layer.unload_and_optionally_merge_module(merge=True, safe_merge=False, adapter_names=None)
+        else:
+            layer.merge()
+            base = layer.get_base_layer()
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, base)
+    if hasattr(model, "peft_config"):
+        del model.peft_config
+
+
 def merge_adapters(setup: TrainSetup) -> MoelabForCausalLM:
-    """Fold LoRA into the weights (peft ``merge_and_unload``) and record each changed layer's
-    new structure in the config, so the export rebuilds it."""
-    moe = setup.model.merge_and_unload() if setup.model is not setup.moe else setup.moe
+    """Fold LoRA into the weights and record each changed layer's new structure in the config,
+    so the export rebuilds it."""
+    moe = setup.moe
+    if setup.model is not moe:
+        _merge_lora(moe)
     specs = list(moe.config.moe_layers)
     for i, mod in setup.modules.items():
         specs[i] = {**specs[i], **layer_spec(mod)}

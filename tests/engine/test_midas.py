@@ -1,0 +1,226 @@
+"""MIDAS (MI §3.2, Alg. 1) on a tiny random model profiled on two built-in sets (code, prose)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.engine.calibration import load_calibration
+from workers.engine.conversion import ConversionError
+from workers.engine.evaluation import load_cv_by_source
+from workers.engine.export import export_model, load_exported
+from workers.engine.lowrank import data_error, rank_for_ratio, whitening
+from workers.engine.methods import params_from_dict
+from workers.engine.midas import MidasParams, convert_midas, expert_rank, surrogate_hidden_moment
+from workers.engine.modeling_moelab import LowRankMoeFFN, build_layer_module
+from workers.engine.models import load_model
+from workers.engine.param_count import parameter_counts
+from workers.engine.profile_store import StoredProfile, write_profile
+from workers.engine.profiling import ProfileSettings, profile_model
+
+SETTINGS = ProfileSettings(max_tokens=64, batch_tokens=512, feature_tokens=256, hist_bins=11)
+SETS = ("builtin:code", "builtin:prose")
+D_MODEL, D_FFN, N_LAYERS = 64, 96, 3  # tests/conftest.py TINY
+
+
+def make_profile(adapter, spec, data_dir, out, samples=16):
+    cset = load_calibration(spec, samples=samples, data_dir=data_dir)
+    return StoredProfile.open(write_profile(profile_model(adapter, cset, SETTINGS), cset, out))
+
+
+@pytest.fixture(scope="module")
+def profiles(tiny_model, data_dir, tmp_path_factory):
+    adapter = load_model(str(tiny_model("llama")), data_dir=data_dir)
+    root = tmp_path_factory.mktemp("midas-prof")
+    return [make_profile(adapter, s, data_dir, root / s.split(":")[1]) for s in SETS]
+
+
+@pytest.fixture(scope="module")
+def dense_weights(tiny_model, data_dir):
+    """(gate, up, down) float64 weights per layer of the dense tiny model."""
+    ref = load_model(str(tiny_model("llama")), data_dir=data_dir)
+    return [tuple(w().detach().double() for w in (l.gate_weight, l.up_weight, l.down_weight)) for l in ref.layers]
+
+
+@pytest.fixture
+def fresh(tiny_model, data_dir):
+    """A newly loaded dense tiny model: a conversion replaces its MLPs in place."""
+    return load_model(str(tiny_model("llama")), data_dir=data_dir)
+
+
+def glu(x, wg, wu, wd):
+    return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
+def test_params_contract_and_paper_rank():
+    p = MidasParams(keep_ratio=0.5, top_k=1, seed=3)
+    assert MidasParams.from_dict(p.to_dict()) == p and params_from_dict(p.to_dict()) == p
+    # MI §4.1: Llama-2-7B (d_ffn 11008, d_model 4096) at a 25% ratio is "rank 746".
+    assert expert_rank(11008, 4096, 0.25) == 746
+    assert expert_rank(D_FFN, D_MODEL, 1.0) == D_MODEL  # keep_ratio 1: exact, full rank
+    bad = [
+        (MidasParams(), 1, "at least 2"),
+        (MidasParams(top_k=3), 2, "top_k"),
+        (MidasParams(top_k=0), 2, "top_k"),
+        (MidasParams(keep_ratio=0.0), 2, "keep_ratio"),
+        (MidasParams(keep_ratio=1.5), 2, "keep_ratio"),
+        (MidasParams(down="exact"), 2, "down"),
+    ]
+    for params, n_sets, message in bad:
+        with pytest.raises(ConversionError, match=message):
+            params.validate(n_sets)
+    with pytest.raises(ConversionError, match="unknown midas parameters: rank"):
+        MidasParams.from_dict({"method": "midas", "rank": 4})
+
+
+def test_full_rank_all_experts_reproduce_the_dense_ffn(fresh, profiles, dense_weights):
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    x = torch.randn(40, D_MODEL, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        dense_logits = fresh.model(input_ids=ids).logits
+    moe, record = convert_midas(fresh, profiles, MidasParams(keep_ratio=1.0, top_k=2))
+    mods = moe.moe_modules()
+    assert sorted(mods) == [0, 1, 2] and all(isinstance(m, LowRankMoeFFN) for m in mods.values())
+    with torch.no_grad():
+        for i, mod in mods.items():
+            dense = glu(x, *(w.float() for w in dense_weights[i]))
+            assert mod.rank == D_MODEL and mod.n_experts == 2
+            for e in range(2):  # each expert alone is the dense FFN
+                torch.testing.assert_close(mod.expert(e, x), dense, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(mod(x), dense, rtol=1e-4, atol=1e-5)  # renormalised weights sum to 1
+        torch.testing.assert_close(moe(input_ids=ids).logits, dense_logits, rtol=1e-4, atol=1e-4)
+    assert max(max(map(max, row["gate_error"] + row["up_error"])) for row in record["layers"]) < 1e-6
+
+
+def test_experts_specialise_on_their_own_set(fresh, profiles, dense_weights):
+    moe, record = convert_midas(fresh, profiles, MidasParams(keep_ratio=0.25, top_k=1))
+    r = rank_for_ratio(D_FFN, D_MODEL, 0.25)
+    assert r == 9 and record["summary"]["ranks"] == [r]
+    for row, (i, mod) in zip(record["layers"], sorted(moe.moe_modules().items())):
+        assert row["rank"] == mod.rank == r and row["sets"] == ["code", "prose"]
+        assert row["jitter"] == [0.0, 0.0]  # ~1000 tokens in 64 dimensions: M is positive definite
+        for kind in ("gate", "up"):
+            err = np.asarray(row[f"{kind}_error"])
+            # Each expert has the least error on its own calibration set: MIDAS's diversity.
+            assert err[0, 0] < err[0, 1] and err[1, 1] < err[1, 0], (i, kind, err)
+        # The recorded errors are those of the stored factors on each set's XᵀX.
+        for e in range(2):
+            approx = (mod.up_b[e] @ mod.up_a[e]).detach().double().numpy()
+            for k, prof in enumerate(profiles):
+                ours = data_error(dense_weights[i][1].numpy(), approx, prof.xtx(i))
+                assert ours == pytest.approx(row["up_error"][e][k], rel=1e-4)
+    s = record["summary"]
+    assert s["mean_gate_error_own"] < s["mean_gate_error_other"] and s["mean_up_error_own"] < s["mean_up_error_other"]
+
+
+def test_parameter_counts_in_the_record(fresh, profiles):
+    before = parameter_counts(fresh.model)
+    moe, record = convert_midas(fresh, profiles, MidasParams(keep_ratio=0.5, top_k=1))
+    s = record["summary"]
+    r = rank_for_ratio(D_FFN, D_MODEL, 0.5)
+    dense_ffn = 3 * D_MODEL * D_FFN
+    expert = 3 * r * (D_MODEL + D_FFN)  # three factor pairs
+    router = 2 * D_MODEL
+    assert (s["dense_total_params"], s["dense_active_params"]) == (before["total"], before["active"])
+    assert s["total_params"] == before["total"] + N_LAYERS * (2 * expert + router - dense_ffn)
+    assert s["active_params"] == before["active"] + N_LAYERS * (expert + router - dense_ffn)
+    assert s["n_layers"] == N_LAYERS and s["method"] == "midas"
+    assert record["params"] == MidasParams(keep_ratio=0.5, top_k=1).to_dict()
+    assert {"factorise_s", "build_s", "total_s"} <= set(record["timings"])
+
+
+def test_mismatched_or_duplicate_profiles_are_refused(tiny_model, data_dir, profiles, tmp_path, fresh):
+    other_model = load_model(str(tiny_model("qwen3")), data_dir=data_dir)
+    foreign = make_profile(other_model, "builtin:math", data_dir, tmp_path / "qwen", samples=4)
+    with pytest.raises(ConversionError, match=r"different model .*family: 'llama' vs 'qwen3'"):
+        convert_midas(fresh, [profiles[0], foreign], MidasParams())
+    with pytest.raises(ConversionError, match="same calibration set"):
+        convert_midas(fresh, [profiles[0], profiles[0]], MidasParams())
+    with pytest.raises(ConversionError, match="at least 2"):
+        convert_midas(fresh, profiles[:1], MidasParams(top_k=1))
+    assert not any(isinstance(b.mlp, LowRankMoeFFN) for b in fresh.model.model.layers)  # nothing converted
+
+
+def test_export_reload_identical_logits_and_load_cv_per_set(fresh, profiles, tmp_path, data_dir):
+    moe, record = convert_midas(fresh, profiles, MidasParams(keep_ratio=0.5, top_k=1, seed=1))
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = moe(input_ids=ids).logits
+    out = export_model(moe, tmp_path / "midas", fresh.tokenizer, record)
+    loaded = load_exported(out).eval()
+    assert [e["kind"] for e in loaded.config.moe_layers] == ["lowrank_moe"] * N_LAYERS
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, logits)
+    # MI Eq. 7 per layer and per evaluation set, on each set's held-out text.
+    cv = load_cv_by_source(loaded, fresh.tokenizer, list(SETS), data_dir, n_windows=2, seq_len=32)
+    for source in SETS:
+        assert sorted(cv[source]["load_cv"]) == ["0", "1", "2"]
+        assert all(math.isfinite(v) and v >= 0 for v in cv[source]["load_cv"].values())
+        assert all(sum(c) == 2 * 32 for c in cv[source]["load"].values())  # top_k = 1: one expert a token
+
+
+# --------------------------------------------------------------------------- runtime module
+
+
+def random_lowrank(E=4, r=5, top_k=2, seed=0) -> LowRankMoeFFN:
+    torch.manual_seed(seed)
+    mod = LowRankMoeFFN({"kind": "lowrank_moe", "d_model": 16, "d_ffn": 24, "act": "silu", "n_experts": E,
+                         "rank": r, "top_k": top_k})
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.normal_(0.0, 0.4)
+    return mod
+
+
+def test_grouped_forward_matches_per_token_reference_and_records_routing():
+    mod = random_lowrank()
+    x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(1))
+    seen = []
+    mod.recorder = seen.append
+    with torch.no_grad():
+        y = mod(x)
+    P = {n: p.detach().double() for n, p in mod.named_parameters()}
+    ref = torch.zeros(21, 16, dtype=torch.float64)
+    for t, v in enumerate(x.reshape(-1, 16).double()):  # naive loop over tokens, float64
+        p = torch.softmax(P["router.weight"] @ v, -1)
+        top = torch.topk(p, 2).indices
+        for e in top:
+            h = F.silu(P["gate_b"][e] @ (P["gate_a"][e] @ v)) * (P["up_b"][e] @ (P["up_a"][e] @ v))
+            ref[t] += p[e] / p[top].sum() * (P["down_b"][e] @ (P["down_a"][e] @ h))
+    torch.testing.assert_close(y.reshape(-1, 16).double(), ref, rtol=1e-5, atol=1e-6)
+    assert seen[0].shape == (3, 7, 2) and int(seen[0].max()) < 4
+    assert mod.active_param_count() == 4 * 16 + 2 * 3 * 5 * (16 + 24)
+
+
+def test_spec_round_trip_and_gate_and_factors_are_trainable():
+    mod = random_lowrank(top_k=3)
+    again = build_layer_module(mod.spec)
+    assert isinstance(again, LowRankMoeFFN) and again.spec == mod.spec
+    again.load_state_dict(mod.state_dict())
+    x = torch.randn(10, 16)
+    assert torch.equal(again(x), mod(x))
+    assert isinstance(mod.router, torch.nn.Linear)
+    mod(x).pow(2).sum().backward()
+    for name in ("router.weight", "gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b"):
+        assert mod.get_parameter(name).grad.abs().sum() > 0, name
+    with pytest.raises(ValueError, match="top_k"):
+        LowRankMoeFFN({**mod.spec, "top_k": 5})
+
+
+def test_surrogate_hidden_moment_is_gaussian_with_the_sets_second_moment():
+    """With a linear 'activation' h_i = (g_i·x)(u_i·x); for x ~ N(0, C) Isserlis' theorem gives
+    E[h_i h_j] = (g_i C u_i)(g_j C u_j) + (g_i C g_j)(u_i C u_j) + (g_i C u_j)(g_j C u_i)."""
+    rng = np.random.default_rng(0)
+    d, f, n_tokens = 6, 4, 500
+    x = rng.normal(size=(n_tokens, d)) @ rng.normal(size=(d, d))
+    m = x.T @ x
+    wg, wu = rng.normal(size=(f, d)), rng.normal(size=(f, d))
+    est = surrogate_hidden_moment(wg, wu, whitening(m), n_tokens, "linear", 400_000, seed=1)
+    c = m / n_tokens
+    gg, uu, gu = wg @ c @ wg.T, wu @ c @ wu.T, wg @ c @ wu.T
+    exact = n_tokens * (np.diag(gu)[:, None] * np.diag(gu)[None, :] + gg * uu + gu * gu.T)
+    np.testing.assert_allclose(est, exact, rtol=0.05, atol=0.02 * np.abs(exact).max())

@@ -1,0 +1,266 @@
+"""MIDAS: one low-rank expert per calibration set behind a new gating network (MI §3.2, Alg. 1).
+
+For every decoder layer and every calibration set D_i (one profile each, all of the same model):
+
+* MI Eq. 1: ``M_i = Σ_{x∈D_i} x xᵀ = S_i S_iᵀ``, the profile's ``XᵀX`` of the FFN input, by
+  Cholesky with the smallest jitter that makes it positive definite (``lowrank.whitening``).
+* MI Eq. 2: gate and up projections ``W S_i ≈ U_r Σ_r V_rᵀ``, i.e. the rank-r map with the least
+  error on D_i's FFN inputs (``lowrank.whitened_lowrank``).
+* The down projection reads the hidden state ``h = act(x W_gateᵀ) ⊙ x W_upᵀ``, not x, so S_i does
+  not apply to it and the profile holds no ``HᵀH``. Choice (``MidasParams.down``): ``surrogate``
+  (default) draws ``x = S_i z / √n`` with ``z ~ N(0, I)``, whose second moment is exactly
+  ``M_i / n``, pushes it through the *dense* gate and up projections and whitens ``W_down`` with
+  the resulting ``HᵀH`` (SVD-LLM's rule, with the hidden second moment estimated from D_i's
+  input statistics instead of a second pass over D_i's text); ``plain`` is the truncated SVD of
+  ``W_down`` (the same for every set). On the default model the surrogate cut the down
+  projection's data error on real held-out hidden states (see ``surrogate_hidden_moment``).
+* Rank: ``keep_ratio`` is the fraction of a matrix's parameters its two factors keep,
+  ``r (d_ffn + d_model) ≈ keep_ratio · d_ffn · d_model`` (``lowrank.rank_for_ratio``). This is
+  MI §4.1's reading: "25% compression ratio (rank 746)" on Llama-2-7B is
+  ``int(0.25 · 11008 · 4096 / (11008 + 4096)) = 746``, and MI Table 8 agrees (4 experts of 25%
+  give the dense total, 6.61 B; 2 active give 4.44 B). ``keep_ratio = 1`` means no compression:
+  the exact full-rank factorisation (rank ``min(d_ffn, d_model)``), because a factorisation
+  with exactly the dense parameter count would still lose information.
+* MI Alg. 1 step 4: a new gating network G, ``nn.Linear(d_model, n_sets)`` with a seeded
+  N(0, initializer_range²) init; per token ``softmax``, ``top_k``, weights renormalised over the
+  selected experts (see ``modeling_moelab.LowRankMoeFFN``), so before any training the layer
+  outputs a convex combination of low-rank approximations of the same dense FFN.
+
+The backbone (attention, norms, embeddings) is the base model's own tensors; LoRA and the
+two-stage fine-tuning of MI §3.2 are a later step (the factors and G are plain parameters).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Mapping, Sequence
+
+import numpy as np
+import torch
+from transformers.activations import ACT2FN
+
+from .conversion import ConversionError, check_compatible
+from .export import build_moe_model
+from .lowrank import LowRank, Whitening, data_error, rank_for_ratio, whitened_lowrank, whitening
+from .modeling_moelab import LowRankMoeFFN, MoelabForCausalLM
+from .models import ModelAdapter
+from .param_count import parameter_counts
+from .profile_store import StoredProfile
+from .progress import NO_PROGRESS, Progress
+
+DownChoice = Literal["surrogate", "plain"]
+#: Manifest fields that must agree between the profiles of one MIDAS conversion.
+_MODEL_KEYS = ("source", "family", "activation", "n_layers", "d_model", "d_ffn", "n_parameters")
+
+
+@dataclass(frozen=True)
+class MidasParams:
+    """``keep_ratio``: fraction of each FFN matrix's parameters an expert keeps (MI §4.1: 0.25);
+    ``top_k``: experts per token (MI Table 8: 2 of 4); ``seed``: gating-network init and the
+    down projection's surrogate samples; ``down``: how ``W_down`` is factorised (module doc);
+    ``surrogate_samples``: Gaussian samples per layer and set for ``down="surrogate"``."""
+
+    method: Literal["midas"] = "midas"
+    keep_ratio: float = 0.25
+    top_k: int = 2
+    seed: int = 0
+    down: DownChoice = "surrogate"
+    surrogate_samples: int = 4096
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "MidasParams":
+        d = dict(d)
+        if d.setdefault("method", "midas") != "midas":
+            raise ConversionError(f"these are {d['method']!r} parameters, not midas")
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ConversionError(f"unknown midas parameters: {', '.join(unknown)}")
+        return cls(**d)
+
+    def validate(self, n_sets: int) -> None:
+        """``n_sets``: the number of calibration sets (= profiles = experts)."""
+        checks = [
+            (n_sets >= 2, f"MIDAS needs at least 2 calibration sets (one profile each), got {n_sets}"),
+            (isinstance(self.keep_ratio, (int, float)) and 0.0 < self.keep_ratio <= 1.0,
+             f"keep_ratio must be in (0, 1] (fraction of each FFN matrix's parameters an expert keeps), got {self.keep_ratio}"),
+            (isinstance(self.top_k, int) and 1 <= self.top_k <= n_sets,
+             f"top_k must be between 1 and the number of calibration sets ({n_sets}), got {self.top_k}"),
+            (self.down in ("surrogate", "plain"), f"down must be 'surrogate' or 'plain', got {self.down!r}"),
+            (isinstance(self.surrogate_samples, int) and self.surrogate_samples >= 16,
+             f"surrogate_samples must be an integer ≥ 16, got {self.surrogate_samples}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConversionError(message)
+
+
+def expert_rank(out_features: int, in_features: int, keep_ratio: float) -> int:
+    """The factor rank of a matrix that keeps ``keep_ratio`` of its parameters (module doc);
+    ``keep_ratio = 1`` gives the exact full rank."""
+    if keep_ratio >= 1.0:
+        return min(out_features, in_features)
+    return rank_for_ratio(out_features, in_features, keep_ratio)
+
+
+def check_profiles(adapter: ModelAdapter, profiles: Sequence[StoredProfile]) -> None:
+    """Every profile must come from the loaded model, hold ``XᵀX`` and be a distinct set."""
+    if len(profiles) < 2:
+        raise ConversionError(f"MIDAS needs at least 2 profiles (one per calibration set), got {len(profiles)}")
+    first = profiles[0]
+    ref = first.manifest["model"]
+    for p in profiles[1:]:
+        other = p.manifest["model"]
+        diff = [f"{k}: {ref.get(k)!r} vs {other.get(k)!r}" for k in _MODEL_KEYS if ref.get(k) != other.get(k)]
+        if diff:
+            raise ConversionError(
+                f"profile {p.path} was made on a different model than {first.path} ({'; '.join(diff)}): "
+                "profile every calibration set on the same model"
+            )
+    seen: dict[str, StoredProfile] = {}
+    for p in profiles:
+        check_compatible(adapter, p)
+        if "second_moment.safetensors" not in p.manifest["files"]:
+            raise ConversionError(f"profile {p.path} has no XᵀX (MI Eq. 1): profile it again with second_moment on")
+        cid = p.manifest["calibration"].get("id")
+        if cid in seen:
+            raise ConversionError(
+                f"profiles {seen[cid].path} and {p.path} are of the same calibration set: "
+                "MIDAS needs a different set per expert"
+            )
+        seen[cid] = p
+
+
+def surrogate_hidden_moment(
+    gate_w: np.ndarray, up_w: np.ndarray, white: Whitening, n_tokens: int, act: str, n_samples: int, seed: int,
+) -> np.ndarray:
+    """``HᵀH`` (scaled to ``n_tokens``) of the GLU hidden state ``h = act(W_gate x) ⊙ W_up x`` for
+    Gaussian inputs ``x = S z / √n_tokens``, ``z ~ N(0, I)``: their second moment is ``M / n_tokens``,
+    the calibration set's own (MI Eq. 1). Used to whiten the down projection (module doc)."""
+    rng = np.random.default_rng(seed)
+    z = rng.standard_normal((n_samples, white.S.shape[0]))
+    # float32 for the big products: the estimate's sampling noise dwarfs the rounding
+    x = torch.from_numpy((z @ white.S.T / np.sqrt(max(n_tokens, 1))).astype(np.float32))
+    g = torch.from_numpy(np.asarray(gate_w, dtype=np.float32))
+    u = torch.from_numpy(np.asarray(up_w, dtype=np.float32))
+    h = ACT2FN[act](x @ g.T) * (x @ u.T)
+    return (h.T @ h).double().numpy() * (n_tokens / n_samples)
+
+
+@dataclass
+class _SetFactors:
+    white: Whitening
+    gate: LowRank
+    up: LowRank
+    down: LowRank
+    down_jitter: float | None
+    hidden_moment: np.ndarray | None
+
+
+def _factorise_set(
+    w: dict[str, np.ndarray], xtx: np.ndarray, n_tokens: int, rank: int, act: str, params: MidasParams, seed: int,
+) -> _SetFactors:
+    white = whitening(xtx)
+    gate = whitened_lowrank(w["gate"], white, rank)  # MI Eq. 2
+    up = whitened_lowrank(w["up"], white, rank)
+    if params.down == "surrogate":
+        hth = surrogate_hidden_moment(w["gate"], w["up"], white, n_tokens, act, params.surrogate_samples, seed)
+        white_h = whitening(hth)
+        return _SetFactors(white, gate, up, whitened_lowrank(w["down"], white_h, rank), white_h.jitter, hth)
+    u, s, vt = np.linalg.svd(w["down"], full_matrices=False)
+    return _SetFactors(white, gate, up, LowRank(u[:, :rank] * s[:rank], vt[:rank], s), None, None)
+
+
+def convert_midas(
+    adapter: ModelAdapter, profiles: Sequence[StoredProfile], params: MidasParams, progress: Progress = NO_PROGRESS,
+) -> tuple[MoelabForCausalLM, dict[str, Any]]:
+    """MI Alg. 1: expert ``i`` of every layer is the dense FFN factorised on profile ``i``'s
+    calibration set; returns the MoE model (the adapter's model, converted in place) and the
+    conversion record. Per layer and set the record holds the rank, the Cholesky jitters and
+    ``gate_error[i][k]`` / ``up_error[i][k]``: expert i's relative data error on set k's ``XᵀX``
+    (the diagonal is its own set; the off-diagonal shows how specialised the experts are)."""
+    t0 = time.perf_counter()
+    params.validate(len(profiles))
+    check_profiles(adapter, profiles)
+    dense = parameter_counts(adapter.model)
+    names = [p.manifest["calibration"].get("name") or str(p.path) for p in profiles]
+    n_tokens = [int(p.manifest["n_tokens"]) for p in profiles]
+    init_std = float(getattr(adapter.model.config, "initializer_range", 0.02))
+    gen = torch.Generator().manual_seed(params.seed)
+    E, L = len(profiles), adapter.n_layers
+    modules: dict[int, LowRankMoeFFN] = {}
+    layers: list[dict[str, Any]] = []
+    progress.update("midas experts", 0, L)
+    for i, lay in enumerate(adapter.layers):
+        ref = lay.gate_weight()
+        w = {k: t.detach().double().cpu().numpy() for k, t in
+             (("gate", lay.gate_weight()), ("up", lay.up_weight()), ("down", lay.down_weight()))}
+        rank = expert_rank(lay.d_ffn, adapter.d_model, params.keep_ratio)
+        xtx = [p.xtx(i) for p in profiles]
+        sets = [_factorise_set(w, xtx[j], n_tokens[j], rank, adapter.activation, params, params.seed * 7919 + i * E + j)
+                for j in range(E)]
+
+        def cross(kind: str, moments: list[np.ndarray]) -> list[list[float]]:
+            return [[data_error(w[kind], getattr(f, kind).A @ getattr(f, kind).B, m) for m in moments] for f in sets]
+
+        row: dict[str, Any] = {
+            "layer": i, "rank": rank, "sets": names,
+            "jitter": [f.white.jitter for f in sets],
+            "gate_error": cross("gate", xtx),
+            "up_error": cross("up", xtx),
+        }
+        if params.down == "surrogate":
+            row["down_jitter"] = [f.down_jitter for f in sets]
+            row["down_error_surrogate"] = cross("down", [f.hidden_moment for f in sets])
+        layers.append(row)
+
+        def stack(kind: str, part: str) -> torch.Tensor:
+            mats = [getattr(getattr(f, kind), part) for f in sets]
+            return torch.from_numpy(np.stack(mats)).to(dtype=ref.dtype, device=ref.device)
+
+        factors = {f"{k}_a": stack(k, "B") for k in ("gate", "up", "down")}
+        factors |= {f"{k}_b": stack(k, "A") for k in ("gate", "up", "down")}
+        router = torch.randn(E, adapter.d_model, generator=gen, dtype=torch.float64) * init_std
+        modules[i] = LowRankMoeFFN.from_factors(factors, router.to(ref.dtype), adapter.activation, params.top_k)
+        progress.update("midas experts", i + 1, L)
+    t1 = time.perf_counter()
+    moe = build_moe_model(adapter, modules, provenance={"method": "midas", "sets": names})
+    counts = parameter_counts(moe)
+    t2 = time.perf_counter()
+    summary = {
+        "method": "midas",
+        "n_layers": L,
+        "n_experts": E,
+        "top_k": params.top_k,
+        "keep_ratio": params.keep_ratio,
+        "ranks": sorted({row["rank"] for row in layers}),
+        "sets": names,
+        "down": params.down,
+        "total_params": counts["total"],
+        "active_params": counts["active"],
+        "dense_total_params": dense["total"],
+        "dense_active_params": dense["active"],
+        "max_jitter": max(max(row["jitter"]) for row in layers),
+        **{f"mean_{k}_error_own": _mean_diag(layers, f"{k}_error") for k in ("gate", "up")},
+        **{f"mean_{k}_error_other": _mean_off_diag(layers, f"{k}_error") for k in ("gate", "up")},
+    }
+    record = {
+        "params": params.to_dict(),
+        "summary": summary,
+        "layers": layers,
+        "timings": {"factorise_s": t1 - t0, "build_s": t2 - t1, "total_s": t2 - t0},
+    }
+    return moe, record
+
+
+def _mean_diag(layers: list[dict[str, Any]], key: str) -> float:
+    return float(np.mean([np.diag(np.asarray(row[key])) for row in layers]))
+
+
+def _mean_off_diag(layers: list[dict[str, Any]], key: str) -> float:
+    vals = [np.asarray(row[key])[~np.eye(len(row[key]), dtype=bool)] for row in layers]
+    return float(np.mean(np.concatenate(vals)))
+
