@@ -251,6 +251,55 @@ def convert(
                 click.echo(f"  {key}: {value}")
 
 
+@main.command()
+@click.argument("conversion_dir", type=click.Path(path_type=Path))
+@click.option("--mode", type=click.Choice(["cmoe", "expertweaver", "midas", "dense2moe"]), default=None,
+              help="default: the conversion's method (CM §3.3 gate scale + bias + LoRA; EW Eqs. 11-12 softmax router + "
+                   "load balancing; MIDAS gate + LoRA; Dense2MoE router)")
+@click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
+@click.option("--lr", type=float, default=5e-4, show_default=True, help="LoRA / expert learning rate")
+@click.option("--router-lr", type=float, default=1e-3, show_default=True)
+@click.option("--lora-rank", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--lb-coef", type=float, default=0.01, show_default=True, help="λ of EW Eq. 12")
+@click.option("--bias-step", type=float, default=1e-3, show_default=True, help="γ of CM §3.3")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--source", default="builtin:mixed", show_default=True, help="training text (its calibration split)")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="work dir; an interrupted run resumes from its last checkpoint")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--quiet", is_flag=True)
+def finetune(conversion_dir: Path, mode: str | None, steps: int, batch_size: int, seq_len: int, lr: float, router_lr: float,
+             lora_rank: int, lb_coef: float, bias_step: float, checkpoint_every: int, source: str, seed: int, out: Path,
+             as_json: bool, quiet: bool) -> None:
+    """Recovery fine-tuning of a converted model; the fine-tuned model is exported to OUT/model."""
+    from workers.engine.finetune import FinetuneError, FinetuneParams, run_finetune
+    from workers.engine.methods import method_of
+    from workers.engine.runs import read_conversion
+
+    cfg = get_settings()
+    _quiet_transformers()
+    with _progress(quiet or as_json, extra=(FinetuneError,)) as progress:
+        if mode is None:
+            method = method_of(read_conversion(conversion_dir)["params"])
+            if method == "hierarchical":
+                raise click.UsageError("hierarchical conversions have no recovery mode yet; pass --mode explicitly")
+            mode = method
+        params = FinetuneParams(mode=mode, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, router_lr=router_lr,
+                                lora_rank=lora_rank, lb_coef=lb_coef, bias_step=bias_step, checkpoint_every=checkpoint_every,
+                                source=source, seed=seed)
+        params.validate()
+        summary = run_finetune(conversion_dir, params, out, data_dir=cfg.data_dir, device=cfg.device, progress=progress)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    click.echo(f"fine-tuned model written to {out / 'model'} ({mode})")
+    for key in ("perplexity_before", "perplexity_after", "dense_perplexity", "steps", "tokens"):
+        if key in summary:
+            click.echo(f"  {key}: {summary[key]}")
+
+
 def _known_fields(method: str, given: dict[str, Any]) -> dict[str, Any]:
     """The options a method's parameters class reads (the CLI has one flat option set)."""
     import dataclasses

@@ -217,3 +217,17 @@ def test_convert_hierarchical_tiny_mixtral_and_evaluate(tmp_path, default_model_
     assert record["summary"]["method"] == "hierarchical" and record["summary"]["active_params"] < record["summary"]["dense_active_params"]
     assert report["results"]["converted"]["perplexity"] > 0 and report["results"]["dense"]["perplexity"] > 0
     assert report["results"]["converted"]["routing"]["load_cv"]
+
+
+def test_finetune_cmoe_conversion_resumable_work_dir(tmp_path, tiny_profile, data_dir):
+    conv = tmp_path / "c"
+    moelab("convert", "--profile", str(tiny_profile), "--method", "cmoe", "--experts", "8", "--shared", "2", "--active", "2",
+           "--out", str(conv), "--quiet", data_dir=data_dir)
+    work = tmp_path / "ft"
+    args = ("finetune", str(conv), "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--checkpoint-every", "1",
+            "--out", str(work), "--json")
+    summary = json.loads(moelab(*args, data_dir=data_dir).stdout)
+    assert summary["steps"] == 2 and (work / "model" / "conversion.json").is_file()
+    assert json.loads((work / "model" / "conversion.json").read_text())["finetune"]
+    bad = moelab("finetune", str(conv), "--mode", "midas", "--steps", "1", "--out", str(tmp_path / "x"), data_dir=data_dir, check=False)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr

@@ -231,7 +231,7 @@ def _publish_finetuned(ctx: JobContext, row: Any, parent: Any, model_dir: Path, 
     ppl = {k: summary.get(k) for k in ("perplexity_before", "perplexity_after", "dense_perplexity") if k in summary}
     with ctx.db.session() as session:
         session.add(Conversion(
-            id=result_id, profile_id=parent.profile_id, params={**(parent.params or {}), **lineage},
+            id=result_id, profile_id=parent.profile_id, model_id=parent.model_id, params={**(parent.params or {}), **lineage},
             summary=jsonable({**(record.get("summary") or {}), **lineage, **ppl}), job_id=ctx.job_id,
         ))
     return result_id

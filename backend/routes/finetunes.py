@@ -9,7 +9,7 @@ continues from the latest checkpoint instead of starting over.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 import numpy as np
 from fastapi import APIRouter, Query
@@ -17,46 +17,45 @@ from sqlalchemy import select
 
 from workers.engine.builtin_data import bigbench_installed
 
+from ..artifacts import ArtifactStore
 from ..db import CalibrationSet, Conversion, Finetune
 from ..deps import QueueDep, SessionDep, SettingsDep, StoreDep, launch, lookup, require_ready
 from ..errors import ApiError
 from ..jobs import new_id
-from ..schemas import FinetuneCreate, FinetuneList, FinetuneOut, TrainLog, TrainStep
+from ..schemas import FinetuneCreate, FinetuneList, FinetuneMode, FinetuneOut, TrainLog, TrainStep
 from ..views import finetune_out
 
 router = APIRouter(prefix="/finetunes", tags=["finetunes"])
 
-MODES = ("cmoe", "expertweaver", "midas", "dense2moe")
+MODES: tuple[str, ...] = get_args(FinetuneMode)
 LOG_FILE = "train_log.json"
 #: step fields averaged over a bucket when a long log is thinned; the others keep the bucket's last value
 _MEAN_FIELDS = ("loss", "ntp_loss", "aux_loss", "load_cv", "lr")
 _LAST_FIELDS = ("step", "tokens", "elapsed_s")
 
 
-def conversion_method(params: dict[str, Any]) -> str:
-    """The method a conversion row was made with (``method``, or ``allocation.method`` for EW/CMoE)."""
-    return params.get("method") or (params.get("allocation") or {}).get("method") or "expertweaver"
-
-
 def default_mode(conversion: Conversion) -> str:
-    """The fine-tuning mode of a conversion's method; 422 when the method has none."""
-    method = conversion_method(conversion.params or {})
+    """The fine-tuning mode of a conversion's method (the mode of the same name); 422 when the
+    method has none (hierarchical)."""
+    from workers.engine.methods import method_of
+
+    method = method_of(conversion.params or {})
     if method not in MODES:
         raise ApiError(422, f"mode: conversion {conversion.id} was made with method {method!r}, which has no default "
                             f"fine-tuning mode; pass mode explicitly (one of {', '.join(MODES)})")
     return method
 
 
-def engine_source(source: str, store: Any) -> str:
+def engine_source(source: str, store: ArtifactStore) -> str:
     """The API's ``source`` (builtin:NAME or a calibration-set id) as the engine reads it."""
     return source if source.startswith("builtin:") else str(store.path("calibration-sets", source))
 
 
-def check_params(params: dict[str, Any], store: Any) -> None:
+def check_params(params: dict[str, Any], store: ArtifactStore) -> None:
     """The engine's own ``FinetuneParams.validate`` (422 with its message), before anything is queued.
 
-    Imported here, not at module level: the engine module pulls in torch (seconds, hundreds of
-    MB), which the API otherwise never loads; only the first fine-tune request pays for it.
+    Imported here, not at module level: the engine module pulls in torch and peft (seconds), so
+    the first fine-tune request pays for it, not the API's start.
     """
     from workers.engine.finetune import FinetuneError, FinetuneParams
 

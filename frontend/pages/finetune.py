@@ -47,16 +47,10 @@ BUDGET: list[tuple[str, str, float, float, float, float | str]] = [
 ]
 
 
-def method_of(conversion: dict[str, Any]) -> str:
-    """A conversion's method as the API stores it (``method``, or ``allocation.method`` for EW/CMoE)."""
-    params = conversion.get("params") or {}
-    return params.get("method") or (params.get("allocation") or {}).get("method") or "expertweaver"
-
-
 def _label(conversion: dict[str, Any]) -> str:
     params = conversion.get("params") or {}
     tuned = f", fine-tune of {params['finetune_of']}" if params.get("finetune_of") else ""
-    return f"{conversion['id']} ({method_of(conversion)}{tuned})"
+    return f"{conversion['id']} ({conversion['method']}{tuned})"
 
 
 def _run_options(conversion: str | None) -> list[dict[str, str]]:
@@ -77,7 +71,7 @@ def layout(conversion: str | None = None, finetune: str | None = None, **_):
         sources = [b["spec"] for b in api().builtin_sets()]
     except ApiError as exc:
         ready, runs, sources, err = [], [], ["builtin:mixed"], str(exc)
-    methods = {c["id"]: method_of(c) for c in ready}
+    methods = {c["id"]: c["method"] for c in ready}
     mode = methods.get(conversion, "expertweaver")
     mode = mode if mode in MODES else "expertweaver"
     return html.Div([
@@ -133,10 +127,12 @@ def _mode_help(mode, conversion, methods):
     return text
 
 
-@callback(Output(f"{N}-poll", "disabled"), Output(f"{N}-url", "search"),
+@callback(Output(f"{N}-poll", "disabled"), Output(f"{N}-url", "search"), Output(f"{N}-loss", "figure"),
           Input(f"{N}-run", "value"), State(f"{N}-conversion", "value"))
 def _run_changed(run, conversion):
-    return not run, to_search(conversion=conversion, finetune=run)
+    """A run chosen (or started): poll it; none: say what to do."""
+    fig = F.message_figure("reading the train log…" if run else "start a fine-tune or pick an earlier one")
+    return not run, to_search(conversion=conversion, finetune=run), fig
 
 
 @callback(Output(f"{N}-run", "options", allow_duplicate=True), Output(f"{N}-run", "value", allow_duplicate=True),
@@ -164,7 +160,8 @@ def _act(_s, _c, _r, conversion, mode, run, source, *budget):
     return no_update, no_update, False, error_box(None)
 
 
-@callback(Output(f"{N}-loss", "figure"), Output({"type": "csv-data", "name": f"{N}-loss"}, "data"), Output(f"{N}-job", "children"),
+@callback(Output(f"{N}-loss", "figure", allow_duplicate=True), Output({"type": "csv-data", "name": f"{N}-loss"}, "data"),
+          Output(f"{N}-job", "children"),
           Output(f"{N}-poll", "disabled", allow_duplicate=True), Output(f"{N}-cancel", "disabled"), Output(f"{N}-resume", "disabled"),
           Output(f"{N}-result", "children"),
           Input(f"{N}-poll", "n_intervals"), State(f"{N}-run", "value"), prevent_initial_call=True)

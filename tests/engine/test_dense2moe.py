@@ -6,6 +6,7 @@ Fusion modifies the dense model in place, so every test loads its own copy.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -395,6 +396,7 @@ def test_fusion_chosen_from_a_profile(tiny_model, data_dir, tmp_path):
     assert rec["fusion"]["candidates"][rec["fusion"]["rank"]]["layer"] == l
     assert rec["layers"][l]["s_mlp_fused"] == pytest.approx([float(s_m[l, j]) for j in range(l + 1, l + n + 1)])
     assert rec["params"] == Dense2MoEParams(delta=2.0, top_k=1).to_dict() and rec["timings"]["total_s"] > 0
+    assert json.loads(json.dumps(rec)) == rec  # conversion.json material
 
     tight = float((1 - s_m[np.triu_indices(len(s_m), 1)]).min()) / 2  # below every pair's distance
     with pytest.raises(ConversionError, match="would admit it"):

@@ -105,8 +105,12 @@ def test_unknown_finetune_is_404(client):
 
 
 def test_api_defaults_are_the_engines():
-    from backend.schemas import FinetuneCreate
-    from workers.engine.finetune import FinetuneParams
+    from typing import get_args
+
+    from backend.schemas import FinetuneCreate, FinetuneMode
+    from workers.engine.finetune import MODES, FinetuneParams
+
+    assert set(get_args(FinetuneMode)) == set(MODES)
 
     api = FinetuneCreate(conversion_id="conv-0000000000000000").model_dump(exclude={"conversion_id", "mode"})
     engine = FinetuneParams().to_dict()
@@ -156,7 +160,8 @@ def test_finetune_job_logs_steps_and_publishes_a_conversion(client, conversion_i
 
     result = client.get(f"/api/v1/conversions/{ft['result_conversion_id']}").json()
     parent = client.get(f"/api/v1/conversions/{conversion_id}").json()
-    assert result["status"] == "ready" and result["profile_id"] == parent["profile_id"] and result["job_id"] == ft["job_id"]
+    assert result["status"] == "ready" and result["job_id"] == ft["job_id"]
+    assert (result["method"], result["profile_id"], result["model_id"]) == (parent["method"], parent["profile_id"], parent["model_id"])
     assert result["params"] == {**parent["params"], "finetune_of": conversion_id, "finetune_id": ft["id"]}
     assert result["summary"]["finetuned"] and result["summary"]["perplexity_after"] == pytest.approx(s["perplexity_after"])
     assert len(result["layers"]) == len(parent["layers"])

@@ -101,7 +101,7 @@ class Dense2MoEParams:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Dense2MoEParams":
         d = dict(d)
-        unknown = sorted(set(d) - {f for f in cls.__dataclass_fields__})
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
         if unknown:
             raise ConversionError(f"unknown dense2moe parameters {unknown}; known: {sorted(cls.__dataclass_fields__)}")
         return cls(**d)
@@ -271,7 +271,9 @@ def check_fusable(adapter: ModelAdapter, layers: Sequence[int]) -> None:
             raise ConversionError(f"layer {i}: MLPs with biases are not supported by the MoE runtime")
     widths = {adapter.layers[i].d_ffn for i in layers}
     if len(widths) > 1:
-        raise ConversionError(f"layers {list(layers)} have different FFN widths {sorted(widths)}: experts must be equal-sized")
+        raise ConversionError(
+            f"layers {list(layers)} have different FFN widths {sorted(widths)}: experts must be equal-sized"
+        )
 
 
 def remove_decoder_layers(model: nn.Module, drop: Sequence[int]) -> list[int]:
