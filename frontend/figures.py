@@ -308,7 +308,8 @@ def finetune_summary_text(log: dict[str, Any]) -> str | None:
 def finetune_loss(log: dict[str, Any]) -> go.Figure:
     """Training curve of a fine-tune (the ``/finetunes/{id}/log`` payload): total loss
     L_NTP + λ·L_LB (EW Eq. 12) and next-token loss on the left axis, the load-balancing loss
-    L_LB on the right one (its scale differs by orders of magnitude)."""
+    L_LB on the right one (its scale differs by orders of magnitude); a dashed line where a
+    re-run resumed from a checkpoint."""
     steps = log.get("steps") or []
     if not steps:
         state = log.get("state") or "queued"
@@ -327,6 +328,8 @@ def finetune_loss(log: dict[str, Any]) -> go.Figure:
     fig = _layout(go.Figure(traces), f"Fine-tuning loss ({log.get('mode') or '?'})", "; ".join(notes),
                   xaxis_title="step", yaxis_title="loss", legend={"orientation": "h", "y": -0.2})
     fig.update_layout(yaxis2={"title": "aux loss", "overlaying": "y", "side": "right", "showgrid": False})
+    for at in log.get("resumed_at") or []:  # where a re-run continued from a checkpoint
+        fig.add_vline(x=at, line_dash="dash", line_color="gray", annotation_text=f"resumed at {at}")
     return fig
 
 

@@ -24,7 +24,9 @@ def test_loss_curve_has_total_ntp_and_aux_loss_on_its_own_axis():
     assert fig.layout.yaxis2.overlaying == "y"
     title = fig.layout.title.text
     assert "expertweaver" in title and "4/10 steps" in title and "perplexity 41.25 → …" in title and "dense 12.50" in title
-    assert "aggregated" not in title
+    assert "aggregated" not in title and not fig.layout.shapes
+    resumed = F.finetune_loss({**LOG, "resumed_at": [2]})
+    assert [sh.x0 for sh in resumed.layout.shapes] == [2] and resumed.layout.annotations[0].text == "resumed at 2"
 
 
 def test_loss_curve_without_aux_loss_or_ntp_split_has_one_trace_and_says_when_aggregated():
