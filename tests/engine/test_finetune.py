@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from tests.engine.test_profiling import make_set
 from workers.engine.allocation import AllocationParams
-from workers.engine.checkpoint import list_checkpoints, load_checkpoint
+from workers.engine.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, restore, save_checkpoint
 from workers.engine.conversion import ConversionParams
 from workers.engine.dense2moe import Dense2MoEParams
 from workers.engine.export import load_exported
@@ -68,7 +68,7 @@ def convs(tiny_model, data_dir, tmp_path_factory):
     for name, params in plans.items():
         run_conversion(prof, params, root / name, data_dir=data_dir)
         out[name] = root / name
-    run_conversion(prof, MidasParams(keep_ratio=0.5, top_k=1), root / "midas", data_dir=data_dir, extra_profiles=[prof2])
+    run_conversion(prof, MidasParams(keep_ratio=0.5, top_k=1, surrogate_samples=256), root / "midas", data_dir=data_dir, extra_profiles=[prof2])
     out["midas"] = root / "midas"
     return out
 
@@ -103,7 +103,7 @@ def trainable(model) -> set[str]:
 @pytest.mark.parametrize("change, words", [
     ({"mode": "adam"}, "mode"), ({"steps": 0}, "steps"), ({"lr": 0.0}, "lr"), ({"router_lr": float("nan")}, "router_lr"),
     ({"lb_coef": -1.0}, "lb_coef"), ({"seq_len": 4}, "seq_len"), ({"lora_rank": 0}, "lora_rank"),
-    ({"source": "  "}, "source"), ({"source": "/data/set", "eval_source": None}, "eval_source"),
+    ({"source": "  "}, "source"), ({"source": "/data/set", "eval_source": "/data/other"}, "eval_source"),
     ({"checkpoint_every": 0}, "checkpoint_every"), ({"batch_size": 2.5}, "batch_size"),
 ])
 def test_bad_params_say_what_to_fix(change, words):
@@ -117,6 +117,8 @@ def test_params_round_trip_and_unknown_keys():
     assert FinetuneParams.from_dict(p.to_dict()) == p
     assert FinetuneParams(mode="cmoe", lb_coef=0.5).lb_used == 0.0  # CMoE balances with b instead
     FinetuneParams(mode="expertweaver", lora_rank=0).validate()  # router-only EW is allowed
+    assert FinetuneParams(source="/data/set").heldout_source() == "builtin:mixed"  # stored sets have no held-out split
+    assert FinetuneParams(source="builtin:code").heldout_source() == "builtin:code"
     with pytest.raises(FinetuneError, match="unknown fine-tuning parameters"):
         FinetuneParams.from_dict({**p.to_dict(), "epochs": 3})
 
@@ -372,3 +374,32 @@ def test_expertweaver_and_dense2moe_runs(convs, text, data_dir, tmp_path_factory
     assert all(not torch.equal(after[i].router.weight, m.router.weight) for i, m in before.items())
     assert all(not torch.equal(after[i].gate_a, m.gate_a) for i, m in before.items()), "LoRA merged into the factors"
     assert mi["perplexity_start"] == mi["perplexity_before"]
+
+
+def test_checkpoints_keep_the_last_two_and_restore_by_name(tmp_path):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    names = {id(p): n for n, p in net.named_parameters()}
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1, betas=(0.9, 0.95))
+    for step in range(1, 4):
+        net(torch.randn(5, 4)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        save_checkpoint(tmp_path, step, dict(net.named_parameters()), opt, names, {"cursor": 2 * step})
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 3]
+    files = sorted(p.name for p in (tmp_path / "step-000003").iterdir())
+    assert files == ["optimizer.safetensors", "rng.safetensors", "state.json", "trainable.safetensors"]  # no pickle
+    after = torch.randn(5, 4)  # the RNG state the checkpoint saved is restored below
+
+    fresh = torch.nn.Linear(4, 3)
+    fresh_names = {id(p): n for n, p in fresh.named_parameters()}
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1, betas=(0.9, 0.95))
+    ckpt = load_checkpoint(tmp_path / "step-000003")
+    restore(ckpt, dict(fresh.named_parameters()), fresh_opt, fresh_names)
+    assert ckpt.state["cursor"] == 6 and torch.equal(torch.randn(5, 4), after)
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), fresh.parameters()))
+    for pa, pb in zip(net.parameters(), fresh.parameters()):
+        a, b = opt.state[pa], fresh_opt.state[pb]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(CheckpointError, match="do not match"):
+        restore(ckpt, {"weight": fresh.weight}, fresh_opt, fresh_names)
