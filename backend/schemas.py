@@ -453,7 +453,7 @@ class FinetuneCreate(_In):
         None, description="what is trained and how; default: the conversion's method (expertweaver → expertweaver, cmoe → cmoe, "
         "midas → midas, dense2moe → dense2moe)",
     )
-    steps: int = Field(200, ge=1, le=100_000, description="optimizer steps")
+    steps: int = Field(60, ge=1, le=100_000, description="optimizer steps")
     batch_size: int = Field(4, ge=1, le=1024, description="sequences per step")
     seq_len: int = Field(256, ge=8, le=32768, description="tokens per sequence")
     lr: float = Field(5e-4, gt=0, le=1, description="learning rate of the LoRA adapters (CM §4 uses 5.95e-5 on 7B models)")
@@ -462,15 +462,15 @@ class FinetuneCreate(_In):
     lora_alpha: float = Field(32.0, gt=0, le=1e6, description="LoRA alpha (CM §4: 32)")
     lb_coef: float = Field(0.01, ge=0, le=100, description="λ of the load-balancing loss L_NTP + λ·L_LB (EW Eq. 12); not used by cmoe")
     bias_step: float = Field(1e-3, ge=0, le=1, description="γ: per-step update of the routing bias b (CM §3.3, AF Eq. 9; cmoe only)")
-    checkpoint_every: int = Field(50, ge=1, le=100_000, description="steps between checkpoints (a cancelled run resumes from the latest)")
+    checkpoint_every: int = Field(20, ge=1, le=100_000, description="steps between checkpoints (a cancelled run resumes from the latest)")
     source: str = Field(
         "builtin:mixed", min_length=1, max_length=200,
         description="training text: builtin:NAME (its calibration split) or the id of a stored calibration set",
     )
     eval_source: str | None = Field(
         None, min_length=1, max_length=200,
-        description="held-out text for perplexity before / after / dense: builtin:NAME (its held-out split); default: source, "
-        "which must then be a built-in",
+        description="held-out text for perplexity before / after / dense: builtin:NAME (its held-out split); default: source "
+        "when it is a built-in, else builtin:mixed",
     )
     eval_windows: int = Field(16, ge=1, le=4096, description="held-out windows for perplexity before / after / dense")
     seed: int = Field(0, ge=0)

@@ -256,7 +256,7 @@ def convert(
 @click.option("--mode", type=click.Choice(["cmoe", "expertweaver", "midas", "dense2moe"]), default=None,
               help="default: the conversion's method (CM §3.3 gate scale + bias + LoRA; EW Eqs. 11-12 softmax router + "
                    "load balancing; MIDAS gate + LoRA; Dense2MoE router)")
-@click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=60, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
 @click.option("--lr", type=float, default=5e-4, show_default=True, help="LoRA / expert learning rate")
@@ -264,7 +264,7 @@ def convert(
 @click.option("--lora-rank", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--lb-coef", type=float, default=0.01, show_default=True, help="λ of EW Eq. 12")
 @click.option("--bias-step", type=float, default=1e-3, show_default=True, help="γ of CM §3.3")
-@click.option("--checkpoint-every", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--source", default="builtin:mixed", show_default=True, help="training text (its calibration split)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="work dir; an interrupted run resumes from its last checkpoint")

@@ -120,10 +120,8 @@ def test_api_defaults_are_the_engines():
 
 @pytest.mark.parametrize("body, words", [
     ({"mode": "cmoe", "lora_rank": 0}, "mode 'cmoe' trains LoRA adapters: use lora_rank ≥ 1"),
-    ({"source": "CALIB"}, "perplexity needs held-out text, which only built-in sets have"),
 ])
-def test_the_engines_own_checks_are_422_with_its_message(client, conversion_id, calib_id, body, words):
-    body = {k: (calib_id if v == "CALIB" else v) for k, v in body.items()}
+def test_the_engines_own_checks_are_422_with_its_message(client, conversion_id, body, words):
     r = client.post("/api/v1/finetunes", json={"conversion_id": conversion_id, **body})
     assert r.status_code == 422 and r.json()["detail"].startswith("fine-tuning: ") and words in r.json()["detail"], r.text
 
