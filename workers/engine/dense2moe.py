@@ -55,6 +55,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .params import from_known_fields
 from .conversion import ConversionError, check_compatible
 from .export import build_moe_model
 from .modeling_moelab import MoeFFN, MoelabForCausalLM, decoder_layers
@@ -100,11 +101,7 @@ class Dense2MoEParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Dense2MoEParams":
-        d = dict(d)
-        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ConversionError(f"unknown dense2moe parameters {unknown}; known: {sorted(cls.__dataclass_fields__)}")
-        return cls(**d)
+        return from_known_fields(cls, d, "dense2moe", ConversionError)
 
     def n_experts(self, n_fused: int) -> int:
         """``N + n*·M`` (D2 Eq. 6)."""

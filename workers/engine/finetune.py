@@ -62,7 +62,7 @@ import json
 import math
 import resource
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -71,6 +71,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .params import from_known_fields
 from .atomic import write_json_atomic
 from .calibration import load_calibration
 from .checkpoint import CHECKPOINT_DIR, CheckpointError, latest_checkpoint, list_checkpoints, restore, save_checkpoint
@@ -139,11 +140,7 @@ class FinetuneParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "FinetuneParams":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise FinetuneError(f"unknown fine-tuning parameters {unknown}; known: {sorted(known)}")
-        return cls(**d)
+        return from_known_fields(cls, d, "fine-tuning", FinetuneError)
 
     @property
     def uses_lora(self) -> bool:

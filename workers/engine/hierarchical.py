@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .params import from_known_fields
 from .allocation import AllocationError, AllocationParams, LayerPlan, plan
 from .calibration import CalibrationSet, load_calibration
 from .conversion import ConversionError
@@ -136,11 +137,7 @@ class HierarchicalParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "HierarchicalParams":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConversionError(f"unknown hierarchical parameters {unknown}; known: {sorted(known)}")
-        return cls(**d)
+        return from_known_fields(cls, d, "hierarchical", ConversionError)
 
 
 # --------------------------------------------------------------------------- the MoE model

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from transformers.activations import ACT2FN
 
+from .params import from_known_fields
 from .conversion import ConversionError, check_compatible
 from .export import build_moe_model
 from .lowrank import LowRank, Whitening, data_error, rank_for_ratio, whitened_lowrank, whitening
@@ -84,10 +85,7 @@ class MidasParams:
         d = dict(d)
         if d.setdefault("method", "midas") != "midas":
             raise ConversionError(f"these are {d['method']!r} parameters, not midas")
-        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ConversionError(f"unknown midas parameters: {', '.join(unknown)}")
-        return cls(**d)
+        return from_known_fields(cls, d, "midas", ConversionError)
 
     def validate(self, n_sets: int) -> None:
         """``n_sets``: the number of calibration sets (= profiles = experts)."""
