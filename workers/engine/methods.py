@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from .conversion import ConversionError, ConversionParams
-
 METHODS = ("expertweaver", "cmoe", "dense2moe", "midas", "hierarchical")
 #: Methods that read a single profile of the dense model (MIDAS reads several, hierarchical none).
 PROFILE_METHODS = ("expertweaver", "cmoe", "dense2moe", "midas")
@@ -32,6 +30,10 @@ def method_of(params: Any) -> str:
 
 
 def params_class(method: str) -> type:
+    """Imported on demand: the method modules load torch, which ``method_of``'s callers (the API's
+    views) must not pay for."""
+    from .conversion import ConversionError, ConversionParams
+
     if method in PARTITION_METHODS:
         return ConversionParams
     if method == "dense2moe":
