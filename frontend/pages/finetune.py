@@ -37,7 +37,7 @@ MODES: dict[str, str] = {
 
 #: (field, label, default, min, max, step); defaults are the API's (tests/frontend/test_finetune_figures.py)
 BUDGET: list[tuple[str, str, float, float, float, float | str]] = [
-    ("steps", "steps", 200, 1, 100_000, 1),
+    ("steps", "steps", 60, 1, 100_000, 1),
     ("batch_size", "batch (sequences)", 4, 1, 1024, 1),
     ("seq_len", "seq len (tokens)", 256, 8, 32768, 1),
     ("lr", "LR (LoRA)", 5e-4, 0, 1, "any"),

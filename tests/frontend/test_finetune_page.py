@@ -13,7 +13,7 @@ from .test_browser import figure, no_errors, shot
 
 pytestmark = pytest.mark.slow
 
-STEPS = 20  # long enough to cancel mid-run from the page (a tiny-model step takes ≥ 0.1 s)
+STEPS = 150  # long enough to cancel mid-run from the page on a quiet machine (a tiny-model step takes ≥ 0.1 s; 20 raced the 1 s poll)
 
 POINTS = """n => { const g = document.querySelector('#ft-loss .js-plotly-plot');
                    return !!(g && g.data && g.data.length && g.data[0].x && g.data[0].x.length >= n); }"""
