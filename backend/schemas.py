@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from workers.engine.builtin_data import BUILTIN_SETS
+from workers.engine.data.builtin import BUILTIN_SETS
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 ResourceStatus = Literal["queued", "running", "ready", "failed", "cancelled"]
@@ -237,7 +237,7 @@ class ProfileList(BaseModel):
 
 
 class AllocationIn(_In):
-    """EW Eqs. 4–6 (``expertweaver``) or CMoE's S·A·E (``cmoe``); see ``workers.engine.allocation``."""
+    """EW Eqs. 4–6 (``expertweaver``) or CMoE's S·A·E (``cmoe``); see ``workers.engine.core.allocation``."""
 
     method: Literal["expertweaver", "cmoe"] = "expertweaver"
     n_experts: int = Field(64, ge=1, le=65536, description="experts per layer, shared included (N_e / E)")
@@ -442,7 +442,7 @@ FinetuneMode = Literal["cmoe", "expertweaver", "midas", "dense2moe"]
 
 
 class FinetuneCreate(_In):
-    """Recovery fine-tuning of a ready conversion (``workers.engine.finetune.FinetuneParams``).
+    """Recovery fine-tuning of a ready conversion (``workers.engine.training.finetune.FinetuneParams``).
 
     Bounds here catch typos; the engine's ``validate`` makes the checks that need several
     fields or the conversion (answered 422 with its message).

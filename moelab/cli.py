@@ -111,7 +111,7 @@ def profile(
     device: str | None, dtype: str | None, trust_remote_code: bool, as_json: bool, quiet: bool,
 ) -> None:
     """Profile a model's FFN activations over a calibration set (one streaming pass)."""
-    from workers.engine.profiling import ProfileSettings
+    from workers.engine.profiling.profiler import ProfileSettings
     from workers.engine.runs import run_profile
 
     cfg = get_settings()
@@ -274,7 +274,7 @@ def finetune(conversion_dir: Path, mode: str | None, steps: int, batch_size: int
              lora_rank: int, lb_coef: float, bias_step: float, checkpoint_every: int, source: str, seed: int, out: Path,
              as_json: bool, quiet: bool) -> None:
     """Recovery fine-tuning of a converted model; the fine-tuned model is exported to OUT/model."""
-    from workers.engine.finetune import FinetuneError, FinetuneParams, run_finetune
+    from workers.engine.training.finetune import FinetuneError, FinetuneParams, run_finetune
     from workers.engine.methods import method_of
     from workers.engine.runs import read_conversion
 
@@ -371,7 +371,7 @@ def data() -> None:
 @data.command("list")
 def data_list() -> None:
     """List the built-in calibration sets."""
-    from workers.engine.builtin_data import BUILTIN_SETS
+    from workers.engine.data.builtin import BUILTIN_SETS
 
     for name, description in BUILTIN_SETS.items():
         click.echo(f"builtin:{name:<14} {description}")
@@ -385,7 +385,7 @@ def data_list() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def data_show(spec: str, samples: int | None, seed: int, preview: int, as_json: bool) -> None:
     """Show a calibration set's statistics and a few samples."""
-    from workers.engine.calibration import load_calibration
+    from workers.engine.data.calibration import load_calibration
 
     with _engine_errors():
         cset = load_calibration(spec, samples=samples, seed=seed, data_dir=get_settings().data_dir)
@@ -409,7 +409,7 @@ def data_show(spec: str, samples: int | None, seed: int, preview: int, as_json: 
 @click.option("--seed", type=int, default=0)
 def data_build(spec: str, out: Path, samples: int | None, seed: int) -> None:
     """Materialise a calibration set (parquet + JSON) so it can be reused by path."""
-    from workers.engine.calibration import load_calibration
+    from workers.engine.data.calibration import load_calibration
 
     with _engine_errors():
         cset = load_calibration(spec, samples=samples, seed=seed, data_dir=get_settings().data_dir)
@@ -422,7 +422,7 @@ def data_build(spec: str, out: Path, samples: int | None, seed: int) -> None:
 @click.option("--sdist", type=click.Path(exists=True, path_type=Path), default=None, help="use a downloaded bigbench-1.0.0.tar.gz")
 def data_install(name: str, sdist: Path | None) -> None:
     """Install an optional data set (BIG-bench: ~358 MB download from PyPI)."""
-    from workers.engine.builtin_data import install_bigbench
+    from workers.engine.data.builtin import install_bigbench
 
     with _progress(extra=(OSError, RuntimeError)) as progress:
         where = install_bigbench(get_settings().data_dir, progress=progress.callback, sdist=sdist)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from workers.engine.profile_store import StoredProfile
+from workers.engine.profiling.store import StoredProfile
 
 
 def moelab(*args: str, data_dir, check: bool = True) -> subprocess.CompletedProcess:

@@ -57,8 +57,8 @@ def inspect_model(ctx: JobContext) -> Outcome:
 
 
 def _describe_moe(source: str, device: str, trust: bool, dense_error: Exception) -> dict[str, Any]:
-    from workers.engine.conversion import ConversionError
-    from workers.engine.hierarchical import load_moe_model, sparse_moe_layers
+    from workers.engine.core.dense import ConversionError
+    from workers.engine.methods.hierarchical import load_moe_model, sparse_moe_layers
 
     try:
         hf, _ = load_moe_model(source, device=device, trust_remote_code=trust)
@@ -76,7 +76,7 @@ def _describe_moe(source: str, device: str, trust: bool, dense_error: Exception)
 
 
 def build_calibration(ctx: JobContext) -> Outcome:
-    from workers.engine.calibration import load_calibration, load_hf_dataset
+    from workers.engine.data.calibration import load_calibration, load_hf_dataset
 
     row = ctx.resource()
     p = row.params
@@ -96,7 +96,7 @@ def build_calibration(ctx: JobContext) -> Outcome:
 
 
 def profile(ctx: JobContext) -> Outcome:
-    from workers.engine.profiling import ProfileSettings
+    from workers.engine.profiling.profiler import ProfileSettings
     from workers.engine.runs import run_profile
 
     row = ctx.resource()
@@ -192,7 +192,7 @@ def evaluate(ctx: JobContext) -> Outcome:
 def finetune(ctx: JobContext) -> Outcome:
     """Fine-tune a conversion in a work dir that outlives the job (a re-run resumes from its latest
     checkpoint), then publish the fine-tuned model as a new conversion of the same profile."""
-    from workers.engine.finetune import MODEL_DIR, FinetuneParams, run_finetune
+    from workers.engine.training.finetune import MODEL_DIR, FinetuneParams, run_finetune
 
     row = ctx.resource()
     parent = ctx.row(Conversion, row.conversion_id)
@@ -222,7 +222,7 @@ def _publish_finetuned(ctx: JobContext, row: Any, parent: Any, model_dir: Path, 
     (and shows the job's failure if the job is lost before it records its success).
     """
     from backend.charts import jsonable
-    from workers.engine.export import CONVERSION_FILE
+    from workers.engine.runtime.export import CONVERSION_FILE
 
     record = json.loads((model_dir / CONVERSION_FILE).read_text())
     result_id = jobs.new_id("conv")

@@ -16,8 +16,8 @@ from typing import Annotated
 from fastapi import APIRouter, File, Form, Query, Response, UploadFile
 from sqlalchemy import select
 
-from workers.engine.builtin_data import BUILTIN_SETS, bigbench_installed
-from workers.engine.calibration import (
+from workers.engine.data.builtin import BUILTIN_SETS, bigbench_installed
+from workers.engine.data.calibration import (
     CalibrationError,
     CalibrationSet,
     read_jsonl,

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query
 from sqlalchemy import select
 
-from workers.engine.allocation import AllocationError, AllocationParams, preview
+from workers.engine.core.allocation import AllocationError, AllocationParams, preview
 
 from .. import charts
 from ..db import Conversion, Evaluation, Job, Profile
@@ -37,7 +37,7 @@ router = APIRouter(tags=["charts"])
 
 @lru_cache(maxsize=8)
 def _open(path: str, stamp: float) -> Any:
-    from workers.engine.profile_store import StoredProfile  # imported on first use only
+    from workers.engine.profiling.store import StoredProfile  # imported on first use only
 
     return StoredProfile.open(Path(path))
 

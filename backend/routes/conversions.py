@@ -7,7 +7,7 @@ import json
 from fastapi import APIRouter
 from sqlalchemy import select
 
-from workers.engine.allocation import AllocationError, AllocationParams
+from workers.engine.core.allocation import AllocationError, AllocationParams
 
 from ..db import CalibrationSet, Conversion, Model, Profile
 from ..deps import QueueDep, SessionDep, StoreDep, launch, lookup, require_ready
@@ -68,7 +68,7 @@ def create_conversion(body: ConversionCreate, session: SessionDep, queue: QueueD
 def _calibration_spec(session, ref: str) -> str:
     """``builtin:NAME`` as given; a stored calibration set's id must exist and be ready."""
     if ref.startswith("builtin:"):
-        from workers.engine.builtin_data import BUILTIN_SETS
+        from workers.engine.data.builtin import BUILTIN_SETS
 
         if ref[len("builtin:"):] not in BUILTIN_SETS:
             raise ApiError(422, f"unknown built-in set {ref!r}; use one of: " + ", ".join(f"builtin:{n}" for n in BUILTIN_SETS))
@@ -82,7 +82,7 @@ def _check_engine_params(method: str, params: dict, profile_summary: dict, n_pro
     """The engine's own validation of Dense2MoE / MIDAS parameters (422 with its message)."""
     if method not in ("dense2moe", "midas"):
         return
-    from workers.engine.conversion import ConversionError
+    from workers.engine.core.dense import ConversionError
     from workers.engine.methods import params_from_dict
 
     try:

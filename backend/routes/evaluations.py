@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from sqlalchemy import select
 
-from workers.engine.builtin_data import bigbench_installed
+from workers.engine.data.builtin import bigbench_installed
 
 from ..db import CalibrationSet, Conversion, Evaluation
 from ..deps import QueueDep, SessionDep, SettingsDep, launch, lookup, require_ready

@@ -15,7 +15,7 @@ import numpy as np
 from fastapi import APIRouter, Query
 from sqlalchemy import select
 
-from workers.engine.builtin_data import bigbench_installed
+from workers.engine.data.builtin import bigbench_installed
 
 from ..artifacts import ArtifactStore
 from ..db import CalibrationSet, Conversion, Finetune
@@ -57,7 +57,7 @@ def check_params(params: dict[str, Any], store: ArtifactStore) -> None:
     Imported here, not at module level: the engine module pulls in torch and peft (seconds), so
     the first fine-tune request pays for it, not the API's start.
     """
-    from workers.engine.finetune import FinetuneError, FinetuneParams
+    from workers.engine.training.finetune import FinetuneError, FinetuneParams
 
     try:
         FinetuneParams.from_dict({**params, "source": engine_source(params["source"], store)}).validate()

@@ -19,8 +19,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from workers.engine.allocation import AllocationParams, preview  # noqa: E402
-from workers.engine.profile_store import StoredProfile  # noqa: E402
+from workers.engine.core.allocation import AllocationParams, preview  # noqa: E402
+from workers.engine.profiling.store import StoredProfile  # noqa: E402
 
 
 class SyntheticProfile:

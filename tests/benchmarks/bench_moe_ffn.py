@@ -38,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from workers.engine.modeling_moelab import MoeFFN  # noqa: E402
+from workers.engine.runtime.modeling_moelab import MoeFFN  # noqa: E402
 from workers.engine.models import load_model  # noqa: E402
 
 ROUTERS = {  # router -> combine

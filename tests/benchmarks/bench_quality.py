@@ -23,11 +23,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from moelab.settings import get_settings  # noqa: E402
-from workers.engine.allocation import AllocationParams  # noqa: E402
-from workers.engine.conversion import ConversionParams, abstopk_modules, convert, uniform_params  # noqa: E402
-from workers.engine.evaluation import evaluate_variants, heldout_windows  # noqa: E402
+from workers.engine.core.allocation import AllocationParams  # noqa: E402
+from workers.engine.core.dense import ConversionParams, abstopk_modules, convert, uniform_params  # noqa: E402
+from workers.engine.evaluation.metrics import evaluate_variants, heldout_windows  # noqa: E402
 from workers.engine.models import load_model  # noqa: E402
-from workers.engine.profile_store import StoredProfile  # noqa: E402
+from workers.engine.profiling.store import StoredProfile  # noqa: E402
 
 
 def configurations(sparsity: float) -> dict[str, ConversionParams]:

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from workers.engine.allocation import AllocationError, AllocationParams, plan, preview, specialisation_ratio, summarize
+from workers.engine.core.allocation import AllocationError, AllocationParams, plan, preview, specialisation_ratio, summarize
 
 
 def cvs(L=6, d=1536, seed=0):

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.engine import builtin_data as bd
-from workers.engine.calibration import (
+from workers.engine.data import builtin as bd
+from workers.engine.data.calibration import (
     CalibrationError,
     CalibrationSet,
     Sample,

@@ -7,17 +7,17 @@ import pytest
 import torch
 
 from tests.engine.test_profiling import make_set
-from workers.engine.allocation import AllocationParams
-from workers.engine.clustering import atopk_features
-from workers.engine.conversion import (
+from workers.engine.core.allocation import AllocationParams
+from workers.engine.core.clustering import atopk_features
+from workers.engine.core.dense import (
     ConversionError, ConversionParams, abstopk_modules, convert, uniform_params,
 )
-from workers.engine.evaluation import (
+from workers.engine.evaluation.metrics import (
     evaluate_variants, heldout_windows, load_cv, reconstruction_errors, swapped_mlps,
 )
 from workers.engine.models import load_model
-from workers.engine.profile_store import StoredProfile, write_profile
-from workers.engine.profiling import ProfileSettings, profile_model
+from workers.engine.profiling.store import StoredProfile, write_profile
+from workers.engine.profiling.profiler import ProfileSettings, profile_model
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +147,8 @@ def test_load_cv_is_mi_eq_7():
 
 def test_multiple_choice_accuracy_matches_unbatched_scoring(setup, tmp_path):
     from tests.engine.test_calibration import make_bigbench_sdist
-    from workers.engine.builtin_data import install_bigbench
-    from workers.engine.evaluation import bigbench_choice_items, multiple_choice_accuracy
+    from workers.engine.data.builtin import install_bigbench
+    from workers.engine.evaluation.metrics import bigbench_choice_items, multiple_choice_accuracy
 
     data = tmp_path / "data"
     install_bigbench(data, sdist=make_bigbench_sdist(tmp_path / "bigbench-1.0.0.tar.gz"))

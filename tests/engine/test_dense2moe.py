@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.engine.conversion import ConversionError
+from workers.engine.core.dense import ConversionError
 from workers.engine.dense2moe import Dense2MoEParams, choose_fusion, fuse_model, fused_ffn, remove_decoder_layers
-from workers.engine.export import export_model, load_exported
-from workers.engine.modeling_moelab import MoeFFN, decoder_layers
+from workers.engine.runtime.export import export_model, load_exported
+from workers.engine.runtime.modeling_moelab import MoeFFN, decoder_layers
 from workers.engine.models import adapt, load_model
-from workers.engine.param_count import parameter_counts
+from workers.engine.runtime.param_count import parameter_counts
 
 IDS = torch.tensor([[1, 17, 256, 999, 42, 5, 77, 3001, 12, 640, 8, 91, 2048, 33]])
 
@@ -376,9 +376,9 @@ def test_normalized_combine_weights_the_selected_experts_by_their_own_softmax(di
 
 
 def test_fusion_chosen_from_a_profile(tiny_model, data_dir, tmp_path):
-    from workers.engine.calibration import CalibrationSet, Sample
-    from workers.engine.profile_store import StoredProfile, write_profile
-    from workers.engine.profiling import ProfileSettings, profile_model
+    from workers.engine.data.calibration import CalibrationSet, Sample
+    from workers.engine.profiling.store import StoredProfile, write_profile
+    from workers.engine.profiling.profiler import ProfileSettings, profile_model
 
     words = "river stone cloud alpha beta gamma sigma omega lambda kappa".split()
     texts = [" ".join(words[(i + j) % len(words)] for j in range(20 + 3 * i)) for i in range(6)]

@@ -15,21 +15,21 @@ import torch
 from safetensors.torch import load_file
 
 from tests.engine.test_profiling import make_set
-from workers.engine.allocation import AllocationParams
-from workers.engine.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, restore, save_checkpoint
-from workers.engine.conversion import ConversionParams
+from workers.engine.core.allocation import AllocationParams
+from workers.engine.training.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, restore, save_checkpoint
+from workers.engine.core.dense import ConversionParams
 from workers.engine.dense2moe import Dense2MoEParams
-from workers.engine.export import load_exported
-from workers.engine.finetune import (
+from workers.engine.runtime.export import load_exported
+from workers.engine.training.finetune import (
     EW_INIT_LOGIT_STD, FinetuneError, FinetuneParams, RoutingTap, apply_mode, load_balancing_loss,
     load_conversion_for_training, merge_adapters, read_train_log, run_finetune, to_softmax_router,
     update_router_bias, window_indices,
 )
-from workers.engine.midas import MidasParams
-from workers.engine.modeling_moelab import MoeFFN
+from workers.engine.methods.midas import MidasParams
+from workers.engine.runtime.modeling_moelab import MoeFFN
 from workers.engine.models import load_model
-from workers.engine.profile_store import write_profile
-from workers.engine.profiling import ProfileSettings, profile_model
+from workers.engine.profiling.store import write_profile
+from workers.engine.profiling.profiler import ProfileSettings, profile_model
 from workers.engine.progress import Cancelled, Progress
 from workers.engine.runs import run_conversion
 

@@ -10,10 +10,10 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from workers.engine.conversion import ConversionError
-from workers.engine.export import CONVERSION_FILE, export_model, load_exported
-from workers.engine.hierarchical import HierarchicalParams, convert_hierarchical, load_moe_model, sparse_moe_layers
-from workers.engine.modeling_moelab import HierarchicalExperts
+from workers.engine.core.dense import ConversionError
+from workers.engine.runtime.export import CONVERSION_FILE, export_model, load_exported
+from workers.engine.methods.hierarchical import HierarchicalParams, convert_hierarchical, load_moe_model, sparse_moe_layers
+from workers.engine.runtime.modeling_moelab import HierarchicalExperts
 
 CALIB = "builtin:mixed"
 # ~290 calibration tokens, ~145 routed to each of the 4 experts: fewer than the default minimum

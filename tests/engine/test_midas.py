@@ -9,18 +9,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.engine.calibration import load_calibration
-from workers.engine.conversion import ConversionError
-from workers.engine.evaluation import load_cv_by_source
-from workers.engine.export import export_model, load_exported
-from workers.engine.lowrank import data_error, rank_for_ratio, whitening
+from workers.engine.data.calibration import load_calibration
+from workers.engine.core.dense import ConversionError
+from workers.engine.evaluation.metrics import load_cv_by_source
+from workers.engine.runtime.export import export_model, load_exported
+from workers.engine.core.lowrank import data_error, rank_for_ratio, whitening
 from workers.engine.methods import params_from_dict
-from workers.engine.midas import MidasParams, convert_midas, expert_rank, surrogate_hidden_moment
-from workers.engine.modeling_moelab import LowRankMoeFFN, build_layer_module
+from workers.engine.methods.midas import MidasParams, convert_midas, expert_rank, surrogate_hidden_moment
+from workers.engine.runtime.modeling_moelab import LowRankMoeFFN, build_layer_module
 from workers.engine.models import load_model
-from workers.engine.param_count import parameter_counts
-from workers.engine.profile_store import StoredProfile, write_profile
-from workers.engine.profiling import ProfileSettings, profile_model
+from workers.engine.runtime.param_count import parameter_counts
+from workers.engine.profiling.store import StoredProfile, write_profile
+from workers.engine.profiling.profiler import ProfileSettings, profile_model
 
 SETTINGS = ProfileSettings(max_tokens=64, batch_tokens=512, feature_tokens=256, hist_bins=11)
 SETS = ("builtin:code", "builtin:prose")

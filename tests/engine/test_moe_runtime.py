@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.activations import ACT2FN
 
-from workers.engine import modeling_moelab
-from workers.engine.export import AUTO_MAP, build_moe_model, export_model, load_exported
-from workers.engine.modeling_moelab import (
+from workers.engine.runtime import modeling_moelab
+from workers.engine.runtime.export import AUTO_MAP, build_moe_model, export_model, load_exported
+from workers.engine.runtime.modeling_moelab import (
     AbsTopKGLU,
     MoeFFN,
     MoelabConfig,

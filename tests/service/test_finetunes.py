@@ -89,7 +89,7 @@ def test_a_conversion_without_a_result_is_409(client, cancelled_conversion_id):
 
 
 def test_bigbench_text_needs_the_set_installed(client, settings, conversion_id):
-    from workers.engine.builtin_data import bigbench_installed
+    from workers.engine.data.builtin import bigbench_installed
 
     if bigbench_installed(settings.data_dir):
         pytest.skip("BIG-bench is installed in this data dir: there is nothing to refuse")
@@ -108,7 +108,7 @@ def test_api_defaults_are_the_engines():
     from typing import get_args
 
     from backend.schemas import FinetuneCreate, FinetuneMode
-    from workers.engine.finetune import MODES, FinetuneParams
+    from workers.engine.training.finetune import MODES, FinetuneParams
 
     assert set(get_args(FinetuneMode)) == set(MODES)
 

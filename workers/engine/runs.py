@@ -14,16 +14,16 @@ from typing import Any, Callable, Sequence
 
 
 from .atomic import write_json_atomic
-from .calibration import load_calibration
-from .conversion import ConversionError, ConversionParams, abstopk_modules, build_modules, build_experts, convert, uniform_params
-from .builtin_data import bigbench_installed
-from .evaluation import bigbench_choice_items, evaluate_models, evaluate_variants, heldout_windows, load_cv_by_source
-from .export import CONVERSION_FILE, build_moe_model, export_model, load_exported
+from .data.calibration import load_calibration
+from .core.dense import ConversionError, ConversionParams, abstopk_modules, build_modules, build_experts, convert, uniform_params
+from .data.builtin import bigbench_installed
+from .evaluation.metrics import bigbench_choice_items, evaluate_models, evaluate_variants, heldout_windows, load_cv_by_source
+from .runtime.export import CONVERSION_FILE, build_moe_model, export_model, load_exported
 from .methods import PARTITION_METHODS, method_of
 from .models import ModelAdapter, load_model
-from .param_count import parameter_counts
-from .profile_store import StoredProfile, write_profile
-from .profiling import ProfileSettings, profile_model
+from .runtime.param_count import parameter_counts
+from .profiling.store import StoredProfile, write_profile
+from .profiling.profiler import ProfileSettings, profile_model
 from .progress import NO_PROGRESS, Progress
 
 EVALUATION_FILE = "evaluation.json"
@@ -68,7 +68,7 @@ def run_conversion(
     if method == "hierarchical":
         if not model or not calib:
             raise ConversionError("hierarchical conversion needs the MoE model and a calibration set (model=, calib=)")
-        from .hierarchical import convert_hierarchical
+        from .methods.hierarchical import convert_hierarchical
 
         moe, tokenizer, record = convert_hierarchical(model, calib, params, data_dir=data_dir, device=device, progress=progress)
         record.update(model={"source": model}, calibration={"spec": calib})
@@ -96,7 +96,7 @@ def run_conversion(
 
             moe, record = fuse_model(adapter, params, profile)
         else:
-            from .midas import convert_midas
+            from .methods.midas import convert_midas
 
             moe, record = convert_midas(adapter, profiles, params, progress)
         record.update(
@@ -176,7 +176,7 @@ def run_evaluation(
         results = evaluate_variants(adapter, variants, windows, progress=progress, choice_items=items)
     else:
         if method == "hierarchical":
-            from .hierarchical import load_moe_model
+            from .methods.hierarchical import load_moe_model
 
             dense, tokenizer = load_moe_model(record["model"]["source"], device=device)
         else:

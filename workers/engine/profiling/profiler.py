@@ -40,9 +40,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .calibration import CalibrationSet
-from .models import ModelAdapter
-from .progress import NO_PROGRESS, Progress
+from ..data.calibration import CalibrationSet
+from ..models import ModelAdapter
+from ..progress import NO_PROGRESS, Progress
 
 GroupBy = Literal["auto", "task", "domain", "sample"]
 

@@ -32,7 +32,7 @@ def method_of(params: Any) -> str:
 def params_class(method: str) -> type:
     """Imported on demand: the method modules load torch, which ``method_of``'s callers (the API's
     views) must not pay for."""
-    from .conversion import ConversionError, ConversionParams
+    from ..core.dense import ConversionError, ConversionParams
 
     if method in PARTITION_METHODS:
         return ConversionParams

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from .atomic import atomic_directory
+from ..atomic import atomic_directory
 
 CHECKPOINT_DIR = "checkpoints"
 STATE_FILE = "state.json"

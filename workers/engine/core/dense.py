@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from .allocation import AllocationParams, LayerPlan, plan, summarize
-from .experts import LayerExperts, RouterChoice, cmoe_layer, expertweaver_layer
-from .modeling_moelab import AbsTopKGLU, MoeFFN
-from .models import ModelAdapter
-from .progress import NO_PROGRESS, Progress
+from .partition import LayerExperts, RouterChoice, cmoe_layer, expertweaver_layer
+from ..runtime.modeling_moelab import AbsTopKGLU, MoeFFN
+from ..models import ModelAdapter
+from ..progress import NO_PROGRESS, Progress
 
 
 class ConversionError(ValueError):

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .atomic import atomic_directory, write_json_atomic
+from ..atomic import atomic_directory, write_json_atomic
 from .modeling_moelab import (
     MoelabConfig,
     MoelabForCausalLM,

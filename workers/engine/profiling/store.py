@@ -29,11 +29,11 @@ import pandas as pd
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from .atomic import atomic_directory, write_json_atomic
+from ..atomic import atomic_directory, write_json_atomic
 
 if TYPE_CHECKING:  # reading a profile must not import torch: the API process serves charts from it
-    from .calibration import CalibrationSet
-    from .profiling import ProfileResult, ProfileSettings
+    from ..data.calibration import CalibrationSet
+    from .profiler import ProfileResult, ProfileSettings
 
 FORMAT = "moelab.profile"
 FORMAT_VERSION = 1
@@ -158,7 +158,7 @@ class StoredProfile:
 
     @property
     def settings(self) -> ProfileSettings:
-        from .profiling import ProfileSettings
+        from .profiler import ProfileSettings
 
         return ProfileSettings(**self.manifest["settings"])
 

@@ -48,15 +48,15 @@ import numpy as np
 import torch
 from transformers.activations import ACT2FN
 
-from .params import from_known_fields
-from .conversion import ConversionError, check_compatible
-from .export import build_moe_model
-from .lowrank import LowRank, Whitening, data_error, rank_for_ratio, whitened_lowrank, whitening
-from .modeling_moelab import LowRankMoeFFN, MoelabForCausalLM
-from .models import ModelAdapter
-from .param_count import parameter_counts
-from .profile_store import StoredProfile
-from .progress import NO_PROGRESS, Progress
+from ..core.params import from_known_fields
+from ..core.dense import ConversionError, check_compatible
+from ..runtime.export import build_moe_model
+from ..core.lowrank import LowRank, Whitening, data_error, rank_for_ratio, whitened_lowrank, whitening
+from ..runtime.modeling_moelab import LowRankMoeFFN, MoelabForCausalLM
+from ..models import ModelAdapter
+from ..runtime.param_count import parameter_counts
+from ..profiling.store import StoredProfile
+from ..progress import NO_PROGRESS, Progress
 
 DownChoice = Literal["surrogate", "plain"]
 #: Manifest fields that must agree between the profiles of one MIDAS conversion.

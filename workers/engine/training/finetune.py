@@ -71,16 +71,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .params import from_known_fields
-from .atomic import write_json_atomic
-from .calibration import load_calibration
+from ..core.params import from_known_fields
+from ..atomic import write_json_atomic
+from ..data.calibration import load_calibration
 from .checkpoint import CHECKPOINT_DIR, CheckpointError, latest_checkpoint, list_checkpoints, restore, save_checkpoint
-from .evaluation import heldout_windows, load_cv, perplexity
-from .export import CONVERSION_FILE, export_model
-from .modeling_moelab import MoeFFN, MoelabForCausalLM, convert_in_place, layer_spec, realign_parameters
-from .models import load_model, resolve_device
-from .param_count import parameter_counts
-from .progress import NO_PROGRESS, Cancelled, Progress
+from ..evaluation.metrics import heldout_windows, load_cv, perplexity
+from ..runtime.export import CONVERSION_FILE, export_model
+from ..runtime.modeling_moelab import MoeFFN, MoelabForCausalLM, convert_in_place, layer_spec, realign_parameters
+from ..models import load_model, resolve_device
+from ..runtime.param_count import parameter_counts
+from ..progress import NO_PROGRESS, Cancelled, Progress
 
 Mode = Literal["cmoe", "expertweaver", "midas", "dense2moe"]
 MODES: tuple[str, ...] = ("cmoe", "expertweaver", "midas", "dense2moe")

@@ -11,7 +11,7 @@ Where the samples come from:
 
 * user uploads: JSONL (``text`` plus optional ``task``/``domain``) or plain ``.txt``;
 * Hugging Face ``datasets`` (hub names, local data files/dirs, ``save_to_disk`` dirs);
-* the built-in offline sets of :mod:`workers.engine.builtin_data` (``builtin:NAME``).
+* the built-in offline sets of :mod:`workers.engine.data.builtin` (``builtin:NAME``).
 
 :func:`load_calibration` turns a one-string *spec* (what the CLI, API and UI pass around)
 into a :class:`CalibrationSet`.
@@ -35,7 +35,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .atomic import atomic_directory, write_json_atomic
+from ..atomic import atomic_directory, write_json_atomic
 
 SAMPLES_FILE = "samples.parquet"
 META_FILE = "calibration.json"
@@ -599,9 +599,9 @@ def load_calibration(
     if not spec:
         raise CalibrationError(f"empty calibration spec; use one of: {_forms()}")
     if spec.startswith("builtin:"):
-        from . import builtin_data
+        from .builtin import builtin_set
 
-        return builtin_data.builtin_set(
+        return builtin_set(
             spec[len("builtin:") :], n_samples=240 if samples is None else samples, seed=seed, split=split, data_dir=data_dir
         )
     if spec.startswith("hf:"):

@@ -55,13 +55,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from .params import from_known_fields
-from .conversion import ConversionError, check_compatible
-from .export import build_moe_model
-from .modeling_moelab import MoeFFN, MoelabForCausalLM, decoder_layers
-from .models import ModelAdapter
-from .param_count import parameter_counts
-from .progress import NO_PROGRESS, Progress
+from ..core.params import from_known_fields
+from ..core.dense import ConversionError, check_compatible
+from ..runtime.export import build_moe_model
+from ..runtime.modeling_moelab import MoeFFN, MoelabForCausalLM, decoder_layers
+from ..models import ModelAdapter
+from ..runtime.param_count import parameter_counts
+from ..progress import NO_PROGRESS, Progress
 
 Combine = Literal["weighted", "normalized", "sum"]
 COMBINES: tuple[str, ...] = ("weighted", "normalized", "sum")

@@ -51,17 +51,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .params import from_known_fields
-from .allocation import AllocationError, AllocationParams, LayerPlan, plan
-from .calibration import CalibrationSet, load_calibration
-from .conversion import ConversionError
-from .experts import LayerExperts, cmoe_layer
-from .export import build_moe_model
-from .modeling_moelab import HierarchicalExperts, MoeFFN, MoelabForCausalLM, decoder_layers
-from .models import resolve_device, resolve_dtype
-from .param_count import parameter_counts
-from .profiling import ProfileSettings, length_sorted_batches
-from .progress import NO_PROGRESS, Progress
+from ..core.params import from_known_fields
+from ..core.allocation import AllocationError, AllocationParams, LayerPlan, plan
+from ..data.calibration import CalibrationSet, load_calibration
+from ..core.dense import ConversionError
+from ..core.partition import LayerExperts, cmoe_layer
+from ..runtime.export import build_moe_model
+from ..runtime.modeling_moelab import HierarchicalExperts, MoeFFN, MoelabForCausalLM, decoder_layers
+from ..models import resolve_device, resolve_dtype
+from ..runtime.param_count import parameter_counts
+from ..profiling.profiler import ProfileSettings, length_sorted_batches
+from ..progress import NO_PROGRESS, Progress
 
 __all__ = [
     "ExpertProfile",

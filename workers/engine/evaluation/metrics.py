@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .calibration import load_calibration
-from .models import ModelAdapter
-from .progress import NO_PROGRESS, Progress
+from ..data.calibration import load_calibration
+from ..models import ModelAdapter
+from ..progress import NO_PROGRESS, Progress
 
 
 def heldout_windows(
@@ -282,7 +282,7 @@ class ChoiceItem:
 
 def bigbench_choice_items(data_dir: Path, tasks: tuple[str, ...] = MC_TASKS, per_task: int = 50) -> list[ChoiceItem]:
     """Held-out multiple-choice examples (``target_scores``) of installed BIG-bench tasks."""
-    from .builtin_data import bigbench_examples, bigbench_task, bigbench_task_names, render_bigbench_example
+    from ..data.builtin import bigbench_examples, bigbench_task, bigbench_task_names, render_bigbench_example
 
     installed = set(bigbench_task_names(data_dir))
     items: list[ChoiceItem] = []

@@ -71,7 +71,7 @@ from typing import Any, Callable, Iterator
 
 import yaml
 
-from .atomic import TMP_MARK, atomic_directory, write_json_atomic
+from ..atomic import TMP_MARK, atomic_directory, write_json_atomic
 from .calibration import CalibrationError, CalibrationSet, Sample, chunk_text
 
 SPLITS = ("calibration", "heldout")
