@@ -18,12 +18,14 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from moelab.settings import Settings, get_settings
-from workers import liveness
-from workers.celery_app import broker_url, make_celery
+from moelab.store import liveness
+from moelab.store.broker import broker_url, make_celery
 
-from . import errors, jobs
-from .artifacts import ArtifactStore
-from .db import Database
+from moelab.store import jobs
+
+from . import errors
+from moelab.store.artifacts import ArtifactStore
+from moelab.store.db import Database
 from .limits import BodySizeLimit
 from .queue import JobQueue
 from .routes import api_router

@@ -13,9 +13,9 @@ from sqlalchemy.orm import Session
 
 from moelab.settings import Settings
 
-from . import jobs
-from .artifacts import ArtifactStore
-from .db import Database, Job
+from moelab.store import jobs
+from moelab.store.artifacts import ArtifactStore
+from moelab.store.db import Database, Job
 from .errors import ApiError, not_found
 from .queue import BrokerUnavailable, JobQueue
 
@@ -77,7 +77,7 @@ def launch(session: Session, queue: JobQueue, row: Any, resource_type: str, kind
     If the broker is down the job is recorded as failed (so nothing is left "queued" forever)
     and the client gets 503 with what to do.
     """
-    from workers.celery_app import TASKS
+    from moelab.store.broker import TASKS
 
     job = jobs.new_job(session, kind, TASKS[kind][1], resource_type, row.id, retry_of=retry_of)
     row.job = job

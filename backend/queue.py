@@ -6,9 +6,9 @@ import logging
 
 from celery import Celery
 
-from workers.celery_app import TASKS
+from moelab.store.broker import TASKS
 
-from .db import Job
+from moelab.store.db import Job
 
 log = logging.getLogger("moelab.api")
 

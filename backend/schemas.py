@@ -1,8 +1,8 @@
 """The API contract: request and response models (separate from the SQL tables in ``db``).
 
-Parameter names are the engine's and the papers' all the way through (``alpha_min``,
-``alpha_max``, ``tau``, ``n_experts``, ``sparsity``, ``alpha_basis``): a slider in the UI, a
-field here and an argument of ``allocation.AllocationParams`` carry one name.
+Conversion parameters are generated from the engine's method registry (``workers.engine.methods``):
+a slider in the UI, a field here, a CLI option and a field of the method's parameter dataclass
+carry one name, one default and one set of bounds.
 
 Validation that needs only the request lives here (α_min ≤ α_max, τ > 0, sparsity in (0, 1),
 S + A ≤ E …) and answers 422 with what to fix; checks that need stored state (experts that
@@ -14,9 +14,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
+from workers.engine.core.params import ParamSpec
 from workers.engine.data.builtin import BUILTIN_SETS
+from workers.engine.methods import REGISTRY, Method
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 ResourceStatus = Literal["queued", "running", "ready", "failed", "cancelled"]
@@ -236,92 +238,42 @@ class ProfileList(BaseModel):
 # --------------------------------------------------------------------------- allocation and conversions
 
 
-class AllocationIn(_In):
-    """EW Eqs. 4–6 (``expertweaver``) or CMoE's S·A·E (``cmoe``); see ``workers.engine.core.allocation``."""
+def _field_annotation(spec: ParamSpec) -> Any:
+    kind: Any = Literal[spec.choices] if spec.choices else {"int": int, "float": float, "str": str, "bool": bool}[spec.type]  # type: ignore[valid-type]
+    return kind | None if spec.optional else kind
 
-    method: Literal["expertweaver", "cmoe"] = "expertweaver"
-    n_experts: int = Field(64, ge=1, le=65536, description="experts per layer, shared included (N_e / E)")
-    alpha_min: float = Field(0.2, ge=0, le=1, description="EW Eq. 5: shared share of the most specialised layer")
-    alpha_max: float = Field(0.7, ge=0, le=1, description="EW Eq. 5: shared share of the least specialised layer")
-    tau: float = Field(0.6, gt=0, description="EW Eq. 4: CV threshold of a specialised neuron")
-    sparsity: float = Field(0.25, gt=0, lt=1, description="fraction of FFN neurons NOT computed per token")
-    alpha_basis: Literal["total", "active"] = Field("total", description="α as a share of all neurons (EW Eq. 6) or of the active budget")
-    shared: int = Field(1, ge=0, description="CMoE S: shared experts")
-    active: int = Field(1, ge=0, description="CMoE A: routed experts active per token")
 
-    @model_validator(mode="after")
-    def _consistent(self) -> AllocationIn:
-        if self.method == "expertweaver":
-            if self.alpha_min > self.alpha_max:
-                raise ValueError(f"alpha_min ({self.alpha_min}) must not exceed alpha_max ({self.alpha_max}): swap or lower alpha_min")
-            if round((1 - self.sparsity) * self.n_experts) < 1:
-                raise ValueError(
-                    f"sparsity {self.sparsity} with {self.n_experts} experts leaves no expert active: "
-                    "lower sparsity or use more experts"
-                )
-        else:
-            if self.shared + self.active > self.n_experts:
-                raise ValueError(
-                    f"S·A·E = {self.shared}·{self.active}·{self.n_experts}: shared + active exceeds the experts; lower S or A or raise n_experts"
-                )
-            if self.shared + self.active == 0:
-                raise ValueError("S = A = 0 computes nothing: activate at least one expert")
+def _description(spec: ParamSpec) -> str:
+    return f"{spec.help} ({spec.paper})" if spec.paper else spec.help
+
+
+def method_params_model(method: Method) -> type[BaseModel]:
+    """The request body block of one method, generated from its parameter dataclass: the same
+    names, types, defaults, bounds and help as the engine, the CLI and ``GET /methods``. Rules that
+    relate several fields are the engine's own ``check()`` (a 422 with its message)."""
+    fields: dict[str, Any] = {
+        spec.name: (_field_annotation(spec), Field(spec.default, description=_description(spec), ge=spec.ge, gt=spec.gt,
+                                                   le=spec.le, lt=spec.lt, allow_inf_nan=False if spec.type == "float" else None))
+        for spec in method.params.specs()
+    }
+
+    def engine_check(self: BaseModel) -> BaseModel:
+        method.params(**self.model_dump()).check()  # ConversionError is a ValueError: 422
         return self
 
-
-class Dense2MoEIn(_In):
-    """D2 §2.3 / Eq. 6: layers l*+1…l*+n* lose their attention; their MLPs join layer l* as experts."""
-
-    delta: float = Field(0.1, gt=0, le=2, description="threshold on the MLP-input distance 1 - S_M[l, l+n]")
-    layer: int | None = Field(None, ge=0, description="l*; null: chosen from S_L and S_M")
-    n_fused: int | None = Field(None, ge=1, description="n*: layers after l* fused into it; null: chosen")
-    max_fused: int = Field(8, ge=1, description="cap on n* when it is chosen")
-    own_copies: int = Field(1, ge=1, le=64, description="N copies of layer l*'s MLP")
-    fused_copies: int = Field(1, ge=1, le=64, description="M copies of each fused MLP")
-    top_k: int = Field(2, ge=1, description="experts per token (softmax router)")
-    seed: int = Field(0, ge=0)
-
-    @model_validator(mode="after")
-    def _both_or_neither(self) -> Dense2MoEIn:
-        if (self.layer is None) != (self.n_fused is None):
-            raise ValueError("give both layer (l*) and n_fused (n*), or neither to let D2 §2.3 choose them")
-        return self
+    title = "".join(part.capitalize() for part in method.name.split("_"))
+    return create_model(f"{title}Params", __base__=_In, __doc__=f"{method.title} ({method.paper}): {method.summary}",
+                        __validators__={"engine_check": model_validator(mode="after")(engine_check)}, **fields)
 
 
-class MidasIn(_In):
-    """MI §3.2: one low-rank expert per calibration set (whitened SVD, MI Eqs. 1–2) and a top-k gate."""
-
-    keep_ratio: float = Field(0.25, gt=0, le=1, description="share of each FFN matrix's parameters an expert keeps")
-    top_k: int = Field(2, ge=1, description="experts per token")
-    seed: int = Field(0, ge=0)
+#: One generated parameters model per registered method.
+METHOD_PARAMS: dict[str, type[BaseModel]] = {name: method_params_model(m) for name, m in REGISTRY.items()}
+ConversionMethod = Literal[tuple(REGISTRY)]  # type: ignore[valid-type]
 
 
-class HierarchicalIn(_In):
-    """AF §4.4 / Eq. 10: every expert of an MoE model split into shared + routed sub-experts (S·A·E)."""
-
-    n_experts: int = Field(8, ge=1, description="sub-experts per expert, shared included")
-    shared: int = Field(2, ge=0, description="shared sub-experts per expert")
-    active: int = Field(2, ge=0, description="routed sub-experts active per token")
-    samples: int = Field(64, ge=1, le=100000, description="calibration samples")
-    seed: int = Field(0, ge=0)
-
-    @model_validator(mode="after")
-    def _sae(self) -> HierarchicalIn:
-        if self.shared + self.active > self.n_experts:
-            raise ValueError(f"shared + active ({self.shared} + {self.active}) exceeds n_experts ({self.n_experts})")
-        if self.shared + self.active == 0:
-            raise ValueError("shared = active = 0 computes nothing: activate at least one sub-expert")
-        return self
-
-
-ConversionMethod = Literal["expertweaver", "cmoe", "dense2moe", "midas", "hierarchical"]
-
-
-class ConversionCreate(_In):
-    method: ConversionMethod | None = Field(
-        None, description="null: allocation.method (expertweaver or cmoe); dense2moe, midas, hierarchical read their own block"
-    )
-    profile_id: str | None = Field(None, description="the dense model's profile (all methods but hierarchical)")
+class _ConversionBase(_In):
+    method: ConversionMethod = Field("expertweaver", description="the conversion method (GET /api/v1/methods lists them)")  # type: ignore[valid-type]
+    profile_id: str | None = Field(None, description="the dense model's profile (methods that read a profile)")
     extra_profile_ids: list[str] = Field(
         default_factory=list, max_length=63, description="midas: profiles of the other calibration sets (same model)"
     )
@@ -329,50 +281,71 @@ class ConversionCreate(_In):
     calibration: str | None = Field(
         None, max_length=200, description="hierarchical: builtin:NAME or the id of a stored calibration set"
     )
-    allocation: AllocationIn = Field(default_factory=AllocationIn)
-    router: Literal["paper", "gate_mass"] = Field(
-        "paper", description="paper: EW centroid router (Eq. 9) / CMoE representative neurons (Eq. 18); gate_mass: L1 mass of each expert's gate activations"
-    )
-    combine: Literal["sum", "weighted"] = Field("sum", description="EW Eq. 10 / CM Eq. 11: unweighted sum")
-    seed: int = Field(0, ge=0)
-    max_iter: int = Field(50, ge=1, le=10000, description="balanced k-means iteration cap")
-    dense2moe: Dense2MoEIn = Field(default_factory=Dense2MoEIn)
-    midas: MidasIn = Field(default_factory=MidasIn)
-    hierarchical: HierarchicalIn = Field(default_factory=HierarchicalIn)
-
-    @property
-    def resolved_method(self) -> str:
-        return self.method or self.allocation.method
 
     @model_validator(mode="after")
-    def _inputs_of_method(self) -> ConversionCreate:
-        m = self.resolved_method
-        if m == "hierarchical":
+    def _inputs_of_method(self) -> "_ConversionBase":
+        m = self.method
+        others = [name for name in REGISTRY if name != m and getattr(self, name) is not None]
+        if others:
+            raise ValueError(f"parameter block(s) {', '.join(others)} given, but method is {m!r}: put the parameters in {m!r}")
+        needs = REGISTRY[m].needs
+        if needs == "moe_model":
             if not self.model_id or not self.calibration:
-                raise ValueError("hierarchical conversion needs model_id (an MoE model) and calibration (e.g. builtin:mixed)")
+                raise ValueError(f"{m} conversion needs model_id (an MoE model) and calibration (e.g. builtin:mixed)")
             if self.profile_id or self.extra_profile_ids:
-                raise ValueError("hierarchical conversion profiles the MoE model itself: drop profile_id")
+                raise ValueError(f"{m} conversion profiles the MoE model itself: drop profile_id")
             return self
         if not self.profile_id:
             raise ValueError(f"{m} conversion needs profile_id (profile the dense model first)")
-        if m == "midas":
-            if not self.extra_profile_ids:
-                raise ValueError("midas builds one expert per calibration set: give extra_profile_ids (≥ 1 more profile of the same model)")
-            if self.midas.top_k > 1 + len(self.extra_profile_ids):
-                raise ValueError(f"midas top_k ({self.midas.top_k}) exceeds the number of experts ({1 + len(self.extra_profile_ids)})")
-        elif self.extra_profile_ids:
-            raise ValueError(f"{m} reads one profile; only midas takes extra_profile_ids")
-        if m in ("expertweaver", "cmoe") and self.method and self.method != self.allocation.method:
-            raise ValueError(f"method {self.method!r} disagrees with allocation.method {self.allocation.method!r}")
+        if needs == "profiles" and not self.extra_profile_ids:
+            raise ValueError(f"{m} builds one expert per calibration set: give extra_profile_ids (≥ 1 more profile of the same model)")
+        if needs == "profile" and self.extra_profile_ids:
+            raise ValueError(f"{m} reads one profile; only methods with one expert per calibration set take extra_profile_ids")
         return self
 
     def engine_params(self) -> dict[str, Any]:
         """The engine's parameters dict for this request (``workers.engine.methods.params_from_dict``)."""
-        m = self.resolved_method
-        if m in ("expertweaver", "cmoe"):
-            return {"allocation": self.allocation.model_dump(), "router": self.router, "combine": self.combine,
-                    "seed": self.seed, "max_iter": self.max_iter}
-        return {"method": m, **getattr(self, m).model_dump()}
+        block = getattr(self, self.method) or METHOD_PARAMS[self.method]()
+        return {"method": self.method, **block.model_dump()}
+
+
+#: ``POST /conversions`` body: the method, its inputs and one parameter block named after the method.
+ConversionCreate = create_model(
+    "ConversionCreate", __base__=_ConversionBase,
+    **{name: (model | None, Field(None, description=f"{REGISTRY[name].title} parameters (used when method is {name!r})"))
+       for name, model in METHOD_PARAMS.items()},
+)
+
+
+class ParamOut(BaseModel):
+    name: str
+    type: Literal["int", "float", "str", "bool"]
+    default: Any
+    help: str
+    paper: str | None
+    optional: bool
+    choices: list[Any] | None
+    ge: float | None
+    gt: float | None
+    le: float | None
+    lt: float | None
+    aliases: list[str]
+    advanced: bool = Field(description="shown under 'more' in the designer")
+
+
+class MethodOut(BaseModel):
+    name: str
+    title: str
+    paper: str
+    summary: str
+    needs: Literal["profile", "profiles", "moe_model"]
+    preview: bool = Field(description="GET /profiles/{id}/preview/{method} draws its plan before converting")
+    recovery: str | None = Field(description="recovery fine-tuning this method offers (null: none)")
+    params: list[ParamOut]
+
+
+class MethodList(BaseModel):
+    items: list[MethodOut]
 
 
 class ConversionOut(BaseModel):
@@ -438,7 +411,7 @@ class EvaluationList(BaseModel):
 
 # --------------------------------------------------------------------------- recovery fine-tuning
 
-FinetuneMode = Literal["cmoe", "expertweaver", "midas", "dense2moe"]
+FinetuneMode = Literal[tuple(name for name, m in REGISTRY.items() if m.recovery is not None)]  # type: ignore[valid-type]
 
 
 class FinetuneCreate(_In):
@@ -655,11 +628,13 @@ class LayerSimilarity(BaseModel):
     redundant: list[int] | None = Field(None, description="layers whose S_L with the previous layer is ≥ delta")
 
 
-class AllocationPreview(BaseModel):
+class MethodPreview(BaseModel):
     profile_id: str
+    method: str
     params: dict[str, Any]
-    layers: list[dict[str, Any]] = Field(description="per-layer plan (EW Eqs. 4–6): r, alpha, shared/routed experts, top_k, static, clamped, note")
-    summary: dict[str, Any] = Field(description="active fraction, sparsity, static and clamped layers, mean alpha")
+    layers: list[dict[str, Any]] | None = Field(None, description="partition methods: per-layer plan (EW Eqs. 4–6 / S·A·E): r, alpha, shared/routed experts, top_k, static, clamped, note")
+    fusion: dict[str, Any] | None = Field(None, description="dense2moe: the chosen (l*, n*) and the ranked candidates (D2 §2.3)")
+    summary: dict[str, Any] = Field(description="active fraction, sparsity, static and clamped layers, mean alpha; or the fusion's layer counts")
 
 
 class RoutingHeatmap(BaseModel):

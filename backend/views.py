@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .db import CalibrationSet, Conversion, Evaluation, Finetune, Job, Model, Profile, utcnow
+from moelab.store.db import CalibrationSet, Conversion, Evaluation, Finetune, Job, Model, Profile, utcnow
 from .schemas import (
     CalibrationSetOut,
     ConversionOut,
@@ -65,10 +65,11 @@ def profile_out(row: Profile) -> ProfileOut:
 
 
 def conversion_out(row: Conversion, layers: list[dict[str, Any]] | None = None) -> ConversionOut:
-    from workers.engine.methods import method_of
+    from workers.engine.methods import method_of, normalise_params
 
+    common = {**_common(row), "params": normalise_params(row.params or {})}  # records from before the registry too
     return ConversionOut(
-        **_common(row), method=method_of(row.params or {}), profile_id=row.profile_id, model_id=row.model_id,
+        **common, method=method_of(common["params"]), profile_id=row.profile_id, model_id=row.model_id,
         summary=row.summary, layers=layers,
     )
 

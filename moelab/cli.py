@@ -10,7 +10,7 @@ import json
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import click
 
@@ -156,42 +156,66 @@ def _print_profile_summary(stored: Any) -> None:
 # --------------------------------------------------------------------------- convert / evaluate
 
 
-@main.command()
-@click.option("--method", type=click.Choice(["expertweaver", "cmoe", "dense2moe", "midas", "hierarchical"]), default="expertweaver", show_default=True)
+def _method_param_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """One ``--name`` option per parameter name of any registered method (``methods.REGISTRY``):
+    the options are generated, so a parameter added to a method appears here without an edit.
+    Defaults are the method's own (shown in the help); an option the chosen method does not read
+    is refused by ``convert``."""
+    from workers.engine.methods import REGISTRY
+
+    by_name: dict[str, list[tuple[str, Any]]] = {}
+    for method in REGISTRY.values():
+        for spec in method.params.specs():
+            by_name.setdefault(spec.name, []).append((method.name, spec))
+    for name, uses in reversed(list(by_name.items())):
+        spec = uses[0][1]
+        choices = sorted({c for _, s in uses for c in (s.choices or ())}, key=str)
+        kind = click.Choice(choices) if choices else {"int": int, "float": float, "str": str, "bool": bool}[spec.type]
+        defaults = ", ".join(f"{m} {s.default}" for m, s in uses)
+        papers = sorted({s.paper for _, s in uses if s.paper})
+        help_text = f"{spec.help}{' (' + '; '.join(papers) + ')' if papers else ''} [default: {defaults}]"
+        flags = [f"--{name.replace('_', '-')}", *(f"--{a}" for a in {a for _, s in uses for a in s.aliases})]
+        command = click.option(*flags, name, type=kind, default=None, help=help_text)(command)
+    return command
+
+
+def _method_params(method: str, given: dict[str, Any]) -> Any:
+    """The chosen method's parameters from the options given; an option it does not read is an error."""
+    from workers.engine.methods import get_method
+
+    cls = get_method(method).params
+    names = {s.name for s in cls.specs()}
+    stray = sorted(k for k, v in given.items() if v is not None and k not in names)
+    if stray:
+        flags = ", ".join("--" + k.replace("_", "-") for k in stray)
+        raise click.UsageError(f"{flags}: not a parameter of {method} (see `moelab methods`)")
+    return cls(**{k: v for k, v in given.items() if v is not None and k in names})
+
+
+def _method_choices() -> list[str]:
+    from workers.engine.methods import METHODS
+
+    return list(METHODS)
+
+
+def _recovery_modes() -> list[str]:
+    from workers.engine.methods import REGISTRY
+
+    return [name for name, m in REGISTRY.items() if m.recovery is not None]
+
+
+@main.command(context_settings={"max_content_width": 120})
+@click.option("--method", type=click.Choice(_method_choices()), default="expertweaver", show_default=True)
 @click.option("--profile", "profile_dirs", type=click.Path(path_type=Path), multiple=True, help="profile directory (moelab profile); midas: one per calibration set, repeat the option")
 @click.option("--model", "model_source", help="hierarchical: the MoE model to restructure (a local directory or hub id)")
 @click.option("--calib", help="hierarchical: calibration set spec, e.g. builtin:mixed")
-@click.option("--experts", type=int, default=64, show_default=True, help="experts per layer (N_e / E), shared included; hierarchical: sub-experts per expert")
-@click.option("--alpha-min", type=float, default=0.2, show_default=True, help="EW Eq. 5")
-@click.option("--alpha-max", type=float, default=0.7, show_default=True, help="EW Eq. 5")
-@click.option("--tau", type=float, default=0.6, show_default=True, help="EW Eq. 4 CV threshold")
-@click.option("--sparsity", type=float, default=0.25, show_default=True, help="fraction of FFN neurons NOT computed per token")
-@click.option("--alpha-basis", type=click.Choice(["total", "active"]), default="total", show_default=True, help="alpha as a share of all neurons (EW Eq. 6) or of the active budget")
-@click.option("--shared", type=int, default=1, show_default=True, help="CMoE / hierarchical S: shared (sub-)experts")
-@click.option("--active", type=int, default=1, show_default=True, help="CMoE / hierarchical A: routed (sub-)experts active per token")
-@click.option("--router", type=click.Choice(["paper", "gate_mass"]), default="paper", show_default=True, help="paper: EW centroid (Eq. 9) / CMoE representative (Eq. 18); gate_mass: L1 mass of each expert's gate activations")
-@click.option("--combine", type=click.Choice(["sum", "weighted"]), default="sum", show_default=True)
-@click.option("--delta", type=float, default=0.1, show_default=True, help="dense2moe: D2 §2.3 threshold on the MLP-input distance 1 - S_M")
-@click.option("--fuse-layer", type=int, default=None, help="dense2moe: l* (default: chosen from S_L and S_M)")
-@click.option("--fuse-count", type=int, default=None, help="dense2moe: n*, the layers after l* fused into it")
-@click.option("--own-copies", type=int, default=1, show_default=True, help="dense2moe: N copies of layer l*'s MLP (D2 Eq. 6)")
-@click.option("--fused-copies", type=int, default=1, show_default=True, help="dense2moe: M copies of each fused MLP (D2 Eq. 6)")
-@click.option("--keep-ratio", type=float, default=0.25, show_default=True, help="midas: share of each FFN matrix's parameters an expert keeps (MI §4.1)")
-@click.option("--top-k", type=int, default=2, show_default=True, help="dense2moe / midas: experts per token")
-@click.option("--samples", type=int, default=64, show_default=True, help="hierarchical: calibration samples")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--max-iter", type=click.IntRange(min=1), default=50, show_default=True, help="balanced k-means iteration cap")
+@_method_param_options
 @click.option("--out", type=click.Path(path_type=Path), required=True)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--quiet", is_flag=True)
-def convert(
-    method: str, profile_dirs: tuple[Path, ...], model_source: str | None, calib: str | None, experts: int,
-    alpha_min: float, alpha_max: float, tau: float, sparsity: float, alpha_basis: str, shared: int, active: int,
-    router: str, combine: str, delta: float, fuse_layer: int | None, fuse_count: int | None, own_copies: int,
-    fused_copies: int, keep_ratio: float, top_k: int, samples: int, seed: int, max_iter: int, out: Path,
-    as_json: bool, quiet: bool,
-) -> None:
-    """Convert a model into an MoE model and export it.
+def convert(method: str, profile_dirs: tuple[Path, ...], model_source: str | None, calib: str | None, out: Path,
+            as_json: bool, quiet: bool, **given: Any) -> None:
+    """Convert a model into an MoE model and export it (`moelab methods` lists every method and parameter).
 
     \b
     expertweaver, cmoe  neuron partitioning of a profiled dense model (training-free)
@@ -199,37 +223,12 @@ def convert(
     midas               one low-rank expert per calibration set: one --profile per set (MI §3.2)
     hierarchical        shared + routed sub-experts inside every expert of an MoE model (AF §4.4)
     """
-    from workers.engine.methods import params_from_dict
     from workers.engine.runs import run_conversion
 
     cfg = get_settings()
     _quiet_transformers()
-    if method == "hierarchical":
-        if profile_dirs:
-            raise click.UsageError("hierarchical conversion profiles the MoE model itself: give --model and --calib, not --profile")
-        if not model_source or not calib:
-            raise click.UsageError("hierarchical conversion needs --model (an MoE model) and --calib (e.g. builtin:mixed)")
-    elif not profile_dirs:
-        raise click.UsageError(f"{method} needs --profile (run `moelab profile` first)")
-    elif method == "midas" and len(profile_dirs) < 2:
-        raise click.UsageError("midas builds one expert per calibration set: give --profile once per set (at least 2)")
-    elif method != "midas" and len(profile_dirs) > 1:
-        raise click.UsageError(f"{method} reads one profile; only midas takes several")
-    given = dict(
-        method=method, n_experts=experts, shared=shared, active=active, delta=delta, layer=fuse_layer,
-        n_fused=fuse_count, own_copies=own_copies, fused_copies=fused_copies, keep_ratio=keep_ratio, top_k=top_k,
-        samples=samples, seed=seed,
-    )
-    if method in ("expertweaver", "cmoe"):
-        given = dict(
-            allocation=dict(
-                method=method, n_experts=experts, alpha_min=alpha_min, alpha_max=alpha_max, tau=tau,
-                sparsity=sparsity, alpha_basis=alpha_basis, shared=shared, active=active,
-            ),
-            router=router, combine=combine, seed=seed, max_iter=max_iter,
-        )
+    params = _method_params(method, given)
     with _progress(quiet) as progress:
-        params = params_from_dict(_known_fields(method, given))
         record = run_conversion(
             profile_dirs[0] if profile_dirs else None, params, out, data_dir=cfg.data_dir, device=cfg.device,
             trust_remote_code=cfg.trust_remote_code, progress=progress, extra_profiles=profile_dirs[1:],
@@ -243,7 +242,7 @@ def convert(
     if s.get("total_params"):
         sizes = f", {s['active_params'] / 1e6:.1f}M of {s['total_params'] / 1e6:.1f}M parameters active per token"
     click.echo(f"converted model written to {out} ({method}){sizes}, {record['timings']['total_s']:.1f}s")
-    if method in ("expertweaver", "cmoe"):
+    if "active_fraction" in s:  # a per-layer partition plan
         _print_partition(record)
     else:
         for key, value in s.items():
@@ -252,8 +251,31 @@ def convert(
 
 
 @main.command()
+@click.option("--json", "as_json", is_flag=True, help="machine-readable: every method with its parameters")
+def methods(as_json: bool) -> None:
+    """List the conversion methods and their parameters (name, type, default, help, paper reference)."""
+    from workers.engine.methods import describe_methods
+
+    described = describe_methods()
+    if as_json:
+        click.echo(json.dumps(described, indent=2))
+        return
+    for m in described:
+        click.echo(f"{m['name']}  ({m['title']}, {m['paper']}; reads: {m['needs']})")
+        click.echo(f"  {m['summary']}")
+        for p in m["params"]:
+            kind = "|".join(map(str, p["choices"])) if p["choices"] else p["type"]
+            bounds = " ".join(f"{sym}{p[k]:g}" for k, sym in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<")) if p[k] is not None)
+            paper = f"  [{p['paper']}]" if p["paper"] else ""
+            click.echo(f"    --{p['name'].replace('_', '-'):<20} {kind:<26} default {str(p['default']):<14} {bounds:<12} {p['help']}{paper}")
+        if m["recovery"]:
+            click.echo(f"  recovery fine-tuning: {m['recovery']}")
+        click.echo("")
+
+
+@main.command()
 @click.argument("conversion_dir", type=click.Path(path_type=Path))
-@click.option("--mode", type=click.Choice(["cmoe", "expertweaver", "midas", "dense2moe"]), default=None,
+@click.option("--mode", type=click.Choice(_recovery_modes()), default=None,
               help="default: the conversion's method (CM §3.3 gate scale + bias + LoRA; EW Eqs. 11-12 softmax router + "
                    "load balancing; MIDAS gate + LoRA; Dense2MoE router)")
 @click.option("--steps", type=click.IntRange(min=1), default=60, show_default=True)
@@ -283,8 +305,8 @@ def finetune(conversion_dir: Path, mode: str | None, steps: int, batch_size: int
     with _progress(quiet or as_json, extra=(FinetuneError,)) as progress:
         if mode is None:
             method = method_of(read_conversion(conversion_dir)["params"])
-            if method == "hierarchical":
-                raise click.UsageError("hierarchical conversions have no recovery mode yet; pass --mode explicitly")
+            if method not in _recovery_modes():
+                raise click.UsageError(f"{method} conversions have no recovery mode yet; pass --mode explicitly")
             mode = method
         params = FinetuneParams(mode=mode, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, router_lr=router_lr,
                                 lora_rank=lora_rank, lb_coef=lb_coef, bias_step=bias_step, checkpoint_every=checkpoint_every,
@@ -298,16 +320,6 @@ def finetune(conversion_dir: Path, mode: str | None, steps: int, batch_size: int
     for key in ("perplexity_before", "perplexity_after", "dense_perplexity", "steps", "tokens"):
         if key in summary:
             click.echo(f"  {key}: {summary[key]}")
-
-
-def _known_fields(method: str, given: dict[str, Any]) -> dict[str, Any]:
-    """The options a method's parameters class reads (the CLI has one flat option set)."""
-    import dataclasses
-
-    from workers.engine.methods import params_class
-
-    names = {f.name for f in dataclasses.fields(params_class(method))}
-    return {k: v for k, v in given.items() if k in names}
 
 
 def _print_partition(record: dict[str, Any]) -> None:

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from backend import jobs
-from backend.artifacts import ArtifactStore
-from backend.db import RESOURCE_TABLES, Database, Job
+from moelab.store import jobs
+from moelab.store.artifacts import ArtifactStore
+from moelab.store.db import RESOURCE_TABLES, Database, Job
 from moelab.settings import Settings, get_settings
 from workers.engine.progress import Cancelled, Progress
 

@@ -16,10 +16,12 @@ from typing import Any
 
 from celery import signals
 
-from backend import jobs
-from backend.db import Conversion, Model, Profile
-from workers import liveness, model_cache
-from workers.celery_app import TASKS, app, broker_url
+from moelab.store import jobs
+from moelab.store.db import Conversion, Model, Profile
+from moelab.store import liveness
+from workers import model_cache
+from moelab.store.broker import TASKS, broker_url
+from workers.celery_app import app
 from workers.engine.atomic import atomic_directory, write_json_atomic
 from workers.jobrun import SHUTDOWN, JobContext, Outcome, database, run_job, store
 
@@ -58,7 +60,7 @@ def inspect_model(ctx: JobContext) -> Outcome:
 
 def _describe_moe(source: str, device: str, trust: bool, dense_error: Exception) -> dict[str, Any]:
     from workers.engine.core.dense import ConversionError
-    from workers.engine.methods.hierarchical import load_moe_model, sparse_moe_layers
+    from workers.engine.profiling.moe_experts import load_moe_model, sparse_moe_layers
 
     try:
         hf, _ = load_moe_model(source, device=device, trust_remote_code=trust)
@@ -148,7 +150,7 @@ def convert(ctx: JobContext) -> Outcome:
             extra_profiles=[ctx.store.path("profiles", pid) for pid in extra_ids], model=source, calib=calib,
         )
     notes = [{"layer": r["layer"], "note": r["note"]} for r in record.get("layers", []) if r.get("note")]
-    from backend.charts import jsonable
+    from moelab.store.jsonsafe import jsonable
 
     return Outcome(summary=jsonable({**record["summary"], "notes": notes}), timings=record.get("timings"))
 
@@ -184,7 +186,7 @@ def evaluate(ctx: JobContext) -> Outcome:
         }
         for name, r in report["results"].items()
     }
-    from backend.charts import jsonable
+    from moelab.store.jsonsafe import jsonable
 
     return Outcome(summary=jsonable({"variants": variants, "heldout": report["heldout"]}), timings=report.get("timings"))
 
@@ -207,7 +209,7 @@ def finetune(ctx: JobContext) -> Outcome:
             device=ctx.settings.device, progress=ctx.progress, loader=model_cache.cached_load_model,
         )
     result_id = _publish_finetuned(ctx, row, parent, work / MODEL_DIR, summary)
-    from backend.charts import jsonable
+    from moelab.store.jsonsafe import jsonable
 
     # server paths (the model dir, which moved; a calibration set's dir) stay out of the API's summary
     public = {k: v for k, v in summary.items() if k not in ("model", "conversion", "params")}
@@ -221,7 +223,7 @@ def _publish_finetuned(ctx: JobContext, row: Any, parent: Any, model_dir: Path, 
     The new row shares the fine-tune's job, so it turns ready exactly when that job succeeds
     (and shows the job's failure if the job is lost before it records its success).
     """
-    from backend.charts import jsonable
+    from moelab.store.jsonsafe import jsonable
     from workers.engine.runtime.export import CONVERSION_FILE
 
     record = json.loads((model_dir / CONVERSION_FILE).read_text())

@@ -12,6 +12,7 @@ from . import (
     finetunes,
     health,
     jobs,
+    methods,
     models,
     profiles,
 )
@@ -19,6 +20,6 @@ from . import (
 
 def api_router() -> APIRouter:
     router = APIRouter(prefix="/api/v1", dependencies=[Depends(require_token)])
-    for module in (health, models, calibration_sets, profiles, conversions, evaluations, finetunes, jobs, artifacts, charts):
+    for module in (health, methods, models, calibration_sets, profiles, conversions, evaluations, finetunes, jobs, artifacts, charts):
         router.include_router(module.router)
     return router

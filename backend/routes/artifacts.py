@@ -10,11 +10,11 @@ from fastapi import APIRouter, BackgroundTasks
 from fastapi.responses import FileResponse
 from sqlalchemy import select
 
-from ..artifacts import KINDS, ArtifactMissing
-from ..db import CalibrationSet, Conversion, Evaluation, Finetune, Job, Profile
+from moelab.store.artifacts import KINDS, ArtifactMissing
+from moelab.store.db import CalibrationSet, Conversion, Evaluation, Finetune, Job, Profile
 from ..deps import SessionDep, StoreDep
 from ..errors import ApiError
-from ..jobs import new_id
+from moelab.store.jobs import new_id
 from ..schemas import ArtifactFile, ArtifactList, ArtifactOut, ArtifactSummary
 
 router = APIRouter(prefix="/artifacts", tags=["artifacts"])

@@ -24,7 +24,7 @@ from workers.engine.data.calibration import (
     read_txt,
 )
 
-from ..db import CalibrationSet as CalibrationRow
+from moelab.store.db import CalibrationSet as CalibrationRow
 from ..deps import (
     QueueDep,
     SessionDep,
@@ -35,7 +35,7 @@ from ..deps import (
     require_ready,
 )
 from ..errors import ApiError
-from ..jobs import new_id
+from moelab.store.jobs import new_id
 from ..schemas import (
     BuiltinCalibrationCreate,
     BuiltinSetOut,

@@ -11,22 +11,25 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from sqlalchemy import select
 
-from workers.engine.core.allocation import AllocationError, AllocationParams, preview
+from workers.engine.core.params import ConversionError
+from workers.engine.methods import REGISTRY
 
 from .. import charts
-from ..db import Conversion, Evaluation, Job, Profile
+from moelab.store.db import Conversion, Evaluation, Job, Profile
 from ..deps import SessionDep, StoreDep, lookup, require_ready
 from ..errors import ApiError
 from ..schemas import (
     ActivationTiles,
-    AllocationIn,
-    AllocationPreview,
     CVHistogram,
     CVSummary,
     LayerSimilarity,
+    METHOD_PARAMS,
+    MethodPreview,
     NeuronStats,
     RoutingHeatmap,
     TaskSimilarity,
@@ -141,15 +144,40 @@ def layer_similarity(
     return LayerSimilarity(profile_id=profile_id, **out)
 
 
-@router.get("/profiles/{profile_id}/allocation-preview", response_model=AllocationPreview, tags=["profiles"],
-            summary="Per-layer expert plan for α_min/α_max/τ/N_e/sparsity from the stored CVs (< 1 ms)")
-def allocation_preview(profile_id: str, params: Annotated[AllocationIn, Query()], session: SessionDep, store: StoreDep) -> AllocationPreview:
+def _preview(profile_id: str, method_name: str, query: dict[str, str], session, store) -> MethodPreview:
+    """Parse ``query`` with the method's generated parameters model (422 on unknown or bad values),
+    then run the method's numpy-only preview on the stored profile."""
+    method = REGISTRY.get(method_name)
+    if method is None:
+        raise ApiError(404, f"no method {method_name!r}; list them with GET /api/v1/methods")
+    if method.preview is None:
+        raise ApiError(422, f"{method_name} has no preview: it reads {method.needs.replace('_', ' ')}, not one profile's statistics")
+    try:
+        given = METHOD_PARAMS[method_name].model_validate(query)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]) from exc
     profile = stored_profile(session, store, profile_id)
     try:
-        out = preview(profile, AllocationParams(**params.model_dump()))
-    except AllocationError as exc:
-        raise ApiError(422, f"allocation: {exc}") from exc
-    return AllocationPreview(profile_id=profile_id, **charts.jsonable(out))
+        out = method.preview(profile, method.params(**given.model_dump()))
+    except ConversionError as exc:
+        raise ApiError(422, f"{method_name}: {exc}") from exc
+    return MethodPreview(profile_id=profile_id, method=method_name, **charts.jsonable(out))
+
+
+@router.get("/profiles/{profile_id}/preview/{method}", response_model=MethodPreview, tags=["profiles"],
+            summary="What a conversion with these parameters would build, from the stored statistics (numpy only)")
+def method_preview(profile_id: str, method: str, request: Request, session: SessionDep, store: StoreDep) -> MethodPreview:
+    """Query parameters: the method's parameters (GET /api/v1/methods lists them; absent ones take their default)."""
+    return _preview(profile_id, method, dict(request.query_params), session, store)
+
+
+@router.get("/profiles/{profile_id}/allocation-preview", response_model=MethodPreview, tags=["profiles"],
+            summary="Per-layer expert plan of ExpertWeaver (α_min/α_max/τ/N_e/sparsity) or CMoE (S·A·E) (< 1 ms)")
+def allocation_preview(profile_id: str, request: Request, session: SessionDep, store: StoreDep,
+                       method: Literal["expertweaver", "cmoe"] = "expertweaver") -> MethodPreview:
+    """The partition methods' preview at their historical address: ``method`` plus that method's parameters."""
+    query = {k: v for k, v in request.query_params.items() if k != "method"}
+    return _preview(profile_id, method, query, session, store)
 
 
 def _evaluation_record(store, ev: Evaluation) -> dict[str, Any]:

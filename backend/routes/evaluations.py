@@ -7,10 +7,10 @@ from sqlalchemy import select
 
 from workers.engine.data.builtin import bigbench_installed
 
-from ..db import CalibrationSet, Conversion, Evaluation
+from moelab.store.db import CalibrationSet, Conversion, Evaluation
 from ..deps import QueueDep, SessionDep, SettingsDep, launch, lookup, require_ready
 from ..errors import ApiError
-from ..jobs import new_id
+from moelab.store.jobs import new_id
 from ..schemas import EvaluationCreate, EvaluationList, EvaluationOut
 from ..views import evaluation_out
 

@@ -17,11 +17,11 @@ from sqlalchemy import select
 
 from workers.engine.data.builtin import bigbench_installed
 
-from ..artifacts import ArtifactStore
-from ..db import CalibrationSet, Conversion, Finetune
+from moelab.store.artifacts import ArtifactStore
+from moelab.store.db import CalibrationSet, Conversion, Finetune
 from ..deps import QueueDep, SessionDep, SettingsDep, StoreDep, launch, lookup, require_ready
 from ..errors import ApiError
-from ..jobs import new_id
+from moelab.store.jobs import new_id
 from ..schemas import FinetuneCreate, FinetuneList, FinetuneMode, FinetuneOut, TrainLog, TrainStep
 from ..views import finetune_out
 

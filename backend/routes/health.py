@@ -7,9 +7,9 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import APIRouter, Request
 from sqlalchemy import func, select
 
-from workers import liveness
+from moelab.store import liveness
 
-from ..db import Job
+from moelab.store.db import Job
 from ..deps import SessionDep
 from ..schemas import HealthOut
 

@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 from sqlalchemy import func, select
 
-from .. import jobs
-from ..db import RESOURCE_TABLES, Job
+from moelab.store import jobs
+from moelab.store.db import RESOURCE_TABLES, Job
 from ..deps import QueueDep, SessionDep, launch, lookup
 from ..errors import ApiError
 from ..schemas import JobKind, JobList, JobOut, JobState

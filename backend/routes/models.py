@@ -12,10 +12,10 @@ from pathlib import Path
 from fastapi import APIRouter, Response
 from sqlalchemy import select
 
-from ..db import Model
+from moelab.store.db import Model
 from ..deps import QueueDep, SessionDep, SettingsDep, launch, lookup
 from ..errors import ApiError
-from ..jobs import new_id
+from moelab.store.jobs import new_id
 from ..schemas import LayerOut, ModelCreate, ModelLayers, ModelList, ModelOut
 from ..views import model_out
 

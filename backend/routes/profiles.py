@@ -5,10 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter
 from sqlalchemy import select
 
-from ..db import CalibrationSet, Model, Profile
+from moelab.store.db import CalibrationSet, Model, Profile
 from ..deps import QueueDep, SessionDep, launch, lookup, require_ready
 from ..errors import ApiError
-from ..jobs import new_id
+from moelab.store.jobs import new_id
 from ..schemas import ProfileCreate, ProfileList, ProfileOut
 from ..views import profile_out
 

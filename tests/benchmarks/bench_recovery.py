@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from moelab.settings import get_settings  # noqa: E402
 from workers.engine.core.allocation import AllocationParams  # noqa: E402
 from workers.engine.core.dense import ConversionParams  # noqa: E402
-from workers.engine.dense2moe import Dense2MoEParams  # noqa: E402
+from workers.engine.methods.dense2moe import Dense2MoEParams  # noqa: E402
 from workers.engine.training.finetune import FinetuneParams, read_train_log, run_finetune  # noqa: E402
 from workers.engine.methods.midas import MidasParams  # noqa: E402
 from workers.engine.profiling.profiler import ProfileSettings  # noqa: E402

@@ -1,7 +1,12 @@
 import numpy as np
 import pytest
 
-from workers.engine.core.allocation import AllocationError, AllocationParams, plan, preview, specialisation_ratio, summarize
+from workers.engine.core.allocation import specialisation_ratio, summarize
+from workers.engine.core.params import ConversionError
+from workers.engine.methods import cmoe, get_method
+from workers.engine.methods.cmoe import CMoEParams
+from workers.engine.methods.expertweaver import ExpertWeaverParams as AllocationParams
+from workers.engine.methods.expertweaver import plan, preview
 
 
 def cvs(L=6, d=1536, seed=0):
@@ -49,7 +54,7 @@ def test_indivisible_width_keeps_every_neuron_in_the_shared_part():
 
 
 def test_cmoe_sae_plan():
-    rows = plan(cvs(3), AllocationParams(method="cmoe", shared=3, active=3, n_experts=8))
+    rows = cmoe.plan([len(c) for c in cvs(3)], CMoEParams(shared=3, active=3, n_experts=8))
     assert all((r.n_shared, r.top_k, r.n_routed, r.d_expert) == (3, 3, 5, 192) for r in rows)
     assert summarize(rows)["active_fraction"] == pytest.approx(6 / 8)
 
@@ -62,18 +67,23 @@ def test_cmoe_sae_plan():
         (AllocationParams(sparsity=1.0), "sparsity"),
         (AllocationParams(sparsity=0.0), "sparsity"),
         (AllocationParams(n_experts=4096), "do not fit"),
-        (AllocationParams(alpha_max=1.5), "within"),
-        (AllocationParams(method="cmoe", shared=5, active=4, n_experts=8), "exceeds"),
-        (AllocationParams(method="cmoe", shared=8, active=0, n_experts=8, sparsity=0.5), None),
-        (AllocationParams(method="moefication"), "unknown method"),
+        (AllocationParams(alpha_max=1.5), "alpha_max=1.5: must be ≤ 1"),
+        (CMoEParams(shared=5, active=4, n_experts=8), "exceeds"),
+        (CMoEParams(shared=8, active=0, n_experts=8), None),
     ],
 )
 def test_invalid_parameters_are_explained(params, message):
+    make = plan if params.method == "expertweaver" else lambda cv, p: cmoe.plan([len(c) for c in cv], p)
     if message is None:  # S = E with A = 0 is a legal (if static) plan
-        plan([np.zeros(64)], params)
+        make([np.zeros(64)], params)
         return
-    with pytest.raises(AllocationError, match=message):
-        plan([np.zeros(1536)], params)
+    with pytest.raises(ConversionError, match=message):
+        make([np.zeros(1536)], params)
+
+
+def test_unknown_method_is_explained():
+    with pytest.raises(ConversionError, match="unknown conversion method 'moefication'"):
+        get_method("moefication")
 
 
 def test_preview_returns_the_whole_plan():

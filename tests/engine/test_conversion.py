@@ -7,14 +7,18 @@ import pytest
 import torch
 
 from tests.engine.test_profiling import make_set
-from workers.engine.core.allocation import AllocationParams
+from types import SimpleNamespace
+
 from workers.engine.core.clustering import atopk_features
-from workers.engine.core.dense import (
-    ConversionError, ConversionParams, abstopk_modules, convert, uniform_params,
-)
+from workers.engine.core.params import ConversionError
+from workers.engine.core.slicing import abstopk_modules, build_modules, partition_layers
+from workers.engine.methods import cmoe, expertweaver
+from workers.engine.methods.cmoe import CMoEParams
+from workers.engine.methods.expertweaver import ExpertWeaverParams, uniform_params
 from workers.engine.evaluation.metrics import (
     evaluate_variants, heldout_windows, load_cv, reconstruction_errors, swapped_mlps,
 )
+from workers.engine.core.allocation import summarize
 from workers.engine.models import load_model
 from workers.engine.profiling.store import StoredProfile, write_profile
 from workers.engine.profiling.profiler import ProfileSettings, profile_model
@@ -29,6 +33,14 @@ def setup(tiny_model, data_dir, tmp_path_factory):
     return adapter, StoredProfile.open(path)
 
 
+def convert(adapter, prof, params):
+    """Plan, experts and runtime modules of a partition method, without exporting."""
+    method = expertweaver if params.method == "expertweaver" else cmoe
+    rows = method.plan_for(prof, params)
+    experts = partition_layers(adapter, prof, rows, method.layer_builder(prof, params))
+    return SimpleNamespace(plan=rows, experts=experts, modules=build_modules(adapter, experts, params.combine))
+
+
 def partition_ok(e, d_ffn):
     used = np.concatenate([e.shared, e.routed.reshape(-1)])
     assert sorted(used.tolist()) == list(range(d_ffn)), "every neuron exactly once"
@@ -37,7 +49,7 @@ def partition_ok(e, d_ffn):
 
 def test_expertweaver_shared_routed_and_centroid_router(setup):
     adapter, prof = setup
-    params = ConversionParams(AllocationParams(n_experts=8, sparsity=0.25, alpha_min=0.2, alpha_max=0.5, tau=0.3))
+    params = ExpertWeaverParams(n_experts=8, sparsity=0.25, alpha_min=0.2, alpha_max=0.5, tau=0.3)
     conv = convert(adapter, prof, params)
     abs_mean = prof.column_by_layer("abs_mean")
     for e, row in zip(conv.experts, conv.plan):
@@ -53,14 +65,13 @@ def test_expertweaver_shared_routed_and_centroid_router(setup):
         # Balanced k-means objective never increases (EW Eq. 13, squared L2).
         hist = e.objective_history
         assert all(b <= a + 1e-9 for a, b in zip(hist, hist[1:]))
-    rec = conv.record()
-    assert rec["summary"]["active_fraction"] == pytest.approx(0.75)
-    assert rec["layers"][0]["objective"] is not None and "cluster_s" in rec["timings"]
+    assert summarize(conv.plan)["active_fraction"] == pytest.approx(0.75)
+    assert conv.experts[0].summary()["objective"] is not None
 
 
 def test_cmoe_rates_and_representative_router(setup):
     adapter, prof = setup
-    conv = convert(adapter, prof, ConversionParams(AllocationParams(method="cmoe", shared=2, active=2, n_experts=8)))
+    conv = convert(adapter, prof, CMoEParams(shared=2, active=2, n_experts=8))
     rate = prof.column_by_layer("rate")
     for e in conv.experts:
         partition_ok(e, 96)
@@ -83,8 +94,8 @@ def test_all_experts_active_reproduces_the_dense_model(setup):
     x = torch.randint(0, 1000, (2, 16))
     with torch.no_grad():
         dense = adapter.model(input_ids=x).logits
-    for router in ("paper", "gate_mass"):
-        conv = convert(adapter, prof, ConversionParams(AllocationParams(method="cmoe", shared=3, active=5, n_experts=8), router=router))
+    for router in ("representative", "gate_mass"):
+        conv = convert(adapter, prof, CMoEParams(shared=3, active=5, n_experts=8, router=router))
         with swapped_mlps(adapter, conv.modules), torch.no_grad():
             moe = adapter.model(input_ids=x).logits
         torch.testing.assert_close(moe, dense, rtol=1e-4, atol=1e-4)
@@ -96,7 +107,7 @@ def test_all_experts_active_reproduces_the_dense_model(setup):
 
 def test_indivisible_width_keeps_every_neuron(setup):
     adapter, prof = setup
-    conv = convert(adapter, prof, ConversionParams(AllocationParams(n_experts=7, sparsity=0.3, alpha_min=0.1, alpha_max=0.3)))
+    conv = convert(adapter, prof, ExpertWeaverParams(n_experts=7, sparsity=0.3, alpha_min=0.1, alpha_max=0.3))
     for e in conv.experts:
         partition_ok(e, 96)
         assert e.routed.shape[1] == 96 // 7 and (len(e.shared) - 96 % 7) % (96 // 7) == 0
@@ -104,11 +115,11 @@ def test_indivisible_width_keeps_every_neuron(setup):
 
 def test_gate_mass_router_and_uniform_baseline(setup):
     adapter, prof = setup
-    params = ConversionParams(AllocationParams(n_experts=8, sparsity=0.5, tau=0.3, alpha_basis="active"), router="gate_mass")
+    params = ExpertWeaverParams(n_experts=8, sparsity=0.5, tau=0.3, alpha_basis="active", router="gate_mass")
     conv = convert(adapter, prof, params)
     assert all(e.router == "gate_mass" and not e.router_weights for e in conv.experts)
     uni = uniform_params(params, [r.alpha for r in conv.plan])
-    assert uni.allocation.alpha_min == uni.allocation.alpha_max
+    assert uni.alpha_min == uni.alpha_max
     uconv = convert(adapter, prof, uni)
     assert sum(r.d_shared for r in uconv.plan) == pytest.approx(sum(r.d_shared for r in conv.plan), abs=8 * 12)
 
@@ -118,12 +129,12 @@ def test_profile_of_another_model_is_refused(setup, tiny_model, data_dir):
     other = load_model(str(tiny_model("phi3")), data_dir=data_dir)
     other.layers.pop()  # a model with a different depth than the profile's
     with pytest.raises(ConversionError, match="profile this model first"):
-        convert(other, prof, ConversionParams())
+        convert(other, prof, ExpertWeaverParams())
 
 
 def test_evaluation_dense_vs_converted_in_one_run(setup, data_dir):
     adapter, prof = setup
-    conv = convert(adapter, prof, ConversionParams(AllocationParams(method="cmoe", shared=2, active=2, n_experts=8)))
+    conv = convert(adapter, prof, CMoEParams(shared=2, active=2, n_experts=8))
     windows = heldout_windows(adapter.tokenizer, data_dir, seq_len=32, n_windows=4)
     assert windows.shape == (4, 32)
     res = evaluate_variants(adapter, {"dense": None, "converted": conv.modules, "abstopk": abstopk_modules(adapter, 0.5)}, windows)

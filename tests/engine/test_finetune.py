@@ -15,13 +15,13 @@ import torch
 from safetensors.torch import load_file
 
 from tests.engine.test_profiling import make_set
-from workers.engine.core.allocation import AllocationParams
 from workers.engine.training.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, restore, save_checkpoint
-from workers.engine.core.dense import ConversionParams
-from workers.engine.dense2moe import Dense2MoEParams
+from workers.engine.methods.cmoe import CMoEParams
+from workers.engine.methods.expertweaver import EW_INIT_LOGIT_STD, ExpertWeaverParams
+from workers.engine.methods.dense2moe import Dense2MoEParams
 from workers.engine.runtime.export import load_exported
 from workers.engine.training.finetune import (
-    EW_INIT_LOGIT_STD, FinetuneError, FinetuneParams, RoutingTap, apply_mode, load_balancing_loss,
+    FinetuneError, FinetuneParams, RoutingTap, apply_mode, load_balancing_loss,
     load_conversion_for_training, merge_adapters, read_train_log, run_finetune, to_softmax_router,
     update_router_bias, window_indices,
 )
@@ -61,8 +61,8 @@ def convs(tiny_model, data_dir, tmp_path_factory):
     prof2 = write_profile(res2, cset2, root / "prof2")
     out = {}
     plans = {
-        "cmoe": ConversionParams(AllocationParams(method="cmoe", shared=2, active=2, n_experts=8)),
-        "expertweaver": ConversionParams(AllocationParams(n_experts=8, sparsity=0.25, alpha_min=0.2, alpha_max=0.5, tau=0.3)),
+        "cmoe": CMoEParams(shared=2, active=2, n_experts=8),
+        "expertweaver": ExpertWeaverParams(n_experts=8, sparsity=0.25, alpha_min=0.2, alpha_max=0.5, tau=0.3),
         "dense2moe": Dense2MoEParams(layer=0, n_fused=1, own_copies=2, fused_copies=1, top_k=1),
     }
     for name, params in plans.items():
@@ -194,7 +194,7 @@ def test_ew_router_init_keeps_topk_and_starts_near_the_sum_model():
         m.recorder = lambda idx: picks.append(idx.sort(-1).values)
         m(x)
     assert torch.equal(picks[0], picks[1]), "β > 0 keeps the TopK order of the centroid router"
-    gates = new.n_experts * torch.softmax(x @ new.router_weight.detach().t(), -1)
+    gates = new.n_routed * torch.softmax(x @ new.router_weight.detach().t(), -1)
     assert 0.7 < float(gates.min()) and float(gates.max()) < 1.4  # N_e·softmax(β z) ≈ 1
     rel = float((new(x) - mod(x)).norm() / mod(x).norm())
     assert rel < 0.1

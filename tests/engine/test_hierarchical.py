@@ -10,9 +10,10 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from workers.engine.core.dense import ConversionError
+from workers.engine.core.params import ConversionError
 from workers.engine.runtime.export import CONVERSION_FILE, export_model, load_exported
-from workers.engine.methods.hierarchical import HierarchicalParams, convert_hierarchical, load_moe_model, sparse_moe_layers
+from workers.engine.methods.hierarchical import HierarchicalParams, convert_hierarchical
+from workers.engine.profiling.moe_experts import load_moe_model, sparse_moe_layers
 from workers.engine.runtime.modeling_moelab import HierarchicalExperts
 
 CALIB = "builtin:mixed"
@@ -112,7 +113,6 @@ def test_params_round_trip_and_validation():
         (HierarchicalParams(samples=0), None, "samples"),
         (HierarchicalParams(min_expert_tokens=0), None, "min_expert_tokens"),
         (HierarchicalParams(active=2.5), None, "integer"),
-        (HierarchicalParams(method="cmoe"), None, "hierarchical"),
     ]
     for params, width, words in bad:
         with pytest.raises(ConversionError, match=words):
@@ -168,7 +168,7 @@ def test_fewer_active_sub_experts(family, tiny_moe, data_dir, tmp_path):
     assert sorted(seen) == layers
     for i in layers:
         mod = moe.moe_modules()[i]
-        assert (mod.n_experts, mod.top_k) == (E * n_routed, K * A)
+        assert (mod.n_routed, mod.top_k) == (E * n_routed, K * A)
         assert seen[i].shape == (2, 16, K * A)
         sub = seen[i].reshape(-1, K, A)
         assert torch.equal(sub // n_routed, top[i][:, :, None].expand(-1, -1, A))  # inside the chosen expert

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.engine.data.calibration import load_calibration
-from workers.engine.core.dense import ConversionError
+from workers.engine.core.params import ConversionError
 from workers.engine.evaluation.metrics import load_cv_by_source
 from workers.engine.runtime.export import export_model, load_exported
 from workers.engine.core.lowrank import data_error, rank_for_ratio, whitening

@@ -76,7 +76,7 @@ def reference_moe(mod: MoeFFN, x: torch.Tensor):
         if mod.d_shared:
             h = act(P["shared_gate.weight"] @ v) * (P["shared_up.weight"] @ v)
             y += P["shared_down.weight"] @ h
-        E = mod.n_experts
+        E = mod.n_routed
         if mod.router in ("centroid", "softmax"):
             s = P["router_weight"] @ v
         elif mod.router == "representative":
@@ -114,7 +114,7 @@ SHAPES = [  # d_model, d_ffn, d_shared, n_experts, act
 def test_all_experts_active_equals_dense(router, shape):
     d_model, d_ffn, d_shared, E, act = shape
     mod, (wg, wu, wd), _ = make_moe(d_model, d_ffn, d_shared, E, E, router, "sum", act, seed=d_ffn)
-    assert mod.d_shared + mod.n_experts * mod.expert_size == d_ffn  # a full partition
+    assert mod.d_shared + mod.n_routed * mod.expert_size == d_ffn  # a full partition
     x = torch.randn(3, 7, d_model, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(mod(x), dense_glu(x, wg, wu, wd, act), rtol=1e-5, atol=1e-5)

@@ -10,7 +10,7 @@ import pytest
 from pydantic import SecretStr
 from sqlalchemy import create_engine, select
 
-from backend.db import Base
+from moelab.store.db import Base
 
 from .conftest import MAX_UPLOAD_MB
 from .helpers import jsonl, wait_idle

@@ -51,8 +51,8 @@ def test_long_logs_are_thinned_to_bucket_means_keeping_the_last_step():
 @pytest.fixture(scope="module")
 def cancelled_conversion_id(settings, profile_id) -> str:
     """A conversion whose only job was cancelled before it started (the real job state machine)."""
-    from backend import jobs
-    from backend.db import Conversion, Database
+    from moelab.store import jobs
+    from moelab.store.db import Conversion, Database
 
     db = Database(settings.resolved_database_url())
     with db.session() as session:

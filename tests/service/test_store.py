@@ -10,9 +10,9 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import create_engine, inspect, text
 
-from backend import jobs
-from backend.artifacts import ArtifactMissing, ArtifactStore
-from backend.db import CalibrationSet, Database, Job, Model, Profile, migrate, utcnow
+from moelab.store import jobs
+from moelab.store.artifacts import ArtifactMissing, ArtifactStore
+from moelab.store.db import CalibrationSet, Database, Job, Model, Profile, migrate, utcnow
 from workers.model_cache import ModelCache
 
 

@@ -15,13 +15,12 @@ from typing import Any, Callable, Sequence
 
 from .atomic import write_json_atomic
 from .data.calibration import load_calibration
-from .core.dense import ConversionError, ConversionParams, abstopk_modules, build_modules, build_experts, convert, uniform_params
+from .core.params import ConversionError
 from .data.builtin import bigbench_installed
-from .evaluation.metrics import bigbench_choice_items, evaluate_models, evaluate_variants, heldout_windows, load_cv_by_source
-from .runtime.export import CONVERSION_FILE, build_moe_model, export_model, load_exported
-from .methods import PARTITION_METHODS, method_of
+from .evaluation.metrics import bigbench_choice_items, evaluate_models, evaluate_variants, heldout_windows
+from .methods import ConversionInputs, Method, get_method, method_of
 from .models import ModelAdapter, load_model
-from .runtime.param_count import parameter_counts
+from .runtime.export import CONVERSION_FILE, export_model, load_exported
 from .profiling.store import StoredProfile, write_profile
 from .profiling.profiler import ProfileSettings, profile_model
 from .progress import NO_PROGRESS, Progress
@@ -56,57 +55,30 @@ def run_conversion(
     trust_remote_code: bool = False, progress: Progress = NO_PROGRESS, loader: ModelLoader = load_model,
     extra_profiles: Sequence[Path] = (), model: str | None = None, calib: str | None = None,
 ) -> dict[str, Any]:
-    """Convert with any method of ``methods.METHODS`` and export the result; returns the record.
+    """Convert with any registered method (``methods.REGISTRY``) and export the result; returns the record.
 
-    ``profile_dir``: the dense model's profile (EW, CMoE, Dense2MoE; MIDAS's first set);
-    ``extra_profiles``: MIDAS's other calibration sets; ``model`` + ``calib``: hierarchical
-    conversion of an existing MoE model, which profiles its experts itself.
+    ``profile_dir``: the dense model's profile (MIDAS: the first calibration set's);
+    ``extra_profiles``: MIDAS's other calibration sets; ``model`` + ``calib``: methods that read an
+    existing MoE model (hierarchical), which profile its experts themselves.
     The loaded dense model is converted in place: a cached model must not be reused after this.
     """
     t0 = time.perf_counter()
-    method = method_of(params)
-    if method == "hierarchical":
-        if not model or not calib:
-            raise ConversionError("hierarchical conversion needs the MoE model and a calibration set (model=, calib=)")
-        from .methods.hierarchical import convert_hierarchical
-
-        moe, tokenizer, record = convert_hierarchical(model, calib, params, data_dir=data_dir, device=device, progress=progress)
-        record.update(model={"source": model}, calibration={"spec": calib})
-    else:
-        if profile_dir is None:
-            raise ConversionError(f"{method} conversion needs a profile of the dense model")
-        profiles = [StoredProfile.open(p) for p in [profile_dir, *extra_profiles]]
-        profile = profiles[0]
-        if method != "midas" and extra_profiles:
-            raise ConversionError(f"{method} reads one profile; only midas takes one profile per calibration set")
-        _validate_before_loading(params, method, profiles)
-        adapter = loader(
-            profile.manifest["model"]["source"], data_dir=data_dir, device=device, dtype="float32",
-            trust_remote_code=trust_remote_code, progress=progress,
-        )
-        tokenizer = adapter.tokenizer
-        if method in PARTITION_METHODS:
-            conv = convert(adapter, profile, params, progress)
-            record = conv.record()
-            record["summary"].update(method=method, **_counts_before(adapter))
-            moe = build_moe_model(adapter, conv.modules, provenance={"method": method, "router": params.router})
-            record["summary"].update(_counts_after(moe))
-        elif method == "dense2moe":
-            from .dense2moe import fuse_model
-
-            moe, record = fuse_model(adapter, params, profile)
-        else:
-            from .methods.midas import convert_midas
-
-            moe, record = convert_midas(adapter, profiles, params, progress)
-        record.update(
-            profile=str(Path(profile_dir).resolve()),
-            model=profile.manifest["model"],
-            calibration=profile.manifest["calibration"],
-        )
-        if method == "midas":
-            record["profiles"] = [str(p.path.resolve()) for p in profiles]
-            record["calibrations"] = [p.manifest["calibration"] for p in profiles]
+    method = get_method(method_of(params))
+    params.check()
+    profile_paths = [p for p in [profile_dir, *extra_profiles] if p is not None]
+    _check_inputs(method, profile_paths, model, calib)
+    profiles = [StoredProfile.open(p) for p in profile_paths]
+    if method.validate is not None:
+        method.validate(params, profiles)  # before a model is loaded
+    inputs = ConversionInputs(profiles=profiles, data_dir=data_dir, device=device, model=model, calib=calib)
+    if profiles:
+        source = profiles[0].manifest["model"]["source"]
+        inputs.load_dense = lambda: loader(source, data_dir=data_dir, device=device, dtype="float32",
+                                           trust_remote_code=trust_remote_code, progress=progress)
+    moe, tokenizer, record = method.build(inputs, params, progress)
+    if profiles:
+        record.update(profile=str(Path(profile_paths[0]).resolve()), model=profiles[0].manifest["model"],
+                      calibration=profiles[0].manifest["calibration"])
     progress.update("export", 0, 1)
     record["timings"]["total_s"] = time.perf_counter() - t0
     export_model(moe, out, tokenizer, record)
@@ -114,25 +86,18 @@ def run_conversion(
     return record
 
 
-def _validate_before_loading(params: Any, method: str, profiles: list[StoredProfile]) -> None:
-    """Fail on bad parameters before a model is loaded."""
-    if method in PARTITION_METHODS:
-        for d_ffn in set(profiles[0].manifest["d_ffn"]):
-            params.allocation.validate(d_ffn)
-    elif method == "dense2moe":
-        params.validate(profiles[0].manifest["n_layers"])
-    elif method == "midas":
-        params.validate(len(profiles))
-
-
-def _counts_before(adapter: ModelAdapter) -> dict[str, int]:
-    counts = parameter_counts(adapter.model)
-    return {"dense_total_params": counts["total"], "dense_active_params": counts["active"], "n_layers": adapter.n_layers}
-
-
-def _counts_after(moe: Any) -> dict[str, int]:
-    counts = parameter_counts(moe)
-    return {"total_params": counts["total"], "active_params": counts["active"]}
+def _check_inputs(method: Method, profiles: list[Path], model: str | None, calib: str | None) -> None:
+    """Each method reads what its ``needs`` says, and nothing else."""
+    if method.needs == "moe_model":
+        if profiles:
+            raise ConversionError(f"{method.name} conversion profiles the MoE model itself: give the model and a calibration set, not a profile")
+        if not model or not calib:
+            raise ConversionError(f"{method.name} conversion needs the MoE model and a calibration set (model=, calib=)")
+        return
+    if not profiles:
+        raise ConversionError(f"{method.name} conversion needs a profile of the dense model (run `moelab profile` first)")
+    if method.needs == "profile" and len(profiles) > 1:
+        raise ConversionError(f"{method.name} reads one profile; only methods with one expert per calibration set take several")
 
 
 def read_conversion(conversion_dir: Path) -> dict[str, Any]:
@@ -147,55 +112,42 @@ def run_evaluation(
     source: str = "builtin:mixed", device: str = "auto", progress: Progress = NO_PROGRESS, write: bool = True,
     mc_per_task: int = 50, loader: ModelLoader = load_model,
 ) -> dict[str, Any]:
-    """Perplexity dense vs converted (vs baselines for EW/CMoE) in one run, plus reconstruction and
-    routing; BIG-bench multiple-choice accuracy too when that set is installed (``moelab data
-    install bigbench``); for MIDAS, load CV per layer on each calibration set's held-out text."""
+    """Perplexity dense vs converted (vs the method's baselines, e.g. AbsTopK for EW/CMoE) in one run,
+    plus reconstruction and routing; BIG-bench multiple-choice accuracy too when that set is installed
+    (``moelab data install bigbench``); plus the method's own extra numbers (MIDAS: load CV per set)."""
     t0 = time.perf_counter()
     record = read_conversion(conversion_dir)
-    method = method_of(record["params"])
+    method = get_method(method_of(record["params"]))
     converted = load_exported(conversion_dir)
     timings: dict[str, float] = {}
     extra: dict[str, Any] = {}
-    if method in PARTITION_METHODS:
+    items = _choice_items(data_dir, mc_per_task)
+    if method.baselines is not None:  # layers swap into the dense model: baselines in the same pass
         adapter = loader(record["model"]["source"], data_dir=data_dir, device=device, dtype="float32", progress=progress)
         tokenizer = adapter.tokenizer
-        converted = converted.to(adapter.device)
-        variants: dict[str, Any] = {"dense": None, "converted": converted.moe_modules()}
+        variants: dict[str, Any] = {"dense": None, "converted": converted.to(adapter.device).moe_modules()}
         if baselines:
-            params = ConversionParams.from_dict(record["params"])
-            variants["abstopk"] = abstopk_modules(adapter, record["summary"]["active_fraction"])
-            uniform = uniform_params(params, [row["alpha"] for row in record["layers"]])
-            if uniform != params:
-                t1 = time.perf_counter()
-                profile = StoredProfile.open(record["profile"])
-                _, experts = build_experts(adapter, profile, uniform, progress)
-                variants["uniform"] = build_modules(adapter, experts, uniform.combine)
-                timings["uniform_build_s"] = time.perf_counter() - t1
+            t1 = time.perf_counter()
+            variants.update(method.baselines(adapter, record, progress))
+            timings["baselines_build_s"] = time.perf_counter() - t1
         windows = heldout_windows(tokenizer, data_dir, seq_len=seq_len, n_windows=n_windows, source=source)
-        items = _choice_items(data_dir, mc_per_task)
         results = evaluate_variants(adapter, variants, windows, progress=progress, choice_items=items)
     else:
-        if method == "hierarchical":
-            from .methods.hierarchical import load_moe_model
-
-            dense, tokenizer = load_moe_model(record["model"]["source"], device=device)
+        if method.reference is not None:
+            dense, tokenizer = method.reference(record, device=device, data_dir=data_dir)
         else:
             adapter = loader(record["model"]["source"], data_dir=data_dir, device=device, dtype="float32", progress=progress)
             dense, tokenizer = adapter.model, adapter.tokenizer
         converted = converted.to(next(dense.parameters()).device)
         windows = heldout_windows(tokenizer, data_dir, seq_len=seq_len, n_windows=n_windows, source=source)
-        items = _choice_items(data_dir, mc_per_task)
         results = evaluate_models({"dense": dense, "converted": converted}, tokenizer, windows, progress=progress, choice_items=items)
-        if method == "midas":
-            sources = [c.get("source") for c in record.get("calibrations", [])]
-            sources = [s for s in sources if isinstance(s, str) and s.startswith("builtin:")]
-            extra["load_cv_by_set"] = load_cv_by_source(
-                converted, tokenizer, sources, data_dir, n_windows=max(1, n_windows // 4), seq_len=seq_len, progress=progress
-            )
+    if method.extra_evaluation is not None:
+        extra = method.extra_evaluation(converted, tokenizer, record, data_dir=data_dir, n_windows=n_windows,
+                                        seq_len=seq_len, progress=progress)
     timings["total_s"] = time.perf_counter() - t0
     out = {
         "conversion": str(conversion_dir),
-        "method": method,
+        "method": method.name,
         "params": record["params"],
         "summary": record["summary"],
         "heldout": {"source": source, "split": "heldout", "windows": int(len(windows)), "seq_len": seq_len},

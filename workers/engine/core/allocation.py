@@ -1,99 +1,24 @@
-"""Expert allocation: how many shared and routed experts each layer gets, and how many run.
+"""Per-layer expert plans: how many shared and routed experts a layer gets, and how many run.
 
-ExpertWeaver (EW §3.2), per layer ℓ:
+A ``LayerPlan`` is what every partition method (``methods.expertweaver``: EW Eqs. 4–6;
+``methods.cmoe``: CMoE's uniform S·A·E) produces per layer and what expert construction reads.
+Names (see the glossary in the README): ``n_experts`` counts every expert of a layer, shared
+included; ``n_routed`` the routed ones; ``top_k`` the routed experts active per token (shared
+experts always run and are not counted in it).
 
-* Eq. 4  ``r_ℓ = mean_j 1[CV_j > τ]``                        (specialisation ratio)
-* Eq. 5  ``α_ℓ = α_max − (α_max − α_min) · r_ℓ``            (shared-neuron ratio)
-* Eq. 6  ``d_s = round(α_ℓ · d_ffn)``, ``N_se = round(d_s / d_expert)``, ``N_re = N_e − N_se``
-
-and per token ``k = round((1 − sparsity) · N_e)`` experts run: all ``N_se`` shared ones plus the
-top ``k − N_se`` routed ones. ``sparsity`` is the fraction of FFN neurons NOT computed per token.
-
-Two readings of α, both offered (``alpha_basis``):
-
-* ``"total"`` (the paper's Eq. 6): α is a share of all ``d_ffn`` neurons. On small models at
-  50% sparsity the paper's defaults can ask for more shared experts than the active budget
-  ``k``; the plan then clamps ``N_se`` to ``k`` and marks the layer ``static``: no routed
-  expert runs, the layer is a fixed prune. Layers with ``N_se == k`` are static too.
-* ``"active"``: α is a share of the *active* budget, ``d_s = round(α · (1 − sparsity) · d_ffn)``,
-  so ``N_se ≤ k`` always and every layer keeps some routing unless α = 1.
-
-CMoE (CM §3.1) uses a uniform ``S·A·E`` plan: S shared, A active routed, E experts in total.
-A uniform-α ExpertWeaver plan is simply ``alpha_min == alpha_max``.
-
-When ``d_ffn`` is not divisible by ``N_e``: routed experts all have ``d_expert = d_ffn // N_e``
-neurons (equal sizes keep clustering exact and dispatch batched) and the ``d_ffn mod N_e``
+When ``d_ffn`` is not divisible by ``n_experts``: routed experts all have ``d_expert = d_ffn // n_experts``
+neurons (equal sizes keep clustering exact and dispatch batched) and the ``d_ffn mod n_experts``
 leftover neurons join the shared expert, so every neuron is kept and always computed.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-Method = Literal["expertweaver", "cmoe"]
-
-
-class AllocationError(ValueError):
-    """Parameters that cannot make a plan; the message says which and how to fix them."""
-
-
-@dataclass(frozen=True)
-class AllocationParams:
-    method: Method = "expertweaver"
-    n_experts: int = 64  # N_e (EW) or E (CMoE): experts per layer, shared ones included
-    # ExpertWeaver
-    alpha_min: float = 0.2
-    alpha_max: float = 0.7
-    tau: float = 0.6
-    sparsity: float = 0.25
-    alpha_basis: Literal["total", "active"] = "total"
-    # CMoE S·A·E
-    shared: int = 1
-    active: int = 1
-
-    def validate(self, d_ffn: int) -> None:
-        e = self.n_experts
-        if e < 1:
-            raise AllocationError(f"experts must be ≥ 1 (got {e})")
-        if e > d_ffn:
-            raise AllocationError(f"{e} experts do not fit d_ffn={d_ffn}: use at most {d_ffn} (one neuron each)")
-        if self.method == "expertweaver":
-            if not 0.0 <= self.alpha_min <= 1.0 or not 0.0 <= self.alpha_max <= 1.0:
-                raise AllocationError("alpha_min and alpha_max are neuron shares: keep them within [0, 1]")
-            if self.alpha_min > self.alpha_max:
-                raise AllocationError(
-                    f"alpha_min ({self.alpha_min}) must not exceed alpha_max ({self.alpha_max})"
-                )
-            if not self.tau > 0:
-                raise AllocationError(f"tau is a CV threshold and must be > 0 (got {self.tau})")
-            if not 0.0 < self.sparsity < 1.0:
-                raise AllocationError(
-                    f"sparsity is the fraction of FFN neurons skipped per token: use a value in (0, 1), got {self.sparsity}"
-                )
-            if self.alpha_basis not in ("total", "active"):
-                raise AllocationError("alpha_basis must be 'total' or 'active'")
-            if round((1 - self.sparsity) * e) < 1:
-                raise AllocationError(f"sparsity {self.sparsity} with {e} experts leaves no expert active")
-        elif self.method == "cmoe":
-            if self.shared < 0 or self.active < 0:
-                raise AllocationError("shared and active expert counts must be ≥ 0")
-            if self.shared + self.active > e:
-                raise AllocationError(
-                    f"S·A·E = {self.shared}·{self.active}·{e}: shared + active ({self.shared + self.active}) "
-                    f"exceeds the {e} experts; lower S or A or raise E"
-                )
-            if self.shared + self.active == 0:
-                raise AllocationError("S·A·E with S = A = 0 computes nothing: activate at least one expert")
-            if self.active > 0 and self.shared == e:
-                raise AllocationError("every expert is shared, none is left to route: lower S")
-        else:
-            raise AllocationError(f"unknown method {self.method!r}: use expertweaver or cmoe")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+from .params import ConversionError, MethodParams
 
 
 @dataclass
@@ -119,47 +44,9 @@ def specialisation_ratio(cv_by_layer: Sequence[np.ndarray], tau: float) -> np.nd
     return np.array([float(np.mean(np.asarray(cv) > tau)) for cv in cv_by_layer])
 
 
-def plan(cv_by_layer: Sequence[np.ndarray], params: AllocationParams) -> list[LayerPlan]:
-    """Per-layer plan from the stored CV statistics (numpy only: cheap enough for every slider move)."""
-    d_ffns = [len(cv) for cv in cv_by_layer]
-    for d in set(d_ffns):
-        params.validate(d)
-    if params.method == "cmoe":
-        return [_plan_cmoe(i, d, params) for i, d in enumerate(d_ffns)]
-    r = specialisation_ratio(cv_by_layer, params.tau)
-    alpha = params.alpha_max - (params.alpha_max - params.alpha_min) * r  # EW Eq. 5
-    return [_plan_expertweaver(i, d, float(r[i]), float(alpha[i]), params) for i, d in enumerate(d_ffns)]
-
-
-def _plan_expertweaver(layer: int, d_ffn: int, r: float, alpha: float, p: AllocationParams) -> LayerPlan:
-    e = p.n_experts
-    m = d_ffn // e
-    leftover = d_ffn - m * e
-    k = int(round((1 - p.sparsity) * e))  # experts per token, shared included
-    base = d_ffn if p.alpha_basis == "total" else (1 - p.sparsity) * d_ffn
-    d_s = int(round(alpha * base))  # EW Eq. 6
-    n_shared = int(round(d_s / m))
-    clamped = n_shared > k
-    n_shared = min(n_shared, k)
-    top_k = k - n_shared
-    note = ""
-    if clamped:
-        note = (
-            f"Eq. 6 asks for {int(round(d_s / m))} shared experts but only {k} can be active: clamped to {k}, "
-            "no routed expert runs (static prune); lower alpha_max, raise tau or use alpha_basis='active'"
-        )
-    elif top_k == 0:
-        note = "all active experts are shared: no routed expert runs (static prune)"
-    return _layer(layer, d_ffn, r, m, n_shared, leftover, e - n_shared, top_k, clamped, note)
-
-
-def _plan_cmoe(layer: int, d_ffn: int, p: AllocationParams) -> LayerPlan:
-    m = d_ffn // p.n_experts
-    leftover = d_ffn - m * p.n_experts
-    return _layer(layer, d_ffn, float("nan"), m, p.shared, leftover, p.n_experts - p.shared, p.active, False, "")
-
-
-def _layer(layer, d_ffn, r, m, n_shared, leftover, n_routed, top_k, clamped, note) -> LayerPlan:
+def layer_plan(layer: int, d_ffn: int, r: float, m: int, n_shared: int, leftover: int, n_routed: int, top_k: int,
+               clamped: bool = False, note: str = "") -> LayerPlan:
+    """A layer of ``n_shared`` shared experts (plus the leftover neurons) and ``n_routed`` routed ones of ``m`` neurons."""
     d_shared = n_shared * m + leftover
     active = d_shared + top_k * m
     return LayerPlan(
@@ -183,7 +70,13 @@ def summarize(rows: list[LayerPlan]) -> dict[str, Any]:
     }
 
 
-def preview(profile: Any, params: AllocationParams) -> dict[str, Any]:
-    """The whole per-layer plan for a stored profile (``profile_store.StoredProfile``)."""
-    rows = plan(profile.cv_by_layer(), params)
+def check_experts_fit(n_experts: int, d_ffns: Iterable[int]) -> None:
+    """Every layer must have at least one neuron per expert."""
+    for d in sorted(set(d_ffns)):
+        if n_experts > d:
+            raise ConversionError(f"{n_experts} experts do not fit d_ffn={d}: use at most {d} (one neuron each)")
+
+
+def plan_record(rows: list[LayerPlan], params: MethodParams) -> dict[str, Any]:
+    """The whole per-layer plan as the designer and the API show it."""
     return {"params": params.to_dict(), "layers": [asdict(r) for r in rows], "summary": summarize(rows)}

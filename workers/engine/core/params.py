@@ -1,11 +1,144 @@
-"""Parameter dataclasses from stored dicts (``conversion.json``, job rows), refusing unknown keys."""
+"""Method parameters declared once: a frozen dataclass whose fields carry their help text, paper
+reference and bounds. The CLI options, the API schema, ``moelab methods`` and the designer's
+panels are all generated from these declarations (``describe``), so a parameter added to a
+method appears everywhere without a second edit.
+
+Stored dicts (``conversion.json`` → ``params``, job rows) are ``{"method": NAME, **fields}``;
+``from_dict`` refuses unknown keys, because a typo must not silently fall back to a default.
+"""
 
 from __future__ import annotations
 
-from dataclasses import fields
-from typing import Any, Mapping, TypeVar
+import math
+import operator
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, ClassVar, Literal, Mapping, TypeVar, Union
 
 T = TypeVar("T")
+_BOUNDS = (("ge", operator.ge, "≥"), ("gt", operator.gt, ">"), ("le", operator.le, "≤"), ("lt", operator.lt, "<"))
+
+
+class ConversionError(ValueError):
+    """The conversion cannot run as asked; the message says what to change."""
+
+
+def param(default: Any, help: str, *, paper: str | None = None, ge: float | None = None, gt: float | None = None,
+          le: float | None = None, lt: float | None = None, aliases: tuple[str, ...] = (), advanced: bool = False) -> Any:
+    """A method parameter: its default, one line of help, the paper equation it reads and its bounds.
+
+    ``aliases``: extra CLI spellings kept for existing scripts (``--experts`` for ``n_experts``).
+    ``advanced``: hidden behind "more" in the designer (still in the CLI and the API).
+    """
+    meta = {"help": help, "paper": paper, "ge": ge, "gt": gt, "le": le, "lt": lt, "aliases": aliases, "advanced": advanced}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter as every interface sees it (JSON-able with ``asdict``)."""
+
+    name: str
+    type: Literal["int", "float", "str", "bool"]
+    default: Any
+    help: str
+    paper: str | None = None
+    optional: bool = False  # None is a valid value (e.g. "choose it for me")
+    choices: tuple[Any, ...] | None = None
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    aliases: tuple[str, ...] = ()
+    advanced: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["choices"] = list(self.choices) if self.choices is not None else None
+        d["aliases"] = list(self.aliases)
+        return d
+
+    def check(self, value: Any) -> str | None:
+        """What is wrong with ``value`` for this parameter, or None."""
+        if value is None:
+            return None if self.optional else f"{self.name} must be given"
+        if self.choices is not None:
+            return None if value in self.choices else f"{self.name}={value!r}: use one of {', '.join(map(str, self.choices))}"
+        if self.type == "bool":
+            return None if isinstance(value, bool) else f"{self.name}={value!r}: use true or false"
+        if self.type == "str":
+            return None if isinstance(value, str) else f"{self.name}={value!r}: use a string"
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if self.type == "int" and not (numeric and float(value).is_integer()):
+            return f"{self.name}={value!r}: use an integer"
+        if not numeric or not math.isfinite(value):
+            return f"{self.name}={value!r}: use a finite number"
+        for attr, op, word in _BOUNDS:
+            bound = getattr(self, attr)
+            if bound is not None and not op(value, bound):
+                return f"{self.name}={value!r}: must be {word} {bound:g}"
+        return None
+
+
+def _spec_type(hint: Any) -> tuple[str, bool, tuple[Any, ...] | None]:
+    """(type name, optional, choices) of a field annotation."""
+    optional = False
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(hint))
+        hint, origin = args[0], typing.get_origin(args[0])
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        return type(choices[0]).__name__, optional, choices
+    name = getattr(hint, "__name__", str(hint))
+    if name not in ("int", "float", "str", "bool"):
+        raise TypeError(f"parameter type {hint!r} is not one of int, float, str, bool, Literal[...]")
+    return name, optional, None
+
+
+@dataclass(frozen=True)
+class MethodParams:
+    """Base of every method's parameters. Subclasses set ``method`` and may add ``_check`` for rules
+    that relate several fields (bounds of single fields come from their ``param`` declaration)."""
+
+    method: ClassVar[str] = ""
+
+    @classmethod
+    def specs(cls) -> list[ParamSpec]:
+        hints = typing.get_type_hints(cls)
+        out = []
+        for f in fields(cls):
+            kind, optional, choices = _spec_type(hints[f.name])
+            meta = dict(f.metadata)
+            if "help" not in meta:
+                raise TypeError(f"{cls.__name__}.{f.name} is not declared with param(...): it needs help text")
+            default = f.default if f.default is not MISSING else None
+            out.append(ParamSpec(name=f.name, type=kind, default=default, optional=optional, choices=choices, **meta))
+        return out
+
+    def check(self) -> None:
+        """Raise ConversionError naming the parameter to fix (context-free rules only)."""
+        for spec in self.specs():
+            problem = spec.check(getattr(self, spec.name))
+            if problem:
+                raise ConversionError(f"{self.method}: {problem}")
+        self._check()
+
+    def _check(self) -> None:
+        """Rules that relate several fields; overridden by methods that have them."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls: type[T], d: Mapping[str, Any]) -> T:
+        d = dict(d)
+        method = d.pop("method", cls.method)  # type: ignore[attr-defined]
+        if method != cls.method:  # type: ignore[attr-defined]
+            raise ConversionError(f"these are {method!r} parameters, not {cls.method}")  # type: ignore[attr-defined]
+        return from_known_fields(cls, d, cls.method, ConversionError)  # type: ignore[attr-defined]
 
 
 def from_known_fields(cls: type[T], d: Mapping[str, Any], what: str, error: type[Exception]) -> T:

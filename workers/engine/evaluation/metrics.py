@@ -136,7 +136,14 @@ def _is_moe(module: nn.Module) -> bool:
     """Any routed module of ``modeling_moelab`` (MoeFFN, the MIDAS and hierarchical layers), from
     the engine *or* from an exported model's own copy of the file (loaded with
     trust_remote_code as a different class object), so duck-typed, not an isinstance check."""
-    return all(hasattr(module, a) for a in ("recorder", "n_experts", "top_k")) and not isinstance(module, torch.Tensor)
+    return all(hasattr(module, a) for a in ("recorder", "top_k")) and routed_count(module) is not None \
+        and not isinstance(module, torch.Tensor)
+
+
+def routed_count(module: nn.Module) -> int | None:
+    """Routed experts of a layer module; exports written before the method registry bundle a
+    runtime that called this ``n_experts``."""
+    return getattr(module, "n_routed", getattr(module, "n_experts", None))
 
 
 @dataclass
@@ -150,8 +157,8 @@ class RoutingRecorder:
     def attach(self, modules: dict[int, nn.Module]) -> None:
         for i, mod in modules.items():
             if _is_moe(mod) and mod.top_k > 0:
-                self.counts[i] = np.zeros((self.n_windows, mod.n_experts), dtype=np.int64)
-                mod.recorder = self._recorder(i, mod.n_experts)
+                self.counts[i] = np.zeros((self.n_windows, routed_count(mod)), dtype=np.int64)
+                mod.recorder = self._recorder(i, routed_count(mod))
 
     def _recorder(self, layer: int, n_experts: int):
         def record(idx: torch.Tensor) -> None:

@@ -1,56 +1,88 @@
-"""The conversion methods moelab offers, and which parameters class each one reads.
+"""The conversion methods, one module each, registered here by their ``METHOD`` declaration.
 
-* ``expertweaver`` / ``cmoe``: neuron partitioning from a profile (``conversion.ConversionParams``;
-  the method is ``allocation.method``).
-* ``dense2moe``: layer-fusion upcycling from a profile's S_L / S_M (``dense2moe.Dense2MoEParams``).
-* ``midas``: one low-rank expert per calibration set, from ≥ 2 profiles (``midas.MidasParams``).
-* ``hierarchical``: every expert of an existing MoE model split into shared + routed sub-experts,
-  from the model and a calibration set, no profile (``hierarchical.HierarchicalParams``).
+Adding a method: write ``methods/NAME.py`` with a ``MethodParams`` dataclass (every field declared
+with ``param(...)``) and a ``METHOD = Method(...)``, then list it in ``_MODULES`` below. The CLI
+(``moelab convert``, ``moelab methods``), the API (``POST /conversions``, ``GET /methods``, previews)
+and the designer's panels are generated from the registry.
 
 Stored parameter dicts (``conversion.json`` → ``params``) carry their method, so a record can be
-turned back into its parameters class without knowing the method beforehand.
+turned back into its parameters without knowing the method beforehand; records written before
+the registry (ExpertWeaver/CMoE as ``{"allocation": {...}, "router": "paper", ...}``) are read too.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
-METHODS = ("expertweaver", "cmoe", "dense2moe", "midas", "hierarchical")
-#: Methods that read a single profile of the dense model (MIDAS reads several, hierarchical none).
-PROFILE_METHODS = ("expertweaver", "cmoe", "dense2moe", "midas")
-#: Methods whose conversion can be compared against AbsTopK-GLU and the uniform allocation.
-PARTITION_METHODS = ("expertweaver", "cmoe")
+from ..core.params import ConversionError, MethodParams
+from . import cmoe, dense2moe, expertweaver, hierarchical, midas
+from .base import ConversionInputs, Method, Recovery
+
+__all__ = ["ConversionInputs", "Method", "Recovery", "REGISTRY", "register", "get_method", "method_of",
+           "params_from_dict", "describe_methods", "METHODS"]
+
+REGISTRY: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    """Add ``method`` to the registry (its name must be new and its parameters well declared)."""
+    if method.name in REGISTRY:
+        raise ValueError(f"method {method.name!r} is registered twice")
+    if method.params.method != method.name:
+        raise ValueError(f"{method.params.__name__}.method is {method.params.method!r}, not {method.name!r}")
+    method.params.specs()  # fails now, not in a request, when a field lacks param(...)
+    REGISTRY[method.name] = method
+    return method
+
+
+_MODULES = (expertweaver, cmoe, dense2moe, midas, hierarchical)
+for _module in _MODULES:
+    register(_module.METHOD)
+
+#: Names in registration order (the CLI's choices, the API's enum, the designer's list).
+METHODS: tuple[str, ...] = tuple(REGISTRY)
+
+
+def get_method(name: str) -> Method:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ConversionError(f"unknown conversion method {name!r}; use one of: {', '.join(REGISTRY)}") from None
+
+
+def _legacy(d: Mapping[str, Any]) -> dict[str, Any]:
+    """A pre-registry ExpertWeaver/CMoE dict, flattened: the allocation block's fields that the
+    method reads, ``router="paper"`` as the method's paper router."""
+    alloc = dict(d["allocation"])
+    method = alloc.pop("method", "expertweaver")
+    cls = get_method(method).params
+    names = {s.name for s in cls.specs()}
+    flat = {k: v for k, v in {**alloc, **{k: v for k, v in d.items() if k != "allocation"}}.items() if k in names}
+    if flat.get("router") == "paper":
+        flat["router"] = {"expertweaver": "centroid", "cmoe": "representative"}[method]
+    return {"method": method, **flat}
 
 
 def method_of(params: Any) -> str:
     """The method of a parameters object or of its stored dict."""
-    if isinstance(params, dict):
-        return params.get("method") or params.get("allocation", {}).get("method", "expertweaver")
-    return getattr(params, "method", None) or params.allocation.method
+    if isinstance(params, MethodParams):
+        return params.method
+    if "allocation" in params and "method" not in params:
+        return params["allocation"].get("method", "expertweaver")
+    return params.get("method") or "expertweaver"
 
 
-def params_class(method: str) -> type:
-    """Imported on demand: the method modules load torch, which ``method_of``'s callers (the API's
-    views) must not pay for."""
-    from ..core.dense import ConversionError, ConversionParams
-
-    if method in PARTITION_METHODS:
-        return ConversionParams
-    if method == "dense2moe":
-        from .dense2moe import Dense2MoEParams
-
-        return Dense2MoEParams
-    if method == "midas":
-        from .midas import MidasParams
-
-        return MidasParams
-    if method == "hierarchical":
-        from .hierarchical import HierarchicalParams
-
-        return HierarchicalParams
-    raise ConversionError(f"unknown conversion method {method!r}; use one of: {', '.join(METHODS)}")
+def normalise_params(d: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored params dict in today's flat form (``{"method": NAME, **fields}``); no torch."""
+    return _legacy(d) if "allocation" in d and "method" not in d else dict(d)
 
 
-def params_from_dict(d: dict[str, Any]) -> Any:
-    """The parameters object a stored ``params`` dict describes (any method)."""
-    return params_class(method_of(d)).from_dict(dict(d))
+def params_from_dict(d: Mapping[str, Any]) -> MethodParams:
+    """The parameters object a stored ``params`` dict describes (any method, old records too)."""
+    d = normalise_params(d)
+    return get_method(d.get("method") or "expertweaver").params.from_dict(d)
+
+
+def describe_methods() -> list[dict[str, Any]]:
+    """Every method with its parameters (name, type, default, help, paper reference, bounds)."""
+    return [m.describe() for m in REGISTRY.values()]

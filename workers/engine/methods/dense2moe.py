@@ -49,30 +49,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, ClassVar, Literal
 
 import numpy as np
-import torch
-from torch import nn
 
-from ..core.params import from_known_fields
-from ..core.dense import ConversionError, check_compatible
-from ..runtime.export import build_moe_model
-from ..runtime.modeling_moelab import MoeFFN, MoelabForCausalLM, decoder_layers
-from ..models import ModelAdapter
-from ..runtime.param_count import parameter_counts
+from ..core.params import ConversionError, MethodParams, param
 from ..progress import NO_PROGRESS, Progress
+from .base import ConversionInputs, Method, Recovery
 
 Combine = Literal["weighted", "normalized", "sum"]
 COMBINES: tuple[str, ...] = ("weighted", "normalized", "sum")
 
-#: Block attributes that normalise the MLP output (Gemma2/3, OLMo2 …): refused, see module doc.
-POST_MLP_NORMS = ("post_feedforward_layernorm", "post_mlp_layernorm", "post_ffn_norm", "post_ffw_norm")
-#: Config lists with one entry per decoder layer, filtered to the kept layers on removal.
-PER_LAYER_CONFIG_LISTS = (
-    "layer_types", "mlp_layer_types", "layers_block_type", "layer_rope_theta", "no_rope_layers",
-    "num_attention_heads_per_layer", "num_key_value_heads_per_layer",
-)
 #: How many ranked candidates the record keeps for display.
 RECORD_CANDIDATES = 20
 
@@ -81,27 +68,24 @@ RECORD_CANDIDATES = 20
 
 
 @dataclass(frozen=True)
-class Dense2MoEParams:
+class Dense2MoEParams(MethodParams):
     """D2 §2.3 hyper-parameters. ``layer``/``n_fused`` (l*, n*): None → chosen from the profile;
     ``own_copies`` N, ``fused_copies`` M; ``max_fused`` caps n* only when it is chosen."""
 
-    method: Literal["dense2moe"] = "dense2moe"
-    delta: float = 0.1
-    layer: int | None = None
-    n_fused: int | None = None
-    max_fused: int = 8
-    own_copies: int = 1
-    fused_copies: int = 1
-    top_k: int = 2
-    combine: Combine = "sum"
-    seed: int = 0
+    method: ClassVar[str] = "dense2moe"
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Dense2MoEParams":
-        return from_known_fields(cls, d, "dense2moe", ConversionError)
+    delta: float = param(0.1, "threshold on the MLP-input distance 1 - S_M[l, l+n]", paper="D2 §2.3", gt=0, le=2)
+    layer: int | None = param(None, "l*, the block the others fuse into; empty: chosen from S_L and S_M", paper="D2 §2.3",
+                              ge=0, aliases=("fuse-layer",))
+    n_fused: int | None = param(None, "n*, blocks after l* fused into it; empty: chosen", paper="D2 §2.3", ge=1,
+                                aliases=("fuse-count",))
+    max_fused: int = param(8, "cap on n* when it is chosen", paper="D2 §2.3", ge=1, advanced=True)
+    own_copies: int = param(1, "N copies of layer l*'s MLP", paper="D2 Eq. 6", ge=1, le=64)
+    fused_copies: int = param(1, "M copies of each fused MLP", paper="D2 Eq. 6", ge=1, le=64)
+    top_k: int = param(2, "experts per token (softmax router)", paper="D2 §2.1", ge=1)
+    combine: Combine = param("sum", "sum: unweighted (keeps the dense function); weighted: softmax gates (D2 §2.1); "
+                                    "normalized: gates renormalised over the top-k", paper="D2 §2.1")
+    seed: int = param(0, "router initialisation", ge=0, advanced=True)
 
     def n_experts(self, n_fused: int) -> int:
         """``N + n*·M`` (D2 Eq. 6)."""
@@ -109,8 +93,6 @@ class Dense2MoEParams:
 
     def validate(self, n_layers: int) -> None:
         """Raise ConversionError saying what to change, for a dense model of ``n_layers`` blocks."""
-        if self.method != "dense2moe":
-            raise ConversionError(f"method must be 'dense2moe', got {self.method!r}")
         if n_layers < 2:
             raise ConversionError(f"the model has {n_layers} decoder layer(s); layer fusion needs at least 2")
         if not (isinstance(self.delta, (int, float)) and math.isfinite(self.delta) and 0 < self.delta <= 2):
@@ -250,114 +232,26 @@ def choose_fusion(
     return FusionChoice(c["layer"], c["n_fused"], c["s_layer"], c["s_mlp"], float(delta), r, candidates)
 
 
-# --------------------------------------------------------------------------- model surgery
-
-
-def check_fusable(adapter: ModelAdapter, layers: Sequence[int]) -> None:
-    """Refuse blocks Eq. 6 does not describe: MLP-output norms, MLP biases, unequal widths."""
-    for i in layers:
-        lay = adapter.layers[i]
-        norms = [n for n in POST_MLP_NORMS if getattr(lay.block, n, None) is not None]
-        if norms:
-            raise ConversionError(
-                f"model type {adapter.family!r} normalises each MLP's output ({norms[0]}): fusing MLPs into one "
-                "block would put every expert behind that block's norm, which D2 Eq. 6 does not cover; "
-                "use a family with plain pre-norm blocks (Llama, Mistral, Qwen2/3, Gemma, OLMo, Phi-3)"
-            )
-        if lay.gate_bias() is not None or lay.up_bias() is not None or lay.down_proj.bias is not None:
-            raise ConversionError(f"layer {i}: MLPs with biases are not supported by the MoE runtime")
-    widths = {adapter.layers[i].d_ffn for i in layers}
-    if len(widths) > 1:
-        raise ConversionError(
-            f"layers {list(layers)} have different FFN widths {sorted(widths)}: experts must be equal-sized"
-        )
-
-
-def remove_decoder_layers(model: nn.Module, drop: Sequence[int]) -> list[int]:
-    """Remove decoder blocks ``drop`` from a Hugging Face causal LM, in place; returns the kept
-    original indices. Everything that depends on the layer count follows: the ModuleList, each
-    kept block's ``layer_idx`` (KV-cache slot), ``config.num_hidden_layers`` and the per-layer
-    config lists (``layer_types`` … : sliding/full attention stays with its block)."""
-    layers = decoder_layers(model)
-    L = len(layers)
-    drop_set = {int(i) for i in drop}
-    if any(not 0 <= i < L for i in drop_set):
-        raise ConversionError(f"layers {sorted(drop_set)} out of range (model has {L} layers)")
-    kept = [i for i in range(L) if i not in drop_set]
-    if not kept:
-        raise ConversionError("cannot remove every decoder layer")
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    others = [
-        k for k, v in vars(config).items()
-        if "layer" in k and isinstance(v, (list, tuple)) and v and k not in PER_LAYER_CONFIG_LISTS
-    ]
-    if others:
-        raise ConversionError(f"config field(s) {others} list layers; removing decoder layers would leave them stale")
-    try:
-        decoder = model.get_decoder()
-    except (AttributeError, NotImplementedError):
-        decoder = model.model
-    decoder.layers = nn.ModuleList([layers[i] for i in kept])
-    for new_i, block in enumerate(decoder.layers):
-        for mod in block.modules():  # the block and its attention both carry layer_idx in HF code
-            if isinstance(getattr(mod, "layer_idx", None), int):
-                mod.layer_idx = new_i
-    config.num_hidden_layers = len(kept)
-    for name in PER_LAYER_CONFIG_LISTS:
-        values = getattr(config, name, None)
-        if isinstance(values, (list, tuple)) and len(values) == L:
-            setattr(config, name, [values[i] for i in kept])
-    return kept
-
-
-@torch.no_grad()
-def fused_ffn(adapter: ModelAdapter, layer: int, n_fused: int, params: Dense2MoEParams) -> MoeFFN:
-    """D2 Eq. 6's MoE for block ``layer``: experts = N copies of MLP^(l*) then M copies of each
-    MLP^(l*+k), k = 1 … n*; no shared expert; softmax router (D2 §2.1), seeded N(0, σ²) init."""
-    sources = [layer] * params.own_copies + [
-        layer + k for k in range(1, n_fused + 1) for _ in range(params.fused_copies)
-    ]
-    first = adapter.layers[layer]
-    d_model, d_ffn = adapter.d_model, first.d_ffn
-    dev, dt = first.down_proj.weight.device, first.down_proj.weight.dtype
-    spec = {
-        "kind": "moe", "d_model": d_model, "act": adapter.activation, "d_shared": 0,
-        "n_experts": len(sources), "expert_size": d_ffn, "top_k": params.top_k, "router": "softmax",
-        "combine": params.combine, "method": "dense2moe", "expert_source_layers": sources,
-    }
-    with torch.device("meta"):
-        mod = MoeFFN(spec)
-    mod.to_empty(device=dev)
-    mod.to(dt)
-    for e, src in enumerate(sources):  # one copy per expert: a handful, not a hot loop
-        lay = adapter.layers[src]
-        mod.experts_gate[e].copy_(lay.gate_weight())
-        mod.experts_up[e].copy_(lay.up_weight())
-        mod.experts_down[e].copy_(lay.down_weight())
-    config = adapter.model.config
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    std = float(getattr(config, "initializer_range", 0.02) or 0.02)
-    gen = torch.Generator().manual_seed(params.seed)
-    router = torch.randn(len(sources), d_model, generator=gen, dtype=torch.float32) * std
-    mod.router_weight.copy_(router.to(device=dev, dtype=dt))
-    return mod
-
-
 # --------------------------------------------------------------------------- conversion
 
 
 def fuse_model(
-    adapter: ModelAdapter,
+    adapter: Any,
     params: Dense2MoEParams,
     profile: Any = None,
     progress: Progress = NO_PROGRESS,
-) -> tuple[MoelabForCausalLM, dict[str, Any]]:
+) -> tuple[Any, dict[str, Any]]:
     """Dense2MoE (D2 §2.3, Eq. 6) on a loaded dense model; returns ``(moe_model, record)``.
 
     ``profile`` (a ``StoredProfile`` of this model) supplies S_L / S_M; it may be None only when
     both ``params.layer`` and ``params.n_fused`` are given (the record then has no similarities).
     The adapter's model is modified in place and must not be reused as a dense model.
     """
+    from ..core.fusion import check_fusable, fused_ffn, remove_decoder_layers
+    from ..core.slicing import check_compatible
+    from ..runtime.export import build_moe_model
+    from ..runtime.param_count import parameter_counts
+
     t0 = time.perf_counter()
     L = adapter.n_layers
     params.validate(L)
@@ -437,3 +331,41 @@ def fuse_model(
         "timings": {"choose_s": t1 - t0, "fuse_s": t2 - t1, "total_s": t2 - t0},
     }
     return moe, record
+
+
+def validate(params: Dense2MoEParams, profiles: list[Any]) -> None:
+    params.validate(profiles[0].manifest["n_layers"])
+
+
+def build(inputs: ConversionInputs, params: Dense2MoEParams, progress: Progress) -> tuple[Any, Any, dict[str, Any]]:
+    adapter = inputs.load_dense()
+    moe, record = fuse_model(adapter, params, inputs.profile, progress)
+    return moe, adapter.tokenizer, record
+
+
+def preview(profile: Any, params: Dense2MoEParams) -> dict[str, Any]:
+    """What a conversion would fuse (D2 §2.3), from the stored S_L / S_M: numpy only."""
+    params.validate(profile.manifest["n_layers"])
+    choice = choose_fusion(profile.similarity("outputs"), profile.similarity("mlp_inputs"), params.delta,
+                           params.max_fused, params.layer, params.n_fused)
+    L = profile.manifest["n_layers"]
+    return {
+        "params": params.to_dict(), "fusion": choice.to_dict(),
+        "summary": {"layers_before": L, "layers_after": L - choice.n_fused, "fused_layer": choice.layer,
+                    "removed_layers": choice.fused_layers, "n_experts": params.n_experts(choice.n_fused),
+                    "top_k": params.top_k},
+    }
+
+
+METHOD = Method(
+    name="dense2moe",
+    title="Dense2MoE",
+    paper="D2 §2.3",
+    summary="layer-fusion upcycling: drop the blocks after l* whose MLP inputs S_M are close, keep their MLPs as experts of l* (Eq. 6)",
+    params=Dense2MoEParams,
+    needs="profile",
+    build=build,
+    validate=validate,
+    preview=preview,
+    recovery=Recovery(paper="D2 §3: the router trains", lora="off"),
+)

@@ -41,21 +41,14 @@ layer 15 alone gives 13.4.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, Literal, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Sequence
 
 import numpy as np
-import torch
-from transformers.activations import ACT2FN
 
-from ..core.params import from_known_fields
-from ..core.dense import ConversionError, check_compatible
-from ..runtime.export import build_moe_model
 from ..core.lowrank import LowRank, Whitening, data_error, rank_for_ratio, whitened_lowrank, whitening
-from ..runtime.modeling_moelab import LowRankMoeFFN, MoelabForCausalLM
-from ..models import ModelAdapter
-from ..runtime.param_count import parameter_counts
-from ..profiling.store import StoredProfile
+from ..core.params import ConversionError, MethodParams, param
+from .base import ConversionInputs, Method, Recovery
 from ..progress import NO_PROGRESS, Progress
 
 DownChoice = Literal["surrogate", "plain"]
@@ -64,28 +57,18 @@ _MODEL_KEYS = ("source", "family", "activation", "n_layers", "d_model", "d_ffn",
 
 
 @dataclass(frozen=True)
-class MidasParams:
-    """``keep_ratio``: fraction of each FFN matrix's parameters an expert keeps (MI §4.1: 0.25);
-    ``top_k``: experts per token (MI Table 8: 2 of 4); ``seed``: gating-network init and the
-    down projection's surrogate samples; ``down``: how ``W_down`` is factorised (module doc);
-    ``surrogate_samples``: Gaussian samples per layer and set for ``down="surrogate"``."""
+class MidasParams(MethodParams):
+    """``down``: how ``W_down`` is factorised (module doc); ``surrogate_samples``: Gaussian samples
+    per layer and set for ``down="surrogate"``."""
 
-    method: Literal["midas"] = "midas"
-    keep_ratio: float = 0.25
-    top_k: int = 2
-    seed: int = 0
-    down: DownChoice = "surrogate"
-    surrogate_samples: int = 4096
+    method: ClassVar[str] = "midas"
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "MidasParams":
-        d = dict(d)
-        if d.setdefault("method", "midas") != "midas":
-            raise ConversionError(f"these are {d['method']!r} parameters, not midas")
-        return from_known_fields(cls, d, "midas", ConversionError)
+    keep_ratio: float = param(0.25, "share of each FFN matrix's parameters an expert keeps", paper="MI §4.1", gt=0, le=1)
+    top_k: int = param(2, "experts per token", paper="MI Table 8", ge=1)
+    seed: int = param(0, "gating-network init and the surrogate samples", ge=0, advanced=True)
+    down: DownChoice = param("surrogate", "how W_down is factorised: whitened by a surrogate HᵀH, or plain SVD",
+                             paper="MI Eq. 2", advanced=True)
+    surrogate_samples: int = param(4096, "Gaussian samples per layer and set for down=surrogate", ge=16, advanced=True)
 
     def validate(self, n_sets: int) -> None:
         """``n_sets``: the number of calibration sets (= profiles = experts)."""
@@ -112,8 +95,10 @@ def expert_rank(out_features: int, in_features: int, keep_ratio: float) -> int:
     return rank_for_ratio(out_features, in_features, keep_ratio)
 
 
-def check_profiles(adapter: ModelAdapter, profiles: Sequence[StoredProfile]) -> None:
+def check_profiles(adapter: Any, profiles: Sequence[Any]) -> None:
     """Every profile must come from the loaded model, hold ``XᵀX`` and be a distinct set."""
+    from ..core.slicing import check_compatible
+
     if len(profiles) < 2:
         raise ConversionError(f"MIDAS needs at least 2 profiles (one per calibration set), got {len(profiles)}")
     first = profiles[0]
@@ -126,7 +111,7 @@ def check_profiles(adapter: ModelAdapter, profiles: Sequence[StoredProfile]) -> 
                 f"profile {p.path} was made on a different model than {first.path} ({'; '.join(diff)}): "
                 "profile every calibration set on the same model"
             )
-    seen: dict[str, StoredProfile] = {}
+    seen: dict[str, Any] = {}
     for p in profiles:
         check_compatible(adapter, p)
         if "second_moment.safetensors" not in p.manifest["files"]:
@@ -146,6 +131,9 @@ def surrogate_hidden_moment(
     """``HᵀH`` (scaled to ``n_tokens``) of the GLU hidden state ``h = act(W_gate x) ⊙ W_up x`` for
     Gaussian inputs ``x = S z / √n_tokens``, ``z ~ N(0, I)``: their second moment is ``M / n_tokens``,
     the calibration set's own (MI Eq. 1). Used to whiten the down projection (module doc)."""
+    import torch
+    from transformers.activations import ACT2FN
+
     rng = np.random.default_rng(seed)
     z = rng.standard_normal((n_samples, white.S.shape[0]))
     # float32 for the big products: the estimate's sampling noise dwarfs the rounding
@@ -181,8 +169,8 @@ def _factorise_set(
 
 
 def convert_midas(
-    adapter: ModelAdapter, profiles: Sequence[StoredProfile], params: MidasParams, progress: Progress = NO_PROGRESS,
-) -> tuple[MoelabForCausalLM, dict[str, Any]]:
+    adapter: Any, profiles: Sequence[Any], params: MidasParams, progress: Progress = NO_PROGRESS,
+) -> tuple[Any, dict[str, Any]]:
     """MI Alg. 1: expert ``i`` of every layer is the dense FFN factorised on profile ``i``'s
     calibration set; returns the MoE model (the adapter's model, converted in place) and the
     conversion record. Per layer the record holds the rank, each set's Cholesky jitter and
@@ -190,6 +178,12 @@ def convert_midas(
     (sets in ``summary.sets`` order; the diagonal is an expert's own set, the off-diagonal shows
     how specialised the experts are); with ``down='surrogate'`` also ``down_error_surrogate``,
     the same for the down projection on each set's surrogate ``HᵀH``."""
+    import torch
+
+    from ..runtime.export import build_moe_model
+    from ..runtime.modeling_moelab import LowRankMoeFFN
+    from ..runtime.param_count import parameter_counts
+
     t0 = time.perf_counter()
     params.validate(len(profiles))
     check_profiles(adapter, profiles)
@@ -199,7 +193,7 @@ def convert_midas(
     init_std = float(getattr(adapter.model.config, "initializer_range", 0.02))
     gen = torch.Generator().manual_seed(params.seed)
     E, L = len(profiles), adapter.n_layers
-    modules: dict[int, LowRankMoeFFN] = {}
+    modules: dict[int, Any] = {}
     layers: list[dict[str, Any]] = []
     progress.update("midas experts", 0, L)
     for i, lay in enumerate(adapter.layers):
@@ -225,7 +219,7 @@ def convert_midas(
             row["down_error_surrogate"] = cross("down", [f.hidden_moment for f in sets])
         layers.append(row)
 
-        def stack(kind: str, part: str) -> torch.Tensor:
+        def stack(kind: str, part: str) -> Any:
             mats = [getattr(getattr(f, kind), part) for f in sets]
             return torch.from_numpy(np.stack(mats)).to(dtype=ref.dtype, device=ref.device)
 
@@ -272,3 +266,39 @@ def _mean_off_diag(layers: list[dict[str, Any]], key: str) -> float:
     vals = [np.asarray(row[key])[~np.eye(len(row[key]), dtype=bool)] for row in layers]
     return float(np.mean(np.concatenate(vals)))
 
+
+def validate(params: MidasParams, profiles: list[Any]) -> None:
+    params.validate(len(profiles))
+
+
+def build(inputs: ConversionInputs, params: MidasParams, progress: Progress) -> tuple[Any, Any, dict[str, Any]]:
+    adapter = inputs.load_dense()
+    moe, record = convert_midas(adapter, inputs.profiles, params, progress)
+    record["profiles"] = [str(p.path.resolve()) for p in inputs.profiles]
+    record["calibrations"] = [p.manifest["calibration"] for p in inputs.profiles]
+    return moe, adapter.tokenizer, record
+
+
+def load_cv_by_set(converted: Any, tokenizer: Any, record: dict[str, Any], *, data_dir: Any, n_windows: int,
+                   seq_len: int, progress: Progress) -> dict[str, Any]:
+    """MI Eq. 7: load CV per layer on the held-out text of each calibration set (built-ins only)."""
+    from ..evaluation.metrics import load_cv_by_source
+
+    sources = [c.get("source") for c in record.get("calibrations", [])]
+    sources = [s for s in sources if isinstance(s, str) and s.startswith("builtin:")]
+    return {"load_cv_by_set": load_cv_by_source(converted, tokenizer, sources, data_dir, n_windows=max(1, n_windows // 4),
+                                                seq_len=seq_len, progress=progress)}
+
+
+METHOD = Method(
+    name="midas",
+    title="MIDAS",
+    paper="MI §3.2",
+    summary="one whitened low-rank expert per calibration set (Eqs. 1-2) behind a new top-k gate; one profile per set",
+    params=MidasParams,
+    needs="profiles",
+    build=build,
+    validate=validate,
+    recovery=Recovery(paper="MI §3.2: gate + LoRA", layer_kind="lowrank_moe"),
+    extra_evaluation=load_cv_by_set,
+)

@@ -9,7 +9,7 @@ verbatim next to the weights of every exported model and loaded from there throu
 Contents
 --------
 ``MoeFFN``        drop-in replacement of a dense GLU MLP ``down(act(x W_gate) * x W_up)``:
-                  an always-active shared expert plus ``n_experts`` routed experts of
+                  an always-active shared expert plus ``n_routed`` routed experts of
                   ``expert_size`` neurons each, ``top_k`` of them active per token
                   (ExpertWeaver Eqs. 7-11, CMoE Eqs. 5, 11, 18-19).
 ``AbsTopKGLU``    ExpertWeaver Eq. 2 baseline: per token only the k neurons with the largest
@@ -26,7 +26,7 @@ Layer specs (JSON)
 ------------------
 MoE layer::
 
-    {"kind": "moe", "d_model": 576, "act": "silu", "d_shared": 192, "n_experts": 56,
+    {"kind": "moe", "d_model": 576, "act": "silu", "d_shared": 192, "n_routed": 56,
      "expert_size": 24, "top_k": 24, "router": "centroid", "combine": "sum"}
 
 ``router``: ``centroid`` (EW Eq. 9, score = x W_router^T), ``representative`` (CMoE Eq. 18,
@@ -51,7 +51,7 @@ layer spec, ...]}`` (the sparse-MoE block stays, only its ``experts`` module is 
 MIDAS layer: ``{"kind": "lowrank_moe", "d_model", "d_ffn", "act", "n_experts", "rank",
 "top_k"}``.
 
-Neuron order inside an expert is irrelevant to the result; with ``top_k == n_experts`` and
+Neuron order inside an expert is irrelevant to the result; with ``top_k == n_routed`` and
 ``combine == "sum"`` a MoeFFN computes exactly the dense GLU it was sliced from (up to float
 summation order).
 """
@@ -115,13 +115,14 @@ class MoeFFN(nn.Module):
         self.d_model = int(spec["d_model"])
         self.act = str(spec.get("act", "silu"))
         self.d_shared = int(spec.get("d_shared", 0))
-        self.n_experts = int(spec.get("n_experts", 0))
+        # ``n_experts`` in exports written before the method registry meant the same (routed) count
+        self.n_routed = int(spec.get("n_routed", spec.get("n_experts", 0)))
         self.expert_size = int(spec.get("expert_size", 0))
         self.top_k = int(spec.get("top_k", 0))
         self.router = str(spec.get("router", "centroid"))
         self.combine = str(spec.get("combine", "sum"))
         self.dispatch = str(spec.get("dispatch", "auto"))
-        E, m, d = self.n_experts, self.expert_size, self.d_model
+        E, m, d = self.n_routed, self.expert_size, self.d_model
         if self.router not in ROUTERS:
             raise ValueError(f"unknown router {self.router!r}; one of {ROUTERS}")
         if self.combine not in COMBINES:
@@ -131,7 +132,7 @@ class MoeFFN(nn.Module):
         if min(d, self.d_shared, E, m, self.top_k) < 0 or d == 0:
             raise ValueError(f"invalid MoE sizes in spec {spec}")
         if self.top_k > E:
-            raise ValueError(f"top_k={self.top_k} exceeds n_experts={E}")
+            raise ValueError(f"top_k={self.top_k} exceeds n_routed={E}")
         if E > 0 and m == 0:
             raise ValueError("expert_size must be positive when there are routed experts")
         self._extra = {k: v for k, v in spec.items() if k not in _MOE_KEYS}
@@ -159,8 +160,8 @@ class MoeFFN(nn.Module):
         # b is a persistent buffer: it is saved and reloaded, but never receives a gradient
         # (CM §3.3 updates it by +-gamma from the expert loads after each training step).
         ref = self.experts_gate
-        self.router_scale = nn.Parameter(torch.zeros(self.n_experts, device=ref.device, dtype=ref.dtype))
-        self.register_buffer("router_bias", torch.zeros(self.n_experts, device=ref.device, dtype=ref.dtype))
+        self.router_scale = nn.Parameter(torch.zeros(self.n_routed, device=ref.device, dtype=ref.dtype))
+        self.register_buffer("router_bias", torch.zeros(self.n_routed, device=ref.device, dtype=ref.dtype))
 
     @torch.no_grad()
     def use_scaled_combine(self) -> None:
@@ -190,7 +191,7 @@ class MoeFFN(nn.Module):
         """The JSON-able spec this module is rebuilt from (``MoeFFN(spec)``)."""
         return {
             "kind": "moe", "d_model": self.d_model, "act": self.act, "d_shared": self.d_shared,
-            "n_experts": self.n_experts, "expert_size": self.expert_size, "top_k": self.top_k,
+            "n_routed": self.n_routed, "expert_size": self.expert_size, "top_k": self.top_k,
             "router": self.router, "combine": self.combine,
             **({"dispatch": self.dispatch} if self.dispatch != "auto" else {}), **self._extra,
         }
@@ -233,7 +234,7 @@ class MoeFFN(nn.Module):
         if routed.numel() == 0:
             routed = routed.reshape(0, 0)
         if routed.dim() != 2:
-            raise ValueError(f"routed_idx must be [n_experts, expert_size], got shape {tuple(routed.shape)}")
+            raise ValueError(f"routed_idx must be [n_routed, expert_size], got shape {tuple(routed.shape)}")
         used = torch.cat([shared, routed.reshape(-1)])
         if used.numel() and (used.min() < 0 or used.max() >= d_ffn):
             raise ValueError(f"neuron index out of range [0, {d_ffn})")
@@ -242,7 +243,7 @@ class MoeFFN(nn.Module):
         E, m = routed.shape
         spec = {
             "kind": "moe", "d_model": int(d_model), "act": str(act), "d_shared": int(shared.numel()),
-            "n_experts": int(E), "expert_size": int(m), "top_k": int(top_k), "router": router,
+            "n_routed": int(E), "expert_size": int(m), "top_k": int(top_k), "router": router,
             "combine": combine, **extra,
         }
         dev, dt = gate_w.device, gate_w.dtype
@@ -277,14 +278,14 @@ class MoeFFN(nn.Module):
         """Parameters one token uses: shared expert, ``top_k`` routed experts and the router."""
         router = sum(p.numel() for n, p in self.named_parameters(recurse=False) if n.startswith("router"))
         shared = 3 * self.d_model * self.d_shared
-        k, m, d = min(self.top_k, self.n_experts), self.expert_size, self.d_model
-        if self.router == "gate_mass" and k < self.n_experts:  # every routed gate row scores the experts
-            return shared + d * m * (self.n_experts + 2 * k)
+        k, m, d = min(self.top_k, self.n_routed), self.expert_size, self.d_model
+        if self.router == "gate_mass" and k < self.n_routed:  # every routed gate row scores the experts
+            return shared + d * m * (self.n_routed + 2 * k)
         return shared + 3 * d * m * k + router
 
     def extra_repr(self) -> str:
         return (
-            f"d_model={self.d_model}, d_shared={self.d_shared}, n_experts={self.n_experts}, "
+            f"d_model={self.d_model}, d_shared={self.d_shared}, n_routed={self.n_routed}, "
             f"expert_size={self.expert_size}, top_k={self.top_k}, router={self.router}, "
             f"combine={self.combine}, act={self.act}"
         )
@@ -302,7 +303,7 @@ class MoeFFN(nn.Module):
             return F.linear(x, self.router_weight), None
         if self.router == "representative":
             return self.act_fn(F.linear(x, self.router_gate)) * F.linear(x, self.router_up), None
-        E, m, d = self.n_experts, self.expert_size, self.d_model
+        E, m, d = self.n_routed, self.expert_size, self.d_model
         a = self.act_fn(F.linear(x, self.experts_gate.reshape(E * m, d)))
         return a.abs().reshape(-1, E, m).sum(dim=-1), a
 
@@ -313,7 +314,7 @@ class MoeFFN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         xt = x.reshape(-1, self.d_model)
-        T, E, k = xt.shape[0], self.n_experts, self.top_k
+        T, E, k = xt.shape[0], self.n_routed, self.top_k
         y = self._shared(xt)
         if k == 0 or E == 0:
             self._record(torch.empty(T, 0, dtype=torch.long, device=x.device), lead)
@@ -335,7 +336,7 @@ class MoeFFN(nn.Module):
 
     def _all_experts(self, x: torch.Tensor) -> torch.Tensor:
         """Every routed expert on every token: one GLU over the concatenated experts."""
-        E, m, d = self.n_experts, self.expert_size, self.d_model
+        E, m, d = self.n_routed, self.expert_size, self.d_model
         g = F.linear(x, self.experts_gate.reshape(E * m, d))
         a = self.act_fn(g)
         h = a * F.linear(x, self.experts_up.reshape(E * m, d))
@@ -355,7 +356,7 @@ class MoeFFN(nn.Module):
         """Add the selected experts' outputs to ``y`` [T, d]: (token, expert) pairs are grouped
         by expert, each expert runs once on all of its tokens, results are scatter-added."""
         T, k = top.shape
-        E, m = self.n_experts, self.expert_size
+        E, m = self.n_routed, self.expert_size
         N = T * k
         if N == 0:
             return y
@@ -409,7 +410,7 @@ class MoeFFN(nn.Module):
 
     def _padded(self, xs, counts, e_sorted, cap, w_sorted, a_sorted) -> torch.Tensor:
         """All experts at once: tokens padded to the largest expert load, three batched matmuls."""
-        E, m, d = self.n_experts, self.expert_size, self.d_model
+        E, m, d = self.n_routed, self.expert_size, self.d_model
         N = xs.shape[0]
         starts = torch.cumsum(counts, 0) - counts
         slot = e_sorted * cap + (torch.arange(N, device=xs.device) - starts.index_select(0, e_sorted))
@@ -425,14 +426,14 @@ class MoeFFN(nn.Module):
         return o.reshape(E * cap, d).index_select(0, slot)
 
 
-_MOE_KEYS = {"kind", "d_model", "act", "d_shared", "n_experts", "expert_size", "top_k", "router", "combine",
+_MOE_KEYS = {"kind", "d_model", "act", "d_shared", "n_routed", "n_experts", "expert_size", "top_k", "router", "combine",
              "dispatch"}
 
 
 def _check_router(w: torch.Tensor, E: int, d: int, name: str) -> torch.Tensor:
     w = torch.as_tensor(w)
     if tuple(w.shape) != (E, d):
-        raise ValueError(f"{name} must be [n_experts={E}, d_model={d}], got {tuple(w.shape)}")
+        raise ValueError(f"{name} must be [n_routed={E}, d_model={d}], got {tuple(w.shape)}")
     return w
 
 
@@ -516,7 +517,7 @@ class HierarchicalExperts(nn.Module):
     "experts": [MoeFFN spec, ...]}``; ``experts_per_token`` is the top-level router's k (used by
     ``active_param_count`` only). Every sub-MoE has the same ``top_k``.
 
-    Routing statistics are about sub-experts: ``n_experts`` counts the routed sub-experts of all
+    Routing statistics are about sub-experts: ``n_routed`` counts the routed sub-experts of all
     experts (sub-expert j of expert i has the global id ``offsets[i] + j``) and ``top_k`` =
     ``experts_per_token * sub top_k``. ``recorder`` receives ``[batch, seq, top_k]`` global ids,
     slot-major (top-level slot s owns columns ``s*sub_top_k : (s+1)*sub_top_k``), -1 for a "no
@@ -550,9 +551,9 @@ class HierarchicalExperts(nn.Module):
         if len(tops) != 1:  # the recorder's selections must form one rectangular tensor
             raise ValueError(f"every sub-MoE must have the same top_k, got {sorted(tops)}")
         self.sub_top_k = tops.pop()
-        counts = [m.n_experts for m in self.sub_experts]
+        counts = [m.n_routed for m in self.sub_experts]
         self.offsets = [sum(counts[:i]) for i in range(len(counts))]
-        self.n_experts = sum(counts)
+        self.n_routed = sum(counts)
         self.top_k = self.experts_per_token * self.sub_top_k
         self.recorder: Callable[[torch.Tensor], None] | None = None
         self._lead: tuple[int, ...] | None = None
@@ -584,7 +585,7 @@ class HierarchicalExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, experts_per_token={self.experts_per_token}, "
-                f"sub_experts={self.n_experts}, top_k={self.top_k}")
+                f"sub_experts={self.n_routed}, top_k={self.top_k}")
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -699,6 +700,11 @@ class LowRankMoeFFN(nn.Module):
         self.down_b = nn.Parameter(torch.empty(E, d, r))
         self.recorder: Callable[[torch.Tensor], None] | None = None
         self.reset_parameters()
+
+    @property
+    def n_routed(self) -> int:
+        """Every expert is routed (no shared expert): the same count as ``n_experts``."""
+        return self.n_experts
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:

@@ -64,7 +64,7 @@ import resource
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,24 +72,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.params import from_known_fields
+from ..methods import REGISTRY, Recovery
 from ..atomic import write_json_atomic
 from ..data.calibration import load_calibration
 from .checkpoint import CHECKPOINT_DIR, CheckpointError, latest_checkpoint, list_checkpoints, restore, save_checkpoint
 from ..evaluation.metrics import heldout_windows, load_cv, perplexity
 from ..runtime.export import CONVERSION_FILE, export_model
-from ..runtime.modeling_moelab import MoeFFN, MoelabForCausalLM, convert_in_place, layer_spec, realign_parameters
+from ..runtime.modeling_moelab import MoeFFN, MoelabForCausalLM, layer_spec, realign_parameters
 from ..models import load_model, resolve_device
 from ..runtime.param_count import parameter_counts
 from ..progress import NO_PROGRESS, Cancelled, Progress
 
-Mode = Literal["cmoe", "expertweaver", "midas", "dense2moe"]
-MODES: tuple[str, ...] = ("cmoe", "expertweaver", "midas", "dense2moe")
+#: Recovery modes: the registered methods that declare a ``Recovery`` (``methods.base``).
+MODES: tuple[str, ...] = tuple(name for name, m in REGISTRY.items() if m.recovery is not None)
 TRAIN_LOG = "train_log.json"
 SUMMARY_FILE = "finetune.json"
 MODEL_DIR = "model"
 
 #: Target std of the initial EW softmax-router logits across experts (see module docstring).
-EW_INIT_LOGIT_STD = 0.05
 #: At most this many built-in samples (~500 tokens each) are tokenised for training; longer
 #: runs cycle through them in reshuffled epochs.
 _MAX_BUILTIN_SAMPLES = 4000
@@ -119,7 +119,7 @@ class FinetuneParams:
     measures every mode.
     """
 
-    mode: Mode = "cmoe"
+    mode: str = "cmoe"
     steps: int = 60
     batch_size: int = 4
     seq_len: int = 256
@@ -144,12 +144,20 @@ class FinetuneParams:
 
     @property
     def uses_lora(self) -> bool:
-        return self.mode != "dense2moe" and self.lora_rank > 0
+        return self.recovery.lora != "off" and self.lora_rank > 0
 
     @property
     def lb_used(self) -> float:
         """λ actually applied: CMoE balances with the bias b instead (AF §4.3)."""
-        return 0.0 if self.mode == "cmoe" else float(self.lb_coef)
+        return float(self.lb_coef) if self.recovery.load_balance else 0.0
+
+    @property
+    def recovery(self) -> Recovery:
+        """How this mode trains (the method's ``Recovery`` declaration)."""
+        rec = REGISTRY[self.mode].recovery if self.mode in REGISTRY else None
+        if rec is None:
+            raise FinetuneError(f"mode={self.mode!r}: use one of {', '.join(MODES)}")
+        return rec
 
     def heldout_source(self) -> str:
         """``eval_source``, else ``source`` when it is a built-in set, else builtin:mixed."""
@@ -174,7 +182,7 @@ class FinetuneParams:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise FinetuneError(f"{name}={value!r}: use a number ≥ 0 (0 switches it off)")
-        if self.mode in ("cmoe", "midas") and self.lora_rank == 0:
+        if self.recovery.lora == "required" and self.lora_rank == 0:
             raise FinetuneError(f"mode {self.mode!r} trains LoRA adapters: use lora_rank ≥ 1")
         if not isinstance(self.source, str) or not self.source.strip():
             raise FinetuneError("source is empty: use builtin:NAME or a stored calibration set directory")
@@ -271,7 +279,7 @@ class RoutingTap:
     where the router has probabilities, its Eq. 12 term (via a forward hook)."""
 
     def __init__(self, modules: dict[int, nn.Module], with_lb: bool):
-        self.modules = {i: m for i, m in modules.items() if 0 < m.top_k < m.n_experts}
+        self.modules = {i: m for i, m in modules.items() if 0 < m.top_k < m.n_routed}
         self.with_lb = with_lb
         self.counts: dict[int, torch.Tensor] = {}
         self.terms: list[torch.Tensor] = []
@@ -285,7 +293,7 @@ class RoutingTap:
         def record(idx: torch.Tensor) -> None:
             sel = idx.reshape(-1, idx.shape[-1]).detach()
             self._selected[layer] = sel
-            E = self.modules[layer].n_experts
+            E = self.modules[layer].n_routed
             counts = torch.bincount(sel.reshape(-1).cpu(), minlength=E)
             self.counts[layer] = self.counts.get(layer, torch.zeros(E, dtype=torch.long)) + counts
 
@@ -298,7 +306,7 @@ class RoutingTap:
             sel = self._selected.get(layer)
             logits = router_logits(mod, args[0].reshape(-1, args[0].shape[-1]))
             if sel is not None and logits is not None:
-                self.terms.append(load_balancing_loss(torch.softmax(logits.float(), -1), sel, mod.n_experts))
+                self.terms.append(load_balancing_loss(torch.softmax(logits.float(), -1), sel, mod.n_routed))
 
         return hook
 
@@ -393,7 +401,7 @@ def _router_params(setup_model: nn.Module, modules: dict[int, nn.Module], only: 
 
 
 @torch.no_grad()
-def _centroid_logit_std(moe: MoelabForCausalLM, modules: dict[int, MoeFFN], batch: torch.Tensor) -> dict[int, float]:
+def centroid_logit_std(moe: MoelabForCausalLM, modules: dict[int, MoeFFN], batch: torch.Tensor) -> dict[int, float]:
     """Per layer: std across experts of ``x · W_centroid^T`` on one batch (mean over tokens)."""
     stds: dict[int, list[float]] = {i: [] for i in modules}
     hooks = []
@@ -432,7 +440,7 @@ def to_softmax_router(mod: MoeFFN, beta: float) -> MoeFFN:
     new.to(ref.dtype)
     state = {k: v for k, v in mod.state_dict().items() if not _is_router(k)}
     state["router_weight"] = _centroid(mod) * beta
-    state["experts_down"] = mod.experts_down.detach() * mod.n_experts
+    state["experts_down"] = mod.experts_down.detach() * mod.n_routed
     new.load_state_dict(state, strict=True)
     return new
 
@@ -442,40 +450,19 @@ def apply_mode(moe: MoelabForCausalLM, params: FinetuneParams, batch: torch.Tens
 
     ``batch``: training windows, used by ``expertweaver`` to scale its router initialisation.
     """
+    recovery = params.recovery
     modules = routed_modules(moe)
     kinds = sorted({_kind(m) for m in moe.moe_modules().values()}) or ["none"]
-    want = {"cmoe": "moe", "expertweaver": "moe", "dense2moe": "moe", "midas": "lowrank_moe"}[params.mode]
-    modules = {i: m for i, m in modules.items() if _kind(m) == want}
+    modules = {i: m for i, m in modules.items() if _kind(m) == recovery.layer_kind}
     if not modules:
         raise FinetuneError(
-            f"mode {params.mode!r} trains layers of kind {want!r}, but this conversion has layer kinds {kinds}: "
+            f"mode {params.mode!r} trains layers of kind {recovery.layer_kind!r}, but this conversion has layer kinds {kinds}: "
             f"use the mode of the conversion's method"
         )
     changes = False
     notes: dict[str, Any] = {}
-    if params.mode == "cmoe":
-        bad = sorted(i for i, m in modules.items() if m.combine not in ("sum", "scaled"))
-        if bad:
-            raise FinetuneError(f"cmoe fine-tuning extends the training-free 'sum' combine; layers {bad} combine "
-                                f"{modules[bad[0]].combine!r}: use mode expertweaver or dense2moe for those")
-        for mod in modules.values():
-            if mod.n_experts > 0:
-                mod.use_scaled_combine()
-    elif params.mode == "expertweaver":
-        switch = {i: m for i, m in modules.items() if not (m.router == "softmax" and m.combine == "weighted")}
-        bad = sorted(i for i, m in switch.items() if m.combine != "sum")
-        if bad:
-            raise FinetuneError(f"expertweaver fine-tuning starts from the training-free 'sum' combine (EW Eq. 10); "
-                                f"layers {bad} combine {modules[bad[0]].combine!r}")
-        switch = {i: m for i, m in switch.items() if m.n_experts > 0}
-        if switch:
-            std = _centroid_logit_std(moe, switch, batch)
-            betas = {i: EW_INIT_LOGIT_STD / s if s > 0 else 1.0 for i, s in std.items()}
-            new = {i: to_softmax_router(m, betas[i]) for i, m in switch.items()}
-            convert_in_place(moe.model, new)
-            modules.update(new)
-            notes["router_init_beta"] = {str(i): b for i, b in betas.items()}
-            changes = True
+    if recovery.prepare is not None:
+        modules, notes, changes = recovery.prepare(moe, modules, batch)
     model: nn.Module = moe
     for p in moe.parameters():
         p.requires_grad_(False)
@@ -489,8 +476,7 @@ def apply_mode(moe: MoelabForCausalLM, params: FinetuneParams, batch: torch.Tens
         model = get_peft_model(moe, config)
         groups["adapters"] = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         notes["lora_targets"] = {"modules": len(linears), "stacked_parameters": len(stacked)}
-    only = ("router_scale",) if params.mode == "cmoe" else None  # CM §4: u, not the router weights
-    groups["routers"] = _router_params(model, modules, only)
+    groups["routers"] = _router_params(model, modules, recovery.router_params)
     if not groups["routers"]:
         raise FinetuneError(f"mode {params.mode!r}: the routed layers have no trainable router parameters")
     for _, p in groups["routers"]:
@@ -673,7 +659,7 @@ def run_finetune(
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if params.mode == "cmoe" and params.bias_step > 0:
+            if setup.buffers and params.bias_step > 0:  # CM §3.3: b follows the loads
                 for i, counts in tap.counts.items():
                     update_router_bias(setup.modules[i].router_bias, counts, params.bias_step)
             step += 1

@@ -1,0 +1,97 @@
+"""What a conversion method declares: its parameters, what it reads, its preview, its build step,
+its recovery fine-tuning and its evaluation hooks. ``methods/__init__.py`` registers one ``Method``
+per module; ``runs.py``, the fine-tuner, the CLI, the API and the designer read only this.
+
+Method modules import torch (and the runtime) inside their build and fine-tuning hooks only: the
+API imports every method for its parameters and previews, and must not load torch for that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Literal
+
+from ..core.params import MethodParams
+
+if TYPE_CHECKING:
+    from ..models import ModelAdapter
+    from ..profiling.store import StoredProfile
+    from ..progress import Progress
+
+#: What a conversion reads: one profile of the dense model, one profile per calibration set
+#: (same model), or an existing MoE model and a calibration set (it profiles the experts itself).
+Needs = Literal["profile", "profiles", "moe_model"]
+
+
+@dataclass
+class ConversionInputs:
+    """Everything a build step may read; ``run_conversion`` fills it in."""
+
+    profiles: list["StoredProfile"]
+    data_dir: Path
+    device: str = "auto"
+    model: str | None = None  # needs == "moe_model": the MoE model's source
+    calib: str | None = None  # needs == "moe_model": calibration spec
+    load_dense: Callable[[], "ModelAdapter"] | None = None  # the profiled dense model, float32
+
+    @property
+    def profile(self) -> "StoredProfile":
+        return self.profiles[0]
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """How recovery fine-tuning trains a conversion of this method (``training.finetune``).
+
+    ``layer_kind``: the runtime layers it trains; ``lora``: LoRA adapters on the experts and the
+    rest of the block, ``required``, ``optional`` (rank 0 trains the routers only) or ``off``; ``load_balance``: the λ of EW Eq. 12 applies; ``router_params``: the router
+    parameters that train (None: every one); ``prepare(moe, modules, batch)`` makes the layers
+    trainable in place and returns ``(modules, notes, structure_changed)``.
+    """
+
+    paper: str
+    layer_kind: str = "moe"
+    lora: Literal["required", "optional", "off"] = "required"
+    load_balance: bool = True
+    router_params: tuple[str, ...] | None = None
+    prepare: Callable[..., tuple[dict[int, Any], dict[str, Any], bool]] | None = None
+
+
+@dataclass(frozen=True)
+class Method:
+    """One conversion method.
+
+    ``build(inputs, params, progress) -> (moe_model, tokenizer, record)``: the conversion; the record
+    becomes ``conversion.json`` (``params``, ``summary``, ``layers``, ``timings``).
+    ``validate(params, profiles)``: checks that need the inputs, made before a model is loaded.
+    ``preview(profile, params)``: a numpy-only plan for the designer (None: the method has none).
+    ``baselines(adapter, record, progress)``: extra variants (layer index -> module) scored against
+    the dense model in the same evaluation; only for methods whose layers swap into the dense model.
+    ``reference(record, inputs)``: the ``(model, tokenizer)`` a conversion is compared with; None:
+    the profiled dense model. ``extra_evaluation(converted, tokenizer, record, **kw)``: more
+    numbers for the evaluation record.
+    """
+
+    name: str
+    title: str
+    paper: str
+    summary: str
+    params: type[MethodParams]
+    needs: Needs
+    build: Callable[[ConversionInputs, Any, "Progress"], tuple[Any, Any, dict[str, Any]]]
+    validate: Callable[[Any, list["StoredProfile"]], None] | None = None
+    preview: Callable[[Any, Any], dict[str, Any]] | None = None
+    recovery: Recovery | None = None
+    baselines: Callable[..., dict[str, Any]] | None = None
+    reference: Callable[..., tuple[Any, Any]] | None = None
+    extra_evaluation: Callable[..., dict[str, Any]] | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able: what ``moelab methods --json`` and ``GET /api/v1/methods`` list."""
+        return {
+            "name": self.name, "title": self.title, "paper": self.paper, "summary": self.summary,
+            "needs": self.needs, "preview": self.preview is not None,
+            "recovery": None if self.recovery is None else self.recovery.paper,
+            "params": [s.to_dict() for s in self.params.specs()],
+        }

@@ -1,0 +1,214 @@
+"""ExpertWeaver (EW §3): a layer-adaptive split of every FFN into a shared expert and routed experts.
+
+The path of data, as in the paper:
+
+* Eq. 4  ``r_ℓ = mean_j 1[CV_j > τ]``                        (specialisation ratio, from the profile's CV, Eq. 3)
+* Eq. 5  ``α_ℓ = α_max − (α_max − α_min) · r_ℓ``            (shared-neuron ratio)
+* Eq. 6  ``d_s = round(α_ℓ · d_ffn)``, ``N_se = round(d_s / d_expert)``, ``N_re = n_experts − N_se``;
+  per token ``k = round((1 − sparsity) · n_experts)`` experts run: the ``N_se`` shared ones plus
+  ``top_k = k − N_se`` routed ones. ``sparsity`` is the fraction of FFN neurons NOT computed per token.
+* Eq. 7  shared = the ``d_shared`` neurons with the largest |mean activation| (profile ``abs_mean``);
+* Eq. 8  routed = balanced k-means of the remaining neurons' activation profiles ``a_i ∈ R^M``
+  (App. G, squared-L2 objective Eq. 13), k-means++ seeding with ``seed``;
+* Eq. 9  router ``centroid``: ``W_router[:, i] = mean_{j∈C_i} W_gate[:, j]``; Eq. 10 unweighted sum.
+
+Two readings of α (``alpha_basis``): ``"total"`` (Eq. 6 as written: α is a share of all ``d_ffn``
+neurons; on small models at 50% sparsity the paper's defaults can ask for more shared experts than
+``k``, and the plan then clamps ``N_se`` to ``k`` and marks the layer ``static``, a fixed prune) and
+``"active"`` (α is a share of the active budget, ``d_s = round(α · (1 − sparsity) · d_ffn)``, so
+routing always survives unless α = 1). ``router="gate_mass"`` scores each routed expert by the L1
+mass of its own gate activations (costs the gate projection of every routed neuron).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Literal, Sequence
+
+import numpy as np
+
+from ..core.allocation import LayerPlan, check_experts_fit, layer_plan, plan_record, specialisation_ratio
+from ..core.params import ConversionError, MethodParams, param
+from ..core.partition import LayerExperts, cluster_routed, finish, split_shared
+from .base import ConversionInputs, Method, Recovery
+
+EW_INIT_LOGIT_STD = 0.05  # router logits' std across experts at the start of EW fine-tuning
+
+
+@dataclass(frozen=True)
+class ExpertWeaverParams(MethodParams):
+    method: ClassVar[str] = "expertweaver"
+
+    n_experts: int = param(64, "experts per layer (N_e), shared included", paper="EW Eq. 6", ge=1, aliases=("experts",))
+    alpha_min: float = param(0.2, "shared share of the most specialised layer", paper="EW Eq. 5", ge=0, le=1)
+    alpha_max: float = param(0.7, "shared share of the least specialised layer", paper="EW Eq. 5", ge=0, le=1)
+    tau: float = param(0.6, "CV threshold of a specialised neuron", paper="EW Eq. 4", gt=0)
+    sparsity: float = param(0.25, "fraction of FFN neurons NOT computed per token", paper="EW §3.2", gt=0, lt=1)
+    alpha_basis: Literal["total", "active"] = param(
+        "total", "α as a share of all neurons (total, EW Eq. 6) or of the active budget (active)", paper="EW Eq. 6")
+    router: Literal["centroid", "gate_mass"] = param(
+        "centroid", "centroid: gate-column centroids (EW Eq. 9); gate_mass: L1 mass of each expert's gate activations",
+        paper="EW Eq. 9")
+    combine: Literal["sum", "weighted"] = param("sum", "how selected experts add up; sum is EW Eq. 10", paper="EW Eq. 10",
+                                                advanced=True)
+    seed: int = param(0, "k-means++ seeding of the balanced clustering", paper="EW App. G", ge=0, advanced=True)
+    max_iter: int = param(50, "balanced k-means iteration cap", paper="EW App. G", ge=1, le=10000, advanced=True)
+
+    def _check(self) -> None:
+        if self.alpha_min > self.alpha_max:
+            raise ConversionError(f"alpha_min ({self.alpha_min}) must not exceed alpha_max ({self.alpha_max}): swap or lower alpha_min")
+        if round((1 - self.sparsity) * self.n_experts) < 1:
+            raise ConversionError(
+                f"sparsity {self.sparsity} with {self.n_experts} experts leaves no expert active: lower sparsity or use more experts"
+            )
+
+
+# --------------------------------------------------------------------------- plan (EW Eqs. 4–6)
+
+
+def plan(cv_by_layer: Sequence[np.ndarray], params: ExpertWeaverParams) -> list[LayerPlan]:
+    """Per-layer plan from the stored CV statistics (numpy only: cheap enough for every slider move)."""
+    params.check()
+    d_ffns = [len(cv) for cv in cv_by_layer]
+    check_experts_fit(params.n_experts, d_ffns)
+    r = specialisation_ratio(cv_by_layer, params.tau)
+    alpha = params.alpha_max - (params.alpha_max - params.alpha_min) * r  # EW Eq. 5
+    return [_plan_layer(i, d, float(r[i]), float(alpha[i]), params) for i, d in enumerate(d_ffns)]
+
+
+def _plan_layer(layer: int, d_ffn: int, r: float, alpha: float, p: ExpertWeaverParams) -> LayerPlan:
+    e = p.n_experts
+    m = d_ffn // e
+    k = int(round((1 - p.sparsity) * e))  # experts per token, shared included
+    base = d_ffn if p.alpha_basis == "total" else (1 - p.sparsity) * d_ffn
+    d_s = int(round(alpha * base))  # EW Eq. 6
+    asked = int(round(d_s / m))
+    n_shared = min(asked, k)
+    top_k = k - n_shared
+    note = ""
+    if asked > k:
+        note = (
+            f"Eq. 6 asks for {asked} shared experts but only {k} can be active: clamped to {k}, "
+            "no routed expert runs (static prune); lower alpha_max, raise tau or use alpha_basis='active'"
+        )
+    elif top_k == 0:
+        note = "all active experts are shared: no routed expert runs (static prune)"
+    return layer_plan(layer, d_ffn, r, m, n_shared, d_ffn - m * e, e - n_shared, top_k, asked > k, note)
+
+
+def preview(profile: Any, params: ExpertWeaverParams) -> dict[str, Any]:
+    """The whole per-layer plan for a stored profile (``profiling.store.StoredProfile``)."""
+    return plan_record(plan_for(profile, params), params)
+
+
+# --------------------------------------------------------------------------- experts (EW Eqs. 7–9)
+
+
+def layer_experts(row: LayerPlan, abs_mean: np.ndarray, sample_means: np.ndarray, gate_w: np.ndarray,
+                  router: str = "centroid", seed: int = 0, max_iter: int = 50) -> LayerExperts:
+    """EW Eqs. 7–9 for one layer. ``sample_means``: ``[M, d_ffn]``; ``gate_w``: ``[d_ffn, d_model]``."""
+    t0 = time.perf_counter()
+    shared, pool = split_shared(abs_mean, row)
+    routed, res = cluster_routed(sample_means[:, pool].T, pool, row, seed=seed, max_iter=max_iter)
+    weights = {}
+    if router == "centroid":
+        weights["router_weight"] = gate_w[routed].mean(axis=1) if routed.size else np.zeros((0, gate_w.shape[1]))
+    return finish(row, shared, routed, router, weights, res, t0)
+
+
+def plan_for(profile: Any, params: ExpertWeaverParams) -> list[LayerPlan]:
+    return plan(profile.cv_by_layer(), params)
+
+
+def layer_builder(profile: Any, params: ExpertWeaverParams) -> Any:
+    """Per-layer expert construction reading ``profile`` (a ``core.slicing.LayerBuilder``)."""
+    abs_mean = profile.column_by_layer("abs_mean")
+
+    def build_layer(row: LayerPlan, gate_w: np.ndarray, _up_w: np.ndarray) -> LayerExperts:
+        return layer_experts(row, abs_mean[row.layer], profile.sample_means(row.layer), gate_w,
+                             params.router, params.seed, params.max_iter)
+
+    return build_layer
+
+
+def validate(params: ExpertWeaverParams, profiles: list[Any]) -> None:
+    params.check()
+    check_experts_fit(params.n_experts, profiles[0].manifest["d_ffn"])
+
+
+def build(inputs: ConversionInputs, params: ExpertWeaverParams, progress: Any) -> tuple[Any, Any, dict[str, Any]]:
+    from ..core.slicing import convert_partition
+
+    adapter = inputs.load_dense()
+    rows = plan_for(inputs.profile, params)
+    moe, record = convert_partition(adapter, inputs.profile, params, rows, layer_builder(inputs.profile, params), progress)
+    return moe, adapter.tokenizer, record
+
+
+# --------------------------------------------------------------------------- evaluation baselines
+
+
+def uniform_params(params: ExpertWeaverParams, alphas: Sequence[float]) -> ExpertWeaverParams:
+    """The same conversion with one shared ratio for every layer: the mean of the plan's per-layer
+    shared shares ``alphas`` (``LayerPlan.alpha``), so the shared budget is equal (EW without Eq. 5)."""
+    mean_alpha = float(np.mean(alphas))
+    if params.alpha_basis == "active":
+        mean_alpha = mean_alpha / (1 - params.sparsity)
+    mean_alpha = min(1.0, mean_alpha)
+    return replace(params, alpha_min=mean_alpha, alpha_max=mean_alpha)
+
+
+def baselines(adapter: Any, record: dict[str, Any], progress: Any) -> dict[str, Any]:
+    """AbsTopK-GLU at the same active fraction (EW Eq. 2) and the same conversion with a uniform α."""
+    from ..core.slicing import abstopk_modules, build_modules, partition_layers
+    from ..profiling.store import StoredProfile
+
+    params = ExpertWeaverParams.from_dict(record["params"])
+    out = {"abstopk": abstopk_modules(adapter, record["summary"]["active_fraction"])}
+    uniform = uniform_params(params, [row["alpha"] for row in record["layers"]])
+    if uniform != params:
+        profile = StoredProfile.open(record["profile"])
+        experts = partition_layers(adapter, profile, plan_for(profile, uniform), layer_builder(profile, uniform), progress)
+        out["uniform"] = build_modules(adapter, experts, uniform.combine)
+    return out
+
+
+# --------------------------------------------------------------------------- recovery (EW Eqs. 11–12)
+
+
+def prepare_recovery(moe: Any, modules: dict[int, Any], batch: Any) -> tuple[dict[int, Any], dict[str, Any], bool]:
+    """EW Eq. 11: every training-free layer becomes a softmax router (initialised from its centroids,
+    scaled so the logits start with std ``EW_INIT_LOGIT_STD``) with a weighted combine."""
+    from ..runtime.modeling_moelab import convert_in_place
+    from ..training.finetune import FinetuneError, centroid_logit_std, to_softmax_router
+
+    switch = {i: m for i, m in modules.items() if not (m.router == "softmax" and m.combine == "weighted")}
+    bad = sorted(i for i, m in switch.items() if m.combine != "sum")
+    if bad:
+        raise FinetuneError(f"expertweaver fine-tuning starts from the training-free 'sum' combine (EW Eq. 10); "
+                            f"layers {bad} combine {modules[bad[0]].combine!r}")
+    switch = {i: m for i, m in switch.items() if m.n_routed > 0}
+    if not switch:
+        return modules, {}, False
+    std = centroid_logit_std(moe, switch, batch)
+    betas = {i: EW_INIT_LOGIT_STD / s if s > 0 else 1.0 for i, s in std.items()}
+    new = {i: to_softmax_router(m, betas[i]) for i, m in switch.items()}
+    convert_in_place(moe.model, new)
+    return {**modules, **new}, {"router_init_beta": {str(i): b for i, b in betas.items()}}, True
+
+
+METHOD = Method(
+    name="expertweaver",
+    title="ExpertWeaver",
+    paper="EW §3",
+    summary="layer-adaptive shared expert from neuron CV (Eqs. 4-7), balanced k-means routed experts (Eq. 8), centroid router (Eq. 9)",
+    params=ExpertWeaverParams,
+    needs="profile",
+    build=build,
+    validate=validate,
+    preview=preview,
+    recovery=Recovery(paper="EW Eqs. 11-12: softmax router + load balancing, LoRA", lora="optional",
+                      prepare=prepare_recovery),
+    baselines=baselines,
+)
