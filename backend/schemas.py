@@ -300,7 +300,8 @@ class _ConversionBase(_In):
         if needs == "profiles" and not self.extra_profile_ids:
             raise ValueError(f"{m} builds one expert per calibration set: give extra_profile_ids (≥ 1 more profile of the same model)")
         if needs == "profile" and self.extra_profile_ids:
-            raise ValueError(f"{m} reads one profile; only methods with one expert per calibration set take extra_profile_ids")
+            several = ", ".join(n for n, x in REGISTRY.items() if x.needs == "profiles")
+            raise ValueError(f"{m} reads one profile; only {several} take(s) extra_profile_ids")
         return self
 
     def engine_params(self) -> dict[str, Any]:

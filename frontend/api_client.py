@@ -115,13 +115,13 @@ class ApiClient:
     def conversion(self, conversion_id: str) -> dict[str, Any]:
         return self.get(f"/conversions/{conversion_id}")
 
-    def create_conversion(self, profile_id: str | None = None, allocation: dict[str, Any] | None = None,
-                          router: str = "paper", **body: Any) -> dict[str, Any]:
-        """EW / CMoE from ``allocation``; other methods pass ``method=`` and their block (see the API)."""
-        payload = {"profile_id": profile_id, "router": router, **body}
-        if allocation is not None:
-            payload["allocation"] = allocation
-        return self.post("/conversions", {k: v for k, v in payload.items() if v is not None})
+    def create_conversion(self, **body: Any) -> dict[str, Any]:
+        """``method``, its inputs (``profile_id`` …) and its parameter block named after it (see ``methods``)."""
+        return self.post("/conversions", {k: v for k, v in body.items() if v is not None})
+
+    def methods(self) -> list[dict[str, Any]]:
+        """Every conversion method with its parameters (the designer builds its panels from this)."""
+        return self.get("/methods")["items"]
 
     def evaluations(self, conversion_id: str | None = None) -> list[dict[str, Any]]:
         return self.get("/evaluations", conversion_id=conversion_id)["items"]
@@ -183,6 +183,9 @@ class ApiClient:
 
     def allocation_preview(self, profile_id: str, **params: Any) -> dict[str, Any]:
         return self.get(f"/profiles/{profile_id}/allocation-preview", **params)
+
+    def method_preview(self, profile_id: str, method: str, **params: Any) -> dict[str, Any]:
+        return self.get(f"/profiles/{profile_id}/preview/{method}", **params)
 
     def conversion_routing(self, conversion_id: str, evaluation_ids: list[str] | None = None, variant: str = "converted") -> dict[str, Any]:
         params: dict[str, Any] = {"variant": variant}

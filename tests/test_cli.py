@@ -104,7 +104,7 @@ def test_convert_evaluate_and_reload(tmp_path, tiny_profile, data_dir):
     )
     assert "converted model written" in proc.stdout
     record = json.loads((out / "conversion.json").read_text())
-    assert record["params"]["allocation"]["tau"] == 0.6 and len(record["layers"]) == 3
+    assert record["params"]["tau"] == 0.6 and len(record["layers"]) == 3
     assert (out / "modeling_moelab.py").is_file() and (out / "model.safetensors").is_file()
     report = json.loads(
         moelab("evaluate", str(out), "--windows", "3", "--seq-len", "32", "--json", data_dir=data_dir).stdout

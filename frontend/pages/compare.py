@@ -53,7 +53,7 @@ def _update(ids):
     header = html.Tr([html.Th("conversion"), html.Th("status"), html.Th("router")] + [html.Th(k) for k in keys] + [html.Th("active fraction"), html.Th("load CV (mean)")])
     body, ppl_rows, plans = [], [], {}
     for c in convs:
-        alloc = {**(c["params"] or {}).get("allocation", {}), "method": c.get("method")}  # every method, not only EW/CMoE
+        alloc = {**(c["params"] or {}), "method": c.get("method")}  # every method (flat parameters)
         s = c.get("summary") or {}
         ev = [e for e in evals[c["id"]] if e["status"] == "ready"]
         load_cv = None

@@ -77,13 +77,18 @@ def test_pages_render_figures(page, live, profile_id):
     no_errors(page)
 
 
+def param(method: str, name: str) -> str:
+    """CSS selector of a designer parameter control (Dash writes pattern-matching ids as sorted JSON)."""
+    return f"""[id='{{"method":"{method}","name":"{name}","type":"cd-param"}}']"""
+
+
 def test_alpha_slider_redraws_plan_and_convert_succeeds(page, live, profile_id):
     page.goto(f"{live['ui']}/designer?profile={profile_id}&n_experts=8&alpha_max=0.7&alpha_min=0.2")
     wait_figures(page, "cd-plan")
     before_raw = page.evaluate(DATA, "cd-plan")
     before = json.loads(before_raw)
     # the tiny random model's layers are all specialised (r_ℓ ≈ 0.9), so their α sits near α_min (EW Eq. 5)
-    thumb = page.locator("#cd-alpha_min [role=slider]").first
+    thumb = page.locator(f"{param('expertweaver', 'alpha_min')} [role=slider]").first
     thumb.focus()
     for _ in range(8):  # 0.2 → 0.6, one preview request per step
         page.keyboard.press("ArrowRight")
@@ -98,11 +103,13 @@ def test_alpha_slider_redraws_plan_and_convert_succeeds(page, live, profile_id):
 
     page.goto(f"{live['ui']}/designer?profile={profile_id}&method=cmoe&n_experts=8&shared=2&active=2")  # CMoE S·A·E
     wait_figures(page, "cd-plan")
-    assert page.input_value("#cd-shared") == "2" and "active 50.0%" in figure(page, "cd-plan")["title"]
-    page.fill("#cd-active", "9")  # S + A > E: the API's 422 in words
-    page.wait_for_selector(".error >> text=shared + active exceeds the experts")
+    assert page.input_value(param("cmoe", "shared")) == "2" and "active 50.0%" in figure(page, "cd-plan")["title"]
+    # the panel offers exactly CMoE's parameters (from GET /methods): no EW slider it would ignore
+    assert page.locator(param("cmoe", "tau")).count() == 0 and page.is_hidden(param("expertweaver", "tau"))
+    page.fill(param("cmoe", "active"), "9")  # S + A > E: the API's 422 in words
+    page.wait_for_selector(".error >> text=exceeds the 8 experts")
     page.errors.clear()  # the browser logs the 422 response itself
-    page.fill("#cd-active", "2")
+    page.fill(param("cmoe", "active"), "2")
     page.wait_for_function("() => !document.querySelector('.error')")
 
     page.click("#cd-convert")
@@ -119,7 +126,7 @@ def test_alpha_slider_redraws_plan_and_convert_succeeds(page, live, profile_id):
 
 @pytest.fixture(scope="module")
 def evaluated(api, profile_id):
-    c = api.post("/conversions", json={"profile_id": profile_id, "allocation": {"n_experts": 8, "alpha_max": 0.5}}).json()
+    c = api.post("/conversions", json={"profile_id": profile_id, "expertweaver": {"n_experts": 8, "alpha_max": 0.5}}).json()
     wait_job(api, c["job_id"])
     evs = []
     for source in ("builtin:code", "builtin:prose"):

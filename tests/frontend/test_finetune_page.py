@@ -21,7 +21,7 @@ POINTS = """n => { const g = document.querySelector('#ft-loss .js-plotly-plot');
 
 @pytest.fixture(scope="module")
 def conversion_id(api, profile_id) -> str:
-    c = api.post("/conversions", json={"profile_id": profile_id, "allocation": {"n_experts": 8, "alpha_max": 0.5}}).json()
+    c = api.post("/conversions", json={"profile_id": profile_id, "expertweaver": {"n_experts": 8, "alpha_max": 0.5}}).json()
     wait_job(api, c["job_id"])
     return c["id"]
 

@@ -147,7 +147,7 @@ def profile_id(client, model_id, calib_id) -> str:
 
 @pytest.fixture(scope="session")
 def conversion_id(client, profile_id) -> str:
-    r = client.post("/api/v1/conversions", json={"profile_id": profile_id, "allocation": {"n_experts": 8, "alpha_max": 0.5}})
+    r = client.post("/api/v1/conversions", json={"profile_id": profile_id, "expertweaver": {"n_experts": 8, "alpha_max": 0.5}})
     assert r.status_code == 202, r.text
     succeeded(client, r.json())
     return r.json()["id"]

@@ -42,8 +42,8 @@ def _profile(ids, **kw: Any) -> dict[str, Any]:
     return {"model_id": ids["model"], "calibration_set_id": ids["calib"], "max_tokens": 32, "batch_tokens": 256, **kw}
 
 
-def _conversion(ids, **alloc: Any) -> dict[str, Any]:
-    return {"profile_id": ids["profile"], "allocation": alloc}
+def _conversion(ids, method: str = "expertweaver", **params: Any) -> dict[str, Any]:
+    return {"profile_id": ids["profile"], "method": method, method: params}
 
 
 BIG = b'{"text": "' + b"x" * int(MAX_UPLOAD_MB * 1e6 + 1000) + b'"}\n'

@@ -70,7 +70,7 @@ def cancelled_conversion_id(settings, profile_id) -> str:
     ({"conversion_id": "conv-0000000000000000"}, 404, "GET /api/v1/conversions"),
     ({"steps": 0}, 422, "steps: Input should be greater than or equal to 1"),
     ({"lr": -1}, 422, "lr: Input should be greater than 0"),
-    ({"mode": "lora"}, 422, "mode: Input should be 'cmoe', 'expertweaver', 'midas' or 'dense2moe'"),
+    ({"mode": "lora"}, 422, "mode: Input should be 'expertweaver', 'cmoe', 'dense2moe' or 'midas'"),
     ({"source": "builtin:poetry"}, 422, "unknown built-in set 'builtin:poetry'"),
     ({"source": "cal-0000000000000000"}, 422, "neither builtin:NAME nor the id of a stored calibration set"),
     ({"stepz": 5}, 422, "stepz: unknown field"),

@@ -105,7 +105,7 @@ def test_conversion_job_and_downloaded_model_generates(client, conversion_id, tm
     files = {f["path"] for f in client.get(f"/api/v1/artifacts/conversions/{conversion_id}").json()["files"]}
     assert {"config.json", "model.safetensors", "conversion.json", "modeling_moelab.py"} <= files
     record = client.get(f"/api/v1/artifacts/conversions/{conversion_id}/files/conversion.json").json()
-    assert record["params"]["allocation"]["n_experts"] == 8
+    assert record["params"]["n_experts"] == 8
     archive = client.get(f"/api/v1/artifacts/conversions/{conversion_id}/archive")
     assert archive.status_code == 200 and archive.headers["content-type"] == "application/zip"
     with zipfile.ZipFile(io.BytesIO(archive.content)) as zf:

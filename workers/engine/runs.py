@@ -18,7 +18,7 @@ from .data.calibration import load_calibration
 from .core.params import ConversionError
 from .data.builtin import bigbench_installed
 from .evaluation.metrics import bigbench_choice_items, evaluate_models, evaluate_variants, heldout_windows
-from .methods import ConversionInputs, Method, get_method, method_of
+from .methods import REGISTRY, ConversionInputs, Method, get_method, method_of
 from .models import ModelAdapter, load_model
 from .runtime.export import CONVERSION_FILE, export_model, load_exported
 from .profiling.store import StoredProfile, write_profile
@@ -97,7 +97,8 @@ def _check_inputs(method: Method, profiles: list[Path], model: str | None, calib
     if not profiles:
         raise ConversionError(f"{method.name} conversion needs a profile of the dense model (run `moelab profile` first)")
     if method.needs == "profile" and len(profiles) > 1:
-        raise ConversionError(f"{method.name} reads one profile; only methods with one expert per calibration set take several")
+        several = ", ".join(n for n, m in REGISTRY.items() if m.needs == "profiles")
+        raise ConversionError(f"{method.name} reads one profile; only {several} take(s) one profile per calibration set")
 
 
 def read_conversion(conversion_dir: Path) -> dict[str, Any]:

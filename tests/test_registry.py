@@ -1,0 +1,161 @@
+"""One place per method: every registered parameter reaches the CLI and the API with the same
+default; ``workers`` and ``backend`` never import each other; a sixth method is one module."""
+
+from __future__ import annotations
+
+import ast
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import click
+from click.testing import CliRunner
+import pytest
+
+from tests.conftest import REPO
+from workers.engine.core.params import ConversionError, MethodParams, param
+from workers.engine.methods import REGISTRY, Method, describe_methods, params_from_dict, register
+
+
+def _convert_options() -> dict[str, click.Option]:
+    from moelab.cli import convert
+
+    return {p.name: p for p in convert.params if isinstance(p, click.Option)}
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_every_parameter_reaches_the_cli_and_the_api_with_its_default(name):
+    from backend.schemas import ConversionCreate, METHOD_PARAMS
+
+    method = REGISTRY[name]
+    options = _convert_options()
+    api_fields = METHOD_PARAMS[name].model_fields
+    assert name in ConversionCreate.model_fields  # the request's block for this method
+    for spec in method.params.specs():
+        opt = options[spec.name]
+        assert f"--{spec.name.replace('_', '-')}" in opt.opts, spec.name
+        assert f"{name} {spec.default}" in opt.help  # the method's own default, stated
+        if spec.choices:
+            assert set(spec.choices) <= set(opt.type.choices)
+        assert api_fields[spec.name].default == spec.default, spec.name
+        assert spec.help and spec.help in (api_fields[spec.name].description or "")
+    # the API's defaults are the engine's: an empty block gives the dataclass defaults
+    assert params_from_dict({"method": name, **METHOD_PARAMS[name]().model_dump()}) == method.params()
+
+
+def test_methods_are_listed_by_the_cli_and_the_api(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from backend.app import create_app
+    from moelab.settings import Settings
+    from moelab.cli import main
+
+    out = CliRunner().invoke(main, ["methods", "--json"])
+    assert out.exit_code == 0, out.output
+    listed = json.loads(out.output)
+    assert [m["name"] for m in listed] == list(REGISTRY)
+    ew = next(m for m in listed if m["name"] == "expertweaver")
+    tau = next(p for p in ew["params"] if p["name"] == "tau")
+    assert tau == {**tau, "type": "float", "default": 0.6, "paper": "EW Eq. 4", "gt": 0}
+    cmoe_names = {p["name"] for p in next(m for m in listed if m["name"] == "cmoe")["params"]}
+    assert not cmoe_names & {"alpha_min", "alpha_max", "tau", "sparsity"}  # nothing CMoE ignores
+    settings = Settings(data_dir=tmp_path, redis_url="redis://127.0.0.1:1/0")
+    with TestClient(create_app(settings)) as client:
+        items = client.get("/api/v1/methods").json()["items"]
+    assert items == json.loads(json.dumps(describe_methods()))
+
+
+def test_a_parameter_the_method_does_not_read_is_refused_by_the_cli(tmp_path):
+    from moelab.cli import main
+
+    out = CliRunner().invoke(main, ["convert", "--method", "cmoe", "--tau", "0.5", "--profile", "x", "--out", str(tmp_path / "c")])
+    assert out.exit_code == 2 and "--tau: not a parameter of cmoe" in out.output
+
+
+def _imports(package: str) -> set[tuple[str, str]]:
+    """(file, imported module) for every import in ``package``'s files, relative ones resolved."""
+    found = set()
+    for path in (REPO / package).rglob("*.py"):
+        rel = path.relative_to(REPO).with_suffix("")
+        here = list(rel.parts[:-1]) if rel.name != "__init__" else list(rel.parts[:-1])
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {(str(rel), a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = here[: len(here) - node.level + 1] if node.level else []
+                found.add((str(rel), ".".join([*base, *(node.module or "").split(".")]).strip(".")))
+    return found
+
+
+def test_workers_and_backend_never_import_each_other():
+    """The job/database code both need lives in ``moelab.store``; the pure engine (``workers.engine``)
+    is the only part of ``workers`` the API may import, and the engine imports neither side."""
+    workers_bad = sorted((f, m) for f, m in _imports("workers") if m == "backend" or m.startswith("backend."))
+    assert not workers_bad, workers_bad
+    backend_bad = sorted((f, m) for f, m in _imports("backend")
+                         if (m == "workers" or m.startswith("workers.")) and not m.startswith("workers.engine"))
+    assert not backend_bad, backend_bad
+    engine_bad = sorted((f, m) for f, m in _imports("workers/engine")
+                        if m.split(".")[0] in ("backend", "moelab", "celery", "fastapi", "dash", "frontend"))
+    assert not engine_bad, engine_bad
+    store_bad = sorted((f, m) for f, m in _imports("moelab/store") if m.split(".")[0] in ("backend", "frontend")
+                       or (m.startswith("workers.") and not m.startswith("workers.engine")))
+    assert not store_bad, store_bad
+
+
+def test_the_import_checker_sees_a_violation(tmp_path, monkeypatch):
+    """The boundary test above can fail: a file importing backend from workers is reported."""
+    (tmp_path / "workers").mkdir()
+    (tmp_path / "workers" / "bad.py").write_text("from backend.db import Job\nfrom ..backend import x\n")
+    monkeypatch.setattr(f"{__name__}.REPO", tmp_path)
+    assert ("workers/bad", "backend.db") in _imports("workers")
+
+
+# ---------------------------------------------------------------------------- a sixth method
+
+
+@dataclass(frozen=True)
+class PruneParams(MethodParams):
+    """A deliberately trivial method: keep the first ``keep`` share of every FFN's neurons."""
+
+    method: ClassVar[str] = "prune_head"
+    keep: float = param(0.5, "share of neurons kept", gt=0, le=1)
+
+
+def _prune_preview(profile: Any, params: PruneParams) -> dict[str, Any]:
+    d = profile.manifest["d_ffn"]
+    return {"params": params.to_dict(), "summary": {"kept": [int(params.keep * x) for x in d]}}
+
+
+def test_a_new_method_is_one_module_and_one_registration(monkeypatch):
+    """Walk-through of adding a method: declare parameters + a Method, register it; the CLI, the
+    API schema and ``moelab methods`` pick it up with no other edit."""
+    import importlib
+
+    import backend.schemas
+    import moelab.cli
+
+    monkeypatch.setattr("workers.engine.methods.REGISTRY", dict(REGISTRY))
+    import workers.engine.methods as registry
+
+    register(Method(name="prune_head", title="Prune", paper="-", summary="keep the first neurons", params=PruneParams,
+                    needs="profile", build=lambda *a: None, preview=_prune_preview))
+    monkeypatch.setattr(registry, "METHODS", tuple(registry.REGISTRY))
+    schemas = importlib.reload(backend.schemas)
+    cli = importlib.reload(moelab.cli)
+    try:
+        assert "prune_head" in schemas.ConversionCreate.model_fields
+        body = schemas.ConversionCreate(method="prune_head", profile_id="p", prune_head={"keep": 0.25})
+        assert body.engine_params() == {"method": "prune_head", "keep": 0.25}
+        with pytest.raises(Exception, match="keep"):
+            schemas.ConversionCreate(method="prune_head", profile_id="p", prune_head={"keep": 2})
+        opts = {p.name: p for p in cli.convert.params if isinstance(p, click.Option)}
+        assert "--keep" in opts["keep"].opts and "prune_head" in opts["method"].type.choices
+        assert params_from_dict({"method": "prune_head", "keep": 0.3}) == PruneParams(keep=0.3)
+        with pytest.raises(ConversionError, match="keep=0.0: must be > 0"):
+            PruneParams(keep=0.0).check()
+    finally:
+        monkeypatch.undo()
+        importlib.reload(backend.schemas)
+        importlib.reload(moelab.cli)
