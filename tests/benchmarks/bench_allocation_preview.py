@@ -19,7 +19,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from workers.engine.core.allocation import AllocationParams, preview  # noqa: E402
+from workers.engine.methods.expertweaver import ExpertWeaverParams as AllocationParams, preview  # noqa: E402
 from workers.engine.profiling.store import StoredProfile  # noqa: E402
 
 

@@ -14,6 +14,7 @@ and prints one summary line.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 import json
 import sys
 import time
@@ -23,25 +24,26 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from moelab.settings import get_settings  # noqa: E402
-from workers.engine.core.allocation import AllocationParams  # noqa: E402
-from workers.engine.core.dense import ConversionParams, abstopk_modules, convert, uniform_params  # noqa: E402
+from tests.engine.test_conversion import convert  # noqa: E402  (plan + experts + modules, no export)
+from workers.engine.core.allocation import summarize  # noqa: E402
+from workers.engine.core.slicing import abstopk_modules  # noqa: E402
+from workers.engine.methods.cmoe import CMoEParams  # noqa: E402
+from workers.engine.methods.expertweaver import ExpertWeaverParams, uniform_params  # noqa: E402
 from workers.engine.evaluation.metrics import evaluate_variants, heldout_windows  # noqa: E402
 from workers.engine.models import load_model  # noqa: E402
 from workers.engine.profiling.store import StoredProfile  # noqa: E402
 
 
-def configurations(sparsity: float) -> dict[str, ConversionParams]:
+def configurations(sparsity: float) -> dict[str, Any]:
     active = int(round((1 - sparsity) * 64))
-    ew = AllocationParams(sparsity=sparsity)
-    ew_active = AllocationParams(sparsity=sparsity, alpha_basis="active")
-    cm = AllocationParams(method="cmoe", n_experts=64, shared=active // 2, active=active - active // 2)
+    cm = dict(n_experts=64, shared=active // 2, active=active - active // 2)
     return {
-        "expertweaver": ConversionParams(ew),
-        "expertweaver-gate_mass": ConversionParams(ew, router="gate_mass"),
-        "expertweaver-active": ConversionParams(ew_active),
-        "expertweaver-active-gate_mass": ConversionParams(ew_active, router="gate_mass"),
-        "cmoe": ConversionParams(cm),
-        "cmoe-gate_mass": ConversionParams(cm, router="gate_mass"),
+        "expertweaver": ExpertWeaverParams(sparsity=sparsity),
+        "expertweaver-gate_mass": ExpertWeaverParams(sparsity=sparsity, router="gate_mass"),
+        "expertweaver-active": ExpertWeaverParams(sparsity=sparsity, alpha_basis="active"),
+        "expertweaver-active-gate_mass": ExpertWeaverParams(sparsity=sparsity, alpha_basis="active", router="gate_mass"),
+        "cmoe": CMoEParams(**cm),
+        "cmoe-gate_mass": CMoEParams(**cm, router="gate_mass"),
     }
 
 
@@ -66,7 +68,7 @@ def main() -> None:
             t0 = time.perf_counter()
             conv = convert(adapter, profile, params)
             variants[name] = conv.modules
-            meta[name] = {"convert_s": time.perf_counter() - t0, "summary": conv.record()["summary"]}
+            meta[name] = {"convert_s": time.perf_counter() - t0, "summary": summarize(conv.plan)}
             if name == "expertweaver":
                 uni = uniform_params(params, [r.alpha for r in conv.plan])
                 t0 = time.perf_counter()

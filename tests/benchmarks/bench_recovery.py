@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from moelab.settings import get_settings  # noqa: E402
-from workers.engine.core.allocation import AllocationParams  # noqa: E402
-from workers.engine.core.dense import ConversionParams  # noqa: E402
+from workers.engine.methods.cmoe import CMoEParams  # noqa: E402
+from workers.engine.methods.expertweaver import ExpertWeaverParams  # noqa: E402
 from workers.engine.methods.dense2moe import Dense2MoEParams  # noqa: E402
 from workers.engine.training.finetune import FinetuneParams, read_train_log, run_finetune  # noqa: E402
 from workers.engine.methods.midas import MidasParams  # noqa: E402
@@ -42,8 +42,8 @@ from workers.engine.runs import run_conversion, run_profile  # noqa: E402
 MODES = ("cmoe", "expertweaver", "midas", "dense2moe")
 MIDAS_SETS = ("code", "prose", "literature", "chat")
 CONVERSIONS = {
-    "cmoe": ConversionParams(AllocationParams(method="cmoe", n_experts=64, shared=24, active=24)),
-    "expertweaver": ConversionParams(AllocationParams()),
+    "cmoe": CMoEParams(n_experts=64, shared=24, active=24),
+    "expertweaver": ExpertWeaverParams(),
     "dense2moe": Dense2MoEParams(),
     "midas": MidasParams(),
 }
