@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from moelab.store.jsonsafe import finite_list, jsonable
+from moelab.store.jsonsafe import finite_list
 
 Order = Literal["index", "cv", "task"]
 Normalize = Literal["none", "neuron", "zscore"]

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 
 from workers.engine.core.params import ConversionError
+from moelab.store.jsonsafe import jsonable
 from workers.engine.methods import REGISTRY
 
 from .. import charts
@@ -161,7 +162,7 @@ def _preview(profile_id: str, method_name: str, query: dict[str, str], session, 
         out = method.preview(profile, method.params(**given.model_dump()))
     except ConversionError as exc:
         raise ApiError(422, f"{method_name}: {exc}") from exc
-    return MethodPreview(profile_id=profile_id, method=method_name, **charts.jsonable(out))
+    return MethodPreview(profile_id=profile_id, method=method_name, **jsonable(out))
 
 
 @router.get("/profiles/{profile_id}/preview/{method}", response_model=MethodPreview, tags=["profiles"],

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from backend import charts
+from moelab.store.jsonsafe import jsonable
 
 
 def test_cv_histograms_count_every_neuron_once():
@@ -76,7 +77,7 @@ def test_routing_heatmap_shares_and_static_layers():
 
 
 def test_jsonable_removes_nan_and_numpy_types():
-    out = charts.jsonable({"a": np.float32(np.nan), "b": [np.int64(3), np.array([1.0, np.inf])], 4: np.bool_(True)})
+    out = jsonable({"a": np.float32(np.nan), "b": [np.int64(3), np.array([1.0, np.inf])], 4: np.bool_(True)})
     assert out == {"a": None, "b": [3, [1.0, None]], "4": True}
 
 

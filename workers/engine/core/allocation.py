@@ -77,6 +77,12 @@ def check_experts_fit(n_experts: int, d_ffns: Iterable[int]) -> None:
             raise ConversionError(f"{n_experts} experts do not fit d_ffn={d}: use at most {d} (one neuron each)")
 
 
+def validate_partition(params: Any, profiles: list[Any]) -> None:
+    """``Method.validate`` of a partition method: its own rules, and every layer fits ``n_experts``."""
+    params.check()
+    check_experts_fit(params.n_experts, profiles[0].manifest["d_ffn"])
+
+
 def plan_record(rows: list[LayerPlan], params: MethodParams) -> dict[str, Any]:
     """The whole per-layer plan as the designer and the API show it."""
     return {"params": params.to_dict(), "layers": [asdict(r) for r in rows], "summary": summarize(rows)}

@@ -9,6 +9,7 @@ Stored dicts (``conversion.json`` → ``params``, job rows) are ``{"method": NAM
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import types
@@ -106,7 +107,8 @@ class MethodParams:
     method: ClassVar[str] = ""
 
     @classmethod
-    def specs(cls) -> list[ParamSpec]:
+    @functools.cache  # read on every check() and preview (each slider move): parse the annotations once
+    def specs(cls) -> tuple[ParamSpec, ...]:
         hints = typing.get_type_hints(cls)
         out = []
         for f in fields(cls):
@@ -116,7 +118,7 @@ class MethodParams:
                 raise TypeError(f"{cls.__name__}.{f.name} is not declared with param(...): it needs help text")
             default = f.default if f.default is not MISSING else None
             out.append(ParamSpec(name=f.name, type=kind, default=default, optional=optional, choices=choices, **meta))
-        return out
+        return tuple(out)
 
     def check(self) -> None:
         """Raise ConversionError naming the parameter to fix (context-free rules only)."""

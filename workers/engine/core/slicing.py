@@ -99,6 +99,17 @@ def convert_partition(adapter: ModelAdapter, profile: Any, params: MethodParams,
     return moe, record
 
 
+def build_partition(inputs: Any, params: MethodParams, plan_for: Callable[[Any, Any], list[LayerPlan]],
+                    layer_builder: Callable[[Any, Any], LayerBuilder], progress: Progress = NO_PROGRESS
+                    ) -> tuple[Any, Any, dict[str, Any]]:
+    """The build step of a partition method (``Method.build``): load the dense model, plan every layer
+    from the profile, partition and slice; returns ``(moe_model, tokenizer, record)``."""
+    adapter = inputs.load_dense()
+    profile = inputs.profile
+    moe, record = convert_partition(adapter, profile, params, plan_for(profile, params), layer_builder(profile, params), progress)
+    return moe, adapter.tokenizer, record
+
+
 def abstopk_modules(adapter: ModelAdapter, active_fraction: float) -> dict[int, nn.Module]:
     """EW Eq. 2 baseline: per token keep the ``round(active_fraction · d_ffn)`` largest |act(gate)|."""
     out = {}

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal, Sequence
 
 import numpy as np
 
-from ..core.allocation import LayerPlan, check_experts_fit, layer_plan, plan_record
+from ..core.allocation import LayerPlan, check_experts_fit, layer_plan, plan_record, validate_partition
 from ..core.params import ConversionError, MethodParams, param
 from ..core.partition import LayerExperts, cluster_routed, finish, split_shared
 from .base import ConversionInputs, Method, Recovery
@@ -102,18 +102,10 @@ def layer_builder(profile: Any, params: CMoEParams) -> Any:
     return build_layer
 
 
-def validate(params: CMoEParams, profiles: list[Any]) -> None:
-    params.check()
-    check_experts_fit(params.n_experts, profiles[0].manifest["d_ffn"])
-
-
 def build(inputs: ConversionInputs, params: CMoEParams, progress: Any) -> tuple[Any, Any, dict[str, Any]]:
-    from ..core.slicing import convert_partition
+    from ..core.slicing import build_partition
 
-    adapter = inputs.load_dense()
-    profile = inputs.profile
-    moe, record = convert_partition(adapter, profile, params, plan_for(profile, params), layer_builder(profile, params), progress)
-    return moe, adapter.tokenizer, record
+    return build_partition(inputs, params, plan_for, layer_builder, progress)
 
 
 def baselines(adapter: Any, record: dict[str, Any], progress: Any) -> dict[str, Any]:
@@ -145,7 +137,7 @@ METHOD = Method(
     params=CMoEParams,
     needs="profile",
     build=build,
-    validate=validate,
+    validate=validate_partition,
     preview=preview,
     # CM §4: u trains, not the router weights; b balances the load instead of EW's λ (AF §4.3).
     recovery=Recovery(paper="CM §3.3: gate scale u + balancing bias b, LoRA", load_balance=False,

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal, Sequence
 
 import numpy as np
 
-from ..core.allocation import LayerPlan, check_experts_fit, layer_plan, plan_record, specialisation_ratio
+from ..core.allocation import LayerPlan, check_experts_fit, layer_plan, plan_record, validate_partition, specialisation_ratio
 from ..core.params import ConversionError, MethodParams, param
 from ..core.partition import LayerExperts, cluster_routed, finish, split_shared
 from .base import ConversionInputs, Method, Recovery
@@ -132,18 +132,10 @@ def layer_builder(profile: Any, params: ExpertWeaverParams) -> Any:
     return build_layer
 
 
-def validate(params: ExpertWeaverParams, profiles: list[Any]) -> None:
-    params.check()
-    check_experts_fit(params.n_experts, profiles[0].manifest["d_ffn"])
-
-
 def build(inputs: ConversionInputs, params: ExpertWeaverParams, progress: Any) -> tuple[Any, Any, dict[str, Any]]:
-    from ..core.slicing import convert_partition
+    from ..core.slicing import build_partition
 
-    adapter = inputs.load_dense()
-    rows = plan_for(inputs.profile, params)
-    moe, record = convert_partition(adapter, inputs.profile, params, rows, layer_builder(inputs.profile, params), progress)
-    return moe, adapter.tokenizer, record
+    return build_partition(inputs, params, plan_for, layer_builder, progress)
 
 
 # --------------------------------------------------------------------------- evaluation baselines
@@ -206,7 +198,7 @@ METHOD = Method(
     params=ExpertWeaverParams,
     needs="profile",
     build=build,
-    validate=validate,
+    validate=validate_partition,
     preview=preview,
     recovery=Recovery(paper="EW Eqs. 11-12: softmax router + load balancing, LoRA", lora="optional",
                       prepare=prepare_recovery),
