@@ -54,7 +54,7 @@ def param_control(method: str, spec: dict[str, Any], value: Any) -> html.Div:
     if spec["choices"]:
         control = dcc.Dropdown(id=cid, options=spec["choices"], value=value, clearable=False, style={"width": 170})
     elif spec["type"] == "float" and lo is not None and hi is not None and hi - lo <= 2:
-        step = 0.01 if hi - lo <= 1 else 0.05
+        step = 0.05  # one keyboard step moves a share by 5 points, as the designer always did
         lo_v, hi_v = lo + (step if spec["gt"] is not None else 0), hi - (step if spec["lt"] is not None else 0)
         control = dcc.Slider(id=cid, min=round(lo_v, 4), max=round(hi_v, 4), step=step, value=value, updatemode="drag",
                              marks=None, tooltip={"always_visible": True, "placement": "bottom"})
@@ -62,8 +62,10 @@ def param_control(method: str, spec: dict[str, Any], value: Any) -> html.Div:
         control = dcc.Input(id=cid, type="number", value=value, step=1 if spec["type"] == "int" else "any",
                             min=lo, max=hi, placeholder="empty: choose" if spec["optional"] else None,
                             debounce=spec["type"] == "float")
-    return html.Div(className="slider" if isinstance(control, dcc.Slider) else "param",
-                    children=[_label(spec), control, html.Div(spec["help"], className="hint")])
+    hint = html.Div(spec["help"], className="hint")
+    if isinstance(control, dcc.Slider):  # help above: the value tooltip sits below the slider
+        return html.Div(className="slider", children=[_label(spec), hint, control])
+    return html.Div(className="param", children=[_label(spec), control, hint])
 
 
 def method_panel(m: dict[str, Any], query: dict[str, Any], shown: bool) -> html.Div:
