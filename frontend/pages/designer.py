@@ -64,7 +64,7 @@ def param_control(method: str, spec: dict[str, Any], value: Any) -> html.Div:
                             debounce=spec["type"] == "float")
     hint = html.Div(spec["help"], className="hint")
     if isinstance(control, dcc.Slider):  # help above: the value tooltip sits below the slider
-        return html.Div(className="slider", children=[_label(spec), hint, control])
+        return html.Div(className="slider", style={"paddingBottom": 28}, children=[_label(spec), hint, control])
     return html.Div(className="param", children=[_label(spec), control, hint])
 
 
