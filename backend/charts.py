@@ -227,11 +227,12 @@ def task_similarity(group_means: Sequence[np.ndarray], labels: Sequence[str], ce
     return {"labels": labels, "matrix": finite_list(sim, 5), "centered": centered, "metric": "cosine", "note": note}
 
 
-def layer_similarity(s_outputs: np.ndarray, s_mlp_inputs: np.ndarray, delta: float | None = None) -> dict[str, Any]:
+def layer_similarity(s_outputs: np.ndarray, s_mlp_inputs: np.ndarray, fusion: dict[str, Any] | None = None) -> dict[str, Any]:
     """D2 Eqs. 4–5 matrices (S_L of decoder outputs, S_M of MLP inputs) and adjacent-layer values.
 
-    With ``delta``, ``redundant`` lists layers whose output is that similar to the previous
-    layer's (Dense2MoE's candidates for layer fusion).
+    ``fusion``: what a Dense2MoE conversion would fuse (``methods.dense2moe.preview``'s
+    ``fusion``, i.e. the engine's ``choose_fusion``); it is passed through, never recomputed
+    here, and ``removed_layers`` lists the blocks it prunes (l*+1 … l*+n*).
     """
     s_l = np.asarray(s_outputs, dtype=np.float64)
     s_m = np.asarray(s_mlp_inputs, dtype=np.float64)
@@ -243,10 +244,11 @@ def layer_similarity(s_outputs: np.ndarray, s_mlp_inputs: np.ndarray, delta: flo
         "S_M": finite_list(s_m, 5),
         "adjacent_S_L": finite_list(adjacent_l, 5),
         "adjacent_S_M": finite_list(adjacent_m, 5),
-        "delta": delta,
+        "fusion": fusion,
+        "removed_layers": None,
     }
-    if delta is not None:
-        out["redundant"] = (np.nonzero(adjacent_l >= delta)[0] + 1).tolist()
+    if fusion is not None:
+        out["removed_layers"] = list(range(fusion["layer"] + 1, fusion["layer"] + fusion["n_fused"] + 1))
     return out
 
 

@@ -625,8 +625,13 @@ class LayerSimilarity(BaseModel):
     S_M: list[list[Num]] = Field(description="D2 Eq. 5: cosine similarity of MLP inputs")
     adjacent_S_L: list[Num]
     adjacent_S_M: list[Num]
-    delta: float | None
-    redundant: list[int] | None = Field(None, description="layers whose S_L with the previous layer is ≥ delta")
+    delta: float = Field(description="D2 §2.3 δ used: a span l → l+n qualifies when its MLP-input distance 1 − S_M[l, l+n] < δ "
+                                     "(the dense2moe parameter, same meaning everywhere)")
+    params: dict[str, Any] = Field(description="the dense2moe parameters the fusion was planned with (defaults filled in)")
+    fusion: dict[str, Any] | None = Field(None, description="what a dense2moe conversion with these parameters fuses: the engine's "
+                                                            "choose_fusion (l*, n*, S_L, S_M, distance, rank, ranked candidates)")
+    removed_layers: list[int] | None = Field(None, description="the blocks that fusion prunes, l*+1 … l*+n*")
+    fusion_error: str | None = Field(None, description="why a conversion with these parameters would be refused (then no fusion)")
 
 
 class MethodPreview(BaseModel):

@@ -178,8 +178,9 @@ class ApiClient:
     def task_similarity(self, profile_id: str, layer: int | None = None) -> dict[str, Any]:
         return self.get(f"/profiles/{profile_id}/charts/task-similarity", layer=layer)
 
-    def layer_similarity(self, profile_id: str, delta: float | None = None) -> dict[str, Any]:
-        return self.get(f"/profiles/{profile_id}/charts/layer-similarity", delta=delta)
+    def layer_similarity(self, profile_id: str, **dense2moe: Any) -> dict[str, Any]:
+        """S_L, S_M and the fusion a dense2moe conversion with these parameters (delta, n_fused, layer, …) would pick."""
+        return self.get(f"/profiles/{profile_id}/charts/layer-similarity", **dense2moe)
 
     def allocation_preview(self, profile_id: str, **params: Any) -> dict[str, Any]:
         return self.get(f"/profiles/{profile_id}/allocation-preview", **params)

@@ -134,15 +134,31 @@ def task_similarity(
     return TaskSimilarity(profile_id=profile_id, layer=layer, **out)
 
 
+#: Dense2MoE's parameters as query parameters: the model generated from its dataclass (one δ everywhere).
+Dense2MoEQuery = Annotated[METHOD_PARAMS["dense2moe"], Query()]
+
+
 @router.get("/profiles/{profile_id}/charts/layer-similarity", response_model=LayerSimilarity, tags=["profiles"],
-            summary="Layer × layer similarity of outputs (S_L) and MLP inputs (S_M), Dense2MoE Eqs. 4–5")
-def layer_similarity(
-    profile_id: str, session: SessionDep, store: StoreDep,
-    delta: Annotated[float | None, Query(ge=-1, le=1, description="D2 threshold δ: list layers this similar to the previous one")] = None,
-) -> LayerSimilarity:
-    profile = stored_profile(session, store, profile_id)
-    out = charts.layer_similarity(profile.similarity("outputs"), profile.similarity("mlp_inputs"), delta)
-    return LayerSimilarity(profile_id=profile_id, **out)
+            summary="Layer × layer similarity of outputs (S_L) and MLP inputs (S_M), Dense2MoE Eqs. 4–5, with the fusion a "
+                    "dense2moe conversion would pick")
+def layer_similarity(profile_id: str, query: Dense2MoEQuery, session: SessionDep, store: StoreDep) -> LayerSimilarity:
+    """Query parameters: Dense2MoE's (``delta``, ``n_fused``, ``layer``, ``max_fused``, …; absent ones take their
+    default). ``fusion`` is the engine's own plan for them (``methods.dense2moe.preview`` → ``choose_fusion``), so the
+    page outlines exactly what a conversion fuses; ``fusion_error`` is the conversion's refusal otherwise."""
+    return layer_similarity_payload(profile_id, stored_profile(session, store, profile_id), query)
+
+
+def layer_similarity_payload(profile_id: str, profile: Any, query: Any) -> LayerSimilarity:
+    """The layer-similarity answer for an opened profile and parsed Dense2MoE parameters."""
+    method = REGISTRY["dense2moe"]
+    params = method.params(**query.model_dump())
+    fusion, error = None, None
+    try:
+        fusion = method.preview(profile, params)["fusion"]
+    except ConversionError as exc:
+        error = f"dense2moe: {exc}"
+    out = charts.layer_similarity(profile.similarity("outputs"), profile.similarity("mlp_inputs"), jsonable(fusion))
+    return LayerSimilarity(profile_id=profile_id, delta=params.delta, params=params.to_dict(), fusion_error=error, **out)
 
 
 def _preview(profile_id: str, method_name: str, query: dict[str, str], session, store) -> MethodPreview:

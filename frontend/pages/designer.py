@@ -157,8 +157,9 @@ def _preview(profile, method, values, ids, methods):
     s = preview["summary"]
     if preview.get("fusion"):
         f = preview["fusion"]
+        test = f"< δ {f['delta']:g}" if f.get("rank") is not None else "(l*, n* given: no δ test)"
         text = (f"fuse layers {s['removed_layers']} into layer {s['fused_layer']} (S_L {f['s_layer']:.3f}, MLP-input distance "
-                f"{1 - f['s_mlp']:.3f} < δ {f['delta']:g}): {s['layers_before']} → {s['layers_after']} layers, "
+                f"{1 - f['s_mlp']:.3f} {test}): {s['layers_before']} → {s['layers_after']} layers, "
                 f"{s['n_experts']} experts, top-{s['top_k']}.")
         return F.message_figure(text), {"kind": "fusion", "data": preview, "filename": "fusion"}, text, error_box(None), search
     text = [f"active {s['active_fraction']:.1%} of FFN neurons (sparsity {s['sparsity']:.1%}), mean α {s['mean_alpha']:.2f}."]

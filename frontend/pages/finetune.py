@@ -31,8 +31,9 @@ MODES: dict[str, str] = {
             "by γ per step toward equal load (AF Eq. 9); no auxiliary loss, λ unused.",
     "midas": "MIDAS: trains the gating network G and LoRA adapters on attention and the low-rank experts (MI App. A.1, Alg. 1); "
              "adds λ·L_LB (EW Eq. 12) when λ > 0.",
-    "dense2moe": "Dense2MoE: trains only the fused layers' softmax routers g = softmax(h W_g) (D2 §2.1, §3); adds λ·L_LB "
-                 "(EW Eq. 12) when λ > 0; no LoRA.",
+    "dense2moe": "Dense2MoE: trains only the fused layers' softmax routers (D2 §2.1, §3): the unweighted sum becomes the gate "
+                 "1 + softmax(h W_g)_i·u_i with u = 0 (same model at the start), and W_g and u learn; adds λ·L_LB "
+                 "(EW Eq. 12) when λ > 0; no LoRA, γ unused.",
 }
 
 #: (field, label, default, min, max, step); defaults are the API's (tests/frontend/test_finetune_figures.py)

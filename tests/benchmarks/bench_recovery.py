@@ -11,7 +11,8 @@ the same windows; steps, tokens, seconds, peak RSS. Conversions:
 
 * cmoe: CMoE 24·24·64 (25% sparsity, representative router; as bench_quality.py);
 * expertweaver: paper defaults (α 0.2–0.7, τ 0.6, 64 experts, 25% sparsity, centroid router);
-* dense2moe: paper defaults (δ 0.1, fusion chosen from S_L / S_M, N = M = 1, top-2);
+* dense2moe: the defaults (D2 §4.2: n* = 5 pruned blocks, N = M = 1 so 6 experts, top-1; δ 0.3;
+  results recorded before these defaults (n* = 1, top-2, whose router got no gradient) are stale);
 * midas: one expert per built-in set (code, prose, literature, chat), keep ratio 0.25, top-2.
 
 Writes tests/benchmarks/results/bench_recovery.json (a finished mode is not re-run unless

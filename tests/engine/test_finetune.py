@@ -232,9 +232,12 @@ def test_mode_parameter_selection(convs):
     assert setup.changes_function
 
     moe = load_conversion_for_training(convs["dense2moe"], CPU)
+    ref = logits(moe)
     setup = apply_mode(moe, quick("dense2moe", "builtin:mixed"), x)
     assert setup.model is moe, "dense2moe trains routers only: no adapters"
-    assert trainable(moe) == {f"model.model.layers.{i}.mlp.router_weight" for i in setup.modules}
+    assert trainable(moe) == {f"model.model.layers.{i}.mlp.{n}" for i in setup.modules for n in ("router_weight", "router_scale")}
+    assert {m.combine for m in setup.modules.values()} == {"scaled"} and not setup.buffers, "b stays 0: D2 has no bias"
+    torch.testing.assert_close(logits(moe), ref, rtol=0, atol=1e-5)  # the switch keeps the training-free function
 
     moe = load_conversion_for_training(convs["midas"], CPU)
     ref = logits(moe)
@@ -251,6 +254,25 @@ def test_mode_parameter_selection(convs):
         apply_mode(load_conversion_for_training(convs["cmoe"], CPU), quick("midas", "builtin:mixed"), x)
     with pytest.raises(FinetuneError, match="kind 'moe'"):
         apply_mode(load_conversion_for_training(convs["midas"], CPU), quick("cmoe", "builtin:mixed"), x)
+
+
+def test_dense2moe_refuses_to_train_nothing_and_counts_what_trains(convs, monkeypatch):
+    """Without the scaled-combine switch a 'sum' router only ranks: with λ = 0 no gradient reaches
+    anything, and the run is refused; with λ > 0 only Eq. 12 reaches W_g, and only W_g is counted."""
+    import dataclasses
+
+    from workers.engine.methods import REGISTRY
+
+    method = REGISTRY["dense2moe"]
+    monkeypatch.setitem(REGISTRY, "dense2moe", dataclasses.replace(
+        method, recovery=dataclasses.replace(method.recovery, prepare=None, router_params=None)))
+    x = IDS[:, :8]
+    with pytest.raises(FinetuneError, match=r"no trainable parameter receives a gradient.*combine 'sum', top-1 of 3 experts"):
+        apply_mode(load_conversion_for_training(convs["dense2moe"], CPU), quick("dense2moe", "builtin:mixed", lb_coef=0.0), x)
+    moe = load_conversion_for_training(convs["dense2moe"], CPU)
+    setup = apply_mode(moe, quick("dense2moe", "builtin:mixed", lb_coef=0.01), x)
+    assert [n for n, _ in setup.trainable().items()] == ["model.model.layers.0.mlp.router_weight"]
+    assert setup.notes.get("no_gradient") is None
 
 
 def test_lb_loss_reaches_the_router(convs):
@@ -358,13 +380,18 @@ def test_expertweaver_and_dense2moe_runs(convs, text, data_dir, tmp_path_factory
     reloaded = load_exported(root / "ew" / "model")
     assert {(m.router, m.combine) for m in reloaded.moe_modules().values()} == {("softmax", "weighted")}
 
-    d2 = run_finetune(convs["dense2moe"], quick("dense2moe", text, steps=3), root / "d2", data_dir=data_dir, device="cpu")
+    d2 = run_finetune(convs["dense2moe"], quick("dense2moe", text, steps=3, lb_coef=0.0), root / "d2", data_dir=data_dir,
+                      device="cpu")
     before = load_exported(convs["dense2moe"]).moe_modules()
     after = load_exported(root / "d2" / "model").moe_modules()
     (i, m0), = before.items()
-    assert not torch.equal(after[i].router_weight, m0.router_weight), "the router was trained"
-    assert torch.equal(after[i].experts_gate, m0.experts_gate), "…and nothing else"
-    assert d2["trainable_params"] == {"routers": m0.router_weight.numel()}
+    assert m0.combine == "sum" and after[i].combine == "scaled"
+    assert after[i].router_scale.abs().sum() > 0, "the LM loss alone (λ = 0) trained the gate scale u…"
+    assert not torch.equal(after[i].router_weight, m0.router_weight), "…and, through u, the router"
+    assert torch.equal(after[i].experts_gate, m0.experts_gate) and torch.equal(after[i].experts_down, m0.experts_down)
+    assert not after[i].router_bias.any(), "…and nothing else"
+    assert d2["trainable_params"] == {"routers": m0.router_weight.numel() + m0.n_routed}
+    assert d2["perplexity_start"] == d2["perplexity_before"]
 
     mi = run_finetune(convs["midas"], quick("midas", text, steps=3, lb_coef=0.01), root / "mi", data_dir=data_dir, device="cpu")
     log = read_train_log(root / "mi")

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import json
 
+import httpx
+import numpy as np
 import pytest
+
+from workers.engine.methods.dense2moe import choose_fusion
 
 from .conftest import ARTIFACTS, wait_job
 
@@ -62,9 +66,24 @@ def test_pages_render_figures(page, live, profile_id):
     shot(page, "neurons")
     no_errors(page)
 
-    page.goto(f"{ui}/layers?profile={profile_id}&delta=0.5")
+    # the tiny model has 3 layers: n* = 0 lets §2.3 choose it; the outline must be the engine's choice
+    page.goto(f"{ui}/layers?profile={profile_id}&delta=0.5&n_fused=0")
     wait_figures(page, "ls-sl", "ls-sm")
+    page.wait_for_selector("#ls-summary >> text=A Dense2MoE conversion")
+    sim = httpx.get(f"{live['api']}/profiles/{profile_id}/charts/layer-similarity", params={"n_fused": 0}).json()
+    expected = choose_fusion(np.array(sim["S_L"], dtype=float), np.array(sim["S_M"], dtype=float), 0.5, 8)
+    lo, hi = expected.layer, expected.layer + expected.n_fused
+    shapes = page.evaluate("""() => document.querySelector('#ls-sl .js-plotly-plot').layout.shapes
+                                    .map(s => [s.name, s.x0, s.x1, s.y0, s.y1])""")
+    assert ["fusion", lo - 0.5, hi + 0.5, lo - 0.5, hi + 0.5] in shapes
+    assert f"(l* = {lo}, n* = {hi - lo};" in page.inner_text("#ls-summary")
+    href = page.get_attribute("#ls-designer", "href")
+    assert href == f"/designer?profile={profile_id}&method=dense2moe&delta=0.5&n_fused=0"
     shot(page, "layers")
+    no_errors(page)
+    page.click("#ls-designer")  # the designer opens on Dense2MoE with the same parameters and previews the same fusion
+    page.wait_for_selector(f"#cd-summary >> text=fuse layers {list(range(lo + 1, hi + 1))} into layer {lo}")
+    assert page.locator("#cd-method input[value=dense2moe]").is_checked()
     no_errors(page)
 
     page.goto(f"{ui}/calibration")

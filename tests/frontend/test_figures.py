@@ -18,7 +18,10 @@ TILES = {"layer": 1, "values": [[1.0, -1.0, 0.5], [0.0, 2.0, None]], "rows": ["c
          "column_first_neuron": [4, 0, 2], "aggregated": True, "note": "each column is the mean of 2 consecutive neurons"}
 SIM = {"labels": ["a", "b"], "matrix": [[1.0, 0.2], [0.2, 1.0]], "centered": True, "metric": "cosine", "note": "full resolution"}
 LAYERS = {"layers": [0, 1, 2, 3], "S_L": np.eye(4).tolist(), "S_M": np.eye(4).tolist(), "adjacent_S_L": [0.9, 0.5, 0.95],
-          "adjacent_S_M": [0.9, 0.5, 0.95], "delta": 0.9, "redundant": [1, 3]}
+          "adjacent_S_M": [0.9, 0.5, 0.95], "delta": 0.3, "params": {"delta": 0.3, "n_fused": 2},
+          "fusion": {"layer": 1, "n_fused": 2, "s_layer": 0.91, "s_mlp": 0.8, "delta": 0.3, "rank": 0, "n_candidates": 2,
+                     "candidates": []},
+          "removed_layers": [2, 3], "fusion_error": None}
 PREVIEW = {"params": {}, "summary": {"active_fraction": 0.75, "clamped_layers": [1], "static_layers": []},
            "layers": [{"layer": i, "d_ffn": 96, "r": r, "alpha": 0.3, "d_expert": 12, "n_shared": 2, "d_shared": 24,
                        "n_routed": 6, "top_k": 4, "active_neurons": 72, "active_fraction": 0.75, "static": False,
@@ -59,12 +62,21 @@ def test_activation_heatmap_says_it_is_aggregated_and_profiles_a_column():
     assert list(prof.data[0].y) == [-1.0, 2.0] and "neurons from 0" in prof.layout.title.text
 
 
-def test_similarity_heatmaps_and_delta_outline():
+def test_similarity_heatmaps_outline_the_apis_fusion():
     _json_ok(F.task_similarity(SIM))
     fig = F.layer_similarity(LAYERS, "S_L")
     _json_ok(fig)
-    assert len(fig.layout.shapes) == 2 and "[1, 3]" in fig.layout.title.text
-    assert len(F.layer_similarity({**LAYERS, "delta": None, "redundant": None}, "S_M").layout.shapes) == 0
+    block, pair = fig.layout.shapes
+    assert (block.name, block.x0, block.x1, block.y0, block.y1) == ("fusion", 0.5, 3.5, 0.5, 3.5)  # blocks l* = 1 … l* + n* = 3
+    assert (pair.name, pair.x0, pair.x1, pair.y0, pair.y1) == ("fusion-pair", 2.5, 3.5, 0.5, 1.5)  # the compared cell [1, 3]
+    assert F.fusion_outline(LAYERS) == (1, 3)
+    title = fig.layout.title.text
+    assert "l* = 1, n* = 2 (blocks 2–3 pruned)" in title and "S_L[1, 3] = 0.9100" in title and "0.2000 < δ = 0.3" in title
+    assert "S_M[1, 3] = 0.8000" in F.layer_similarity(LAYERS, "S_M").layout.title.text
+    given = F.layer_similarity({**LAYERS, "fusion": {**LAYERS["fusion"], "rank": None}}, "S_L")
+    assert "no δ test" in given.layout.title.text
+    refused = F.layer_similarity({**LAYERS, "fusion": None, "removed_layers": None, "fusion_error": "dense2moe: no pair"}, "S_M")
+    assert len(refused.layout.shapes) == 0 and "refused" in refused.layout.title.text
 
 
 STATS = {"layer": 0, "rate_edges": [0.0, 0.25, 0.5], "rate_counts": [3, 1], "rate_mean": 0.2, "n_neurons": 4,

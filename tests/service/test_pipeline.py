@@ -10,6 +10,8 @@ import zipfile
 import numpy as np
 import pytest
 
+from workers.engine.methods.dense2moe import choose_fusion
+
 from .helpers import jsonl, succeeded, wait_job
 
 
@@ -85,9 +87,17 @@ def test_profile_charts(client, profile_id):
     sim = np.array(client.get(f"{base}/charts/task-similarity").json()["matrix"], dtype=float)
     assert sim.shape == (6, 6) and np.allclose(np.diag(sim), 1, atol=1e-4) and np.allclose(sim, sim.T, atol=1e-4)
 
-    layers = client.get(f"{base}/charts/layer-similarity", params={"delta": 0.0}).json()
-    assert np.array(layers["S_L"]).shape == (3, 3) and np.array(layers["S_M"]).shape == (3, 3)
-    assert layers["redundant"] == [1, 2]
+    layers = client.get(f"{base}/charts/layer-similarity", params={"delta": 2.0, "n_fused": 0}).json()
+    s_l, s_m = np.array(layers["S_L"], dtype=float), np.array(layers["S_M"], dtype=float)
+    assert s_l.shape == (3, 3) and s_m.shape == (3, 3)
+    expected = choose_fusion(s_l, s_m, 2.0, 8)  # the engine's choice, with the engine's δ
+    f = layers["fusion"]
+    assert (f["layer"], f["n_fused"], f["rank"]) == (expected.layer, expected.n_fused, expected.rank) and layers["delta"] == 2.0
+    assert layers["removed_layers"] == expected.fused_layers and layers["fusion_error"] is None
+    default = client.get(f"{base}/charts/layer-similarity").json()  # n* = 5 (D2 §4.2) does not fit 3 layers: said in words
+    assert default["fusion"] is None and "use n_fused ≤ 2, or 0" in default["fusion_error"] and default["params"]["n_fused"] == 5
+    for bad in ({"delta": 0.0}, {"delta": 2.5}, {"n_fused": -1}, {"threshold": 0.9}):
+        assert client.get(f"{base}/charts/layer-similarity", params=bad).status_code == 422, bad
 
     plan = client.get(f"{base}/allocation-preview", params={"n_experts": 8, "sparsity": 0.5, "alpha_min": 0.6, "alpha_max": 0.9, "tau": 5}).json()
     assert len(plan["layers"]) == 3 and plan["params"]["n_experts"] == 8

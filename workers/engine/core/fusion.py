@@ -83,7 +83,9 @@ def remove_decoder_layers(model: nn.Module, drop: Sequence[int]) -> list[int]:
 @torch.no_grad()
 def fused_ffn(adapter: ModelAdapter, layer: int, n_fused: int, params: Any) -> MoeFFN:
     """D2 Eq. 6's MoE for block ``layer``: experts = N copies of MLP^(l*) then M copies of each
-    MLP^(l*+k), k = 1 … n*; no shared expert; softmax router (D2 §2.1), seeded N(0, σ²) init."""
+    MLP^(l*+k), k = 1 … n*; no shared expert; softmax router (D2 §2.1), seeded N(0, σ²) init.
+    With copies (N or M > 1) the spec's ``expert_groups`` (= source layers) makes the runtime
+    select at most one copy of an MLP per token."""
     sources = [layer] * params.own_copies + [
         layer + k for k in range(1, n_fused + 1) for _ in range(params.fused_copies)
     ]
@@ -95,6 +97,8 @@ def fused_ffn(adapter: ModelAdapter, layer: int, n_fused: int, params: Any) -> M
         "n_routed": len(sources), "expert_size": d_ffn, "top_k": params.top_k, "router": "softmax",
         "combine": params.combine, "method": "dense2moe", "expert_source_layers": sources,
     }
+    if len(set(sources)) < len(sources):
+        spec["expert_groups"] = sources
     with torch.device("meta"):
         mod = MoeFFN(spec)
     mod.to_empty(device=dev)

@@ -46,8 +46,9 @@ class Recovery:
 
     ``layer_kind``: the runtime layers it trains; ``lora``: LoRA adapters on the experts and the
     rest of the block, ``required``, ``optional`` (rank 0 trains the routers only) or ``off``; ``load_balance``: the λ of EW Eq. 12 applies; ``router_params``: the router
-    parameters that train (None: every one); ``prepare(moe, modules, batch)`` makes the layers
-    trainable in place and returns ``(modules, notes, structure_changed)``.
+    parameters that train (None: every one); ``balance_bias``: the CM §3.3 bias b of ``scaled``
+    layers follows the expert loads after each step (False: b stays 0); ``prepare(moe, modules,
+    batch)`` makes the layers trainable in place and returns ``(modules, notes, structure_changed)``.
     """
 
     paper: str
@@ -55,6 +56,7 @@ class Recovery:
     lora: Literal["required", "optional", "off"] = "required"
     load_balance: bool = True
     router_params: tuple[str, ...] | None = None
+    balance_bias: bool = True
     prepare: Callable[..., tuple[dict[int, Any], dict[str, Any], bool]] | None = None
 
 

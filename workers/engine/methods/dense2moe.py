@@ -3,12 +3,17 @@
 The path of data, as in the paper:
 
 1. ``choose_fusion`` (D2 §2.3) reads the profile's S_L (decoder-layer outputs, D2 Eq. 4) and
-   S_M (MLP inputs, D2 Eq. 5), ranks every pair (l, l+n) by S_L descending and takes the first
+   S_M (MLP inputs, D2 Eq. 5), ranks the pairs (l, l+n) by S_L descending and takes the first
    whose MLP inputs are close enough: ``1 − S_M[l, l+n] < δ``.
 2. ``fuse_model`` applies D2 Eq. 6: blocks l*+1 … l*+n* are removed (attention and norms
    dropped), and block l*'s MLP becomes a ``MoeFFN`` whose experts are N copies of MLP^(l*)
    followed by M copies of each MLP^(l*+k), k = 1 … n*, every one of them applied to the MLP
    input of block l*; a trainable softmax router (D2 §2.1) picks ``top_k`` experts per token.
+
+Defaults: the paper's configuration (D2 §4.2, Qwen2.5-0.5B): "a total of N=6 experts and pruning
+the top-5 redundant layers" under "the top-1 gating setting", i.e. ``n_fused`` = n* = 5,
+N = M = 1 (1 + 5·1 = 6 experts, Eq. 6), ``top_k`` = 1. What the paper does not give is δ; ours
+is 0.3, chosen so that the default model admits the paper's n* (see **δ and n*** below).
 
 Choices where the paper is loose (each one is tested in tests/engine/test_dense2moe.py):
 
@@ -16,12 +21,35 @@ Choices where the paper is loose (each one is tested in tests/engine/test_dense2
   (a *similarity* below a threshold would select dissimilar inputs); §2.2 speaks of the
   *distance* d(h^l, h^(l+n)). We use the cosine distance ``1 − S_M[l*, l*+n*] < δ`` (strict),
   on the end pair only as the paper does; the record also lists S_M of every fused layer.
+  This is the one meaning of δ everywhere: the parameter, the API (generated from it), the
+  preview and the layer-similarity page (which asks the engine's ``choose_fusion``).
+* **δ and n*.** §2.3 searches l* and n* together, but S_L falls as the span grows (on SmolLM2-
+  135M, 48 × 128 tokens of builtin:mixed: best S_L 0.97 for n = 1, 0.90 for n = 5), so the
+  ranking always puts a one-block pair first: with δ = 0.1 it fused one block into two experts.
+  §4 treats the number of pruned layers as the setting ("we pruned the top-k redundant layers,
+  k = 1, 3, 5, …"; n* = 5 chosen in §4.2): ``n_fused`` fixes n* and the §2.3 search picks l*
+  among the n*-block spans, S_L descending, δ screening their MLP inputs. δ must therefore
+  exceed the MLP-input distance across n* blocks, which grows with n*: on that profile the
+  5-block spans have distances 0.244 … 0.58 (no span of ≥ 2 blocks is below 0.1), so δ = 0.3
+  admits the best-S_L 5-block span (l* = 13, distance 0.273). ``n_fused = 0`` restores the
+  joint §2.3 search over n ≤ ``max_fused`` (where δ alone decides n*).
+* **Sparsity.** The fused layer has 1 + n* distinct MLPs. ``top_k`` ≥ 1 + n* would run every one
+  of them on every token: no routing, no sparsity (Eq. 6's full sum; only the removed
+  attentions are saved). Such a conversion is refused with a ConversionError saying what to
+  change (lower ``top_k``, fuse more blocks); so are ``n_fused`` larger than the model allows
+  and a chosen n* that leaves no routing.
 * **Indices.** ``S_L[l, l+n]`` compares the outputs of blocks l and l+n, i.e. the residual
   stream before and after blocks l+1 … l+n: exactly the blocks Eq. 6 removes. Pairs run over
-  l + n ≤ L − 1 (the paper's lists): the last block may be fused, never anything beyond it;
-  ``n ≤ max_fused``. Ties in S_L go to the smaller n, then the smaller l.
+  l + n ≤ L − 1 (the paper's lists): the last block may be fused, never anything beyond it.
+  Ties in S_L go to the smaller n, then the smaller l.
 * **Experts.** §2.3's prose says "the MLPs from layer l* to l*+n*" are replicated M times, but
   Eq. 6 sums k = 1 … n*: we follow Eq. 6 (N copies of MLP^(l*), M of each removed block's MLP).
+* **Copies.** With N > 1 or M > 1 the copies are identical tensors (D2 trains them apart; this
+  project's recovery trains the router only). Two copies of one MLP selected for one token
+  would add that MLP twice, so the layer's spec carries ``expert_groups`` (each expert's source
+  block) and the runtime selects at most one expert per group per token: the best-scoring copy
+  (router rows are distinct random draws), then the top_k best groups. With top_k = 1 this is
+  the plain top-1. Copies thus act as extra router rows for the same MLP (piecewise regions).
 * **Norms.** In a pre-norm block the MLP receives ``RMSNorm_l(h^l)``. The fused experts receive
   block l*'s normalised input, not their own norm's: S_M is measured on these post-norm tensors
   (profiling.py), so the δ condition is exactly "MLP^(l*+k)'s input is approximated by what it
@@ -29,16 +57,22 @@ Choices where the paper is loose (each one is tested in tests/engine/test_dense2
   ``post_feedforward_layernorm``) are refused: one output norm of block l* would then rescale
   the sum of every expert, which Eq. 6 does not describe.
 * **Combine.** Default ``"sum"``: the selected experts are added unweighted, i.e. Eq. 6 with
-  α = β = 1, the only weighting that keeps the dense function at initialisation (with ``top_k``
-  = all experts it reproduces the dense model minus the removed attentions exactly), and the
-  project's training-free convention (EW Eq. 10). On SmolLM2-135M (l*=24, held-out mixed text)
-  it gave perplexity 9.29 vs 9.77 for "weighted" (n*=1, k=2) and 21.9 vs 40.5 (n*=3, k=2).
-  ``"weighted"`` is D2 §2.1 literally, ``Σ_{i∈K} g_i(h) MLP^(i)(h)`` with ``g = softmax(h W_g)``
-  over *all* experts; ``"normalized"`` renormalises over the top-k (Mixtral). Choose one of
-  these two to fine-tune (D2 §3): with ``"sum"`` the router only ranks and gets no gradient.
+  α = β = 1, the only weighting that keeps the dense function at initialisation (with every
+  expert it reproduces the dense model minus the removed attentions exactly), and the
+  project's training-free convention (EW Eq. 10). ``"weighted"`` is D2 §2.1 literally,
+  ``Σ_{i∈K} g_i(h) MLP^(i)(h)`` with ``g = softmax(h W_g)`` over *all* experts; ``"normalized"``
+  renormalises over the top-k (Mixtral; identically 1 at top-1).
 * **Router init.** ``W_g ~ N(0, initializer_range²)`` (the model config's, else 0.02), from a
   generator seeded with ``seed``: what a freshly initialised MoE router gets; it is meant to be
-  trained (D2 §3 fine-tunes). Random rows also separate the N identical copies of MLP^(l*).
+  trained (D2 §3 fine-tunes).
+* **Fine-tuning** (``prepare_recovery``, mode ``dense2moe`` of training.finetune). Under ``sum``
+  the router only ranks: no gradient reaches it from the LM loss. Before training, every ``sum``
+  layer (and ``normalized`` at top-1, whose weight is identically 1) switches to the ``scaled``
+  combine of CM §3.3, ``g_i = 1 + softmax(h W_g)_i · u_i`` with the gate scale u = 0: the
+  selections and outputs are exactly those of the training-free model (logits equal), u gets
+  a gradient from the first step and W_g through u from the second (and from EW Eq. 12 when
+  λ > 0). W_g and u train at ``router_lr``; the CM balancing bias b stays 0 (D2 has none).
+  A run where no trainable parameter receives a gradient is refused before it starts.
 
 The dense model is modified in place (its blocks are removed, its config says the new layer
 count); the returned ``MoelabForCausalLM`` shares every tensor with it.
@@ -69,27 +103,51 @@ RECORD_CANDIDATES = 20
 
 @dataclass(frozen=True)
 class Dense2MoEParams(MethodParams):
-    """D2 §2.3 hyper-parameters. ``layer``/``n_fused`` (l*, n*): None → chosen from the profile;
-    ``own_copies`` N, ``fused_copies`` M; ``max_fused`` caps n* only when it is chosen."""
+    """D2 §2.3 / §4.2 hyper-parameters. ``layer`` (l*): None → chosen from the profile;
+    ``n_fused`` (n*): 0 → chosen together with l* (§2.3), at most ``max_fused``;
+    ``own_copies`` N, ``fused_copies`` M. Defaults: the paper's 6 experts, top-1, 5 pruned layers."""
 
     method: ClassVar[str] = "dense2moe"
 
-    delta: float = param(0.1, "threshold on the MLP-input distance 1 - S_M[l, l+n]", paper="D2 §2.3", gt=0, le=2)
-    layer: int | None = param(None, "l*, the block the others fuse into; empty: chosen from S_L and S_M", paper="D2 §2.3",
-                              ge=0, aliases=("fuse-layer",))
-    n_fused: int | None = param(None, "n*, blocks after l* fused into it; empty: chosen", paper="D2 §2.3", ge=1,
-                                aliases=("fuse-count",))
-    max_fused: int = param(8, "cap on n* when it is chosen", paper="D2 §2.3", ge=1, advanced=True)
-    own_copies: int = param(1, "N copies of layer l*'s MLP", paper="D2 Eq. 6", ge=1, le=64)
-    fused_copies: int = param(1, "M copies of each fused MLP", paper="D2 Eq. 6", ge=1, le=64)
-    top_k: int = param(2, "experts per token (softmax router)", paper="D2 §2.1", ge=1)
+    delta: float = param(0.3, "δ: a span l → l+n* qualifies when its MLP-input distance 1 − S_M[l, l+n*] < δ "
+                              "(cosine distance, 0 … 2; the paper gives no value, 0.3 admits 5-block spans of the default model)",
+                         paper="D2 §2.3", gt=0, le=2)
+    layer: int | None = param(None, "l*, the block the others fuse into; empty: the best span by S_L that passes δ",
+                              paper="D2 §2.3", ge=0, aliases=("fuse-layer",))
+    n_fused: int = param(5, "n*, blocks after l* pruned into it (5 in D2 §4.2); 0: chosen with l* from S_L and δ",
+                         paper="D2 §4", ge=0, aliases=("fuse-count",))
+    max_fused: int = param(8, "cap on n* when it is chosen (n_fused = 0)", paper="D2 §2.3", ge=1, advanced=True)
+    own_copies: int = param(1, "N copies of layer l*'s MLP (at most one copy runs per token)", paper="D2 Eq. 6", ge=1, le=64)
+    fused_copies: int = param(1, "M copies of each fused MLP (at most one copy runs per token)", paper="D2 Eq. 6", ge=1, le=64)
+    top_k: int = param(1, "experts per token (softmax router; top-1 in D2 §4.2); must be below the 1 + n* distinct MLPs",
+                       paper="D2 §2.1", ge=1)
     combine: Combine = param("sum", "sum: unweighted (keeps the dense function); weighted: softmax gates (D2 §2.1); "
                                     "normalized: gates renormalised over the top-k", paper="D2 §2.1")
     seed: int = param(0, "router initialisation", ge=0, advanced=True)
 
+    @property
+    def fixed_n(self) -> int | None:
+        """n* when given, None when it is chosen (``n_fused`` 0; None in records written before 0 meant it)."""
+        return int(self.n_fused) if self.n_fused else None
+
     def n_experts(self, n_fused: int) -> int:
         """``N + n*·M`` (D2 Eq. 6)."""
         return self.own_copies + n_fused * self.fused_copies
+
+    def routing_problem(self, n_fused: int) -> str | None:
+        """Why a fusion of ``n_fused`` blocks with these parameters would not route (None: it does).
+
+        The fused layer holds 1 + n* distinct MLPs (copies never run twice for one token): with
+        ``top_k`` ≥ 1 + n* every one of them runs on every token."""
+        distinct = 1 + n_fused
+        if self.top_k < distinct:
+            return None
+        return (
+            f"top_k={self.top_k} with n*={n_fused}: the fused layer holds {distinct} distinct MLPs "
+            f"({self.n_experts(n_fused)} experts counting copies, at most one copy of each runs per token), so top-{self.top_k} "
+            f"runs all of them on every token: no routing and no sparsity (only the removed attentions would be saved); "
+            f"use top_k ≤ {n_fused} (D2 §4.2: top-1 of 6 experts, n* = 5) or fuse more blocks (n_fused > {self.top_k - 1})"
+        )
 
     def validate(self, n_layers: int) -> None:
         """Raise ConversionError saying what to change, for a dense model of ``n_layers`` blocks."""
@@ -101,12 +159,15 @@ class Dense2MoEParams(MethodParams):
             raise ConversionError(
                 f"layer={self.layer}: l* must be in [0, {n_layers - 2}] (some block after it must exist to fuse)"
             )
-        if self.n_fused is not None and self.n_fused < 1:
-            raise ConversionError(f"n_fused={self.n_fused}: n* must be at least 1 (or omitted to choose it)")
-        if self.layer is not None and self.n_fused is not None and self.layer + self.n_fused >= n_layers:
+        if self.n_fused is not None and self.n_fused < 0:
+            raise ConversionError(f"n_fused={self.n_fused}: n* must be at least 1 (or 0 to choose it)")
+        n = self.fixed_n
+        room = n_layers - 1 - (self.layer or 0)
+        if n is not None and n > room:
+            where = f"after l* = {self.layer}" if self.layer is not None else "after block 0"
             raise ConversionError(
-                f"layer + n_fused = {self.layer} + {self.n_fused} must be < n_layers = {n_layers}: "
-                f"use n_fused ≤ {n_layers - 1 - self.layer}"
+                f"n_fused={n}: a model of {n_layers} layers has only {room} block(s) {where} to fuse: "
+                f"use n_fused ≤ {room}, or 0 to choose n* from S_L and δ"
             )
         if self.max_fused < 1:
             raise ConversionError(f"max_fused={self.max_fused}: the cap on n* must be at least 1")
@@ -118,15 +179,11 @@ class Dense2MoEParams(MethodParams):
             )
         if self.top_k < 1:
             raise ConversionError(f"top_k={self.top_k}: at least one expert must run per token")
-        # The largest n* possible: top_k must fit the biggest MoE the choice could build.
-        n_max = self.n_fused
-        if n_max is None:
-            n_max = min(self.max_fused, n_layers - 1 - (self.layer or 0))
-        if self.top_k > self.n_experts(n_max):
-            raise ConversionError(
-                f"top_k={self.top_k} exceeds the {self.n_experts(n_max)} experts "
-                f"(N + n*·M = {self.own_copies} + {n_max}·{self.fused_copies}): lower top_k or add copies"
-            )
+        # The largest n* possible: with it, top_k must still leave a choice between the MLPs.
+        n_max = n if n is not None else min(self.max_fused, room)
+        problem = self.routing_problem(n_max)
+        if problem:
+            raise ConversionError(problem)
         if self.combine not in COMBINES:
             raise ConversionError(f"combine={self.combine!r}: use one of {', '.join(COMBINES)}")
         if self.seed < 0:
@@ -184,8 +241,8 @@ def choose_fusion(
     """D2 §2.3: sort the pairs (l, l+n) of S_L by similarity, descending, and take the first
     with MLP-input distance ``1 − S_M[l, l+n] < δ`` (0 ≤ l, 1 ≤ n ≤ max_fused, l + n ≤ L − 1).
 
-    ``layer`` / ``n_fused`` restrict the search to pairs with that l / n; when both are given
-    the pair is used as is (no δ test) and only its similarities are reported.
+    ``layer`` / ``n_fused`` restrict the search to pairs with that l / n (None: any); when both
+    are given the pair is used as is (no δ test) and only its similarities are reported.
     Raises ConversionError naming the δ that would admit the best-ranked pair.
     """
     s_layer, s_mlp = _check_similarity(s_layer, s_mlp)
@@ -226,6 +283,7 @@ def choose_fusion(
             f"(l={best['layer']}, n={best['n_fused']}, S_L={best['s_layer']:.4f}) has MLP-input distance "
             f"{best['distance']:.4f}, so δ > {best['distance']:.4f} would admit it "
             f"(the smallest distance of any pair is {float(dist.min()):.4f})"
+            + (f"; spans of fewer blocks than n_fused={n_fused} have closer MLP inputs" if n_fused is not None and n_fused > 1 else "")
         )
     r = int(ok[0])
     c = candidates[r]
@@ -258,21 +316,16 @@ def fuse_model(
     progress.update("choose fusion", 0, 1)
     if profile is not None:
         check_compatible(adapter, profile)
-        choice = choose_fusion(
-            profile.similarity("outputs"), profile.similarity("mlp_inputs"),
-            params.delta, params.max_fused, params.layer, params.n_fused,
-        )
-    elif params.layer is not None and params.n_fused is not None:
-        choice = FusionChoice(params.layer, params.n_fused, None, None, params.delta)
+        choice = plan_fusion(profile, params)
+    elif params.layer is not None and params.fixed_n is not None:
+        choice = FusionChoice(params.layer, params.fixed_n, None, None, params.delta)
     else:
-        raise ConversionError("dense2moe needs a profile (S_L, S_M) to choose l* and n*, or both layer and n_fused")
+        raise ConversionError("dense2moe needs a profile (S_L, S_M) to choose l*, or both layer and n_fused")
     l, n = choice.layer, choice.n_fused
     E = params.n_experts(n)
-    if params.top_k > E:
-        raise ConversionError(
-            f"top_k={params.top_k} exceeds the {E} experts of the chosen fusion (l*={l}, n*={n}): "
-            f"lower top_k or raise own_copies/fused_copies"
-        )
+    problem = params.routing_problem(n)
+    if problem:
+        raise ConversionError(f"the fusion l*={l}, n*={n}: {problem}")
     check_fusable(adapter, [l, *choice.fused_layers])
     s_mlp_fused = None
     if profile is not None:
@@ -314,8 +367,9 @@ def fuse_model(
         "s_layer": choice.s_layer,
         "s_mlp": choice.s_mlp,
         "distance": None if choice.s_mlp is None else 1.0 - choice.s_mlp,
-        "chosen": params.layer is None or params.n_fused is None,
+        "chosen": params.layer is None or params.fixed_n is None,
         "n_experts": E,
+        "distinct_experts": 1 + n,
         "top_k": params.top_k,
         "combine": params.combine,
         "total_params": counts["total"],
@@ -343,18 +397,47 @@ def build(inputs: ConversionInputs, params: Dense2MoEParams, progress: Progress)
     return moe, adapter.tokenizer, record
 
 
+def plan_fusion(profile: Any, params: Dense2MoEParams) -> FusionChoice:
+    """The (l*, n*) a conversion with ``params`` fuses, from the profile's S_L / S_M (numpy only):
+    ``choose_fusion`` with the parameters' δ, n* (0: chosen), l* and cap. The conversion, the
+    designer's preview and the layer-similarity page all ask this one function."""
+    return choose_fusion(profile.similarity("outputs"), profile.similarity("mlp_inputs"), params.delta,
+                         params.max_fused, params.layer, params.fixed_n)
+
+
 def preview(profile: Any, params: Dense2MoEParams) -> dict[str, Any]:
-    """What a conversion would fuse (D2 §2.3), from the stored S_L / S_M: numpy only."""
-    params.validate(profile.manifest["n_layers"])
-    choice = choose_fusion(profile.similarity("outputs"), profile.similarity("mlp_inputs"), params.delta,
-                           params.max_fused, params.layer, params.n_fused)
+    """What a conversion would fuse (D2 §2.3), from the stored S_L / S_M: numpy only. Raises the
+    ConversionError the conversion would raise (no admitted pair, no routing)."""
     L = profile.manifest["n_layers"]
+    params.validate(L)
+    choice = plan_fusion(profile, params)
+    problem = params.routing_problem(choice.n_fused)
+    if problem:
+        raise ConversionError(f"the fusion l*={choice.layer}, n*={choice.n_fused}: {problem}")
     return {
         "params": params.to_dict(), "fusion": choice.to_dict(),
         "summary": {"layers_before": L, "layers_after": L - choice.n_fused, "fused_layer": choice.layer,
                     "removed_layers": choice.fused_layers, "n_experts": params.n_experts(choice.n_fused),
-                    "top_k": params.top_k},
+                    "distinct_experts": 1 + choice.n_fused, "top_k": params.top_k},
     }
+
+
+def prepare_recovery(moe: Any, modules: dict[int, Any], batch: Any) -> tuple[dict[int, Any], dict[str, Any], bool]:
+    """D2 §3 fine-tunes the router. Layers that combine ``sum`` (or ``normalized`` at top-1, a
+    weight identically 1) switch to the ``scaled`` combine with u = b = 0 (CM §3.3): the same
+    selections and outputs, but the LM loss now reaches u, and W_g through u (module docstring)."""
+    switched, every = [], []
+    for i, mod in modules.items():
+        if mod.combine == "sum" or (mod.combine == "normalized" and mod.top_k == 1):
+            mod.combine = "sum"  # normalized at top-1 computes exactly the sum
+            mod.use_scaled_combine()
+            switched.append(i)
+        if mod.top_k >= mod.n_routed:
+            every.append(i)
+    notes: dict[str, Any] = {"scaled_combine_layers": switched}
+    if every:
+        notes["every_expert_layers"] = every  # no routing there: u and W_g learn per-token weights 1 + s'·u
+    return modules, notes, False
 
 
 METHOD = Method(
@@ -367,5 +450,6 @@ METHOD = Method(
     build=build,
     validate=validate,
     preview=preview,
-    recovery=Recovery(paper="D2 §3: the router trains", lora="off"),
+    recovery=Recovery(paper="D2 §3: the router trains (scaled gate 1 + s′·u, u = 0 at start)", lora="off",
+                      balance_bias=False, prepare=prepare_recovery),
 )

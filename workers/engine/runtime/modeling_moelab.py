@@ -41,7 +41,10 @@ the parameter ``router_scale``, ``b`` the load-balancing buffer ``router_bias``,
 after ``use_scaled_combine()``, which leaves the output of a ``sum`` module unchanged).
 Optional ``dispatch``: ``auto``
 (default), ``loop`` (one matmul chain per expert on its gathered tokens) or ``padded``
-(capacity-padded batched matmul).
+(capacity-padded batched matmul). Optional ``expert_groups`` (one int per routed expert):
+experts of one group are copies of one another (Dense2MoE's N copies of a block's MLP); a
+token selects at most one expert per group, the best-scoring (ties: the lower index), so
+two copies never add up for one token; ``top_k`` must not exceed the number of groups.
 Any other keys are kept and written back by ``MoeFFN.spec``.
 
 AbsTopK layer: ``{"kind": "abstopk", "d_model", "d_ffn", "act", "k"}``. Dense layer:
@@ -136,6 +139,7 @@ class MoeFFN(nn.Module):
         if E > 0 and m == 0:
             raise ValueError("expert_size must be positive when there are routed experts")
         self._extra = {k: v for k, v in spec.items() if k not in _MOE_KEYS}
+        self._groups = _expert_groups(spec.get("expert_groups"), E, self.top_k)
         self.act_fn = ACT2FN[self.act]
         if self.d_shared > 0:
             self.shared_gate = nn.Linear(d, self.d_shared, bias=False)
@@ -329,6 +333,8 @@ class MoeFFN(nn.Module):
             # CM §3.3: TopK(softmax(s) + b). In float64, because a float32 softmax of widely
             # spread scores underflows to ties at 0, and with b = 0 the selection must be TopK(s).
             key = torch.softmax(scores.detach().double(), dim=-1) + self.router_bias.double()
+        if self._groups is not None and k > 1:  # top-1 is the best of its group anyway
+            key = _one_per_group(key.detach(), self._groups.to(key.device))
         top = torch.topk(key, k, dim=-1, sorted=False).indices  # [T, k]
         self._record(top, lead)
         y = self._dispatch(xt, y, scores, top, act_gate)
@@ -428,6 +434,33 @@ class MoeFFN(nn.Module):
 
 _MOE_KEYS = {"kind", "d_model", "act", "d_shared", "n_routed", "n_experts", "expert_size", "top_k", "router", "combine",
              "dispatch"}
+
+
+def _expert_groups(groups: Any, E: int, k: int) -> torch.Tensor | None:
+    """``expert_groups`` as group ids 0 … G-1 (None when absent or when no two experts share a group)."""
+    if groups is None or E == 0:
+        return None
+    if len(groups) != E:
+        raise ValueError(f"expert_groups has {len(groups)} entries for {E} routed experts")
+    _, ids = torch.unique(torch.tensor([int(g) for g in groups], dtype=torch.long, device="cpu"), return_inverse=True)
+    n = int(ids.max()) + 1 if E else 0
+    if n == E:
+        return None
+    if k > n:
+        raise ValueError(f"top_k={k} exceeds the {n} expert groups (at most one expert of a group runs per token)")
+    return ids
+
+
+def _one_per_group(key: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """``key`` [T, E] with every expert except the best of its group (ties: the lower index) at -inf."""
+    T, E = key.shape
+    G = int(groups.max()) + 1
+    idx = groups.expand(T, E)
+    best = key.new_full((T, G), float("-inf")).scatter_reduce(1, idx, key, "amax")
+    arange = torch.arange(E, device=key.device).expand(T, E)
+    cand = torch.where(key == best.gather(1, idx), arange, E)
+    first = torch.full((T, G), E, dtype=torch.long, device=key.device).scatter_reduce(1, idx, cand, "amin")
+    return key.masked_fill(first.gather(1, idx) != arange, float("-inf"))
 
 
 def _check_router(w: torch.Tensor, E: int, d: int, name: str) -> torch.Tensor:

@@ -25,7 +25,16 @@ Every method's paper follows its conversion with training; each ``mode`` here fo
 ``dense2moe`` (D2 §2.1, §3)
     The fused ``MoeFFN`` layers' softmax routers (``router_weight``) at ``router_lr``, nothing
     else, with Eq. 12 when ``lb_coef`` > 0. D2 fine-tunes the whole model on 180B tokens; the
-    randomly initialised router is the part that cannot work without training.
+    randomly initialised router is the part that cannot work without training. Under the
+    training-free ``sum`` combine the router only ranks, so the layers first switch to the
+    ``scaled`` combine with u = 0 (``g_i = 1 + s'_i·u_i``, exactly the sum model: same logits);
+    the gate scale u trains too (router_lr) and carries the LM loss's gradient to W_g; the
+    CM bias b stays 0 (``methods.dense2moe`` docstring).
+
+Every mode: after ``prepare``, one forward/backward on a slice of the first batch checks which
+trainable parameters the loss reaches (autograd gives them a gradient, λ·L_LB included); the
+others are frozen and left out of ``trainable_params``, and a run that reaches none is refused
+(``FinetuneError``) instead of spending its steps training nothing.
 
 Choices where the papers leave room (each tested in tests/engine/test_finetune.py):
 
@@ -124,7 +133,7 @@ class FinetuneParams:
     batch_size: int = 4
     seq_len: int = 256
     lr: float = 5e-4  # LoRA (and expert) parameters
-    router_lr: float = 1e-3  # u (cmoe), router weights (expertweaver, midas, dense2moe)
+    router_lr: float = 1e-3  # u (cmoe), router weights (expertweaver, midas), router weights and u (dense2moe)
     lora_rank: int = 8
     lora_alpha: float = 32.0
     lb_coef: float = 0.01  # λ of EW Eq. 12; not used by cmoe (bias balancing instead)
@@ -481,10 +490,73 @@ def apply_mode(moe: MoelabForCausalLM, params: FinetuneParams, batch: torch.Tens
         raise FinetuneError(f"mode {params.mode!r}: the routed layers have no trainable router parameters")
     for _, p in groups["routers"]:
         p.requires_grad_(True)
-    names = {id(b): n for n, b in model.named_buffers()}
-    buffers = {names[id(m.router_bias)]: m.router_bias for m in modules.values()
-               if getattr(m, "router_bias", None) is not None}
+    groups = _keep_reached(model, modules, groups, batch, params, notes)
+    buffers = {}
+    if recovery.balance_bias:
+        names = {id(b): n for n, b in model.named_buffers()}
+        buffers = {names[id(m.router_bias)]: m.router_bias for m in modules.values()
+                   if getattr(m, "router_bias", None) is not None}
     return TrainSetup(model, moe, modules, groups, buffers, changes, notes)
+
+
+#: Tokens of the first batch that the gradient check runs on (one sequence).
+_PROBE_TOKENS = 32
+
+
+def reached_parameters(model: nn.Module, modules: dict[int, nn.Module], params: list[nn.Parameter], batch: torch.Tensor,
+                       lb: float) -> set[int]:
+    """ids of the ``params`` that the training loss (NTP + ``lb``·L_LB) reaches, i.e. that autograd
+    gives a gradient, on the first ``_PROBE_TOKENS`` tokens of ``batch``'s first sequence.
+
+    Reaching is structural: a LoRA A matrix (B = 0) or a router behind a zero gate scale u gets
+    an all-zero gradient at the start and is still reached; a router that only ranks experts
+    (``sum`` combine) or a layer that runs every expert is not."""
+    x = batch[:1, :_PROBE_TOKENS]
+    was_training = model.training
+    model.eval()
+    tap = RoutingTap(modules, with_lb=lb > 0)
+    try:
+        with torch.enable_grad():
+            loss = model(input_ids=x, labels=x, use_cache=False).loss
+            aux = tap.aux_loss()
+            if aux is not None and lb > 0:
+                loss = loss + lb * aux
+            if not loss.requires_grad:  # no trainable parameter is on the loss's path at all
+                return set()
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+    finally:
+        tap.close()
+        model.train(was_training)
+    return {id(p) for p, g in zip(params, grads) if g is not None}
+
+
+def _keep_reached(model: nn.Module, modules: dict[int, nn.Module], groups: dict[str, list[tuple[str, nn.Parameter]]],
+                  batch: torch.Tensor, params: FinetuneParams, notes: dict[str, Any]
+                  ) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """The groups without the parameters no gradient reaches (frozen again and named in
+    ``notes["no_gradient"]``); FinetuneError when none is reached: nothing would train."""
+    every = [p for ps in groups.values() for _, p in ps]
+    reached = reached_parameters(model, modules, every, batch, params.lb_used)
+    dropped = [n for ps in groups.values() for n, p in ps if id(p) not in reached]
+    for p in every:
+        if id(p) not in reached:
+            p.requires_grad_(False)
+    kept = {g: [(n, p) for n, p in ps if id(p) in reached] for g, ps in groups.items()}
+    kept = {g: ps for g, ps in kept.items() if ps}
+    if not kept:
+        layers = "; ".join(
+            f"layer {i}: combine {getattr(m, 'combine', '?')!r}, top-{m.top_k} of {m.n_routed} experts" for i, m in modules.items()
+        )
+        raise FinetuneError(
+            f"mode {params.mode!r}: no trainable parameter receives a gradient from the training loss, so nothing would "
+            f"train ({len(dropped)} parameter tensors checked; {layers}; λ·L_LB = {params.lb_used:g}). A router that only "
+            "ranks experts (combine 'sum') or a layer that runs every expert gets no gradient from the LM loss: raise "
+            "lb_coef above 0 (EW Eq. 12 reaches a router that chooses among experts), reconvert with top_k below the "
+            "expert count, or use the mode of the method that made this conversion"
+        )
+    if dropped:
+        notes["no_gradient"] = dropped
+    return kept
 
 
 @torch.no_grad()
