@@ -343,6 +343,10 @@ class MethodOut(BaseModel):
     preview: bool = Field(description="GET /profiles/{id}/preview/{method} draws its plan before converting")
     recovery: str | None = Field(description="recovery fine-tuning this method offers (null: none)")
     params: list[ParamOut]
+    recipes: dict[str, dict[str, Any]] = Field(
+        description="named parameter sets: 'paper' (the defaults: the paper's settings) and, where measured, 'best' "
+                    "(the best training-free conversion found, tests/benchmarks/bench_frontier.py); "
+                    "each maps parameter names to the values it sets over the defaults")
 
 
 class MethodList(BaseModel):

@@ -288,6 +288,27 @@ def compare_perplexity(rows: list[dict[str, Any]]) -> go.Figure:
     return _layout(fig, "Perplexity: dense vs converted vs baselines", None, yaxis_title="perplexity")
 
 
+def quality_vs_cost(points: list[dict[str, Any]]) -> go.Figure:
+    """Perplexity over dense against FFN cost, one series per held-out text (ratios are only
+    comparable on the same text); points: {label, text, ffn_flops_fraction, perplexity_ratio}."""
+    points = [p for p in points if p.get("ffn_flops_fraction") is not None and p.get("perplexity_ratio") is not None]
+    if not points:
+        return message_figure("no evaluated conversion with a recorded ffn_flops_fraction")
+    texts = sorted({p["text"] for p in points})
+    traces = []
+    for t in texts:
+        pts = sorted((p for p in points if p["text"] == t), key=lambda p: p["ffn_flops_fraction"])
+        traces.append(go.Scatter(
+            x=[p["ffn_flops_fraction"] for p in pts], y=[p["perplexity_ratio"] for p in pts], mode="markers+text",
+            text=[p["label"] for p in pts], textposition="top center", name=t,
+            hovertemplate="%{text}<br>cost %{x:.3f} of dense FFN<br>%{y:.2f}× dense perplexity<extra>" + t + "</extra>"))
+    fig = go.Figure(traces)
+    fig.add_hline(y=1, line_dash="dot", line_color="gray")
+    return _layout(fig, "Quality vs cost", "lower-left is better; compare points measured on the same text only",
+                   xaxis_title="ffn_flops_fraction (FFN multiply-adds per token, router included, / dense)",
+                   yaxis_title="perplexity / dense", yaxis_type="log")
+
+
 def reconstruction_error(report: dict[str, Any]) -> go.Figure:
     """Per-layer FFN reconstruction error of each variant, from an evaluation report (``evaluation.json``)."""
     traces = []

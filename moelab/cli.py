@@ -179,8 +179,10 @@ def _method_param_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
-def _method_params(method: str, given: dict[str, Any]) -> Any:
-    """The chosen method's parameters from the options given; an option it does not read is an error."""
+def _method_params(method: str, given: dict[str, Any], recipe: str = "paper") -> Any:
+    """The chosen method's parameters: its recipe (``paper``: the defaults) with the options given on
+    top; an option the method does not read is an error."""
+    from workers.engine.core.params import ConversionError
     from workers.engine.methods import get_method
 
     cls = get_method(method).params
@@ -189,7 +191,10 @@ def _method_params(method: str, given: dict[str, Any]) -> Any:
     if stray:
         flags = ", ".join("--" + k.replace("_", "-") for k in stray)
         raise click.UsageError(f"{flags}: not a parameter of {method} (see `moelab methods`)")
-    return cls(**{k: v for k, v in given.items() if v is not None and k in names})
+    try:
+        return get_method(method).recipe(recipe, **{k: v for k, v in given.items() if v is not None and k in names})
+    except ConversionError as exc:
+        raise click.UsageError(str(exc)) from exc
 
 
 def _method_choices() -> list[str]:
@@ -209,12 +214,15 @@ def _recovery_modes() -> list[str]:
 @click.option("--profile", "profile_dirs", type=click.Path(path_type=Path), multiple=True, help="profile directory (moelab profile); midas: one per calibration set, repeat the option")
 @click.option("--model", "model_source", help="hierarchical: the MoE model to restructure (a local directory or hub id)")
 @click.option("--calib", help="hierarchical: calibration set spec, e.g. builtin:mixed")
+@click.option("--recipe", type=click.Choice(["paper", "best"]), default="paper", show_default=True,
+              help="paper: the method's paper settings; best: the best training-free conversion measured "
+                   "(expertweaver: ridge router, per-layer budget plan; with --sparsity S its ffn_flops_fraction is ≤ 1 − S)")
 @_method_param_options
 @click.option("--out", type=click.Path(path_type=Path), required=True)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--quiet", is_flag=True)
-def convert(method: str, profile_dirs: tuple[Path, ...], model_source: str | None, calib: str | None, out: Path,
-            as_json: bool, quiet: bool, **given: Any) -> None:
+def convert(method: str, profile_dirs: tuple[Path, ...], model_source: str | None, calib: str | None, recipe: str,
+            out: Path, as_json: bool, quiet: bool, **given: Any) -> None:
     """Convert a model into an MoE model and export it (`moelab methods` lists every method and parameter).
 
     \b
@@ -227,7 +235,7 @@ def convert(method: str, profile_dirs: tuple[Path, ...], model_source: str | Non
 
     cfg = get_settings()
     _quiet_transformers()
-    params = _method_params(method, given)
+    params = _method_params(method, given, recipe)
     with _progress(quiet) as progress:
         record = run_conversion(
             profile_dirs[0] if profile_dirs else None, params, out, data_dir=cfg.data_dir, device=cfg.device,
@@ -241,6 +249,8 @@ def convert(method: str, profile_dirs: tuple[Path, ...], model_source: str | Non
     sizes = ""
     if s.get("total_params"):
         sizes = f", {s['active_params'] / 1e6:.1f}M of {s['total_params'] / 1e6:.1f}M parameters active per token"
+    if s.get("ffn_flops_fraction") is not None:
+        sizes += f", FFN cost {s['ffn_flops_fraction']:.3f} of dense (ffn_flops_fraction)"
     click.echo(f"converted model written to {out} ({method}){sizes}, {record['timings']['total_s']:.1f}s")
     if "active_fraction" in s:  # a per-layer partition plan
         _print_partition(record)

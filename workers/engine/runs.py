@@ -21,6 +21,7 @@ from .evaluation.metrics import bigbench_choice_items, evaluate_models, evaluate
 from .methods import REGISTRY, ConversionInputs, Method, get_method, method_of
 from .models import ModelAdapter, load_model
 from .runtime.export import CONVERSION_FILE, export_model, load_exported
+from .runtime.param_count import ffn_flops_fraction
 from .profiling.store import StoredProfile, write_profile
 from .profiling.profiler import ProfileSettings, profile_model
 from .progress import NO_PROGRESS, Progress
@@ -77,6 +78,8 @@ def run_conversion(
                                            trust_remote_code=trust_remote_code, progress=progress)
     moe, tokenizer, record = method.build(inputs, params, progress)
     if profiles:
+        record["summary"].setdefault(
+            "ffn_flops_fraction", ffn_flops_fraction(moe, profiles[0].manifest["model"]["n_ffn_parameters"]))
         record.update(profile=str(Path(profile_paths[0]).resolve()), model=profiles[0].manifest["model"],
                       calibration=profiles[0].manifest["calibration"])
     progress.update("export", 0, 1)

@@ -70,6 +70,39 @@ def summarize(rows: list[LayerPlan]) -> dict[str, Any]:
     }
 
 
+def layer_cost(row: LayerPlan, router: str, d_model: int) -> tuple[int, int]:
+    """Per-token multiply-adds of a planned layer: ``(always-run part, one selected routed expert)``.
+
+    The always-run part is the shared expert and the router (``centroid``/``softmax``: ``E·d``;
+    ``ridge``: ``E·(d+1)``; ``representative``: ``2·E·d``; ``gate_mass``: the gate of every routed
+    neuron, ``d·m·E``, after which a selected expert only adds its up and down rows). The same
+    counting as ``MoeFFN.active_param_count``; element-wise work is not counted.
+    """
+    E, m, d = row.n_routed, row.d_expert, d_model
+    fixed = 3 * d * row.d_shared
+    if E == 0:
+        return fixed, 3 * d * m
+    if router == "gate_mass":
+        return fixed + d * m * E, 2 * d * m
+    router_macs = {"ridge": E * (d + 1), "representative": 2 * E * d}.get(router, E * d)
+    return fixed + router_macs, 3 * d * m
+
+
+def plan_flops_fraction(rows: Sequence[LayerPlan], router: str, d_model: int) -> float:
+    """``ffn_flops_fraction`` of a plan: FFN multiply-adds per token, router and scoring included,
+    over the dense FFN's ``3·d·d_ffn`` per layer."""
+    cost = 0
+    for row in rows:
+        if row.top_k == 0 or row.n_routed == 0:  # a static layer runs no router
+            cost += 3 * d_model * row.d_shared
+        elif row.top_k >= row.n_routed:  # every expert runs, nothing to score
+            cost += 3 * d_model * row.d_ffn
+        else:
+            fixed, unit = layer_cost(row, router, d_model)
+            cost += fixed + row.top_k * unit
+    return cost / sum(3 * d_model * row.d_ffn for row in rows)
+
+
 def check_experts_fit(n_experts: int, d_ffns: Iterable[int]) -> None:
     """Every layer must have at least one neuron per expert."""
     for d in sorted(set(d_ffns)):
@@ -83,6 +116,13 @@ def validate_partition(params: Any, profiles: list[Any]) -> None:
     check_experts_fit(params.n_experts, profiles[0].manifest["d_ffn"])
 
 
-def plan_record(rows: list[LayerPlan], params: MethodParams) -> dict[str, Any]:
-    """The whole per-layer plan as the designer and the API show it."""
-    return {"params": params.to_dict(), "layers": [asdict(r) for r in rows], "summary": summarize(rows)}
+def plan_record(rows: list[LayerPlan], params: MethodParams, d_model: int | None = None) -> dict[str, Any]:
+    """The whole per-layer plan as the designer and the API show it; with ``d_model``, its
+    ``ffn_flops_fraction`` (the cost the converted model will record) too."""
+    summary = summarize(rows)
+    if d_model:
+        summary["ffn_flops_fraction"] = plan_flops_fraction(rows, getattr(params, "router", "centroid"), d_model)
+        if getattr(params, "plan", "paper") == "budget":
+            summary["plan_note"] = ("budget plan: this is the paper plan; the conversion redistributes top-k across "
+                                    "layers by calibration error at the same or a lower cost")
+    return {"params": params.to_dict(), "layers": [asdict(r) for r in rows], "summary": summary}

@@ -73,16 +73,34 @@ def build_modules(adapter: ModelAdapter, experts: list[LayerExperts], combine: s
     return modules
 
 
+def needs_fitting(params: MethodParams) -> bool:
+    """The ridge router and the budget plan are fitted on calibration tokens (``core.fitting``)."""
+    return getattr(params, "router", None) == "ridge" or getattr(params, "plan", "paper") == "budget"
+
+
+def partition_modules(adapter: ModelAdapter, profile: Any, params: MethodParams, rows: list[LayerPlan],
+                      build_layer: LayerBuilder, progress: Progress = NO_PROGRESS, data_dir: Any = None,
+                      calib: Any = None) -> tuple[list[LayerPlan], list[LayerExperts], dict[int, nn.Module], dict[str, Any]]:
+    """Plan → experts (→ fitted routers and budget plan, ``core.fitting``) → one ``MoeFFN`` per layer;
+    returns ``(rows, experts, modules, fit record)``. ``calib``: calibration inputs already collected."""
+    experts = partition_layers(adapter, profile, rows, build_layer, progress)
+    fit: dict[str, Any] = {}
+    if needs_fitting(params):
+        from .fitting import fit_layers
+
+        rows, experts, fit = fit_layers(adapter, profile, params, rows, experts, data_dir, progress, calib)
+    return rows, experts, build_modules(adapter, experts, params.combine), fit  # type: ignore[attr-defined]
+
+
 def convert_partition(adapter: ModelAdapter, profile: Any, params: MethodParams, rows: list[LayerPlan],
-                      build_layer: LayerBuilder, progress: Progress = NO_PROGRESS) -> tuple[Any, dict[str, Any]]:
-    """Plan → experts → ``MoelabForCausalLM``; returns ``(moe_model, record)``. The dense model is
-    converted in place."""
+                      build_layer: LayerBuilder, progress: Progress = NO_PROGRESS, data_dir: Any = None,
+                      ) -> tuple[Any, dict[str, Any]]:
+    """``partition_modules`` → ``MoelabForCausalLM``; returns ``(moe_model, record)``. The dense model
+    is converted in place."""
     t0 = time.perf_counter()
     before = parameter_counts(adapter.model)
-    experts = partition_layers(adapter, profile, rows, build_layer, progress)
+    rows, experts, modules, fit = partition_modules(adapter, profile, params, rows, build_layer, progress, data_dir)
     t1 = time.perf_counter()
-    modules = build_modules(adapter, experts, params.combine)  # type: ignore[attr-defined]
-    t2 = time.perf_counter()
     moe = build_moe_model(adapter, modules, provenance={"method": params.method, "router": params.router})  # type: ignore[attr-defined]
     after = parameter_counts(moe)
     summary = {
@@ -94,7 +112,8 @@ def convert_partition(adapter: ModelAdapter, profile: Any, params: MethodParams,
         "params": params.to_dict(),
         "summary": summary,
         "layers": [{**asdict(p), **e.summary()} for p, e in zip(rows, experts)],
-        "timings": {"cluster_s": t1 - t0, "build_s": t2 - t1, "total_s": t2 - t0},
+        "timings": {"build_s": t1 - t0, "total_s": time.perf_counter() - t0},
+        **({"fit": fit} if fit else {}),
     }
     return moe, record
 
@@ -106,7 +125,8 @@ def build_partition(inputs: Any, params: MethodParams, plan_for: Callable[[Any, 
     from the profile, partition and slice; returns ``(moe_model, tokenizer, record)``."""
     adapter = inputs.load_dense()
     profile = inputs.profile
-    moe, record = convert_partition(adapter, profile, params, plan_for(profile, params), layer_builder(profile, params), progress)
+    moe, record = convert_partition(adapter, profile, params, plan_for(profile, params), layer_builder(profile, params),
+                                    progress, inputs.data_dir)
     return moe, adapter.tokenizer, record
 
 

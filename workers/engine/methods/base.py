@@ -8,7 +8,7 @@ API imports every method for its parameters and previews, and must not load torc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
@@ -73,6 +73,9 @@ class Method:
     ``reference(record, inputs)``: the ``(model, tokenizer)`` a conversion is compared with; None:
     the profiled dense model. ``extra_evaluation(converted, tokenizer, record, **kw)``: more
     numbers for the evaluation record.
+    ``recipes``: named parameter overrides beyond the defaults (the defaults are the paper's
+    settings, recipe ``paper``); ``best`` is the best training-free conversion measured
+    (tests/benchmarks/bench_frontier.py).
     """
 
     name: str
@@ -88,6 +91,16 @@ class Method:
     baselines: Callable[..., dict[str, Any]] | None = None
     reference: Callable[..., tuple[Any, Any]] | None = None
     extra_evaluation: Callable[..., dict[str, Any]] | None = None
+    recipes: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def recipe(self, name: str, **given: Any) -> MethodParams:
+        """The parameters of recipe ``name`` (``paper``: the defaults), with ``given`` on top."""
+        from ..core.params import ConversionError
+
+        known = {"paper": {}, **self.recipes}
+        if name not in known:
+            raise ConversionError(f"{self.name} has no recipe {name!r}; one of: {', '.join(known)}")
+        return self.params(**{**known[name], **given})
 
     def describe(self) -> dict[str, Any]:
         """JSON-able: what ``moelab methods --json`` and ``GET /api/v1/methods`` list."""
@@ -96,4 +109,5 @@ class Method:
             "needs": self.needs, "preview": self.preview is not None,
             "recovery": None if self.recovery is None else self.recovery.paper,
             "params": [s.to_dict() for s in self.params.specs()],
+            "recipes": {"paper": {}, **self.recipes},
         }

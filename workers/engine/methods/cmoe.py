@@ -35,12 +35,18 @@ class CMoEParams(MethodParams):
     n_experts: int = param(64, "experts per layer (E of S·A·E), shared included", paper="CM §3.1", ge=1, aliases=("experts",))
     shared: int = param(1, "shared experts, always active (S of S·A·E)", paper="CM Eq. 5", ge=0)
     active: int = param(1, "routed experts active per token (A of S·A·E)", paper="CM §3.1", ge=0)
-    router: Literal["representative", "gate_mass"] = param(
-        "representative", "representative: one neuron per expert (CM Eqs. 17-19); gate_mass: L1 mass of each expert's gate activations",
+    router: Literal["representative", "gate_mass", "ridge"] = param(
+        "representative", "representative: one neuron per expert (CM Eqs. 17-19); gate_mass: L1 mass of each expert's "
+        "gate activations; ridge: linear scores fitted in closed form to each expert's output mass (moelab's)",
         paper="CM Eq. 18")
+    plan: Literal["paper", "budget"] = param(
+        "paper", "paper: A routed experts in every layer (CM §3.1); budget: the same total FFN cost, the routed experts "
+        "per layer chosen by calibration error (moelab's)", paper="CM §3.1")
     combine: Literal["sum", "weighted"] = param("sum", "how selected experts add up; sum is CM Eq. 11", paper="CM Eq. 11",
                                                 advanced=True)
     max_iter: int = param(50, "balanced clustering iteration cap", paper="CM Eqs. 7-10", ge=1, le=10000, advanced=True)
+    fit_tokens: int = param(4096, "calibration tokens the ridge router and the budget plan are fitted on",
+                            ge=256, le=1_000_000, advanced=True)
 
     def _check(self) -> None:
         s, a, e = self.shared, self.active, self.n_experts
@@ -66,7 +72,7 @@ def plan_for(profile: Any, params: CMoEParams) -> list[LayerPlan]:
 
 
 def preview(profile: Any, params: CMoEParams) -> dict[str, Any]:
-    return plan_record(plan_for(profile, params), params)
+    return plan_record(plan_for(profile, params), params, profile.manifest["model"]["d_model"])
 
 
 def layer_experts(row: LayerPlan, rate: np.ndarray, atopk_rows: np.ndarray, gate_w: np.ndarray, up_w: np.ndarray,

@@ -47,13 +47,23 @@ class ExpertWeaverParams(MethodParams):
     sparsity: float = param(0.25, "fraction of FFN neurons NOT computed per token", paper="EW §3.2", gt=0, lt=1)
     alpha_basis: Literal["total", "active"] = param(
         "total", "α as a share of all neurons (total, EW Eq. 6) or of the active budget (active)", paper="EW Eq. 6")
-    router: Literal["centroid", "gate_mass"] = param(
-        "centroid", "centroid: gate-column centroids (EW Eq. 9); gate_mass: L1 mass of each expert's gate activations",
+    router: Literal["centroid", "gate_mass", "ridge"] = param(
+        "centroid", "centroid: gate-column centroids (EW Eq. 9); gate_mass: L1 mass of each expert's gate activations; "
+        "ridge: linear scores fitted in closed form to each expert's output mass on calibration tokens (moelab's)",
         paper="EW Eq. 9")
+    plan: Literal["paper", "budget"] = param(
+        "paper", "paper: one top-k for every layer (EW Eq. 6); budget: per-layer top-k chosen by calibration error so "
+        "that the FFN cost, router included, is at most 1 - sparsity of the dense FFN's (moelab's)", paper="EW Eq. 6")
     combine: Literal["sum", "weighted"] = param("sum", "how selected experts add up; sum is EW Eq. 10", paper="EW Eq. 10",
                                                 advanced=True)
     seed: int = param(0, "k-means++ seeding of the balanced clustering", paper="EW App. G", ge=0, advanced=True)
     max_iter: int = param(50, "balanced k-means iteration cap", paper="EW App. G", ge=1, le=10000, advanced=True)
+    fit_tokens: int = param(4096, "calibration tokens the ridge router and the budget plan are fitted on",
+                            ge=256, le=1_000_000, advanced=True)
+
+    def flops_budget(self) -> float:
+        """The budget plan's cap on ``ffn_flops_fraction``."""
+        return 1 - self.sparsity
 
     def _check(self) -> None:
         if self.alpha_min > self.alpha_max:
@@ -99,7 +109,7 @@ def _plan_layer(layer: int, d_ffn: int, r: float, alpha: float, p: ExpertWeaverP
 
 def preview(profile: Any, params: ExpertWeaverParams) -> dict[str, Any]:
     """The whole per-layer plan for a stored profile (``profiling.store.StoredProfile``)."""
-    return plan_record(plan_for(profile, params), params)
+    return plan_record(plan_for(profile, params), params, profile.manifest["model"]["d_model"])
 
 
 # --------------------------------------------------------------------------- experts (EW Eqs. 7–9)
@@ -203,4 +213,6 @@ METHOD = Method(
     recovery=Recovery(paper="EW Eqs. 11-12: softmax router + load balancing, LoRA", lora="optional",
                       prepare=prepare_recovery),
     baselines=baselines,
+    # tests/benchmarks/bench_frontier.py: the best training-free conversion measured at every cost
+    recipes={"best": {"router": "ridge", "alpha_basis": "active", "plan": "budget"}},
 )

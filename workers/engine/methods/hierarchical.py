@@ -154,7 +154,7 @@ def convert_hierarchical(
     from ..profiling.moe_experts import load_moe_model, moe_parameter_counts, profile_experts, sparse_moe_layers
     from ..runtime.export import build_moe_model
     from ..runtime.modeling_moelab import HierarchicalExperts, decoder_layers
-    from ..runtime.param_count import parameter_counts
+    from ..runtime.param_count import ffn_flops_fraction, ffn_macs_per_token, parameter_counts
 
     params.validate()
     t0 = time.perf_counter()
@@ -170,6 +170,8 @@ def convert_hierarchical(
     if not cset.samples:
         raise ConversionError(f"calibration set {cset.name!r} has no samples")
     original = moe_parameter_counts(model, layers)
+    # the original model's per-token FFN cost: every FFN weight, less the experts a token skips
+    original_ffn_macs = sum(ffn_macs_per_token(model)) - (original["total"] - original["active"])
     progress.update("load model", 1, 1)
     t1 = time.perf_counter()
 
@@ -221,6 +223,7 @@ def convert_hierarchical(
         "active_params": counts["active"],
         "dense_total_params": original["total"],
         "dense_active_params": original["active"],
+        "ffn_flops_fraction": ffn_flops_fraction(moe, original_ffn_macs),  # over the original MoE's
         "source": source,
     }
     record = {

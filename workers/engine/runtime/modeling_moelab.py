@@ -32,7 +32,8 @@ MoE layer::
 ``router``: ``centroid`` (EW Eq. 9, score = x W_router^T), ``representative`` (CMoE Eq. 18,
 score = act(x W_g^R) * (x W_u^R)), ``gate_mass`` (score_e = sum_{j in e} |act(x W_gate_j)|,
 the gate activations are computed once for every routed neuron and reused by the selected
-experts), ``softmax`` (EW Eq. 11, trainable). ``combine``: ``sum`` (EW Eq. 10 / CMoE Eq. 11,
+experts), ``softmax`` (EW Eq. 11, trainable), ``ridge`` (score = x W_router^T + router_offset,
+fitted in closed form to each expert's output mass on calibration tokens; moelab's own). ``combine``: ``sum`` (EW Eq. 10 / CMoE Eq. 11,
 training-free default), ``weighted`` (each selected expert scaled by its softmax probability
 over all experts, EW Eq. 11, D2 §2.1), ``normalized`` (softmax over the top_k selected
 scores only, so a token's weights sum to 1, as in Mixtral) or ``scaled`` (CM §3.3 / AF Eq. 9:
@@ -75,7 +76,7 @@ try:  # transformers >= 5: composite configs declare their sub-configs
 except ImportError:  # pragma: no cover - older transformers
     SubConfigSpec = None
 
-ROUTERS = ("centroid", "representative", "gate_mass", "softmax")
+ROUTERS = ("centroid", "representative", "gate_mass", "softmax", "ridge")
 COMBINES = ("sum", "weighted", "normalized", "scaled")
 DISPATCHES = ("auto", "loop", "padded")
 
@@ -150,8 +151,10 @@ class MoeFFN(nn.Module):
         self.experts_gate = nn.Parameter(torch.empty(E, m, d))
         self.experts_up = nn.Parameter(torch.empty(E, m, d))
         self.experts_down = nn.Parameter(torch.empty(E, d, m))
-        if self.router in ("centroid", "softmax"):
+        if self.router in ("centroid", "softmax", "ridge"):
             self.router_weight = nn.Parameter(torch.empty(E, d))
+            if self.router == "ridge":
+                self.router_offset = nn.Parameter(torch.empty(E))
         elif self.router == "representative":
             self.router_gate = nn.Parameter(torch.empty(E, d))
             self.router_up = nn.Parameter(torch.empty(E, d))
@@ -216,6 +219,7 @@ class MoeFFN(nn.Module):
         router_weight: torch.Tensor | None = None,
         router_gate: torch.Tensor | None = None,
         router_up: torch.Tensor | None = None,
+        router_offset: torch.Tensor | None = None,
         **extra: Any,
     ) -> "MoeFFN":
         """Slice a dense GLU into a shared expert and routed experts (EW Eqs. 7-8, CMoE Eq. 5).
@@ -265,9 +269,13 @@ class MoeFFN(nn.Module):
         mod.experts_up.copy_(up_w.index_select(0, flat).reshape(E, m, d_model))
         # down_w[:, routed] is [d, E, m] -> [E, d, m]
         mod.experts_down.copy_(down_w.index_select(1, flat).reshape(d_model, E, m).permute(1, 0, 2))
-        if mod.router in ("centroid", "softmax"):
+        if mod.router in ("centroid", "softmax", "ridge"):
             w = router_weight if router_weight is not None else mod.experts_gate.mean(dim=1)
             mod.router_weight.copy_(_check_router(w, E, d_model, "router_weight"))
+            if mod.router == "ridge" and E:
+                if router_offset is None or tuple(router_offset.shape) != (E,):
+                    raise ValueError(f"the ridge router needs router_offset [n_routed={E}]")
+                mod.router_offset.copy_(router_offset)
         elif mod.router == "representative":
             g = router_gate if router_gate is not None else mod.experts_gate.mean(dim=1)
             u = router_up if router_up is not None else mod.experts_up.mean(dim=1)
@@ -283,6 +291,10 @@ class MoeFFN(nn.Module):
         router = sum(p.numel() for n, p in self.named_parameters(recurse=False) if n.startswith("router"))
         shared = 3 * self.d_model * self.d_shared
         k, m, d = min(self.top_k, self.n_routed), self.expert_size, self.d_model
+        if k == 0:  # forward runs no router
+            return shared
+        if k == self.n_routed and self.combine == "sum":  # every expert runs, unscored
+            return shared + 3 * d * m * k
         if self.router == "gate_mass" and k < self.n_routed:  # every routed gate row scores the experts
             return shared + d * m * (self.n_routed + 2 * k)
         return shared + 3 * d * m * k + router
@@ -305,6 +317,8 @@ class MoeFFN(nn.Module):
         """Router scores ``[T, E]`` and, for gate_mass, act(gate) of every routed neuron ``[T, E*m]``."""
         if self.router in ("centroid", "softmax"):
             return F.linear(x, self.router_weight), None
+        if self.router == "ridge":
+            return F.linear(x, self.router_weight, self.router_offset), None
         if self.router == "representative":
             return self.act_fn(F.linear(x, self.router_gate)) * F.linear(x, self.router_up), None
         E, m, d = self.n_routed, self.expert_size, self.d_model

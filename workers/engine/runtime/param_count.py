@@ -36,3 +36,27 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
             inactive += own - int(count())
     total = unique(model.parameters())
     return {"total": int(total), "active": int(total - inactive)}
+
+
+def ffn_macs_per_token(model: nn.Module) -> list[int]:
+    """Multiply-adds one token spends in each decoder layer's FFN, router and expert scoring included.
+
+    Every FFN weight a token uses is one multiply-add (a linear map ``y = W x`` costs ``W.numel()``),
+    so this is each layer's ``parameter_counts(mlp)["active"]``: a dense GLU costs ``3·d·d_ffn``,
+    a ``MoeFFN`` its shared part, ``top_k`` routed experts and its router (the gate-mass router
+    computes the gate of every routed neuron: ``d·m·(E + 2k)``). Element-wise work (activations,
+    the products of a GLU, softmax, top-k) is not counted: it is O(d_ffn), not O(d·d_ffn).
+    A sparse-MoE block of an original MoE model counts all its experts here; its callers use
+    ``moe_experts.moe_parameter_counts`` for that model instead.
+    """
+    from .modeling_moelab import decoder_layers
+
+    return [parameter_counts(block.mlp)["active"] for block in decoder_layers(model)]
+
+
+def ffn_flops_fraction(model: nn.Module, dense_ffn_macs: int) -> float:
+    """FFN multiply-adds per token of ``model`` over ``dense_ffn_macs``, the dense model's (all of
+    its layers: blocks a conversion removed, as Dense2MoE does, count as zero in the numerator)."""
+    if dense_ffn_macs <= 0:
+        raise ValueError("the dense FFN cost must be positive")
+    return float(sum(ffn_macs_per_token(model)) / dense_ffn_macs)

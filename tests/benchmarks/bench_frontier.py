@@ -1,0 +1,226 @@
+"""The quality frontier: perplexity ratio to dense against FFN cost, every method and router, one run.
+
+    python tests/benchmarks/bench_frontier.py --profile runs/p1 [--levels 0.85 0.75 0.6 0.5] [--windows 4]
+
+Cost is ``ffn_flops_fraction``: FFN multiply-adds per token, router and scoring included, over the
+dense FFN's (``runtime.param_count``). At every level ``c`` each configuration is built with the
+largest cost that does not exceed ``c`` (``core.allocation.plan_flops_fraction``, checked against
+the built modules' own count), so rows of one level cost the same within one expert's share:
+
+* ExpertWeaver with the paper's settings (centroid router, α on all neurons), with the gate-mass
+  router, with the ridge router, and with α on the active budget; CMoE (S = A, representative
+  router) with the gate-mass and ridge routers; ``--recipe best`` (``methods.expertweaver``:
+  ridge router, α on the active budget, per-layer budget plan); AbsTopK-GLU (EW Eq. 2) at the
+  same cost (it computes every gate: ``1/3 + 2/3 · k/d_ffn``);
+* Dense2MoE with its defaults, at its own cost (it removes whole blocks: attention too).
+
+Perplexity is measured on the held-out split of several built-in domains (never calibration
+text) and summarised by the geometric mean of the per-domain ratios; each domain's ratio is
+kept too. BIG-bench multiple-choice accuracy is added when that set is installed. Writes
+tests/benchmarks/results/bench_frontier.json, a markdown table and an SVG plot next to it, and
+prints one summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from moelab.settings import get_settings  # noqa: E402
+from workers.engine.core.allocation import plan_flops_fraction  # noqa: E402
+from workers.engine.core.fitting import collect_inputs, profile_token_windows  # noqa: E402
+from workers.engine.core.slicing import abstopk_modules, partition_modules  # noqa: E402
+from workers.engine.data.builtin import bigbench_installed  # noqa: E402
+from workers.engine.evaluation.metrics import bigbench_choice_items, evaluate_models, evaluate_variants, heldout_windows  # noqa: E402
+from workers.engine.methods import cmoe, expertweaver, get_method  # noqa: E402
+from workers.engine.methods.cmoe import CMoEParams  # noqa: E402
+from workers.engine.methods.expertweaver import ExpertWeaverParams  # noqa: E402
+from workers.engine.models import load_model  # noqa: E402
+from workers.engine.profiling.store import StoredProfile  # noqa: E402
+from workers.engine.runs import run_conversion  # noqa: E402
+from workers.engine.runtime.export import load_exported  # noqa: E402
+
+DOMAINS = ("builtin:code", "builtin:prose", "builtin:literature", "builtin:chat")
+RESULTS = ROOT / "tests" / "benchmarks" / "results"
+
+
+def _ew(level: float, d_model: int, profile: Any, **kw: Any) -> ExpertWeaverParams | None:
+    """The EW configuration of the largest cost ≤ ``level`` (scanning the active expert count)."""
+    for k in range(63, 0, -1):
+        p = ExpertWeaverParams(sparsity=1 - k / 64, **kw)
+        if plan_flops_fraction(expertweaver.plan_for(profile, p), p.router, d_model) <= level + 1e-9:
+            return p
+    return None
+
+
+def _cmoe(level: float, d_model: int, profile: Any, **kw: Any) -> CMoEParams | None:
+    for total in range(63, 1, -1):
+        p = CMoEParams(n_experts=64, shared=total // 2, active=total - total // 2, **kw)
+        if plan_flops_fraction(cmoe.plan_for(profile, p), p.router, d_model) <= level + 1e-9:
+            return p
+    return None
+
+
+def configurations(level: float, d_model: int, profile: Any) -> dict[str, Any]:
+    best = get_method("expertweaver").recipe("best", sparsity=round(1 - level, 6))
+    out = {
+        "ew-paper": _ew(level, d_model, profile),
+        "ew-gate_mass": _ew(level, d_model, profile, router="gate_mass"),
+        "ew-ridge": _ew(level, d_model, profile, router="ridge"),
+        "ew-active-ridge": _ew(level, d_model, profile, router="ridge", alpha_basis="active"),
+        "cmoe-paper": _cmoe(level, d_model, profile),
+        "cmoe-gate_mass": _cmoe(level, d_model, profile, router="gate_mass"),
+        "cmoe-ridge": _cmoe(level, d_model, profile, router="ridge"),
+        "best": best,
+    }
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _geomean(xs: list[float]) -> float:
+    return float(math.exp(sum(math.log(x) for x in xs) / len(xs)))
+
+
+def _ffn_cost(modules: dict[int, Any], dense_macs: int, n_layers: int, d_macs: int) -> float:
+    """Cost of a set of swapped-in layers (layers not replaced stay dense)."""
+    return (sum(m.active_param_count() for m in modules.values()) + (n_layers - len(modules)) * d_macs) / dense_macs
+
+
+def score(results_by_domain: dict[str, dict[str, dict[str, Any]]], name: str, dense: dict[str, float]) -> dict[str, Any]:
+    ratios = {dom: res[name]["perplexity"] / dense[dom] for dom, res in results_by_domain.items()}
+    entry: dict[str, Any] = {"ratio_geomean": _geomean(list(ratios.values())), "ratio_by_domain": ratios,
+                             "perplexity_by_domain": {dom: res[name]["perplexity"] for dom, res in results_by_domain.items()}}
+    mc = next((res[name].get("multiple_choice") for res in results_by_domain.values() if res[name].get("multiple_choice")), None)
+    if mc:
+        entry["multiple_choice"] = mc
+    return entry
+
+
+def svg_plot(points: dict[str, list[tuple[float, float]]], path: Path, title: str) -> None:
+    """A dependency-free line plot of ratio (log scale) against cost, one series per name."""
+    W, H, L, R, T, B = 720, 420, 60, 180, 30, 45
+    xs = [x for pts in points.values() for x, _ in pts]
+    ys = [y for pts in points.values() for _, y in pts]
+    x0, x1 = min(xs) - 0.02, max(xs) + 0.02
+    y0, y1 = math.log(max(min(ys), 1e-3)), math.log(max(ys) * 1.05)
+    sx = lambda x: L + (x - x0) / (x1 - x0) * (W - L - R)  # noqa: E731
+    sy = lambda y: T + (1 - (math.log(y) - y0) / (y1 - y0 or 1)) * (H - T - B)  # noqa: E731
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
+           f'<rect width="{W}" height="{H}" fill="white"/>', f'<text x="{L}" y="18" font-size="13">{title}</text>',
+           f'<line x1="{L}" y1="{H - B}" x2="{W - R}" y2="{H - B}" stroke="black"/>',
+           f'<line x1="{L}" y1="{T}" x2="{L}" y2="{H - B}" stroke="black"/>',
+           f'<text x="{(L + W - R) / 2}" y="{H - 8}" text-anchor="middle">ffn_flops_fraction (FFN multiply-adds per token / dense)</text>',
+           f'<text x="14" y="{(T + H - B) / 2}" transform="rotate(-90 14 {(T + H - B) / 2})" text-anchor="middle">perplexity / dense (log)</text>']
+    for t in [x / 20 for x in range(int(x0 * 20) + 1, int(x1 * 20) + 1)]:
+        out.append(f'<text x="{sx(t):.1f}" y="{H - B + 14}" text-anchor="middle">{t:.2f}</text>')
+    for t in (1, 1.2, 1.5, 2, 3, 5, 10, 20, 50, 100):
+        if y0 <= math.log(t) <= y1:
+            out.append(f'<line x1="{L}" x2="{W - R}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" stroke="#ddd"/>'
+                       f'<text x="{L - 4}" y="{sy(t) + 4:.1f}" text-anchor="end">{t:g}×</text>')
+    for i, (name, pts) in enumerate(points.items()):
+        c = colors[i % len(colors)]
+        pts = sorted(pts)
+        out.append('<polyline fill="none" stroke="{}" stroke-width="2" points="{}"/>'.format(
+            c, " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)))
+        out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{c}"/>' for x, y in pts]
+        out.append(f'<text x="{W - R + 10}" y="{T + 14 * i + 10}" fill="{c}">{name}</text>')
+    out.append("</svg>")
+    path.write_text("\n".join(out) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", type=Path, default=ROOT / "runs" / "p1")
+    ap.add_argument("--levels", type=float, nargs="+", default=[0.85, 0.75, 0.6, 0.5])
+    ap.add_argument("--windows", type=int, default=3, help="held-out windows per domain")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--no-dense2moe", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS / "bench_frontier.json")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    t_start = time.perf_counter()
+    data_dir = get_settings().data_dir
+    profile = StoredProfile.open(args.profile)
+    adapter = load_model(profile.manifest["model"]["source"], data_dir=data_dir, dtype="float32")
+    d = adapter.d_model
+    d_macs = 3 * d * adapter.d_ffn
+    dense_macs = d_macs * adapter.n_layers
+    windows = {dom: heldout_windows(adapter.tokenizer, data_dir, seq_len=args.seq_len, n_windows=args.windows, source=dom)
+               for dom in DOMAINS}
+    items = bigbench_choice_items(data_dir, per_task=30) if bigbench_installed(data_dir) else None
+    fit_inputs = collect_inputs(adapter, profile_token_windows(adapter, profile, ExpertWeaverParams().fit_tokens, data_dir))
+    report: dict[str, Any] = {
+        "model": profile.manifest["model"]["source"], "profile": str(args.profile),
+        "calibration": profile.manifest["calibration"], "fit_tokens": fit_inputs.n_tokens,
+        "heldout": {dom: {"windows": int(len(w)), "seq_len": args.seq_len} for dom, w in windows.items()},
+        "cost": "ffn_flops_fraction: FFN multiply-adds per token, router and scoring included, over the dense FFN's",
+        "levels": {}, "own_cost": {},
+    }
+    dense_by_domain = {dom: evaluate_variants(adapter, {"dense": None}, w, choice_items=items if dom == DOMAINS[0] else None)["dense"]
+                       for dom, w in windows.items()}
+    dense_ppl = {dom: r["perplexity"] for dom, r in dense_by_domain.items()}
+    report["dense"] = dense_by_domain
+    for level in args.levels:
+        variants: dict[str, Any] = {}
+        meta: dict[str, Any] = {}
+        for name, params in configurations(level, d, profile).items():
+            t0 = time.perf_counter()
+            method = expertweaver if params.method == "expertweaver" else cmoe
+            _, _, modules, fit = partition_modules(adapter, profile, params, method.plan_for(profile, params),
+                                                   method.layer_builder(profile, params), data_dir=data_dir, calib=fit_inputs)
+            variants[name] = modules
+            meta[name] = {"params": params.to_dict(), "ffn_flops_fraction": _ffn_cost(modules, dense_macs, adapter.n_layers, d_macs),
+                          "convert_s": time.perf_counter() - t0}
+        k = max(1, int(math.floor((level - 1 / 3) * 1.5 * adapter.d_ffn)))
+        variants["abstopk"] = abstopk_modules(adapter, k / adapter.d_ffn)
+        meta["abstopk"] = {"ffn_flops_fraction": _ffn_cost(variants["abstopk"], dense_macs, adapter.n_layers, d_macs)}
+        by_domain = {dom: evaluate_variants(adapter, variants, w, reconstruction=False, choice_items=items if dom == DOMAINS[0] else None)
+                     for dom, w in windows.items()}
+        report["levels"][str(level)] = {name: {**meta[name], **score(by_domain, name, dense_ppl)} for name in variants}
+        print(f"level {level}: " + ", ".join(f"{n} {r['ratio_geomean']:.2f}x@{r['ffn_flops_fraction']:.3f}"
+                                              for n, r in report["levels"][str(level)].items()), flush=True)
+        del variants
+    if not args.no_dense2moe:
+        with tempfile.TemporaryDirectory() as tmp:
+            params = get_method("dense2moe").recipe("paper")
+            record = run_conversion(args.profile, params, Path(tmp) / "d2", data_dir=data_dir)
+            moe = load_exported(Path(tmp) / "d2")
+            by_domain = {dom: evaluate_models({"dense2moe": moe}, adapter.tokenizer, w) for dom, w in windows.items()}
+            report["own_cost"]["dense2moe"] = {"params": params.to_dict(), "ffn_flops_fraction": record["summary"]["ffn_flops_fraction"],
+                                               "removed_layers": record["summary"].get("removed_layers"), **score(by_domain, "dense2moe", dense_ppl)}
+    report["seconds"] = time.perf_counter() - t_start
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+    names = sorted({n for lv in report["levels"].values() for n in lv})
+    lines = ["| cost ≤ | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for level, rows in report["levels"].items():
+        cells = [f"{rows[n]['ratio_geomean']:.2f}× ({rows[n]['ffn_flops_fraction']:.3f})" if n in rows else "-" for n in names]
+        lines.append(f"| {level} | " + " | ".join(cells) + " |")
+    for name, r in report["own_cost"].items():
+        lines.append(f"\n{name} (own cost {r['ffn_flops_fraction']:.3f}): {r['ratio_geomean']:.2f}× dense")
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    points = {n: [(rows[n]["ffn_flops_fraction"], rows[n]["ratio_geomean"]) for rows in report["levels"].values() if n in rows]
+              for n in names}
+    svg_plot(points, args.out.with_suffix(".svg"),
+             f"{report['model']}: held-out {', '.join(DOMAINS)} ({args.windows}×{args.seq_len} tokens each), training-free")
+    best = {lv: rows["best"]["ratio_geomean"] for lv, rows in report["levels"].items() if "best" in rows}
+    paper = {lv: rows["ew-paper"]["ratio_geomean"] for lv, rows in report["levels"].items() if "ew-paper" in rows}
+    print("bench_frontier: ppl/dense (geomean of domains) at ffn_flops_fraction ≤ "
+          + ", ".join(f"{lv}: best {best[lv]:.2f}x vs EW paper {paper.get(lv, float('nan')):.2f}x" for lv in best)
+          + f" ({report['seconds']:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""The fitted router and the budget plan (core.fitting), and honest cost accounting (ffn_flops_fraction)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from moelab.cli import main
+from workers.engine.core.allocation import plan_flops_fraction
+from workers.engine.core.fitting import collect_inputs, error_curve, greedy_budget, ridge_router, router_scores
+from workers.engine.core.params import ConversionError
+from workers.engine.core.slicing import dense_weights, partition_modules
+from workers.engine.methods import cmoe, expertweaver, get_method
+from workers.engine.methods.cmoe import CMoEParams
+from workers.engine.methods.expertweaver import ExpertWeaverParams
+from workers.engine.models import load_model
+from workers.engine.runs import run_conversion, run_profile
+from workers.engine.profiling.profiler import ProfileSettings
+from workers.engine.runtime.export import load_exported
+from workers.engine.runtime.modeling_moelab import MoeFFN
+from workers.engine.runtime.param_count import ffn_flops_fraction, ffn_macs_per_token
+
+D_MODEL = 64
+
+
+@pytest.fixture(scope="module")
+def fitted(tiny_model, data_dir, tmp_path_factory):
+    """A tiny llama profiled on built-in text (so the fit can reload it) and its calibration inputs."""
+    model = str(tiny_model("llama"))
+    prof = run_profile(model, "builtin:mixed", tmp_path_factory.mktemp("fit") / "p",
+                       ProfileSettings(max_tokens=64, batch_tokens=512, atopk_k=8), samples=24, data_dir=data_dir)
+    adapter = load_model(model, data_dir=data_dir)
+    torch.manual_seed(0)
+    calib = collect_inputs(adapter, torch.randint(0, 1000, (4, 64)))
+    return model, adapter, prof, calib
+
+
+def test_greedy_budget_buys_the_steepest_error_decrease_per_multiply_add():
+    errors = [np.array([10.0, 4.0, 3.0, 2.5]), np.array([6.0, 5.0, 1.0, 0.0])]
+    # layer 0: gains 6, 1, 0.5 per expert of cost 1; layer 1: gains 0.5, 2, 0.5 per expert of cost 2:
+    # layer 1's first expert alone is a poor buy, its first two together (1.25 per cost) a good one
+    assert greedy_budget(errors, [1, 2], budget=1) == [1, 0]
+    assert greedy_budget(errors, [1, 2], budget=3) == [3, 0]
+    assert greedy_budget(errors, [1, 2], budget=5) == [1, 2]
+    assert greedy_budget(errors, [1, 2], budget=100) == [3, 3]
+    with pytest.raises(ConversionError):
+        greedy_budget(errors, [1, 2], budget=1, k_min=[1, 1])
+
+
+def test_error_curve_is_the_brute_force_error_of_the_top_k_experts():
+    torch.manual_seed(0)
+    T, d, E, m = 40, 8, 4, 3
+    x = torch.randn(T, d)
+    g, u, dn = torch.randn(E * m, d), torch.randn(E * m, d), torch.randn(d, E * m)
+    routed = np.arange(E * m).reshape(E, m)
+    scores = torch.randn(T, E)
+    err = error_curve(x, g, u, dn, routed, scores, "silu", chunk=7)
+    h = torch.nn.functional.silu(x @ g.T) * (x @ u.T)
+    y = h @ dn.T
+    for k in range(E + 1):
+        top = scores.topk(k, dim=1).indices if k else torch.zeros(T, 0, dtype=torch.long)
+        keep = torch.zeros(T, E).scatter_(1, top, 1.0).repeat_interleave(m, dim=1)
+        brute = float(((y - (h * keep) @ dn.T) ** 2).sum())
+        assert err[k] == pytest.approx(brute, rel=1e-4, abs=1e-6)
+    assert err[E] == pytest.approx(0, abs=1e-6) and np.all(np.diff(err) <= 1e-6)
+
+
+def test_ridge_router_is_the_regularised_least_squares_solution():
+    torch.manual_seed(1)
+    T, d, E, m = 200, 6, 3, 2
+    x = torch.randn(T, d)
+    g, u = torch.randn(E * m, d), torch.randn(E * m, d)
+    routed = np.arange(E * m)[::-1].copy().reshape(E, m)
+    w, b = ridge_router(x, g, u, routed, "silu", lam=0.1)
+    h = (torch.nn.functional.silu(x @ g.T) * (x @ u.T)).double().numpy()
+    target = np.abs(h[:, routed.reshape(-1)]).reshape(T, E, m).sum(-1)
+    xa = np.hstack([x.double().numpy(), np.ones((T, 1))])
+    lam = 0.1 * np.trace(xa.T @ xa) / T
+    sol = np.linalg.solve(xa.T @ xa + lam * np.eye(d + 1), xa.T @ target)
+    np.testing.assert_allclose(w, sol[:-1].T, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(b, sol[-1], rtol=1e-4, atol=1e-5)
+
+
+def test_moe_ffn_ridge_router_scores_with_its_offset():
+    torch.manual_seed(2)
+    gate, up, down = torch.randn(16, D_MODEL), torch.randn(16, D_MODEL), torch.randn(D_MODEL, 16)
+    w, b = torch.randn(4, D_MODEL), torch.tensor([0.0, 100.0, 0.0, -100.0])
+    mod = MoeFFN.from_dense(gate, up, down, "silu", [], torch.arange(16).reshape(4, 4), 1, "ridge",
+                            router_weight=w, router_offset=b)
+    picked = []
+    mod.recorder = picked.append
+    mod(torch.randn(5, D_MODEL) * 0.01)
+    assert picked[0].reshape(-1).tolist() == [1] * 5  # the offset dominates tiny inputs
+    assert mod.spec["router"] == "ridge" and mod.active_param_count() == 4 * (D_MODEL + 1) + 3 * D_MODEL * 4
+    with pytest.raises(ValueError, match="router_offset"):
+        MoeFFN.from_dense(gate, up, down, "silu", [], torch.arange(16).reshape(4, 4), 1, "ridge", router_weight=w)
+
+
+@pytest.mark.parametrize("params", [
+    ExpertWeaverParams(n_experts=8, sparsity=0.25),
+    ExpertWeaverParams(n_experts=8, sparsity=0.5, router="gate_mass"),
+    ExpertWeaverParams(n_experts=8, sparsity=0.5, router="ridge", alpha_basis="active"),
+    CMoEParams(n_experts=8, shared=2, active=2),
+    CMoEParams(n_experts=8, shared=1, active=3, router="gate_mass"),
+])
+def test_the_planned_cost_is_what_the_built_modules_spend(fitted, params):
+    _, adapter, prof, calib = fitted
+    method = expertweaver if params.method == "expertweaver" else cmoe
+    rows = method.plan_for(prof, params)
+    rows, _, modules, _ = partition_modules(adapter, prof, params, rows, method.layer_builder(prof, params), calib=calib)
+    built = sum(m.active_param_count() for m in modules.values()) / sum(3 * adapter.d_model * r.d_ffn for r in rows)
+    assert plan_flops_fraction(rows, params.router, adapter.d_model) == pytest.approx(built, rel=1e-12)
+
+
+def test_the_budget_plan_at_the_paper_plans_cost_has_no_more_calibration_error(fitted):
+    _, adapter, prof, calib = fitted
+    paper = ExpertWeaverParams(n_experts=8, sparsity=0.5, router="ridge", alpha_basis="active")
+    paper_cost = plan_flops_fraction(expertweaver.plan_for(prof, paper), "ridge", adapter.d_model)
+    budget = ExpertWeaverParams(n_experts=8, sparsity=1 - paper_cost, router="ridge", alpha_basis="active", plan="budget")
+    out = {}
+    for name, p in (("paper", paper), ("budget", budget)):
+        rows = expertweaver.plan_for(prof, p)
+        rows, experts, modules, fit = partition_modules(adapter, prof, p, rows, expertweaver.layer_builder(prof, p),
+                                                         calib=calib)
+        cost = sum(m.active_param_count() for m in modules.values()) / sum(3 * adapter.d_model * r.d_ffn for r in rows)
+        err = 0.0
+        for e, mod in zip(experts, modules.values()):
+            x = calib.mlp_inputs[e.layer]
+            gate_w, up_w, down_w = dense_weights(adapter, e.layer)
+            with torch.no_grad():
+                dense = adapter.layers[e.layer].mlp(x)
+                err += float(((dense - mod(x)) ** 2).sum() / (calib.residual_sq[e.layer] * calib.n_tokens))
+        out[name] = (cost, err, [r.top_k for r in rows], fit)
+    assert out["budget"][0] <= paper_cost + 1e-9 and out["paper"][0] == pytest.approx(paper_cost)
+    assert out["budget"][1] <= out["paper"][1] * 1.0001  # greedy over the same error it is measured by
+    assert out["budget"][2] != out["paper"][2]  # the plan did move experts between layers
+    assert out["budget"][3]["budget"]["top_k"] == out["budget"][2]
+
+
+def test_recipe_best_from_the_cli_records_its_cost_and_the_export_reloads(fitted, tmp_path, monkeypatch, data_dir):
+    _, _, prof, _ = fitted
+    monkeypatch.setenv("MOELAB_DATA_DIR", str(data_dir))
+    from moelab.settings import get_settings
+
+    get_settings.cache_clear()
+    out = tmp_path / "c"
+    res = CliRunner().invoke(main, ["convert", "--profile", str(prof.path), "--recipe", "best", "--sparsity", "0.5",
+                                    "--n-experts", "8", "--fit-tokens", "512", "--out", str(out), "--json", "--quiet"])
+    get_settings.cache_clear()
+    assert res.exit_code == 0, res.output
+    record = json.loads(res.output[res.output.index("{"):])
+    assert record["params"]["router"] == "ridge" and record["params"]["plan"] == "budget"
+    assert record["params"]["alpha_basis"] == "active"
+    model = load_exported(out)
+    dense = prof.manifest["model"]["n_ffn_parameters"]
+    assert record["summary"]["ffn_flops_fraction"] == pytest.approx(ffn_flops_fraction(model, dense))
+    assert record["summary"]["ffn_flops_fraction"] <= 0.5
+    assert sum(ffn_macs_per_token(model)) <= 0.5 * dense
+    assert record["fit"]["fit_source"] == "builtin:mixed" and record["fit"]["fit_tokens"] >= 256
+
+
+def test_an_unknown_recipe_is_refused_with_the_known_ones():
+    with pytest.raises(ConversionError, match="paper, best"):
+        get_method("expertweaver").recipe("fastest")
+    res = CliRunner().invoke(main, ["convert", "--profile", "x", "--recipe", "fastest", "--out", "y"])
+    assert res.exit_code == 2
+
+
+def test_paper_recipe_is_the_defaults():
+    assert get_method("expertweaver").recipe("paper") == ExpertWeaverParams()
+    assert get_method("cmoe").recipe("paper", active=3) == CMoEParams(active=3)

@@ -1,0 +1,261 @@
+"""Training-free fits on calibration tokens: a closed-form router and a per-layer compute plan.
+
+Neither is in the papers; both are options of the partition methods (``router="ridge"``,
+``plan="budget"``) with each paper's behaviour kept as the default, and ``--recipe best`` uses
+them. Measured on the default model (random 64×24 partition, held-out mixed text, relative FFN
+output error at 75% / 50% of routed neurons, layers 15 / 25 / 29): centroid router (EW Eq. 9)
+0.19 / 0.14 / 0.04 and 0.40 / 0.33 / 0.19; ridge 0.14 / 0.14 / 0.01 and 0.32 / 0.31 / 0.05 at
+the same cost; exact gate mass 0.13 / 0.09 / 0.02 (at +1/3 of the dense FFN); a rank-32 (4% of
+the FFN) prediction of every neuron's gate and up was worse than ridge; the oracle 0.08 / 0.06 / 0.01.
+
+* **Ridge router.** The score of routed expert e is a linear function of the MLP input,
+  ``s_e(x) = w_e·x + b_e``, fitted by ridge regression to the expert's output mass
+  ``Σ_{j∈e} |act(g_j(x)) · u_j(x)|`` (the L1 norm of its GLU hidden state) on the calibration
+  tokens: ``[W b] = (X̃ᵀX̃ + λI)⁻¹ X̃ᵀ M`` with ``X̃ = [X 1]`` and ``λ = RIDGE_LAMBDA · mean‖x̃‖²``.
+  Its cost per token is ``E·d`` multiply-adds, the centroid router's. Other targets (the expert's
+  output norm, √mass, log mass) ranked the experts within 0.005 of this one.
+* **Budget plan** (greedy, as TEAL allocates neuron sparsity across layers): for every layer and
+  every ``k = 0 … N_re`` the calibration error of running the ``k`` best-scored routed experts
+  (by the layer's own router) is measured, ``err_ℓ(k) = Σ_t ‖y_t − ŷ_t(k)‖² / Σ_t ‖h_t‖²``,
+  normalised by the squared norm of the residual stream ``h`` entering block ℓ (a perturbation
+  matters relative to the stream it is added to; the final norm rescales the stream). Starting
+  from ``k = 0`` everywhere, one expert at a time goes to the layer with the largest error
+  decrease per multiply-add until the budget is spent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..models import ModelAdapter
+from ..progress import NO_PROGRESS, Progress
+from .params import ConversionError
+
+import os
+BUDGET_NORMALISATION = os.environ.get("MOELAB_BUDGET_NORM", "ffn")
+RIDGE_LAMBDA = 1e-2  # relative to the mean squared norm of the (bias-augmented) inputs
+FIT_SEQ_LEN = 256
+
+
+@dataclass
+class CalibrationInputs:
+    """Per layer: MLP inputs ``x`` ``[T, d]`` (float32) and the mean squared residual norm."""
+
+    mlp_inputs: dict[int, torch.Tensor]
+    residual_sq: dict[int, float]
+    n_tokens: int
+
+
+def profile_token_windows(adapter: ModelAdapter, profile: Any, n_tokens: int, data_dir: Any) -> torch.Tensor:
+    """``[n, FIT_SEQ_LEN]`` token windows of the profile's own calibration text (its set, seed and split)."""
+    from ..data.calibration import CalibrationError, load_calibration
+
+    cal = profile.manifest["calibration"]
+    try:
+        cset = load_calibration(str(cal["source"]), samples=cal.get("n_samples"), seed=profile.settings.seed,
+                                data_dir=data_dir)
+    except (CalibrationError, OSError, ValueError) as exc:
+        raise ConversionError(f"the fitted router/plan reads the profile's calibration text {cal['source']!r}, "
+                              f"which could not be loaded again ({exc}); use the paper router and plan") from exc
+    tok = adapter.tokenizer
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    ids = tok([s.text for s in cset.samples], add_special_tokens=False)["input_ids"]
+    stream = np.concatenate([np.append(np.asarray(x, dtype=np.int64), eos) for x in ids])
+    n = min(max(1, n_tokens // FIT_SEQ_LEN), len(stream) // FIT_SEQ_LEN)
+    if n == 0:
+        raise ConversionError(f"calibration text {cal['source']!r} is shorter than {FIT_SEQ_LEN} tokens")
+    return torch.from_numpy(stream[: n * FIT_SEQ_LEN].reshape(n, FIT_SEQ_LEN))
+
+
+@torch.no_grad()
+def collect_inputs(adapter: ModelAdapter, windows: torch.Tensor, progress: Progress = NO_PROGRESS,
+                   batch: int = 4) -> CalibrationInputs:
+    """One dense forward pass over ``windows``, keeping every layer's MLP input and residual norm."""
+    xs: dict[int, list[torch.Tensor]] = {lay.index: [] for lay in adapter.layers}
+    res: dict[int, float] = {lay.index: 0.0 for lay in adapter.layers}
+    handles = []
+    for lay in adapter.layers:
+        def mlp_hook(_m, args, i=lay.index):
+            xs[i].append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())
+
+        def block_hook(_m, args, kwargs, i=lay.index):
+            h = args[0] if args else kwargs["hidden_states"]
+            res[i] += float(h.float().pow(2).sum())
+
+        handles.append(lay.mlp.register_forward_pre_hook(mlp_hook))
+        handles.append(lay.block.register_forward_pre_hook(block_hook, with_kwargs=True))
+    try:
+        chunks = windows.split(batch)
+        for b, ids in enumerate(chunks):
+            adapter.decoder()(input_ids=ids.to(adapter.device), use_cache=False)
+            progress.update("fit: calibration forward", b + 1, len(chunks))
+    finally:
+        for h in handles:
+            h.remove()
+    n = int(windows.numel())
+    return CalibrationInputs({i: torch.cat(v) for i, v in xs.items()}, {i: r / n for i, r in res.items()}, n)
+
+
+def _hidden(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, act: str) -> torch.Tensor:
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[act](x @ gate_w.T) * (x @ up_w.T)
+
+
+def ridge_router(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, routed: np.ndarray, act: str,
+                 lam: float = RIDGE_LAMBDA) -> tuple[np.ndarray, np.ndarray]:
+    """Closed-form router (module docstring): ``(weight [E, d], offset [E])``.
+
+    ``x`` ``[T, d]`` calibration MLP inputs; ``gate_w``/``up_w`` ``[d_ffn, d]``; ``routed`` ``[E, m]`` ids.
+    """
+    E, m = routed.shape
+    idx = torch.as_tensor(routed.reshape(-1), dtype=torch.long)
+    x = x.double()
+    mass = _hidden(x, gate_w.double()[idx], up_w.double()[idx], act).abs().reshape(-1, E, m).sum(-1)
+    xa = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
+    gram = xa.T @ xa
+    reg = lam * float(torch.diagonal(gram).sum()) / len(x)
+    sol = torch.linalg.solve(gram + reg * torch.eye(gram.shape[0], dtype=x.dtype), xa.T @ mass)  # [d+1, E]
+    return sol[:-1].T.float().numpy(), sol[-1].float().numpy()
+
+
+def error_curve(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
+                routed: np.ndarray, scores: torch.Tensor, act: str, chunk: int = 512) -> np.ndarray:
+    """``err[k]`` for k = 0 … E: ``Σ_t ‖y_t − ŷ_t(k)‖²`` where ``ŷ(k)`` keeps the k best-scored
+    routed experts of each token (the shared part is always computed, so it cancels)."""
+    E, m = routed.shape
+    idx = torch.as_tensor(routed.reshape(-1), dtype=torch.long)
+    g, u, dn = gate_w[idx], up_w[idx], down_w[:, idx].reshape(-1, E, m)
+    err = torch.zeros(E + 1, dtype=torch.float64)
+    for s in range(0, len(x), chunk):
+        xc = x[s : s + chunk]
+        h = _hidden(xc, g, u, act).reshape(-1, E, m)
+        contrib = torch.einsum("tem,dem->ted", h, dn)  # [t, E, d]
+        order = scores[s : s + chunk].argsort(dim=1, descending=True)
+        sorted_c = contrib.gather(1, order[..., None].expand_as(contrib))
+        # missing part after k experts = sum of the experts ranked k+1 … E
+        missing = sorted_c.flip(1).cumsum(1).flip(1)  # missing[:, k] = Σ_{j ≥ k}
+        err[:E] += missing.double().pow(2).sum(dim=(0, 2))
+    return err.numpy()
+
+
+def greedy_budget(errors: Sequence[np.ndarray], expert_cost: Sequence[int], budget: int,
+                  k_min: Sequence[int] | None = None) -> list[int]:
+    """Routed experts per token per layer, ``k_ℓ``, spending at most ``budget`` multiply-adds
+    (``expert_cost[ℓ]`` per expert) greedily by error decrease per multiply-add (module docstring).
+
+    Error curves need not be convex (a layer's second expert may help more than its first): each
+    step looks ahead along every layer's curve and buys the run of ``j`` experts with the best
+    average decrease per multiply-add that still fits the budget.
+    """
+    L = len(errors)
+    k = list(k_min) if k_min is not None else [0] * L
+    spent = sum(k[i] * expert_cost[i] for i in range(L))
+    if spent > budget:
+        raise ConversionError("the budget does not cover the minimum number of experts per layer")
+
+    def best_run(i: int) -> tuple[float, int]:
+        e, c = errors[i], expert_cost[i]
+        j = np.arange(1, len(e) - k[i])
+        j = j[spent + j * c <= budget]
+        if not j.size:
+            return -np.inf, 0
+        rate = (e[k[i]] - e[k[i] + j]) / (j * c)
+        b = int(np.argmax(rate))
+        return float(rate[b]), int(j[b])
+
+    while True:
+        runs = [best_run(i) for i in range(L)]
+        pick = max(range(L), key=lambda i: (runs[i][0], -i))
+        if runs[pick][1] == 0 or not runs[pick][0] > 0:
+            return k
+        k[pick] += runs[pick][1]
+        spent += runs[pick][1] * expert_cost[pick]
+
+
+def router_scores(x: torch.Tensor, router: str, weights: dict[str, np.ndarray], gate_w: torch.Tensor,
+                  routed: np.ndarray, act: str) -> torch.Tensor:
+    """``[T, E]`` scores of a training-free router on ``x`` (as ``MoeFFN._route`` computes them)."""
+    from transformers.activations import ACT2FN
+
+    E, m = routed.shape
+    if router == "ridge":
+        return x @ torch.as_tensor(weights["router_weight"]).T + torch.as_tensor(weights["router_offset"])
+    if router == "centroid":
+        return x @ torch.as_tensor(weights["router_weight"]).T
+    if router == "gate_mass":
+        idx = torch.as_tensor(routed.reshape(-1), dtype=torch.long)
+        return ACT2FN[act](x @ gate_w[idx].T).abs().reshape(-1, E, m).sum(-1)
+    if router == "representative":
+        f = ACT2FN[act](x @ torch.as_tensor(weights["router_gate"]).T)
+        return f * (x @ torch.as_tensor(weights["router_up"]).T)
+    raise ValueError(f"no training-free scores for router {router!r}")
+
+
+def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any], experts: list[Any], data_dir: Any,
+               progress: Progress = NO_PROGRESS, calib: CalibrationInputs | None = None,
+               ) -> tuple[list[Any], list[Any], dict[str, Any]]:
+    """The ridge router (``params.router == "ridge"``) and the budget plan (``params.plan == "budget"``)
+    of a partitioned model; returns the updated ``(rows, experts, record)``.
+
+    Budget: ``ffn_flops_fraction ≤ params.flops_budget()`` where the method defines it (EW:
+    ``1 − sparsity``), else the paper plan's own cost (CMoE: the uniform S·A·E plan's); shared parts
+    and routers are paid first, the rest buys routed experts (``greedy_budget``).
+    """
+
+    from ..core.allocation import layer_cost, layer_plan
+    from ..core.slicing import dense_weights
+
+    if calib is None:  # ``calib``: the same inputs, already collected (a benchmark converting many times)
+        calib = collect_inputs(adapter, profile_token_windows(adapter, profile, params.fit_tokens, data_dir), progress)
+    budget_plan = getattr(params, "plan", "paper") == "budget"
+    d = adapter.d_model
+    curves, fixed, unit = [], [], []
+    for n, (row, ex) in enumerate(zip(rows, experts)):
+        gate_w, up_w, down_w = (w.detach().float().cpu() for w in dense_weights(adapter, row.layer))
+        x = calib.mlp_inputs[row.layer]
+        if ex.router == "ridge" and len(ex.routed):
+            w, b = ridge_router(x, gate_w, up_w, ex.routed, adapter.activation)
+            ex.router_weights = {"router_weight": w, "router_offset": b}
+        if budget_plan:
+            f, c = layer_cost(row, ex.router, d)
+            fixed.append(f)
+            unit.append(c)
+            if len(ex.routed):
+                scores = router_scores(x, ex.router, ex.router_weights, gate_w, ex.routed, adapter.activation)
+                err = error_curve(x, gate_w, up_w, down_w, ex.routed, scores, adapter.activation)
+                if BUDGET_NORMALISATION == "residual":
+                    norm = calib.residual_sq[row.layer] * calib.n_tokens
+                else:  # the dense FFN output's energy: every layer's relative error counts the same
+                    norm = float(torch.nn.functional.linear(_hidden(x, gate_w, up_w, adapter.activation), down_w).pow(2).sum())
+                curves.append(err / norm)
+            else:
+                curves.append(np.zeros(1))
+        progress.update("fit: routers and error curves", n + 1, len(rows))
+    record: dict[str, Any] = {"fit_tokens": calib.n_tokens, "fit_source": profile.manifest["calibration"]["source"]}
+    if not budget_plan:
+        return rows, experts, record
+    dense = sum(3 * d * row.d_ffn for row in rows)
+    paper_cost = sum(f + row.top_k * c for f, c, row in zip(fixed, unit, rows)) / dense
+    cap = params.flops_budget() if hasattr(params, "flops_budget") else paper_cost
+    budget = int(cap * dense) - sum(fixed)
+    if budget < 0:
+        raise ConversionError(
+            f"the shared experts and routers alone cost {sum(fixed) / dense:.1%} of the dense FFN, more than the "
+            f"budget {cap:.1%}: lower the shared share (alpha_min/alpha_max, shared) or the sparsity")
+    ks = greedy_budget(curves, unit, budget)
+    new_rows = []
+    for row, ex, k in zip(rows, experts, ks):
+        leftover = row.d_shared - row.n_shared * row.d_expert
+        note = "budget plan: top-k chosen by calibration error"
+        new = layer_plan(row.layer, row.d_ffn, row.r, row.d_expert, row.n_shared, leftover, row.n_routed, k,
+                         row.clamped, note)
+        new_rows.append(new)
+        ex.top_k = k if len(ex.routed) else 0
+    record["budget"] = {"ffn_flops_fraction": cap, "paper_plan_ffn_flops_fraction": paper_cost, "error_at_k": [float(c[k]) for c, k in zip(curves, ks)],
+                        "top_k": ks}
+    return new_rows, experts, record
