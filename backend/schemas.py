@@ -441,6 +441,8 @@ class FinetuneCreate(_In):
     lb_coef: float = Field(0.01, ge=0, le=100, description="λ of the load-balancing loss L_NTP + λ·L_LB (EW Eq. 12); not used by cmoe")
     bias_step: float = Field(1e-3, ge=0, le=1, description="γ: per-step update of the routing bias b (CM §3.3, AF Eq. 9; cmoe only)")
     checkpoint_every: int = Field(20, ge=1, le=100_000, description="steps between checkpoints (a cancelled run resumes from the latest)")
+    warmup: float = Field(0.1, ge=0, lt=1, description="share of the steps with a linear learning-rate warm-up")
+    router_first: float = Field(0.0, ge=0, lt=1, description="share of the steps that train the routers only, before the adapters start")
     source: str = Field(
         "builtin:mixed", min_length=1, max_length=200,
         description="training text: builtin:NAME (its calibration split) or the id of a stored calibration set",

@@ -297,14 +297,18 @@ def methods(as_json: bool) -> None:
 @click.option("--lb-coef", type=float, default=0.01, show_default=True, help="λ of EW Eq. 12")
 @click.option("--bias-step", type=float, default=1e-3, show_default=True, help="γ of CM §3.3")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--warmup", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
+              help="share of the steps with a linear learning-rate warm-up")
+@click.option("--router-first", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
+              help="share of the steps that train the routers only, before the adapters start")
 @click.option("--source", default="builtin:mixed", show_default=True, help="training text (its calibration split)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="work dir; an interrupted run resumes from its last checkpoint")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--quiet", is_flag=True)
 def finetune(conversion_dir: Path, mode: str | None, steps: int, batch_size: int, seq_len: int, lr: float, router_lr: float,
-             lora_rank: int, lb_coef: float, bias_step: float, checkpoint_every: int, source: str, seed: int, out: Path,
-             as_json: bool, quiet: bool) -> None:
+             lora_rank: int, lb_coef: float, bias_step: float, checkpoint_every: int, warmup: float, router_first: float,
+             source: str, seed: int, out: Path, as_json: bool, quiet: bool) -> None:
     """Recovery fine-tuning of a converted model; the fine-tuned model is exported to OUT/model."""
     from workers.engine.training.finetune import FinetuneError, FinetuneParams, run_finetune
     from workers.engine.methods import method_of
@@ -320,7 +324,7 @@ def finetune(conversion_dir: Path, mode: str | None, steps: int, batch_size: int
             mode = method
         params = FinetuneParams(mode=mode, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, router_lr=router_lr,
                                 lora_rank=lora_rank, lb_coef=lb_coef, bias_step=bias_step, checkpoint_every=checkpoint_every,
-                                source=source, seed=seed)
+                                warmup=warmup, router_first=router_first, source=source, seed=seed)
         params.validate()
         summary = run_finetune(conversion_dir, params, out, data_dir=cfg.data_dir, device=cfg.device, progress=progress)
     if as_json:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import dash
-from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
+from dash import ALL, MATCH, Input, Output, State, callback, ctx, dcc, html, no_update
 
 from frontend import figures as F
 from frontend.api_client import ApiError, api
@@ -21,6 +21,7 @@ dash.register_page(__name__, path="/designer", name="Conversion designer", order
 
 N = "cd"
 PARAM = "cd-param"  # pattern-matching id type of a parameter control: {"type", "method", "name"}
+RECIPE, RECIPE_DIFF = "cd-recipe", "cd-recipe-diff"  # {"type", "method"}: recipe choice and its difference
 
 
 def _methods() -> tuple[list[dict[str, Any]], str | None]:
@@ -72,7 +73,16 @@ def method_panel(m: dict[str, Any], query: dict[str, Any], shown: bool) -> html.
     """A method's parameters: the main ones, then the advanced ones folded under 'more'."""
     main = [param_control(m["name"], p, _typed(p, query.get(p["name"]))) for p in m["params"] if not p["advanced"]]
     more = [param_control(m["name"], p, _typed(p, query.get(p["name"]))) for p in m["params"] if p["advanced"]]
-    children = [html.Div(f"{m['title']} ({m['paper']}): {m['summary']}", className="note"), html.Div(main, className="controls")]
+    children = [html.Div(f"{m['title']} ({m['paper']}): {m['summary']}", className="note")]
+    recipes = m.get("recipes") or {}
+    if len(recipes) > 1:  # "paper" (the defaults) and the measured "best"
+        children.append(html.Div(className="controls", children=[
+            html.Div([html.Label("recipe", title="paper: the paper's settings; best: the best training-free conversion "
+                                                 "measured (bench_frontier) at the same cost"),
+                      dcc.RadioItems(id={"type": RECIPE, "method": m["name"]}, options=list(recipes), value=None, inline=True)]),
+            html.Div(id={"type": RECIPE_DIFF, "method": m["name"]}, className="hint"),
+        ]))
+    children.append(html.Div(main, className="controls"))
     if more:
         children.append(html.Details([html.Summary("more parameters"), html.Div(more, className="controls")]))
     return html.Div(children, id={"type": "cd-panel", "name": m["name"]}, style={} if shown else {"display": "none"})
@@ -122,6 +132,30 @@ def layout(profile: str | None = None, method: str = "expertweaver", **query: st
     ])
 
 
+def recipe_values(m: dict[str, Any], recipe: str) -> tuple[dict[str, Any], list[str]]:
+    """Every parameter's value under ``recipe`` (the defaults, then its overrides) and the
+    differences from the paper's settings in words."""
+    over = (m.get("recipes") or {}).get(recipe) or {}
+    defaults = {p["name"]: p["default"] for p in m["params"]}
+    return {**defaults, **over}, [f"{k}: {defaults[k]} → {v}" for k, v in over.items() if defaults.get(k) != v]
+
+
+@callback(Output({"type": PARAM, "method": MATCH, "name": ALL}, "value"), Output({"type": RECIPE_DIFF, "method": MATCH}, "children"),
+          Input({"type": RECIPE, "method": MATCH}, "value"), State({"type": PARAM, "method": MATCH, "name": ALL}, "id"),
+          State({"type": PARAM, "method": MATCH, "name": ALL}, "value"), State(f"{N}-methods", "data"), prevent_initial_call=True)
+def _recipe(recipe, ids, current, methods):
+    """Choosing a recipe sets every control of its method; ``sparsity`` (the cost asked for) is kept."""
+    m = next((m for m in methods or [] if ids and m["name"] == ids[0]["method"]), None)
+    if m is None or not recipe:
+        return [no_update] * len(ids), no_update
+    values, diff = recipe_values(m, recipe)
+    keep = {i["name"]: v for i, v in zip(ids, current) if i["name"] == "sparsity"}
+    values.update(keep)
+    text = f"{recipe}: " + ("; ".join(diff) if diff else "the paper's settings") + (
+        ". With plan 'budget', sparsity is of the FFN cost: ffn_flops_fraction ≤ 1 − sparsity." if values.get("plan") == "budget" else "")
+    return [values[i["name"]] for i in ids], text
+
+
 def chosen_params(method: str, values: list[Any], ids: list[dict[str, Any]]) -> dict[str, Any]:
     """The chosen method's parameter values (empty boxes are left out: the method's default applies)."""
     return {i["name"]: v for v, i in zip(values, ids) if i["method"] == method and v is not None and v != ""}
@@ -162,7 +196,11 @@ def _preview(profile, method, values, ids, methods):
                 f"{1 - f['s_mlp']:.3f} {test}): {s['layers_before']} → {s['layers_after']} layers, "
                 f"{s['n_experts']} experts, top-{s['top_k']}.")
         return F.message_figure(text), {"kind": "fusion", "data": preview, "filename": "fusion"}, text, error_box(None), search
-    text = [f"active {s['active_fraction']:.1%} of FFN neurons (sparsity {s['sparsity']:.1%}), mean α {s['mean_alpha']:.2f}."]
+    text = [f"active {s['active_fraction']:.1%} of FFN neurons (neuron sparsity {s['sparsity']:.1%}), mean α {s['mean_alpha']:.2f}."]
+    if s.get("ffn_flops_fraction") is not None:
+        text.append(f" FFN cost {s['ffn_flops_fraction']:.3f} of dense (ffn_flops_fraction: multiply-adds per token, router included).")
+    if s.get("plan_note"):
+        text.append(html.Span(" " + s["plan_note"] + ".", className="aggregated"))
     if s.get("clamped_layers"):
         text.append(html.Span(f" Clamped layers {s['clamped_layers']}: Eq. 6 asked for more shared experts than the active budget; "
                               "lower α_max, raise τ or use α basis 'active'.", className="aggregated"))

@@ -23,7 +23,7 @@ from workers.engine.runtime.export import load_exported
 from workers.engine.training.finetune import (
     FinetuneError, FinetuneParams, RoutingTap, apply_mode, load_balancing_loss,
     load_conversion_for_training, merge_adapters, read_train_log, run_finetune, to_softmax_router,
-    update_router_bias, window_indices,
+    lr_factor, update_router_bias, window_indices,
 )
 from workers.engine.methods.midas import MidasParams
 from workers.engine.runtime.modeling_moelab import MoeFFN
@@ -105,10 +105,20 @@ def trainable(model) -> set[str]:
     ({"lb_coef": -1.0}, "lb_coef"), ({"seq_len": 4}, "seq_len"), ({"lora_rank": 0}, "lora_rank"),
     ({"source": "  "}, "source"), ({"source": "/data/set", "eval_source": "/data/other"}, "eval_source"),
     ({"checkpoint_every": 0}, "checkpoint_every"), ({"batch_size": 2.5}, "batch_size"),
+    ({"warmup": 1.0}, "warmup"), ({"router_first": -0.1}, "router_first"),
 ])
 def test_bad_params_say_what_to_fix(change, words):
     with pytest.raises(FinetuneError, match=words):
         FinetuneParams(**change).validate()
+
+
+def test_schedule_warms_up_then_decays_and_adapters_can_wait_for_the_routers():
+    steps = 100
+    f = [lr_factor(s, steps, warmup=0.1) for s in range(steps)]
+    assert f[:10] == pytest.approx([(i + 1) / 10 for i in range(10)]) and f[9] == 1.0
+    assert f[-1] == pytest.approx(0.1, abs=1e-3) and all(a >= b for a, b in zip(f[10:], f[11:]))
+    late = [lr_factor(s, steps, warmup=0.1, start=25) for s in range(steps)]
+    assert late[:25] == [0.0] * 25 and late[25] == pytest.approx(1 / 8) and late[-1] == pytest.approx(0.1, abs=1e-3)
 
 
 def test_params_round_trip_and_unknown_keys():

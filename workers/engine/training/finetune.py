@@ -139,6 +139,8 @@ class FinetuneParams:
     lb_coef: float = 0.01  # λ of EW Eq. 12; not used by cmoe (bias balancing instead)
     bias_step: float = 1e-3  # γ of CM §3.3 / AF Eq. 9 (cmoe only)
     checkpoint_every: int = 20
+    warmup: float = 0.1  # share of the steps with a linear learning-rate warm-up (every group)
+    router_first: float = 0.0  # share of the steps that train the routers only (adapters wait, lr 0)
     source: str = "builtin:mixed"
     eval_source: str | None = None  # built-in whose held-out split scores perplexity; None: see heldout_source
     eval_windows: int = 16
@@ -191,6 +193,10 @@ class FinetuneParams:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise FinetuneError(f"{name}={value!r}: use a number ≥ 0 (0 switches it off)")
+        for name in ("warmup", "router_first"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise FinetuneError(f"{name}={value!r}: use a share of the steps in [0, 1)")
         if self.recovery.lora == "required" and self.lora_rank == 0:
             raise FinetuneError(f"mode {self.mode!r} trains LoRA adapters: use lora_rank ≥ 1")
         if not isinstance(self.source, str) or not self.source.strip():
@@ -236,12 +242,16 @@ def window_indices(cursor: int, batch_size: int, n_windows: int, seed: int) -> n
     return out
 
 
-def lr_factor(step: int, steps: int) -> float:
-    """Linear warm-up over the first 5% of steps, then cosine decay to 10% (``step`` 0-based)."""
-    warmup = max(1, round(0.05 * steps))
-    if step < warmup:
-        return (step + 1) / warmup
-    t = (step - warmup) / max(1, steps - warmup)
+def lr_factor(step: int, steps: int, warmup: float = 0.1, start: int = 0) -> float:
+    """Linear warm-up over ``warmup`` of the steps after ``start``, then cosine decay to 10% by the
+    last step (``step`` 0-based); 0 before ``start`` (a group that waits, see ``router_first``)."""
+    if step < start:
+        return 0.0
+    step, steps = step - start, steps - start
+    n_warm = max(1, round(warmup * steps))
+    if step < n_warm:
+        return (step + 1) / n_warm
+    t = (step - n_warm) / max(1, steps - n_warm)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
 
 
@@ -720,9 +730,11 @@ def run_finetune(
             t_step = time.perf_counter()
             idx = window_indices(step * params.batch_size, params.batch_size, len(train_win), params.seed)
             x = train_win[idx].to(dev)
-            factor = lr_factor(step, params.steps)
+            wait = round(params.router_first * params.steps) if setup.groups.get("routers") else 0
             for group in optimizer.param_groups:
-                group["lr"] = group["base_lr"] * factor
+                start = wait if group["name"] == "adapters" else 0
+                group["lr"] = group["base_lr"] * lr_factor(step, params.steps, params.warmup, start)
+            factor = lr_factor(step, params.steps, params.warmup)
             tap.reset()
             ntp = setup.model(input_ids=x, labels=x, use_cache=False).loss
             aux = tap.aux_loss()

@@ -1,0 +1,49 @@
+"""The designer's recipes and the Compare page's quality-vs-cost chart say the right values."""
+
+from __future__ import annotations
+
+import json
+
+import frontend.app  # noqa: F401  (instantiates the Dash app: the page modules register with it)
+from frontend import figures as F
+from frontend.pages.designer import _recipe, recipe_values
+from workers.engine.methods import describe_methods
+
+
+def _methods():
+    return json.loads(json.dumps(describe_methods()))
+
+
+def test_choosing_best_sets_every_control_and_names_the_differences():
+    ew = next(m for m in _methods() if m["name"] == "expertweaver")
+    ids = [{"type": "cd-param", "method": "expertweaver", "name": p["name"]} for p in ew["params"]]
+    current = [0.5 if p["name"] == "sparsity" else p["default"] for p in ew["params"]]
+    values, text = _recipe("best", ids, current, _methods())
+    chosen = {i["name"]: v for i, v in zip(ids, values)}
+    assert chosen["router"] == "ridge" and chosen["plan"] == "budget" and chosen["alpha_basis"] == "active"
+    assert chosen["sparsity"] == 0.5  # the cost asked for is kept
+    assert chosen["tau"] == 0.6 and chosen["n_experts"] == 64  # everything else: the paper's
+    assert "router: centroid → ridge" in text and "plan: paper → budget" in text and "ffn_flops_fraction ≤ 1 − sparsity" in text
+    values, text = _recipe("paper", ids, values, _methods())
+    assert {i["name"]: v for i, v in zip(ids, values)}["router"] == "centroid" and text == "paper: the paper's settings"
+
+
+def test_recipe_values_are_the_defaults_plus_the_overrides():
+    cm = next(m for m in _methods() if m["name"] == "cmoe")
+    values, diff = recipe_values(cm, "paper")
+    assert values == {p["name"]: p["default"] for p in cm["params"]} and diff == []
+
+
+def test_quality_vs_cost_plots_one_series_per_text_with_the_recorded_numbers():
+    pts = [{"label": "EW paper", "text": "builtin:mixed (32×256 tokens)", "ffn_flops_fraction": 0.764, "perplexity_ratio": 1.96},
+           {"label": "best", "text": "builtin:mixed (32×256 tokens)", "ffn_flops_fraction": 0.75, "perplexity_ratio": 1.4},
+           {"label": "best", "text": "builtin:code (8×256 tokens)", "ffn_flops_fraction": 0.75, "perplexity_ratio": 1.3},
+           {"label": "old", "text": "builtin:code (8×256 tokens)", "ffn_flops_fraction": None, "perplexity_ratio": 2.0}]
+    fig = F.quality_vs_cost(pts)
+    by_name = {t.name: t for t in fig.data}
+    assert set(by_name) == {"builtin:mixed (32×256 tokens)", "builtin:code (8×256 tokens)"}
+    mixed = by_name["builtin:mixed (32×256 tokens)"]
+    assert list(mixed.x) == [0.75, 0.764] and list(mixed.y) == [1.4, 1.96] and list(mixed.text) == ["best", "EW paper"]
+    assert list(by_name["builtin:code (8×256 tokens)"].x) == [0.75]  # the unrecorded cost is left out, not guessed
+    assert fig.layout.yaxis.type == "log" and "ffn_flops_fraction" in fig.layout.xaxis.title.text
+    assert "no evaluated conversion" in F.quality_vs_cost([]).layout.annotations[0].text
