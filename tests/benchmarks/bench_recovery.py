@@ -9,7 +9,7 @@ perplexity of the training-free conversion (before), where training starts (star
 from before only when the mode changes the model, EW Eq. 11), after, and the dense model's on
 the same windows; steps, tokens, seconds, peak RSS. Conversions:
 
-* cmoe: CMoE 24·24·64 (25% sparsity, representative router; as bench_quality.py);
+* cmoe: CMoE 24·24·64 (25% sparsity, representative router; as in bench_frontier.py);
 * expertweaver: paper defaults (α 0.2–0.7, τ 0.6, 64 experts, 25% sparsity, centroid router);
 * dense2moe: the defaults (D2 §4.2: n* = 5 pruned blocks, N = M = 1 so 6 experts, top-1; δ 0.3;
   results recorded before these defaults (n* = 1, top-2, whose router got no gradient) are stale);

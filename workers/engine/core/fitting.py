@@ -16,9 +16,13 @@ the FFN) prediction of every neuron's gate and up was worse than ridge; the orac
   output norm, √mass, log mass) ranked the experts within 0.005 of this one.
 * **Budget plan** (greedy, as TEAL allocates neuron sparsity across layers): for every layer and
   every ``k = 0 … N_re`` the calibration error of running the ``k`` best-scored routed experts
-  (by the layer's own router) is measured, ``err_ℓ(k) = Σ_t ‖y_t − ŷ_t(k)‖² / Σ_t ‖h_t‖²``,
-  normalised by the squared norm of the residual stream ``h`` entering block ℓ (a perturbation
-  matters relative to the stream it is added to; the final norm rescales the stream). Starting
+  (by the layer's own router) is measured, ``err_ℓ(k) = mean_t ‖y_t − ŷ_t(k)‖² / ‖h_t‖²``, each
+  token's error relative to its own residual stream ``h_t`` entering block ℓ (a perturbation matters
+  relative to the stream it is added to, and the next norm rescales the stream). Per token, because
+  a few tokens carry residual norms and FFN outputs hundreds of times the rest (massive
+  activations): normalising the summed error by the summed energy (of the residual or of the FFN
+  output) let those tokens decide, and the plan starved whole layers (k = 1 of 40 in layers 12–19,
+  or in layers 2, 11, 28, 29) for a worse perplexity than the uniform plan. Starting
   from ``k = 0`` everywhere, one expert at a time goes to the layer with the largest error
   decrease per multiply-add until the budget is spent.
 """
@@ -35,18 +39,18 @@ from ..models import ModelAdapter
 from ..progress import NO_PROGRESS, Progress
 from .params import ConversionError
 
-import os
-BUDGET_NORMALISATION = os.environ.get("MOELAB_BUDGET_NORM", "ffn")
+CURVE_TOKENS = 1024  # calibration tokens the budget plan's error curves are measured on
 RIDGE_LAMBDA = 1e-2  # relative to the mean squared norm of the (bias-augmented) inputs
 FIT_SEQ_LEN = 256
 
 
 @dataclass
 class CalibrationInputs:
-    """Per layer: MLP inputs ``x`` ``[T, d]`` (float32) and the mean squared residual norm."""
+    """Per layer: MLP inputs ``x`` ``[T, d]`` (float32) and the squared norm of each token's residual
+    stream entering the block ``[T]``."""
 
     mlp_inputs: dict[int, torch.Tensor]
-    residual_sq: dict[int, float]
+    residual_sq: dict[int, torch.Tensor]
     n_tokens: int
 
 
@@ -76,7 +80,7 @@ def collect_inputs(adapter: ModelAdapter, windows: torch.Tensor, progress: Progr
                    batch: int = 4) -> CalibrationInputs:
     """One dense forward pass over ``windows``, keeping every layer's MLP input and residual norm."""
     xs: dict[int, list[torch.Tensor]] = {lay.index: [] for lay in adapter.layers}
-    res: dict[int, float] = {lay.index: 0.0 for lay in adapter.layers}
+    res: dict[int, list[torch.Tensor]] = {lay.index: [] for lay in adapter.layers}
     handles = []
     for lay in adapter.layers:
         def mlp_hook(_m, args, i=lay.index):
@@ -84,7 +88,7 @@ def collect_inputs(adapter: ModelAdapter, windows: torch.Tensor, progress: Progr
 
         def block_hook(_m, args, kwargs, i=lay.index):
             h = args[0] if args else kwargs["hidden_states"]
-            res[i] += float(h.float().pow(2).sum())
+            res[i].append(h.float().pow(2).sum(-1).reshape(-1).cpu())
 
         handles.append(lay.mlp.register_forward_pre_hook(mlp_hook))
         handles.append(lay.block.register_forward_pre_hook(block_hook, with_kwargs=True))
@@ -97,7 +101,7 @@ def collect_inputs(adapter: ModelAdapter, windows: torch.Tensor, progress: Progr
         for h in handles:
             h.remove()
     n = int(windows.numel())
-    return CalibrationInputs({i: torch.cat(v) for i, v in xs.items()}, {i: r / n for i, r in res.items()}, n)
+    return CalibrationInputs({i: torch.cat(v) for i, v in xs.items()}, {i: torch.cat(v) for i, v in res.items()}, n)
 
 
 def _hidden(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, act: str) -> torch.Tensor:
@@ -114,8 +118,8 @@ def ridge_router(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, rout
     """
     E, m = routed.shape
     idx = torch.as_tensor(routed.reshape(-1), dtype=torch.long)
-    x = x.double()
-    mass = _hidden(x, gate_w.double()[idx], up_w.double()[idx], act).abs().reshape(-1, E, m).sum(-1)
+    mass = _hidden(x.float(), gate_w.float()[idx], up_w.float()[idx], act).abs().reshape(-1, E, m).sum(-1).double()
+    x = x.double()  # the normal equations in float64: XᵀX of thousands of tokens loses float32 digits
     xa = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
     gram = xa.T @ xa
     reg = lam * float(torch.diagonal(gram).sum()) / len(x)
@@ -124,9 +128,11 @@ def ridge_router(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, rout
 
 
 def error_curve(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
-                routed: np.ndarray, scores: torch.Tensor, act: str, chunk: int = 512) -> np.ndarray:
-    """``err[k]`` for k = 0 … E: ``Σ_t ‖y_t − ŷ_t(k)‖²`` where ``ŷ(k)`` keeps the k best-scored
-    routed experts of each token (the shared part is always computed, so it cancels)."""
+                routed: np.ndarray, scores: torch.Tensor, act: str, chunk: int = 512,
+                weights: torch.Tensor | None = None) -> np.ndarray:
+    """``err[k]`` for k = 0 … E: ``Σ_t w_t ‖y_t − ŷ_t(k)‖²`` where ``ŷ(k)`` keeps the k best-scored
+    routed experts of each token (the shared part is always computed, so it cancels); ``w_t = 1``
+    unless ``weights`` ``[T]`` are given."""
     E, m = routed.shape
     idx = torch.as_tensor(routed.reshape(-1), dtype=torch.long)
     g, u, dn = gate_w[idx], up_w[idx], down_w[:, idx].reshape(-1, E, m)
@@ -139,7 +145,10 @@ def error_curve(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_
         sorted_c = contrib.gather(1, order[..., None].expand_as(contrib))
         # missing part after k experts = sum of the experts ranked k+1 … E
         missing = sorted_c.flip(1).cumsum(1).flip(1)  # missing[:, k] = Σ_{j ≥ k}
-        err[:E] += missing.double().pow(2).sum(dim=(0, 2))
+        sq = missing.pow(2).sum(dim=2)  # [t, E]
+        if weights is not None:
+            sq = sq * weights[s : s + chunk, None]
+        err[:E] += sq.double().sum(dim=0)
     return err.numpy()
 
 
@@ -227,12 +236,11 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
             unit.append(c)
             if len(ex.routed):
                 scores = router_scores(x, ex.router, ex.router_weights, gate_w, ex.routed, adapter.activation)
-                err = error_curve(x, gate_w, up_w, down_w, ex.routed, scores, adapter.activation)
-                if BUDGET_NORMALISATION == "residual":
-                    norm = calib.residual_sq[row.layer] * calib.n_tokens
-                else:  # the dense FFN output's energy: every layer's relative error counts the same
-                    norm = float(torch.nn.functional.linear(_hidden(x, gate_w, up_w, adapter.activation), down_w).pow(2).sum())
-                curves.append(err / norm)
+                every = max(1, len(x) // CURVE_TOKENS)  # an even subsample: the curve is a mean, the cost is T·E·d
+                weights = 1 / calib.residual_sq[row.layer][::every].clamp_min(1e-12)
+                err = error_curve(x[::every], gate_w, up_w, down_w, ex.routed, scores[::every], adapter.activation,
+                                  weights=weights)
+                curves.append(err / len(weights))
             else:
                 curves.append(np.zeros(1))
         progress.update("fit: routers and error curves", n + 1, len(rows))
