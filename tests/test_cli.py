@@ -170,6 +170,10 @@ def test_convert_dense2moe_fuses_layers_and_evaluates(tmp_path, tiny_profile, da
     s = record["summary"]
     assert s["method"] == "dense2moe" and s["n_layers"] == 2  # 3 layers, one fused away
     assert s["total_params"] > s["active_params"] and s["active_params"] < s["dense_active_params"]
+    # two FFNs run per token where three did (the fused layer's top-1 of 2 experts), plus its router
+    d_model = json.loads((tiny_profile / "manifest.json").read_text())["model"]["d_model"]
+    router = 2 * d_model / json.loads((tiny_profile / "manifest.json").read_text())["model"]["n_ffn_parameters"]
+    assert s["ffn_flops_fraction"] == pytest.approx(2 / 3 + router)
     assert report["method"] == "dense2moe" and set(report["results"]) == {"dense", "converted"}
     assert report["results"]["converted"]["routing"]["load_cv"]  # the fused layer's router was recorded
 
@@ -215,6 +219,7 @@ def test_convert_hierarchical_tiny_mixtral_and_evaluate(tmp_path, default_model_
         "--experts", "8", "--shared", "2", "--active", "2",
     )
     assert record["summary"]["method"] == "hierarchical" and record["summary"]["active_params"] < record["summary"]["dense_active_params"]
+    assert 0 < record["summary"]["ffn_flops_fraction"] < 1  # over the original MoE's per-token FFN cost
     assert report["results"]["converted"]["perplexity"] > 0 and report["results"]["dense"]["perplexity"] > 0
     assert report["results"]["converted"]["routing"]["load_cv"]
 

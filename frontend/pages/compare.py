@@ -17,6 +17,7 @@ from frontend.components import error_box, figure_card, options, to_search
 dash.register_page(__name__, path="/compare", name="Compare conversions", order=6)
 
 N = "cc"
+HEADERS = {"sparsity": "sparsity (parameter)"}  # the cost compared at is ffn_flops_fraction, its own column
 
 
 def layout(ids: str | None = None, **_):
@@ -55,7 +56,7 @@ def _update(ids):
         fig = F.message_figure(str(exc))
         return None, fig, fig, fig, None, None, error_box(str(exc)), search
     keys = ["method", "n_experts", "alpha_min", "alpha_max", "tau", "sparsity", "plan", "shared", "active"]
-    header = html.Tr([html.Th("conversion"), html.Th("status"), html.Th("router")] + [html.Th(k) for k in keys]
+    header = html.Tr([html.Th("conversion"), html.Th("status"), html.Th("router")] + [html.Th(HEADERS.get(k, k)) for k in keys]
                      + [html.Th("active neuron fraction"), html.Th("FFN cost (ffn_flops_fraction)"), html.Th("load CV (mean)")])
     body, ppl_rows, plans, cost_points = [], [], {}, []
     for c in convs:

@@ -112,6 +112,7 @@ def test_conversion_job_and_downloaded_model_generates(client, conversion_id, tm
     conv = client.get(f"/api/v1/conversions/{conversion_id}").json()
     assert conv["status"] == "ready" and len(conv["layers"]) == 3
     assert conv["summary"]["active_fraction"] == pytest.approx(0.75, abs=0.02)
+    assert conv["summary"]["active_fraction"] < conv["summary"]["ffn_flops_fraction"] < 1  # the router costs too
     files = {f["path"] for f in client.get(f"/api/v1/artifacts/conversions/{conversion_id}").json()["files"]}
     assert {"config.json", "model.safetensors", "conversion.json", "modeling_moelab.py"} <= files
     record = client.get(f"/api/v1/artifacts/conversions/{conversion_id}/files/conversion.json").json()
