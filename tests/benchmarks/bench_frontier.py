@@ -8,7 +8,7 @@ largest cost that does not exceed ``c`` (``core.allocation.plan_flops_fraction``
 the built modules' own count), so rows of one level cost the same within one expert's share:
 
 * ExpertWeaver with the paper's settings (centroid router, α on all neurons), with the gate-mass
-  router, with the ridge router, and with α on the active budget; CMoE (S = A, representative
+  router and with the ridge router; CMoE (S = A, representative
   router) with the gate-mass and ridge routers; ``--recipe best`` (``methods.expertweaver``:
   ridge router, α on the active budget, per-layer budget plan); AbsTopK-GLU (EW Eq. 2) at the
   same cost (it computes every gate: ``1/3 + 2/3 · k/d_ffn``);
@@ -78,7 +78,6 @@ def configurations(level: float, d_model: int, profile: Any) -> dict[str, Any]:
         "ew-paper": _ew(level, d_model, profile),
         "ew-gate_mass": _ew(level, d_model, profile, router="gate_mass"),
         "ew-ridge": _ew(level, d_model, profile, router="ridge"),
-        "ew-active-ridge": _ew(level, d_model, profile, router="ridge", alpha_basis="active"),
         "cmoe-paper": _cmoe(level, d_model, profile),
         "cmoe-gate_mass": _cmoe(level, d_model, profile, router="gate_mass"),
         "cmoe-ridge": _cmoe(level, d_model, profile, router="ridge"),
@@ -139,10 +138,17 @@ def svg_plot(points: dict[str, list[tuple[float, float]]], path: Path, title: st
     path.write_text("\n".join(out) + "\n")
 
 
+def write(report: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", type=Path, default=ROOT / "runs" / "p1")
-    ap.add_argument("--levels", type=float, nargs="+", default=[0.85, 0.75, 0.6, 0.5])
+    ap.add_argument("--levels", type=float, nargs="+", default=[0.75, 0.5, 0.6, 0.85])
     ap.add_argument("--windows", type=int, default=3, help="held-out windows per domain")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--no-dense2moe", action="store_true")
@@ -188,6 +194,7 @@ def main() -> None:
         by_domain = {dom: evaluate_variants(adapter, variants, w, reconstruction=False, choice_items=items if dom == DOMAINS[0] else None)
                      for dom, w in windows.items()}
         report["levels"][str(level)] = {name: {**meta[name], **score(by_domain, name, dense_ppl)} for name in variants}
+        write(report, args.out)  # after every level: a long run that is stopped keeps what it measured
         print(f"level {level}: " + ", ".join(f"{n} {r['ratio_geomean']:.2f}x@{r['ffn_flops_fraction']:.3f}"
                                               for n, r in report["levels"][str(level)].items()), flush=True)
         del variants
@@ -200,8 +207,7 @@ def main() -> None:
             report["own_cost"]["dense2moe"] = {"params": params.to_dict(), "ffn_flops_fraction": record["summary"]["ffn_flops_fraction"],
                                                "removed_layers": record["summary"].get("removed_layers"), **score(by_domain, "dense2moe", dense_ppl)}
     report["seconds"] = time.perf_counter() - t_start
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write(report, args.out)
 
     names = sorted({n for lv in report["levels"].values() for n in lv})
     lines = ["| cost ≤ | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
