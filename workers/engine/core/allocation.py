@@ -116,6 +116,11 @@ def validate_partition(params: Any, profiles: list[Any]) -> None:
     check_experts_fit(params.n_experts, profiles[0].manifest["d_ffn"])
 
 
+def model_width(profile: Any) -> int | None:
+    """``d_model`` of a profiled model (None when the profile does not record it: no cost then)."""
+    return (getattr(profile, "manifest", None) or {}).get("model", {}).get("d_model")
+
+
 def plan_record(rows: list[LayerPlan], params: MethodParams, d_model: int | None = None) -> dict[str, Any]:
     """The whole per-layer plan as the designer and the API show it; with ``d_model``, its
     ``ffn_flops_fraction`` (the cost the converted model will record) too."""

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal, Sequence
 
 import numpy as np
 
-from ..core.allocation import LayerPlan, check_experts_fit, layer_plan, plan_record, validate_partition
+from ..core.allocation import LayerPlan, check_experts_fit, layer_plan, model_width, plan_record, validate_partition
 from ..core.params import ConversionError, MethodParams, param
 from ..core.partition import LayerExperts, cluster_routed, finish, split_shared
 from .base import ConversionInputs, Method, Recovery
@@ -72,7 +72,7 @@ def plan_for(profile: Any, params: CMoEParams) -> list[LayerPlan]:
 
 
 def preview(profile: Any, params: CMoEParams) -> dict[str, Any]:
-    return plan_record(plan_for(profile, params), params, profile.manifest["model"]["d_model"])
+    return plan_record(plan_for(profile, params), params, model_width(profile))
 
 
 def layer_experts(row: LayerPlan, rate: np.ndarray, atopk_rows: np.ndarray, gate_w: np.ndarray, up_w: np.ndarray,

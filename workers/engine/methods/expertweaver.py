@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal, Sequence
 
 import numpy as np
 
-from ..core.allocation import LayerPlan, check_experts_fit, layer_plan, plan_record, validate_partition, specialisation_ratio
+from ..core.allocation import LayerPlan, check_experts_fit, layer_plan, model_width, plan_record, validate_partition, specialisation_ratio
 from ..core.params import ConversionError, MethodParams, param
 from ..core.partition import LayerExperts, cluster_routed, finish, split_shared
 from .base import ConversionInputs, Method, Recovery
@@ -109,7 +109,7 @@ def _plan_layer(layer: int, d_ffn: int, r: float, alpha: float, p: ExpertWeaverP
 
 def preview(profile: Any, params: ExpertWeaverParams) -> dict[str, Any]:
     """The whole per-layer plan for a stored profile (``profiling.store.StoredProfile``)."""
-    return plan_record(plan_for(profile, params), params, profile.manifest["model"]["d_model"])
+    return plan_record(plan_for(profile, params), params, model_width(profile))
 
 
 # --------------------------------------------------------------------------- experts (EW Eqs. 7–9)
