@@ -242,4 +242,5 @@ def test_experts_module_matches_the_replaced_one_and_skips_the_no_expert_index(t
         torch.testing.assert_close(y, original(x, idx[:, :1], w[:, :1]), rtol=0, atol=1e-6)
     assert got[0].shape == (10, K * 6)  # called on its own: [T, top_k]
     assert (got[0][:, 6:] == -1).all() and (got[0][:, :6] >= 0).all()
-    assert mod.active_param_count() == K * (3 * D * F_EXPERT + 2 * D * 6)
+    # every sub-expert of a selected expert runs (top_k = n_routed, sum): its router is never evaluated
+    assert mod.active_param_count() == K * 3 * D * F_EXPERT
