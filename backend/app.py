@@ -3,13 +3,17 @@ store and the job queue into the routers under ``/api/v1`` (OpenAPI UI at ``/doc
 
 Run by hand: ``uvicorn backend.app:create_app --factory --host 127.0.0.1 --port 8000``.
 While it runs, a background loop fails running jobs whose worker stopped heartbeating
-(``backend.jobs.reap_stale``), so a job of a dead worker ends within
-``heartbeat_timeout_s + reaper_interval_s`` even when nobody polls it.
+(``moelab.store.jobs.reap_stale``), so a job of a dead worker ends within
+``heartbeat_timeout_s + reaper_interval_s`` even when nobody polls it, and within
+``reaper_interval_s`` when the worker's process ended on a host whose sockets the kernel closed
+(its named Redis connection is gone: ``moelab.store.liveness.dead_workers``).
 """
 
 from __future__ import annotations
 
 import asyncio
+
+import anyio.to_thread
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,6 +33,7 @@ from moelab.store.db import Database
 from .limits import BodySizeLimit
 from .queue import JobQueue
 from .routes import api_router
+from .routes.artifacts import DownloadSlots
 
 log = logging.getLogger("moelab.api")
 
@@ -40,8 +45,9 @@ Resources: **models** → **calibration sets** → **profiles** → **conversion
 Creating a profile, conversion or evaluation returns **202** with a job; follow it at
 `GET /api/v1/jobs/{id}` (state, progress `{stage,current,total}`), cancel it with `DELETE`.
 Charts are read from stored artifacts (no model work in a request). Errors are
-`{"detail": "what was wrong and what to do"}`. When the server sets `MOELAB_API_TOKEN`,
-POST/DELETE need `Authorization: Bearer <token>`.
+`{"detail": "what was wrong and what to do"}`. When the server sets `MOELAB_API_TOKEN`, every
+request except `GET /api/v1/health` and these docs needs `Authorization: Bearer <token>` (reads too).
+`DELETE` on a resource removes it (409 naming its dependants; `?cascade=true` removes them too).
 """
 
 
@@ -53,8 +59,18 @@ async def _reaper(app: FastAPI) -> None:
                 with app.state.db.session() as session:
                     return jobs.reap_stale(session, settings.heartbeat_timeout_s)
 
+            def reap_dead() -> list[str]:  # the worker's named Redis connection closed: its process ended
+                with app.state.db.session() as session:
+                    return jobs.fail_jobs_of_dead_workers(
+                        session, lambda workers: liveness.dead_workers(app.state.redis, settings.redis_prefix, workers))
+
             for job_id in await run_in_threadpool(reap):
                 log.warning("job %s failed: its worker stopped heartbeating", job_id)
+            try:
+                for job_id in await run_in_threadpool(reap_dead):
+                    log.warning("job %s failed: its worker's process ended", job_id)
+            except Exception as exc:  # the broker is down: the heartbeat timeout above still applies
+                log.debug("dead-worker check skipped: %s", exc)
         except Exception:  # the loop must survive a database hiccup
             log.exception("reaper pass failed")
         await asyncio.sleep(settings.reaper_interval_s)
@@ -62,6 +78,7 @@ async def _reaper(app: FastAPI) -> None:
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    anyio.to_thread.current_default_thread_limiter().total_tokens = app.state.settings.api_threads
     await run_in_threadpool(app.state.db.init)
     app.state.store.ensure()
     app.state.store.cleanup()
@@ -88,6 +105,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.store = ArtifactStore(settings.resolved_artifacts_dir())
     app.state.queue = JobQueue(make_celery(settings))
     app.state.redis = liveness.client_for(broker_url(settings))
+    app.state.download_slots = DownloadSlots(settings.max_concurrent_downloads)
     app.add_middleware(BodySizeLimit, limit_bytes=int(settings.max_upload_mb * 1e6))
     errors.install(app)
     app.include_router(api_router())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -40,42 +41,68 @@ def choose_bins(values: np.ndarray, lo: float, hi: float, lo_bins: int = 10, hi_
     return int(np.clip(math.ceil((hi - lo) / width), lo_bins, hi_bins))
 
 
-def cv_histograms(cv_by_layer: Sequence[np.ndarray], bins: int | None = None, clip_quantile: float = 0.99) -> dict[str, Any]:
+def cv_histograms(cv_by_layer: Sequence[np.ndarray], bins: int | None = None, clip_quantile: float = 0.99,
+                  scale: str = "log") -> dict[str, Any]:
     """Per-layer CV histograms on shared edges, so layers are comparable side by side.
 
     CV is heavy-tailed (a neuron whose mean is near zero has a huge CV), so the range is cut at
     the ``clip_quantile`` of all neurons and what lies above is counted in ``overflow``.
+    ``scale="log"`` (the default) spaces the edges geometrically from the smallest positive CV:
+    on the default model CVs run from ~0.1 to ~40, and equal-width bins put most neurons of a
+    layer in the first two of 80 bins. CVs of zero or below (a log scale cannot place them) are
+    counted in ``underflow``; on a linear scale the range starts at min(0, smallest CV) and
+    ``underflow`` is all zeros.
     """
+    if scale not in ("linear", "log"):
+        raise ValueError(f"scale must be 'linear' or 'log', not {scale!r}")
     sizes = [len(c) for c in cv_by_layer]
     values = np.concatenate([np.asarray(c, dtype=np.float64) for c in cv_by_layer])
     finite = np.isfinite(values)
     fv = values[finite]
     if fv.size == 0:
         raise ValueError("no finite CV value in this profile")
-    lo = float(min(0.0, fv.min()))
+    positive = fv[fv > 0]
+    if scale == "log" and positive.size == 0:
+        scale = "linear"  # nothing a log axis can show
     hi = float(np.quantile(fv, clip_quantile))
-    if hi <= lo:
-        hi = float(fv.max()) if fv.max() > lo else lo + 1.0
-    n_bins = bins or choose_bins(fv, lo, hi)
-    edges = np.linspace(lo, hi, n_bins + 1)
+    if scale == "log":
+        lo = float(positive.min())
+        if hi <= lo:
+            hi = float(positive.max()) if positive.max() > lo else lo * 10
+        n_bins = bins or choose_bins(np.log10(positive), math.log10(lo), math.log10(hi))
+        edges = np.geomspace(lo, hi, n_bins + 1)
+        edges[0], edges[-1] = lo, hi  # exact ends: geomspace's float error must not drop the extremes
+    else:
+        lo = float(min(0.0, fv.min()))
+        if hi <= lo:
+            hi = float(fv.max()) if fv.max() > lo else lo + 1.0
+        n_bins = bins or choose_bins(fv, lo, hi)
+        edges = np.linspace(lo, hi, n_bins + 1)
     layer = _layer_index(sizes)
-    # bin n_bins = overflow, n_bins + 1 = not finite
+    # bin n_bins = overflow, n_bins + 1 = not finite, n_bins + 2 = below the first edge (log: CV ≤ 0)
     idx = np.clip(np.searchsorted(edges, values, side="right") - 1, 0, n_bins - 1)
     idx = np.where(values > hi, n_bins, idx)
+    idx = np.where(values < lo, n_bins + 2, idx)
     idx = np.where(finite, idx, n_bins + 1)
-    counts = np.bincount(layer * (n_bins + 2) + idx, minlength=len(sizes) * (n_bins + 2)).reshape(len(sizes), n_bins + 2)
+    width = n_bins + 3
+    counts = np.bincount(layer * width + idx, minlength=len(sizes) * width).reshape(len(sizes), width)
+    spacing = "log-spaced" if scale == "log" else "equal-width"
     return {
-        "edges": finite_list(edges),
+        "edges": finite_list(edges, 12),  # log edges start near the smallest CV: 6 decimals would move them
         "layers": list(range(len(sizes))),
         "counts": counts[:, :n_bins].tolist(),
         "overflow": counts[:, n_bins].tolist(),
         "not_finite": counts[:, n_bins + 1].tolist(),
+        "underflow": counts[:, n_bins + 2].tolist(),
         "n_neurons": sizes,
         "bins": n_bins,
+        "scale": scale,
         "clipped_at": hi,
         "note": (
-            f"{n_bins} bins shared by all layers ({'requested' if bins else 'Freedman–Diaconis'}); range cut at the "
-            f"{clip_quantile:.0%} quantile of all neurons' CV ({hi:.3g}); larger values are counted in 'overflow'"
+            f"{n_bins} {spacing} bins shared by all layers ({'requested' if bins else 'Freedman–Diaconis'}"
+            f"{' on log CV' if scale == 'log' else ''}); range cut at the {clip_quantile:.0%} quantile of all neurons' "
+            f"CV ({hi:.3g}); larger values are counted in 'overflow'"
+            + ("; CVs ≤ 0 in 'underflow'" if scale == "log" else "")
         ),
     }
 
@@ -83,25 +110,43 @@ def cv_histograms(cv_by_layer: Sequence[np.ndarray], bins: int | None = None, cl
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
 
-def cv_summary(cv_by_layer: Sequence[np.ndarray], tau: float | None = None) -> dict[str, Any]:
-    """Per-layer CV quantiles and mean (EW Fig. 2), and r_ℓ = share of neurons with CV > τ (EW Eq. 4)."""
-    rows = []
+@dataclass(frozen=True)
+class CVStats:
+    """What the CV summary needs of a profile, independent of τ: computed once per opened profile
+    (the τ slider asks again on every move; sorting once makes each r_ℓ a binary search)."""
+
+    sorted_cv: list[np.ndarray]  # per layer: the finite CVs, ascending
+    quantiles: np.ndarray  # [layer][QUANTILES]
+    means: np.ndarray  # [layer]
+
+
+def cv_stats(cv_by_layer: Sequence[np.ndarray]) -> CVStats:
+    sorted_cv, qs, means = [], [], []
     for cv in cv_by_layer:
         cv = np.asarray(cv, dtype=np.float64)
-        cv = cv[np.isfinite(cv)]
-        qs = np.quantile(cv, QUANTILES) if cv.size else np.full(len(QUANTILES), np.nan)
-        rows.append((qs, cv.mean() if cv.size else np.nan, float(np.mean(cv > tau)) if (tau is not None and cv.size) else None))
-    q = np.array([r[0] for r in rows])
+        cv = np.sort(cv[np.isfinite(cv)])
+        sorted_cv.append(cv)
+        qs.append(np.quantile(cv, QUANTILES) if cv.size else np.full(len(QUANTILES), np.nan))
+        means.append(cv.mean() if cv.size else np.nan)
+    return CVStats(sorted_cv, np.array(qs).reshape(len(sorted_cv), len(QUANTILES)), np.array(means))
+
+
+def cv_summary(cv_by_layer: Sequence[np.ndarray] | CVStats, tau: float | None = None) -> dict[str, Any]:
+    """Per-layer CV quantiles and mean (EW Fig. 2), and r_ℓ = share of neurons with CV > τ (EW Eq. 4)."""
+    stats = cv_by_layer if isinstance(cv_by_layer, CVStats) else cv_stats(cv_by_layer)
+    q = stats.quantiles
     out: dict[str, Any] = {
-        "layers": list(range(len(rows))),
+        "layers": list(range(len(stats.sorted_cv))),
         "quantiles": list(QUANTILES),
         "values": finite_list(q),  # [layer][quantile]
-        "mean": finite_list(np.array([r[1] for r in rows])),
+        "mean": finite_list(stats.means),
         "median": finite_list(q[:, QUANTILES.index(0.5)]),
         "tau": tau,
     }
     if tau is not None:
-        out["specialisation_ratio"] = [r[2] for r in rows]
+        out["specialisation_ratio"] = [
+            float(1.0 - np.searchsorted(cv, tau, side="right") / cv.size) if cv.size else None for cv in stats.sorted_cv
+        ]
     return out
 
 
@@ -201,6 +246,56 @@ def neuron_stats(rate: np.ndarray, h_counts: np.ndarray, h_edges: np.ndarray, h_
         "h_above": int(outside[1]) if len(outside) > 1 else 0,
         "note": f"rates binned server-side into {bins} bins of [0, {hi:.3g}]; h values: the profile's token-level histogram",
     }
+
+
+#: Tokens shown around a top-activating token: this many before it and after it.
+SNIPPET_BEFORE, SNIPPET_AFTER = 12, 4
+
+
+def top_token_snippets(values: np.ndarray, tokens: np.ndarray, table: Any, samples: Any,
+                       before: int = SNIPPET_BEFORE, after: int = SNIPPET_AFTER) -> list[dict[str, Any]]:
+    """One neuron's top-activating tokens (CM Eq. 1 h, largest |h| first) with their context.
+
+    ``values``/``tokens``: the neuron's row of the profile's top-token arrays ([K] signed h,
+    [K] global token index, -1 for an empty slot); ``table``: tokens.parquet (row i = token i);
+    ``samples``: samples.parquet. Each snippet runs from ``before`` tokens before the top token
+    to ``after`` tokens after it, inside its sample. Its tokens carry ``value`` = this neuron's h
+    only where the profile knows it, i.e. at its top-K tokens (the one in the middle, and any
+    other top token that falls in the window); every other token's value is ``None``: the
+    profile does not keep all activations. A loop over the K tokens, never over a layer.
+    """
+    keep = np.asarray(tokens) >= 0
+    values, tokens = np.asarray(values, dtype=np.float64)[keep], np.asarray(tokens, dtype=np.int64)[keep]
+    known = dict(zip(tokens.tolist(), values.tolist(), strict=True))
+    sample_of, position_of = table["sample"].to_numpy(), table["position"].to_numpy()
+    pieces = table["piece"].to_numpy()
+    n_tokens = samples["n_tokens"].to_numpy()
+    meta = samples.set_index("sample")
+    out = []
+    for rank, (tok, value) in enumerate(zip(tokens.tolist(), values.tolist(), strict=True)):
+        sample, position = int(sample_of[tok]), int(position_of[tok])
+        lo, hi = tok - min(position, before), tok + min(int(n_tokens[sample]) - 1 - position, after)
+        window = range(lo, hi + 1)
+        row = meta.loc[sample]
+        out.append({
+            "rank": rank, "token": tok, "sample": sample, "position": position, "value": value,
+            "task": _text(row.get("task")), "domain": _text(row.get("domain")), "group": _text(row.get("group")),
+            "snippet": [{"token": t, "position": int(position_of[t]), "piece": str(pieces[t]),
+                         "value": known.get(t), "top": t == tok} for t in window],
+        })
+    return out
+
+
+def _text(value: Any) -> str | None:
+    """A sample's task/domain as text; None for a missing one (None, NaN or pandas' NA)."""
+    if value is None:
+        return None
+    try:
+        if value != value:  # NaN
+            return None
+    except TypeError:  # pandas.NA refuses to be compared
+        return None
+    return str(value)
 
 
 # --------------------------------------------------------------------------- similarities

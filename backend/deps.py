@@ -4,10 +4,11 @@ and lookups that turn an unknown id into a 404 that says where to find valid one
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, Request, Security
+from fastapi import Depends, Query, Request, Security
+from starlette.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
@@ -19,43 +20,57 @@ from moelab.store.db import Database, Job
 from .errors import ApiError, not_found
 from .queue import BrokerUnavailable, JobQueue
 
-SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
-_bearer = HTTPBearer(auto_error=False, description="needed on POST/DELETE when the server sets MOELAB_API_TOKEN")
+_bearer = HTTPBearer(auto_error=False, description="needed on every request but /health when the server sets MOELAB_API_TOKEN")
 
 
-def get_settings(request: Request) -> Settings:
+# The dependencies below are ``async def`` although they await nothing: FastAPI runs a plain ``def``
+# dependency in its thread pool, and under 50 concurrent clients those hops (two per generator
+# dependency, one per function) cost more than the work itself. None of them blocks: the session
+# is created without a connection and closing it returns a pooled one.
+
+
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_store(request: Request) -> ArtifactStore:
+async def get_store(request: Request) -> ArtifactStore:
     return request.app.state.store
 
 
-def get_queue(request: Request) -> JobQueue:
+async def get_queue(request: Request) -> JobQueue:
     return request.app.state.queue
 
 
-def get_db(request: Request) -> Database:
+async def get_db(request: Request) -> Database:
     return request.app.state.db
 
 
-def get_session(request: Request) -> Iterator[Session]:
+async def get_session(request: Request) -> AsyncIterator[Session]:
     with request.app.state.db.session() as session:
         yield session
+        if session.new or session.dirty or session.deleted:  # unflushed writes: the commit may wait on disk
+            await run_in_threadpool(session.commit)
 
 
-def require_token(request: Request, credentials: HTTPAuthorizationCredentials | None = Security(_bearer)) -> None:
-    """With ``MOELAB_API_TOKEN`` set, every mutating request must carry it (Bearer or X-API-Token)."""
+async def require_token(request: Request, credentials: HTTPAuthorizationCredentials | None = Security(_bearer)) -> None:
+    """With ``MOELAB_API_TOKEN`` set, every request must carry it (Bearer or X-API-Token), reads included:
+    artifacts are converted weights, samples are the user's text and job errors name server paths.
+    Only ``/api/v1/health`` (probes) and the OpenAPI docs are open; they are not behind this dependency."""
     token = request.app.state.settings.token()
-    if token is None or request.method in SAFE_METHODS:
+    if token is None:
         return
     given = credentials.credentials if credentials is not None else request.headers.get("x-api-token")
+    challenge = {"WWW-Authenticate": "Bearer"}
     if not given:
-        raise ApiError(401, "this server requires an API token for changes: send 'Authorization: Bearer <MOELAB_API_TOKEN>'")
+        raise ApiError(401, "this server requires an API token: send 'Authorization: Bearer <MOELAB_API_TOKEN>' "
+                            "(or 'X-API-Token: <token>') with every request", headers=challenge)
     if not secrets.compare_digest(given.encode(), token.encode()):
-        raise ApiError(401, "wrong API token: send the server's MOELAB_API_TOKEN as 'Authorization: Bearer <token>'")
+        raise ApiError(401, "wrong API token: send the server's MOELAB_API_TOKEN as 'Authorization: Bearer <token>'",
+                       headers=challenge)
 
 
+CascadeQ = Annotated[bool, Query(description="also delete everything that depends on it (otherwise such a resource is "
+                                              "refused with 409 naming its dependants)")]
 SessionDep = Annotated[Session, Depends(get_session)]
 StoreDep = Annotated[ArtifactStore, Depends(get_store)]
 QueueDep = Annotated[JobQueue, Depends(get_queue)]

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import IntegrityError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("moelab.api")
@@ -21,10 +22,11 @@ log = logging.getLogger("moelab.api")
 class ApiError(Exception):
     """Raise from a route: ``status`` and a message saying what to fix."""
 
-    def __init__(self, status: int, detail: str) -> None:
+    def __init__(self, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(detail)
         self.status = status
         self.detail = detail
+        self.headers = headers
 
 
 def not_found(what: str, ident: str, listing: str) -> ApiError:
@@ -58,7 +60,7 @@ def describe_validation(errors: list[dict[str, Any]]) -> str:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -74,6 +76,16 @@ def install(app: FastAPI) -> None:
         if exc.status_code == 405:
             detail = "method not allowed on this endpoint; see /docs for the API"
         return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(IntegrityError)
+    async def _conflict(request: Request, exc: IntegrityError) -> JSONResponse:
+        # a row this request refers to was deleted (or the same one created) by a concurrent request
+        log.warning("integrity conflict on %s %s: %s", request.method, request.url.path, exc.orig)
+        return JSONResponse(
+            {"detail": "a concurrent change conflicts with this request (a resource it refers to was deleted or created "
+                       "meanwhile); look the resources up again and repeat it"},
+            status_code=409,
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -6,7 +6,7 @@ import logging
 
 from celery import Celery
 
-from moelab.store.broker import TASKS
+from moelab.store.broker import send_job
 
 from moelab.store.db import Job
 
@@ -22,9 +22,8 @@ class JobQueue:
         self.celery = celery
 
     def send(self, job: Job) -> None:
-        name, queue = TASKS[job.kind]
         try:
-            self.celery.send_task(name, args=[job.id], task_id=job.id, queue=queue)
+            send_job(self.celery, job.id, job.kind)
         except Exception as exc:  # kombu raises OperationalError and friends when Redis is down
             raise BrokerUnavailable(
                 f"could not queue the job: the broker at {self.celery.conf.broker_url} is unreachable "

@@ -19,17 +19,20 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from workers.engine.core.params import ParamSpec
 from workers.engine.data.builtin import BUILTIN_SETS
 from workers.engine.methods import REGISTRY, Method
+from workers.engine.sizes import parse_size
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 ResourceStatus = Literal["queued", "running", "ready", "failed", "cancelled"]
-JobKind = Literal["inspect_model", "build_calibration", "profile", "conversion", "evaluation", "finetune"]
+JobKind = Literal["inspect_model", "build_calibration", "profile", "conversion", "evaluation", "finetune", "probe"]
 BuiltinName = Literal[tuple(BUILTIN_SETS)]  # type: ignore[valid-type]
 
 
 class _In(BaseModel):
-    """Request bodies refuse unknown fields: a typo (``alpha-max``) must not silently use a default."""
+    """Request bodies refuse unknown fields: a typo (``alpha-max``) must not silently use a default.
+    They refuse non-finite numbers too (``Infinity``, ``NaN``, ``1e999``): a bound like ``gt=0`` lets
+    ``inf`` through, and the stored parameters would no longer be standard JSON."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Problem(BaseModel):
@@ -96,7 +99,8 @@ class ModelOut(BaseModel):
     kind: Literal["default", "local", "hf"]
     trust_remote_code: bool
     status: ResourceStatus = Field(description="'ready' once the inspection job has described the model")
-    info: dict[str, Any] | None = Field(None, description="layer structure (engine ModelAdapter.describe())")
+    info: dict[str, Any] | None = Field(None, description="layer structure (engine ModelAdapter.describe()); memory: weight "
+                                        "bytes in total, of the largest layer, and min_max_memory, the least max_memory a profile streams in")
     job_id: str | None
     job: JobOut | None = None
     created_at: datetime
@@ -144,7 +148,8 @@ class BuiltinCalibrationCreate(_In):
 
 class HFCalibrationCreate(_In):
     source: Literal["hf"]
-    dataset: str = Field(min_length=1, max_length=1000, description="Hugging Face dataset name, or a local data file / directory on the server")
+    dataset: str = Field(min_length=1, max_length=1000, description="Hugging Face dataset name ('name' or 'org/name'), or the absolute path of a data file / directory "
+                         "inside DATA_DIR/uploads or a directory the server lists in MOELAB_DATA_ROOTS (others: 403)")
     split: str = Field("train", min_length=1, max_length=100, pattern=r"^[\w.\-\[\]:%]+$")
     config: str | None = Field(None, max_length=200)
     text_field: str = Field("text", min_length=1, max_length=200)
@@ -204,9 +209,15 @@ class ProfileCreate(_In):
     atopk_k: int = Field(10, ge=1, le=4096, description="CMoE K_a (CM Eq. 4)")
     atopk_normalized: bool = False
     feature_tokens: int = Field(16384, ge=1, le=1_000_000, description="tokens whose ATopK markers are kept")
+    top_tokens: int = Field(8, ge=0, le=256, description="top-activating tokens kept per neuron (|h|, CM Eq. 1) for its card; 0: none")
     group_by: Literal["auto", "task", "domain", "sample"] = Field("auto", description="what the CV (EW Eq. 3) is computed across")
     second_moment: bool = Field(True, description="store XᵀX per layer (MIDAS)")
     seed: int = Field(0, ge=0)
+    max_memory: str | None = Field(
+        None, max_length=32, examples=["2GiB", "512MB"],
+        description="memory budget: a model whose weights exceed it is profiled one decoder layer at a time "
+        "(same statistics); below one layer's weights: 422 naming the minimum; unset: the worker's MOELAB_MAX_MEMORY",
+    )
 
     @model_validator(mode="after")
     def _batch_holds_a_sample(self) -> ProfileCreate:
@@ -215,6 +226,8 @@ class ProfileCreate(_In):
                 f"batch_tokens ({self.batch_tokens}) must be ≥ max_tokens ({self.max_tokens}): "
                 "a batch has to hold at least one whole sample"
             )
+        if self.max_memory is not None:
+            parse_size(self.max_memory)  # its ValueError says how to write a size
         return self
 
 
@@ -281,9 +294,20 @@ class _ConversionBase(_In):
     calibration: str | None = Field(
         None, max_length=200, description="hierarchical: builtin:NAME or the id of a stored calibration set"
     )
+    max_memory: str | None = Field(
+        None, max_length=32, examples=["2GiB"],
+        description="memory budget: when the dense model's weights exceed it, an expertweaver/cmoe conversion (paper "
+        "routers, paper plan) runs one decoder layer at a time into the export (same result); below one layer's "
+        "weights: 422 naming the minimum; unset: the worker's MOELAB_MAX_MEMORY",
+    )
 
     @model_validator(mode="after")
     def _inputs_of_method(self) -> "_ConversionBase":
+        if self.max_memory is not None:
+            try:
+                parse_size(self.max_memory)
+            except ValueError as exc:  # it says how to write a size
+                raise ValueError(f"max_memory: {exc}") from None
         m = self.method
         others = [name for name in REGISTRY if name != m and getattr(self, name) is not None]
         if others:
@@ -513,6 +537,92 @@ class TrainLog(BaseModel):
     dense_perplexity: float | None = Field(None, description="the dense model on the same held-out windows")
     result_conversion_id: str | None = None
 
+class ExpertOut(BaseModel):
+    expert: int = Field(description="routed expert id in its layer (as in routing heatmaps and probes)")
+    neurons: list[int] = Field(description="the dense FFN's neuron ids this expert holds")
+    cv: list[float] | None = Field(None, description="each neuron's CV (EW Eq. 3) in the conversion's profile; null without it")
+
+
+class ExpertNeurons(BaseModel):
+    conversion_id: str
+    profile_id: str | None
+    layer: int
+    shared: list[int] = Field(description="neurons of the shared expert (run for every token)")
+    shared_cv: list[float] | None = None
+    experts: list[ExpertOut]
+
+
+# --------------------------------------------------------------------------- probes (token routing, playground)
+
+#: held-out samples a probe can pick per built-in set (``workers.engine.runs.HELDOUT_PICK``)
+PROBE_HELDOUT_PICK = 48
+PROBE_MAX_TEXT = 20_000  # characters; routing reads at most 512 tokens of it
+
+
+class ProbeCreate(_In):
+    """A short look at a ready conversion on one text, run as a job on a worker (the API runs no model).
+
+    ``kind: routing``: the expert every token is routed to, per layer. ``kind: generate``: ``text``
+    as a prompt, greedily continued by the dense and the converted model, each timed. The text is
+    either given (``text``) or a held-out sample of a built-in set (``sample_source`` + ``sample``).
+    """
+
+    conversion_id: str
+    kind: Literal["routing", "generate"] = "routing"
+    text: str | None = Field(None, min_length=1, max_length=PROBE_MAX_TEXT, description="the text (routing) or prompt (generate)")
+    sample_source: str | None = Field(None, description="builtin:NAME: probe a held-out sample of that set instead of text")
+    sample: int = Field(0, ge=0, lt=PROBE_HELDOUT_PICK, description=f"which of the set's first {PROBE_HELDOUT_PICK} held-out samples")
+    max_new_tokens: int = Field(32, ge=1, le=256, description="tokens each model generates (generate only)")
+
+    @model_validator(mode="after")
+    def _one_text(self) -> ProbeCreate:
+        if (self.text is None) == (self.sample_source is None):
+            raise ValueError("give exactly one of text or sample_source (builtin:NAME, with sample)")
+        if self.sample_source is not None:
+            name = self.sample_source.removeprefix("builtin:")
+            if not self.sample_source.startswith("builtin:") or name not in BUILTIN_SETS or name == "bigbench":
+                raise ValueError(f"sample_source {self.sample_source!r}: use one of "
+                                 + ", ".join(f"builtin:{n}" for n in BUILTIN_SETS if n != "bigbench"))
+        if self.text is not None and not self.text.strip():
+            raise ValueError("text is blank: give at least one word")
+        return self
+
+
+class ProbeOut(BaseModel):
+    id: str
+    conversion_id: str
+    params: dict[str, Any]
+    status: ResourceStatus
+    summary: dict[str, Any] | None = Field(
+        None, description="routing: tokens and per layer the experts of every token; generate: dense and converted text, "
+        "tokens/s and the speed-up (the whole result is also the artifact probes/<id>/probe.json)",
+    )
+    job_id: str | None
+    job: JobOut | None = None
+    created_at: datetime
+
+
+class ProbeList(BaseModel):
+    items: list[ProbeOut]
+    total: int
+
+
+# --------------------------------------------------------------------------- deleting
+
+
+class DeletedRef(BaseModel):
+    type: Literal["models", "calibration_sets", "profiles", "conversions", "evaluations", "finetunes"]
+    id: str
+
+
+class DeleteOut(BaseModel):
+    """What a ``DELETE`` removed: the resource, and with ``cascade=true`` everything that depended on it."""
+
+    deleted: list[DeletedRef] = Field(description="removed resources, dependants first")
+    cancelled_jobs: list[str] = Field(description="queued or running jobs of those resources that were cancelled first")
+    artifacts_removed: int = Field(description="artifact directories removed")
+
+
 # --------------------------------------------------------------------------- artifacts
 
 
@@ -566,8 +676,10 @@ class CVHistogram(BaseModel):
     counts: list[list[int]] = Field(description="[layer][bin] neuron counts")
     overflow: list[int] = Field(description="per layer: neurons with CV above the last edge")
     not_finite: list[int]
+    underflow: list[int] = Field(description="per layer: neurons below the first edge (log scale: CV ≤ 0)")
     n_neurons: list[int]
     bins: int
+    scale: Literal["linear", "log"] = Field(description="edge spacing: geometric (log) or equal width (linear)")
     clipped_at: float
     note: str
 
@@ -611,6 +723,44 @@ class NeuronStats(BaseModel):
     h_counts: list[int] = Field(description="token × neuron h values per bin")
     h_below: int = Field(description="h values below the first edge")
     h_above: int = Field(description="h values above the last edge")
+    note: str
+
+
+class SnippetToken(BaseModel):
+    token: int = Field(description="global token index (tokens.parquet row)")
+    position: int = Field(description="position in its sample")
+    piece: str = Field(description="the text the token decodes to")
+    value: Num = Field(description="this neuron's h at the token where the profile knows it (its top-K tokens), else null")
+    top: bool = Field(description="the top-activating token this snippet is centred on")
+
+
+class TopToken(BaseModel):
+    rank: int = Field(description="0 = largest |h|")
+    token: int
+    sample: int
+    position: int
+    value: float = Field(description="signed h (CM Eq. 1) of the neuron at this token")
+    task: str | None
+    domain: str | None
+    group: str | None = Field(description="the sample's group in the CV (its task, domain or sample number)")
+    snippet: list[SnippetToken] = Field(description="the sample's tokens from position − 12 to position + 4")
+
+
+class NeuronCard(BaseModel):
+    profile_id: str
+    layer: int
+    neuron: int
+    d_ffn: int = Field(description="neurons in this layer")
+    cv: Num = Field(description="EW Eq. 3 CV of the neuron's signed group means")
+    cv_basis: str = Field(description="what the CV is taken across: task, domain or sample")
+    mean: Num = Field(description="μ_j, mean over groups of the signed mean gate activation")
+    abs_mean: Num
+    std: Num
+    rate: Num = Field(description="ATopK activation rate over all tokens (CM Eq. 4)")
+    groups: list[str]
+    group_means: list[Num] = Field(description="per group (task …): the neuron's mean gate activation ā_{j,t} (EW §3.1)")
+    top_tokens: int = Field(description="K top tokens the profile keeps per neuron; 0 when it keeps none")
+    top: list[TopToken] = Field(description="the neuron's top-activating tokens by |h|, largest first, with snippets")
     note: str
 
 

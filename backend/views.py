@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moelab.store.db import CalibrationSet, Conversion, Evaluation, Finetune, Job, Model, Profile, utcnow
+from moelab.store.db import CalibrationSet, Conversion, Evaluation, Finetune, Job, Model, Probe, Profile, utcnow
 from .schemas import (
     CalibrationSetOut,
     ConversionOut,
@@ -12,6 +12,7 @@ from .schemas import (
     FinetuneOut,
     JobOut,
     ModelOut,
+    ProbeOut,
     ProfileOut,
     ProgressOut,
 )
@@ -81,3 +82,7 @@ def evaluation_out(row: Evaluation) -> EvaluationOut:
 def finetune_out(row: Finetune) -> FinetuneOut:
     return FinetuneOut(**_common(row), conversion_id=row.conversion_id, summary=row.summary,
                        result_conversion_id=row.result_conversion_id)
+
+
+def probe_out(row: Probe) -> ProbeOut:
+    return ProbeOut(**_common(row), conversion_id=row.conversion_id, summary=row.summary)

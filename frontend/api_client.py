@@ -7,11 +7,16 @@ read ("profile p-… not found", "alpha_min (0.8) must not exceed alpha_max (0.5
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
 from moelab.settings import get_settings
+
+
+#: resource collections that answer DELETE /{kind}/{id}[?cascade=true] (and, but models, have artifacts)
+RESOURCE_KINDS = ("models", "calibration-sets", "profiles", "conversions", "evaluations", "finetunes")
 
 
 class ApiError(Exception):
@@ -148,6 +153,37 @@ class ApiClient:
         """Re-run a failed or cancelled job (a fine-tune resumes from its latest checkpoint)."""
         return self.request("POST", f"/jobs/{job_id}/retry")
 
+    def delete(self, kind: str, ident: str, cascade: bool = False) -> dict[str, Any]:
+        """Delete a resource (``kind``: models, calibration-sets, profiles, conversions, evaluations,
+        finetunes). Without ``cascade`` one that others use is refused: ApiError 409 naming them."""
+        if kind not in RESOURCE_KINDS:
+            raise ApiError(f"cannot delete a {kind!r}; one of {', '.join(RESOURCE_KINDS)}")
+        return self.request("DELETE", f"/{kind}/{ident}", params={"cascade": "true"} if cascade else None)
+
+    def archive(self, kind: str, ident: str, chunk: int = 1 << 20) -> Iterator[bytes]:
+        """A stored artifact (a converted model directory …) as a zip, streamed in ``chunk``-byte
+        pieces. The API's refusal (404, 409 not finished, 429 busy) is raised before the first piece,
+        so a caller can still answer with the message instead of a broken download."""
+        path = f"/artifacts/{kind}/{ident}/archive"
+        try:
+            response = self._http.send(self._http.build_request("GET", path), stream=True)
+        except httpx.TimeoutException:
+            raise ApiError(f"the API at {self.base_url} did not answer GET {path} in time; is it overloaded?") from None
+        except httpx.HTTPError as exc:
+            raise ApiError(f"the API at {self.base_url} is not reachable ({exc.__class__.__name__}); is `moelab serve` running?") from None
+        if response.status_code >= 400:
+            response.read()
+            response.close()
+            raise ApiError(_message(response), response.status_code)
+
+        def pieces() -> Iterator[bytes]:
+            try:
+                yield from response.iter_bytes(chunk)
+            finally:  # the browser went away mid-download: the API's stream (and its slot) ends too
+                response.close()
+
+        return pieces()
+
     def finetunes(self, conversion_id: str | None = None) -> list[dict[str, Any]]:
         return self.get("/finetunes", conversion_id=conversion_id)["items"]
 
@@ -163,17 +199,38 @@ class ApiClient:
 
     # ------------------------------------------------------------------ charts
 
+    def expert_neurons(self, conversion_id: str, layer: int) -> dict[str, Any]:
+        return self.get(f"/conversions/{conversion_id}/experts/{layer}")
+
+    def probes(self, conversion_id: str | None = None, kind: str | None = None) -> list[dict[str, Any]]:
+        return self.get("/probes", conversion_id=conversion_id, kind=kind)["items"]
+
+    def probe(self, probe_id: str) -> dict[str, Any]:
+        return self.get(f"/probes/{probe_id}")
+
+    def create_probe(self, conversion_id: str, kind: str = "routing", **body: Any) -> dict[str, Any]:
+        """``text=…`` or ``sample_source="builtin:NAME", sample=i``; ``max_new_tokens`` for generate."""
+        return self.post("/probes", {"conversion_id": conversion_id, "kind": kind, **body})
+
+    def probe_result(self, probe_id: str) -> dict[str, Any]:
+        return self.get(f"/probes/{probe_id}/result")
+
     def cv_histogram(self, profile_id: str) -> dict[str, Any]:
         return self.get(f"/profiles/{profile_id}/charts/cv-histogram")
 
     def cv_summary(self, profile_id: str, tau: float | None = None) -> dict[str, Any]:
         return self.get(f"/profiles/{profile_id}/charts/cv-summary", tau=tau)
 
-    def activations(self, profile_id: str, layer: int = 0, order: str = "task", normalize: str = "none") -> dict[str, Any]:
-        return self.get(f"/profiles/{profile_id}/charts/activations", layer=layer, order=order, normalize=normalize)
+    def activations(self, profile_id: str, layer: int = 0, order: str = "task", normalize: str = "none",
+                    max_cols: int | None = None) -> dict[str, Any]:
+        return self.get(f"/profiles/{profile_id}/charts/activations", layer=layer, order=order, normalize=normalize, max_cols=max_cols)
 
     def neuron_stats(self, profile_id: str, layer: int = 0) -> dict[str, Any]:
         return self.get(f"/profiles/{profile_id}/charts/neuron-stats", layer=layer)
+
+    def neuron_card(self, profile_id: str, layer: int, neuron: int) -> dict[str, Any]:
+        """One neuron's CV, mean, rate, per-group means and top-activating tokens with snippets."""
+        return self.get(f"/profiles/{profile_id}/neurons/{int(layer)}/{int(neuron)}")
 
     def task_similarity(self, profile_id: str, layer: int | None = None) -> dict[str, Any]:
         return self.get(f"/profiles/{profile_id}/charts/task-similarity", layer=layer)

@@ -15,13 +15,16 @@ from moelab.settings import get_settings
 
 NAV = [("Workspace", "/"), ("Calibration sets", "/calibration"), ("Neuron explorer", "/neurons"),
        ("Layer similarity", "/layers"), ("Conversion designer", "/designer"), ("Fine-tune", "/finetune"), ("Routing explorer", "/routing"),
-       ("Compare conversions", "/compare")]
+       ("Token routing", "/tokens"), ("Compare conversions", "/compare"), ("Playground", "/playground")]
 
 
 def create_app() -> Dash:
     app = Dash(__name__, use_pages=True, pages_folder=str(Path(__file__).parent / "pages"),
                assets_folder=str(Path(__file__).parent / "assets"), suppress_callback_exceptions=True, title="moelab", update_title=None)
     from frontend import components  # noqa: F401  (registers the shared CSV callback)
+    from frontend import downloads
+
+    downloads.register(app.server)
 
     app.layout = html.Div([
         html.Header([html.Span("moelab", className="brand")]

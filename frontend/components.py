@@ -9,6 +9,7 @@ from urllib.parse import parse_qs, urlencode
 from dash import MATCH, Input, Output, State, callback, dcc, html, no_update
 
 from . import figures as F
+from .names import Names, with_id
 
 GRAPH_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "png", "scale": 2}}
 
@@ -43,15 +44,18 @@ def error_box(message: str | None) -> html.Div:
     return html.Div(message or "", className="error" if message else "", role="alert" if message else None)
 
 
-def progress(job: dict[str, Any] | None) -> html.Div:
-    """A job's state, stage and progress bar, with its error in words."""
+def progress(job: dict[str, Any] | None, name: str | None = None) -> html.Div:
+    """A job's state, stage and progress bar, with its error in words; ``name``: what it works on
+    (shown before the job id), and how long it ran once finished."""
     if not job:
         return html.Div()
     p = job.get("progress") or {}
     frac = p.get("fraction")
     if job["state"] == "succeeded":
         frac = 1.0
-    label = f"{job['kind']} {job['id']}: {job['state']}"
+    label = f"{job['kind']} {with_id(name, job['id']) if name else job['id']}: {job['state']}"
+    if job["state"] in ("succeeded", "failed", "cancelled") and isinstance(job.get("run_s"), (int, float)):
+        label += f" in {job['run_s']:.1f} s"
     if p.get("stage") and job["state"] == "running":
         label += f" — {p['stage']} {p.get('current', 0)}/{p.get('total', 0)}"
     children = [html.Div(label, className=f"job-label state-{job['state']}"),
@@ -79,14 +83,77 @@ def num(value: Any, default: float) -> float:
         return default
 
 
-def options(items: list[dict[str, Any]], ready_only: bool = True) -> list[dict[str, str]]:
+def options(items: list[dict[str, Any]], ready_only: bool = True, names: Names | None = None) -> list[dict[str, str]]:
+    """Dropdown options: a human name first (model · set · method · key parameters for profiles and
+    conversions when ``names`` is given), the id second."""
     out = []
     for it in items:
         if ready_only and it.get("status") != "ready":
             continue
-        name = it.get("name") or it.get("params", {}).get("label") or ""
-        out.append({"label": f"{it['id']} {name}".strip(), "value": it["id"]})
+        if names is not None and "method" in it:  # a conversion
+            name = names.conversion(it)
+        elif names is not None and "calibration_set_id" in it:  # a profile
+            name = names.profile(it)
+        else:
+            name = it.get("name") or (it.get("params") or {}).get("label") or ""
+        out.append({"label": with_id(name, it["id"]), "value": it["id"]})
     return out
+
+
+def source_options(builtins: list[dict[str, Any]], sets: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Texts to evaluate on: every built-in set the server offers (``builtin:code`` … with what it
+    holds) and every ready calibration set (by name), as dropdown options."""
+    out = [{"label": f"{b['spec']}: {b.get('description', '')}".rstrip(": "), "value": b["spec"]} for b in builtins]
+    return out + options(sets)
+
+
+def builtin_source_options() -> list[dict[str, str]]:
+    """``source_options`` from the API; ``builtin:mixed`` alone when it does not answer (the page
+    shows the API's error elsewhere)."""
+    from .api_client import ApiError, api
+
+    try:
+        return source_options(api().builtin_sets(), api().calibration_sets())
+    except ApiError:
+        return [{"label": "builtin:mixed", "value": "builtin:mixed"}]
+
+
+def page_names(profiles: list[dict[str, Any]] | None = None) -> Names:
+    """The names of models, sets and profiles (list calls; pages call it once per update). Names are
+    a help, not the data: a list the API does not answer leaves its ids unnamed instead of failing
+    the page."""
+    from .api_client import ApiError, api
+
+    c = api()
+
+    def _get(fetch):
+        try:
+            return fetch()
+        except ApiError:
+            return []
+
+    return Names.from_lists(_get(c.models), _get(c.calibration_sets), profiles if profiles is not None else _get(c.profiles))
+
+
+def named_options(kind: str, ready_only: bool = True) -> list[dict[str, str]]:
+    """Options for ``profiles`` or ``conversions`` named model · set · method · key parameters
+    (the list itself must be answered: its ApiError goes to the caller)."""
+    from .api_client import api
+
+    if kind == "profiles":
+        profiles = api().profiles()
+        return options(profiles, ready_only, page_names(profiles))
+    return options(api().conversions(), ready_only, page_names())
+
+
+def options_or_error(kind: str) -> tuple[list[dict[str, str]], str | None]:
+    """``named_options(kind)`` and None, or no options and the API's error text for ``error_box``."""
+    from .api_client import ApiError
+
+    try:
+        return named_options(kind), None
+    except ApiError as exc:
+        return [], str(exc)
 
 
 def profile_picker(page: str, profile: str | None) -> tuple[html.Div, str | None, str | None]:
@@ -95,12 +162,7 @@ def profile_picker(page: str, profile: str | None) -> tuple[html.Div, str | None
     With no profile in the URL the newest ready one is selected; an unreachable API becomes
     an error text for ``error_box`` rather than an exception.
     """
-    from .api_client import ApiError, api
-
-    try:
-        profiles, err = options(api().profiles()), None
-    except ApiError as exc:
-        profiles, err = [], str(exc)
+    profiles, err = options_or_error("profiles")
     if profile is None and profiles:
         profile = profiles[0]["value"]
     control = html.Div([html.Label("profile"), dcc.Dropdown(id=f"{page}-profile", options=profiles, value=profile,

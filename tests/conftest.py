@@ -72,6 +72,14 @@ def build_tiny_model(family: str, target: Path, tokenizer_dir: Path, seed: int =
     return target
 
 
+def tiny_models_root(tmp_path_factory) -> Path:
+    """The one directory the tiny models are saved under: the service tests list it in MOELAB_DATA_ROOTS
+    (the API registers local models only from there), and nothing else lives in it."""
+    root = tmp_path_factory.getbasetemp() / "tiny-models"
+    root.mkdir(exist_ok=True)
+    return root
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, default_model_dir):
     """Factory: ``tiny_model("phi3")`` -> directory of a saved random-weight model (cached)."""
@@ -79,7 +87,7 @@ def tiny_model(tmp_path_factory, default_model_dir):
 
     def make(family: str = "llama") -> Path:
         if family not in made:
-            made[family] = build_tiny_model(family, tmp_path_factory.mktemp(f"tiny-{family}"), default_model_dir)
+            made[family] = build_tiny_model(family, tiny_models_root(tmp_path_factory) / family, default_model_dir)
         return made[family]
 
     yield make

@@ -148,6 +148,22 @@ def test_convert_bad_parameters(tmp_path, tiny_profile, args, message, data_dir)
     assert not out.exists()
 
 
+def test_evaluate_shows_progress_bars_with_json(tmp_path, tiny_profile, data_dir):
+    out = tmp_path / "c"
+    moelab("convert", "--profile", str(tiny_profile), "--method", "expertweaver", "--experts", "4", "--out", str(out), "--quiet",
+           data_dir=data_dir)
+    proc = moelab("evaluate", str(out), "--windows", "2", "--seq-len", "16", "--json", data_dir=data_dir)
+    assert json.loads(proc.stdout)["heldout"]["windows"] == 2  # stdout stays the JSON
+    for stage in ("load converted model", "load model", "read held-out text", "evaluate converted", "reconstruction error"):
+        assert stage in proc.stderr, proc.stderr  # one bar per stage on stderr, from the first second on
+    assert "evaluate converted" not in moelab("evaluate", str(out), "--windows", "2", "--seq-len", "16", "--quiet", data_dir=data_dir).stderr
+
+
+def test_inspect_prints_json_and_a_load_bar(tiny_model, data_dir):
+    proc = moelab("inspect", str(tiny_model("llama")), data_dir=data_dir)
+    assert json.loads(proc.stdout)["n_layers"] == 3 and "load model" in proc.stderr
+
+
 def test_convert_unknown_profile_and_evaluate_non_conversion(tmp_path, data_dir):
     proc = moelab("convert", "--profile", str(tmp_path / "nope"), "--out", str(tmp_path / "c"), data_dir=data_dir, check=False)
     assert proc.returncode == 1 and "no such profile" in proc.stderr
@@ -231,8 +247,10 @@ def test_finetune_cmoe_conversion_resumable_work_dir(tmp_path, tiny_profile, dat
     work = tmp_path / "ft"
     args = ("finetune", str(conv), "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--checkpoint-every", "1",
             "--out", str(work), "--json")
-    summary = json.loads(moelab(*args, data_dir=data_dir).stdout)
+    proc = moelab(*args, data_dir=data_dir)
+    summary = json.loads(proc.stdout)
     assert summary["steps"] == 2 and (work / "model" / "conversion.json").is_file()
+    assert "load converted model" in proc.stderr and "train" in proc.stderr  # bars on stderr, the JSON alone on stdout
     assert json.loads((work / "model" / "conversion.json").read_text())["finetune"]
     bad = moelab("finetune", str(conv), "--mode", "midas", "--steps", "1", "--out", str(tmp_path / "x"), data_dir=data_dir, check=False)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr

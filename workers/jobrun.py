@@ -16,6 +16,7 @@ honour cancellation, and record how it ended.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -27,12 +28,15 @@ from moelab.store import jobs
 from moelab.store.artifacts import ArtifactStore
 from moelab.store.db import RESOURCE_TABLES, Database, Job
 from moelab.settings import Settings, get_settings
+from workers.cancelwatch import CancelWatch
 from workers.engine.progress import Cancelled, Progress
 
 log = logging.getLogger("moelab.worker")
 
 #: set by the worker_shutting_down signal: running jobs stop at their next progress step
 SHUTDOWN = threading.Event()
+#: exit status of a worker that killed itself because a job overran its time limit in one step
+EXIT_TIME_LIMIT = 75
 
 
 @lru_cache(maxsize=1)
@@ -65,6 +69,7 @@ class JobContext:
     db: Database
     store: ArtifactStore
     progress: Progress
+    worker: str = "worker"  # this worker's Celery node name
 
     def resource(self) -> Any:
         """The job's resource row, detached (read its params; write back through the Outcome)."""
@@ -80,13 +85,39 @@ class JobContext:
 
 
 class Heartbeat(threading.Thread):
-    def __init__(self, db: Database, job_id: str, interval: float) -> None:
+    """Beats every ``interval``; past ``kill_at`` (monotonic) it is also the job's hard time limit.
+
+    Celery's own time limits do nothing in the solo and threads pools, and a job stuck inside one
+    engine step never reaches the progress check that enforces the soft limit. So, like Celery's
+    prefork pool killing a child, the worker records the job as failed and exits; ``moelab serve``
+    (or the container's restart policy) starts a fresh one.
+    """
+
+    def __init__(self, db: Database, job_id: str, interval: float, kill_at: float | None = None,
+                 limit_s: float | None = None) -> None:
         super().__init__(name=f"heartbeat-{job_id}", daemon=True)
         self.db, self.job_id, self.interval = db, job_id, interval
+        self.kill_at, self.limit_s = kill_at, limit_s
         self.stop = threading.Event()
+
+    def _overran(self) -> None:
+        message = (
+            f"the job ran past its time limit of {self.limit_s:g} s (MOELAB_JOB_TIME_LIMIT_S) and did not stop at a "
+            "progress step, so its worker was ended; make the job smaller (fewer samples or tokens) or raise the limit, "
+            f"then re-run it with POST /api/v1/jobs/{self.job_id}/retry"
+        )
+        try:
+            with self.db.session() as session:
+                jobs.finish(session, self.job_id, jobs.FAILED, error=message, error_type="time_limit")
+        finally:
+            log.error("job %s overran its hard time limit: worker exits (%d)", self.job_id, EXIT_TIME_LIMIT)
+            logging.shutdown()
+            os._exit(EXIT_TIME_LIMIT)
 
     def run(self) -> None:
         while not self.stop.wait(self.interval):
+            if self.kill_at is not None and time.monotonic() >= self.kill_at and not self.stop.is_set():
+                self._overran()
             try:
                 with self.db.session() as session:
                     jobs.beat(session, self.job_id)
@@ -97,8 +128,10 @@ class Heartbeat(threading.Thread):
 class JobProgress:
     """Engine progress → job row (throttled); cancel flag ← job row (throttled)."""
 
-    def __init__(self, db: Database, job_id: str, interval: float) -> None:
+    def __init__(self, db: Database, job_id: str, interval: float, deadline: float | None = None) -> None:
         self.db, self.job_id, self.interval = db, job_id, interval
+        self.deadline = deadline  # monotonic time of the job's (soft) time limit
+        self.timed_out = False
         self._last_write = 0.0
         self._last_stage: str | None = None
         self._last_check = 0.0
@@ -117,8 +150,16 @@ class JobProgress:
                 return
             self._last_write, self._last_stage = now, stage
 
+    def past_deadline(self) -> bool:
+        """The job's soft time limit passed (it then stops like a cancelled one, recorded as time_limit)."""
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            self.timed_out = True
+        return self.timed_out
+
     def should_cancel(self) -> bool:
         if SHUTDOWN.is_set():
+            return True
+        if self.past_deadline():
             return True
         now = time.monotonic()
         if not self._cancel and now - self._last_check >= min(self.interval, 0.5):
@@ -150,6 +191,11 @@ def classify(exc: BaseException, stage: str | None, job_id: str) -> tuple[str, s
     return jobs.FAILED, "internal", f"{type(exc).__name__}{where}: {exc} (a bug in moelab; the worker log has the traceback)"
 
 
+def _cancel_flag(db: Database, job_id: str) -> bool:
+    with db.session() as session:
+        return jobs.cancel_requested(session, job_id)
+
+
 def run_job(job_id: str, worker: str, body: Callable[[JobContext], Outcome]) -> str:
     """Run ``body`` as job ``job_id``; returns the job's final state (or 'skipped')."""
     settings, db = get_settings(), database()
@@ -162,17 +208,34 @@ def run_job(job_id: str, worker: str, body: Callable[[JobContext], Outcome]) -> 
         if not jobs.claim(session, job_id, worker):
             log.info("job %s is %s, not queued: skipped (cancelled before start, or redelivered)", job_id, job.state)
             return "skipped"
-    tracker = JobProgress(db, job_id, settings.progress_interval_s)
+    started = time.monotonic()
+    tracker = JobProgress(db, job_id, settings.progress_interval_s, deadline=started + settings.job_time_limit_s)
     ctx = JobContext(job_id, resource_type, resource_id, settings, db, store(),
-                     Progress(callback=tracker.update, should_cancel=tracker.should_cancel))
-    beat = Heartbeat(db, job_id, settings.heartbeat_s)
+                     Progress(callback=tracker.update, should_cancel=tracker.should_cancel), worker=worker)
+    beat = Heartbeat(db, job_id, settings.heartbeat_s, kill_at=started + settings.job_time_limit_s + settings.job_kill_after_s,
+                     limit_s=settings.job_time_limit_s)
     beat.start()
+    # the watch also enforces the time limit inside a long engine step, not only at its next progress call
+    watch = CancelWatch(lambda: tracker.past_deadline() or _cancel_flag(db, job_id), threading.get_ident(),
+                        settings.cancel_poll_s, name=f"cancel-watch-{job_id}")
+    watch.start()
     t0 = time.perf_counter()
     try:
         ctx.progress.update("starting", 0, 1)
         outcome = body(ctx)
+        watch.disarm()  # a cancel delivered here still counts: the except below records it
     except BaseException as exc:  # noqa: BLE001 - every ending is recorded, then non-Exceptions re-raised
+        try:
+            watch.disarm()
+        except Cancelled:  # the watch's interruption, arriving late: exc already ends the job
+            pass
         state, kind, message = classify(exc, tracker.stage, job_id)
+        if tracker.timed_out and isinstance(exc, Cancelled):
+            state, kind, message = jobs.FAILED, "time_limit", (
+                f"the job ran past its time limit of {settings.job_time_limit_s:g} s (MOELAB_JOB_TIME_LIMIT_S) during "
+                f"{tracker.stage!r}; make it smaller (fewer samples or tokens) or raise the limit, then re-run it with "
+                f"POST /api/v1/jobs/{job_id}/retry"
+            )
         if kind in ("internal", "io"):
             log.exception("job %s failed", job_id)
         else:
@@ -187,6 +250,9 @@ def run_job(job_id: str, worker: str, body: Callable[[JobContext], Outcome]) -> 
     with db.session() as session:
         if jobs.finish(session, job_id, jobs.SUCCEEDED, timings={"run_s": time.perf_counter() - t0, **(outcome.timings or {})}):
             row = session.get(RESOURCE_TABLES[resource_type], resource_id)
+            if row is None:  # deleted meanwhile (DELETE waits for running jobs, so only in a race)
+                log.warning("job %s succeeded but its %s %s no longer exists", job_id, resource_type, resource_id)
+                return jobs.SUCCEEDED
             row.summary = outcome.summary
             for name, value in outcome.fields.items():
                 setattr(row, name, value)

@@ -7,6 +7,7 @@ path through the engine's atomic directory rename, replacing the previous one wh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -43,19 +44,41 @@ def _trust(ctx: JobContext, model: Model) -> bool:
 def inspect_model(ctx: JobContext) -> Outcome:
     """Load the model once and describe its layers (the API never loads models itself)."""
     from workers.engine.models import ModelError
+    from workers.engine.profiling.streaming import footprint
 
     model = ctx.resource()
     s = ctx.settings
+    if s.max_memory:
+        described = _describe_on_meta(model.source, s, _trust(ctx, model))
+        if described is not None:
+            return Outcome(summary=described)
     try:
         with model_cache.job_models(give_back=True):
             adapter = model_cache.cached_load_model(
                 model.source, data_dir=s.data_dir, device=s.device, dtype=s.dtype,
                 trust_remote_code=_trust(ctx, model), progress=ctx.progress,
             )
-            info = {"kind": "dense", **adapter.describe()}
+            info = {"kind": "dense", **adapter.describe(), "memory": footprint(adapter).to_dict()}
     except ModelError as dense_error:  # not a dense GLU model: an MoE one is fine for hierarchical conversion
         info = _describe_moe(model.source, s.device, _trust(ctx, model), dense_error)
     return Outcome(summary=info)
+
+
+def _describe_on_meta(source: str, s: Any, trust: bool) -> dict[str, Any] | None:
+    """A dense model larger than the worker's MOELAB_MAX_MEMORY, described from its config on
+    the meta device (its weights are never loaded whole); None: load it as usual."""
+    from workers.engine.models import ModelError
+    from workers.engine.profiling.streaming import footprint, meta_model
+    from workers.engine.sizes import parse_size
+
+    try:
+        adapter, _, _, dtype = meta_model(source, data_dir=s.data_dir, device=s.device, dtype=s.dtype, trust_remote_code=trust)
+    except (ModelError, OSError, ValueError):
+        return None  # not a dense safetensors model (GGUF, MoE, …): the ordinary inspection says what it is
+    memory = footprint(adapter, dtype)
+    if memory.total_bytes <= parse_size(s.max_memory):
+        return None
+    return {"kind": "dense", **adapter.describe(), "memory": memory.to_dict(), "described_from": "config (larger than MOELAB_MAX_MEMORY)"}
 
 
 def _describe_moe(source: str, device: str, trust: bool, dense_error: Exception) -> dict[str, Any]:
@@ -87,7 +110,13 @@ def build_calibration(ctx: JobContext) -> Outcome:
         cset = load_calibration(f"builtin:{p['name']}", samples=p["samples"], seed=p["seed"], data_dir=ctx.settings.data_dir,
                                 split=p["split"])
     else:
-        cset = load_hf_dataset(p["dataset"], split=p["split"], text_field=p["text_field"], task_field=p["task_field"],
+        from moelab.store.dataroots import check_hub_name_is_not_local, resolve_dataset
+
+        # checked again here: the row may predate the rule, and the worker is what reads the disk
+        ref = resolve_dataset(p["dataset"], ctx.settings.resolved_data_roots())
+        if ref.kind == "hub":
+            check_hub_name_is_not_local(ref.value)
+        cset = load_hf_dataset(ref.value, split=p["split"], text_field=p["text_field"], task_field=p["task_field"],
                                domain_field=p["domain_field"], config=p.get("config"))
         if p.get("samples"):
             cset = cset.subsample(p["samples"], p["seed"])
@@ -105,14 +134,15 @@ def profile(ctx: JobContext) -> Outcome:
     model = ctx.row(Model, row.model_id)
     p = dict(row.params)
     samples = p.pop("samples", None)
-    settings = ProfileSettings(**p)
     s = ctx.settings
+    max_memory = p.pop("max_memory", None) or s.max_memory  # the job's own budget, else the worker's
+    settings = ProfileSettings(**p)
     with model_cache.job_models(give_back=True):
         stored = run_profile(
             model.source, str(ctx.store.path("calibration-sets", row.calibration_set_id)),
             ctx.store.path("profiles", row.id), settings, samples=samples, data_dir=s.data_dir, device=s.device,
             dtype=s.dtype, trust_remote_code=_trust(ctx, model), progress=ctx.progress,
-            loader=model_cache.cached_load_model,
+            loader=model_cache.cached_load_model, max_memory=max_memory,
         )
     m = stored.manifest
     groups = list(m.get("groups", []))
@@ -132,6 +162,7 @@ def convert(ctx: JobContext) -> Outcome:
     inputs = dict(row.params)
     extra_ids = inputs.pop("extra_profile_ids", [])
     calib = inputs.pop("calibration", None)
+    max_memory = inputs.pop("max_memory", None) or ctx.settings.max_memory  # the job's own budget, else the worker's
     params = params_from_dict(inputs)
     if row.profile_id is None:  # hierarchical: an MoE model and a calibration set
         model = ctx.row(Model, row.model_id)
@@ -142,17 +173,45 @@ def convert(ctx: JobContext) -> Outcome:
         prof = ctx.row(Profile, row.profile_id)
         model = ctx.row(Model, prof.model_id)
         profile_dir, source = ctx.store.path("profiles", prof.id), None
-    with model_cache.job_models(give_back=False):  # conversion rewrites the loaded model in place
+    # a conversion under a memory budget is not shared: each helper would load the whole model
+    map_layers = _fan_out(ctx, row, params, profile_dir, model) if profile_dir is not None and not max_memory else None
+    if map_layers is not None:
+        from workers.engine.profiling.store import StoredProfile
+
+        map_layers.start(list(range(StoredProfile.open(profile_dir).n_layers)))  # helpers start before this model loads
+    with (map_layers or contextlib.nullcontext()), model_cache.job_models(give_back=False):  # rewrites the model in place
         record = run_conversion(
             profile_dir, params, ctx.store.path("conversions", row.id),
             data_dir=ctx.settings.data_dir, device=ctx.settings.device, trust_remote_code=_trust(ctx, model),
             progress=ctx.progress, loader=model_cache.cached_load_model,
             extra_profiles=[ctx.store.path("profiles", pid) for pid in extra_ids], model=source, calib=calib,
+            map_layers=map_layers, max_memory=max_memory,
         )
     notes = [{"layer": r["layer"], "note": r["note"]} for r in record.get("layers", []) if r.get("note")]
     from moelab.store.jsonsafe import jsonable
 
     return Outcome(summary=jsonable({**record["summary"], "notes": notes}), timings=record.get("timings"))
+
+
+def _fan_out(ctx: JobContext, row: Any, params: Any, profile_dir: Path, model: Model) -> Any:
+    """A ``LayerFanOut`` sharing a partition conversion's layers with the other live workers
+    (``workers.fanout``); None for other methods or with ``MOELAB_CONVERSION_FANOUT=0``."""
+    from workers.engine.methods import get_method
+    from workers.fanout import LayerFanOut, scratch_dir
+
+    s = ctx.settings
+    if not s.conversion_fanout or get_method(params.method).partition is None:
+        return None
+    client = liveness.client_for(broker_url(s))
+    others = [w for w in liveness.alive(client, s.redis_prefix) if w != ctx.worker]
+    spec = {"profile": str(profile_dir), "params": params.to_dict(), "source": model.source,
+            "trust_remote_code": _trust(ctx, model)}
+
+    def send_helper() -> None:
+        app.send_task(CONVERT_LAYERS, args=[ctx.job_id], queue=TASKS["conversion"][1])
+
+    return LayerFanOut(client, s.redis_prefix, ctx.job_id, ctx.worker, scratch_dir(ctx.store.root / "conversions", row.id),
+                       spec, helpers=len(others), send_helper=send_helper)
 
 
 def _mean(values: Any) -> float | None:
@@ -239,6 +298,32 @@ def _publish_finetuned(ctx: JobContext, row: Any, parent: Any, model_dir: Path, 
     return result_id
 
 
+def probe(ctx: JobContext) -> Outcome:
+    """Token routing or side-by-side generation on one text; the whole result is the artifact
+    ``probes/<id>/probe.json``, the job's summary a digest of it (generation: all of it)."""
+    from moelab.store.jsonsafe import jsonable
+    from workers.engine.runs import heldout_sample, run_probe
+
+    row = ctx.resource()
+    p = row.params
+    s = ctx.settings
+    text = p["text"] if p.get("text") is not None else heldout_sample(p["sample_source"], p["sample"], data_dir=s.data_dir)
+    with model_cache.job_models(give_back=True):
+        result = run_probe(
+            ctx.store.path("conversions", row.conversion_id), kind=p["kind"], text=text, max_new_tokens=p["max_new_tokens"],
+            data_dir=s.data_dir, device=s.device, progress=ctx.progress, loader=model_cache.cached_load_model,
+        )
+    result = jsonable(result)
+    with atomic_directory(ctx.store.path("probes", row.id)) as tmp:
+        write_json_atomic(tmp / "probe.json", result)
+    if p["kind"] == "routing":
+        summary = {"kind": "routing", "method": result["method"], "n_tokens": len(result["tokens"]),
+                   "layers": [lay["layer"] for lay in result["layers"]], "text": text[:200]}
+    else:
+        summary = {k: v for k, v in result.items() if k != "timings"}
+    return Outcome(summary=summary, timings=result.get("timings"))
+
+
 # --------------------------------------------------------------------------- tasks
 
 
@@ -259,6 +344,28 @@ profile_task = _task("profile", profile)
 convert_task = _task("conversion", convert)
 evaluate_task = _task("evaluation", evaluate)
 finetune_task = _task("finetune", finetune)
+probe_task = _task("probe", probe)
+
+CONVERT_LAYERS = "moelab.convert_layers"
+
+
+@app.task(name=CONVERT_LAYERS, bind=True, ignore_result=True, acks_late=True)
+def convert_layers_task(self: Any, job_id: str) -> None:
+    """Build layers of another worker's conversion job (``workers.fanout``); not a job of its own."""
+    from moelab.settings import get_settings
+    from workers.fanout import help_build_layers
+
+    s = get_settings()
+
+    def load_dense(spec: dict[str, Any]) -> Any:
+        return model_cache.cached_load_model(spec["source"], data_dir=s.data_dir, device=s.device, dtype="float32",
+                                             trust_remote_code=spec["trust_remote_code"])
+
+    client = liveness.client_for(broker_url(s))
+    with model_cache.job_models(give_back=True):  # read only: the cached model stays usable
+        built = help_build_layers(client, s.redis_prefix, job_id, self.request.hostname or "worker", load_dense)
+    if built:
+        log.info("built %d layer(s) of conversion job %s", built, job_id)
 
 
 # --------------------------------------------------------------------------- worker lifecycle
@@ -277,24 +384,45 @@ _presence_stop = threading.Event()
 
 
 def _presence(name: str) -> None:
-    """Announce this worker in Redis and, like the API, fail jobs whose worker stopped beating
-    (so the bound on a dead worker's job holds even while no API process runs)."""
+    """Announce this worker in Redis every second over a connection named after it (its closing tells
+    the API at once that this process died: ``moelab.store.liveness``) and, like the API, fail jobs
+    whose worker died or stopped beating (so those bounds hold even while no API process runs); at
+    start and every ``requeue_interval_s``, re-send queued jobs the broker lost (``workers.requeue``)."""
+    import time
+
     from moelab.settings import get_settings
+    from workers.requeue import Requeuer
 
     s = get_settings()
-    client = liveness.client_for(broker_url(s))
+    client = liveness.client_for(broker_url(s), name=liveness.connection_name(s.redis_prefix, name))
+    requeuer = Requeuer(s, database(), client, owner=name)
+    next_check, announced = 0.0, True
     while True:
         try:
-            liveness.announce(client, s.redis_prefix, name, ttl_s=3 * s.heartbeat_s)
-        except Exception as exc:  # the broker may come back
-            log.warning("worker presence not written: %s", exc)
-        try:
-            with database().session() as session:
-                for job_id in jobs.reap_stale(session, s.heartbeat_timeout_s):
-                    log.warning("job %s failed: its worker stopped heartbeating", job_id)
-        except Exception as exc:
-            log.warning("stale-job check failed: %s", exc)
-        if _presence_stop.wait(s.heartbeat_s):
+            liveness.announce(client, s.redis_prefix, name, ttl_s=max(5.0, 3 * s.heartbeat_s))
+            announced = True
+        except Exception as exc:  # the broker may come back; say so once, not every second
+            if announced:
+                log.warning("worker presence not written: %s", exc)
+            announced = False
+        if time.monotonic() >= next_check:
+            next_check = time.monotonic() + s.heartbeat_s
+            try:
+                with database().session() as session:
+                    for job_id in jobs.reap_stale(session, s.heartbeat_timeout_s):
+                        log.warning("job %s failed: its worker stopped heartbeating", job_id)
+            except Exception as exc:
+                log.warning("stale-job check failed: %s", exc)
+            try:
+                with database().session() as session:
+                    dead = jobs.fail_jobs_of_dead_workers(
+                        session, lambda workers: liveness.dead_workers(client, s.redis_prefix, workers))
+                for job_id in dead:
+                    log.warning("job %s failed: its worker's process ended", job_id)
+            except Exception as exc:  # the broker is down (said above): the heartbeat timeout still applies
+                log.debug("dead-worker check skipped: %s", exc)
+        requeuer.maybe_run()
+        if _presence_stop.wait(liveness.ANNOUNCE_S):
             break
     try:
         liveness.withdraw(client, s.redis_prefix, name)
@@ -308,6 +436,10 @@ def _on_ready(sender: Any = None, **_: Any) -> None:
 
     name = getattr(sender, "hostname", None) or "worker"
     model_cache.install(get_settings().model_cache_size)
+    # The engine's imports (torch, transformers: seconds) now, not in the first job: a worker
+    # that helps another's conversion (``workers.fanout``) must be ready when the layers are.
+    import workers.engine.core.slicing  # noqa: F401
+    import workers.engine.models  # noqa: F401
     database().init()
     store().cleanup()
     with database().session() as session:

@@ -1,4 +1,4 @@
-"""One router per resource, all under ``/api/v1``."""
+"""One router per resource, all under ``/api/v1``; all but health behind the token check."""
 
 from fastapi import APIRouter, Depends
 
@@ -14,12 +14,16 @@ from . import (
     jobs,
     methods,
     models,
+    probes,
     profiles,
 )
 
 
 def api_router() -> APIRouter:
-    router = APIRouter(prefix="/api/v1", dependencies=[Depends(require_token)])
-    for module in (health, methods, models, calibration_sets, profiles, conversions, evaluations, finetunes, jobs, artifacts, charts):
-        router.include_router(module.router)
+    """Every route needs the token when one is configured, except ``/health`` (probes and load
+    balancers must see it without a secret; it names no user data)."""
+    router = APIRouter(prefix="/api/v1")
+    router.include_router(health.router)
+    for module in (methods, models, calibration_sets, profiles, conversions, evaluations, finetunes, probes, jobs, artifacts, charts):
+        router.include_router(module.router, dependencies=[Depends(require_token)])  # one level: matching stays flat
     return router

@@ -2,26 +2,28 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import AsyncIterator, Generator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-from fastapi import APIRouter, BackgroundTasks
-from fastapi.responses import FileResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, StreamingResponse
 from sqlalchemy import select
+from starlette.concurrency import run_in_threadpool
 
 from moelab.store.artifacts import KINDS, ArtifactMissing
-from moelab.store.db import CalibrationSet, Conversion, Evaluation, Finetune, Job, Profile
+from moelab.store.db import CalibrationSet, Conversion, Evaluation, Finetune, Job, Probe, Profile
 from ..deps import SessionDep, StoreDep
 from ..errors import ApiError
-from moelab.store.jobs import new_id
 from ..schemas import ArtifactFile, ArtifactList, ArtifactOut, ArtifactSummary
 
 router = APIRouter(prefix="/artifacts", tags=["artifacts"])
 
-Kind = Literal["calibration-sets", "profiles", "conversions", "evaluations", "finetunes"]
+Kind = Literal["calibration-sets", "profiles", "conversions", "evaluations", "finetunes", "probes"]
 TABLES = {"calibration-sets": CalibrationSet, "profiles": Profile, "conversions": Conversion, "evaluations": Evaluation,
-          "finetunes": Finetune}
+          "finetunes": Finetune, "probes": Probe}
 assert tuple(TABLES) == KINDS
 
 
@@ -77,13 +79,50 @@ def download_file(kind: Kind, artifact_id: str, path: str, session: SessionDep, 
     return FileResponse(full, filename=Path(path).name)
 
 
-@router.get("/{kind}/{artifact_id}/archive", response_class=FileResponse, responses={404: {}, 409: {}},
-            summary="Download the whole artifact as a zip (e.g. a converted model directory)")
-def download_archive(kind: Kind, artifact_id: str, session: SessionDep, store: StoreDep, background: BackgroundTasks) -> FileResponse:
+class DownloadSlots:
+    """At most ``limit`` archives stream at once (each holds a thread and a file handle per entry);
+    one more is refused with 429 instead of queueing behind multi-GB downloads."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._sem = threading.BoundedSemaphore(limit)
+
+    def try_acquire(self) -> bool:
+        return self._sem.acquire(blocking=False)
+
+    def release(self) -> None:
+        self._sem.release()
+
+
+async def _stream(pieces: Generator[bytes, None, None], slots: DownloadSlots) -> AsyncIterator[bytes]:
+    """Pull the zip's pieces in a worker thread (file reads block); the slot is given back when the
+    download ends, fails or the client goes away (the generator is closed, its files with it)."""
+    try:
+        while True:
+            piece = await run_in_threadpool(next, pieces, None)
+            if piece is None:
+                break
+            if piece:
+                yield piece
+    finally:
+        pieces.close()
+        slots.release()
+
+
+@router.get("/{kind}/{artifact_id}/archive", response_class=StreamingResponse,
+            responses={200: {"content": {"application/zip": {}}}, 404: {}, 409: {}, 429: {}},
+            summary="Download the whole artifact as a zip (e.g. a converted model directory), streamed")
+def download_archive(kind: Kind, artifact_id: str, request: Request, session: SessionDep, store: StoreDep) -> StreamingResponse:
+    """Streamed as it is zipped: no temporary copy, so a killed API leaves nothing behind and many
+    downloads cost no disk. At most ``MOELAB_MAX_CONCURRENT_DOWNLOADS`` run at once (429 beyond)."""
     _ready_row(session, kind, artifact_id)
-    if not store.exists(kind, artifact_id):
-        raise ApiError(404, f"{kind}/{artifact_id}: no stored artifact")
-    target = store.upload_dir() / f"{new_id('zip')}.zip"
-    store.zip_to(kind, artifact_id, target)
-    background.add_task(target.unlink, missing_ok=True)
-    return FileResponse(target, filename=f"{artifact_id}.zip", media_type="application/zip")
+    try:
+        pieces = store.iter_zip(kind, artifact_id)
+    except ArtifactMissing as exc:
+        raise ApiError(404, str(exc)) from exc
+    slots: DownloadSlots = request.app.state.download_slots
+    if not slots.try_acquire():
+        raise ApiError(429, f"{slots.limit} archive downloads are running already (MOELAB_MAX_CONCURRENT_DOWNLOADS); "
+                            "retry in a few seconds", headers={"Retry-After": "5"})
+    return StreamingResponse(_stream(pieces, slots), media_type="application/zip",
+                             headers={"Content-Disposition": f'attachment; filename="{artifact_id}.zip"'})

@@ -15,6 +15,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, File, Form, Query, Response, UploadFile
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from workers.engine.data.builtin import BUILTIN_SETS, bigbench_installed
 from workers.engine.data.calibration import (
@@ -24,8 +26,11 @@ from workers.engine.data.calibration import (
     read_txt,
 )
 
+from moelab.store.artifacts import ArtifactStore
+from moelab.store.dataroots import DataRootError, resolve_dataset
 from moelab.store.db import CalibrationSet as CalibrationRow
 from ..deps import (
+    CascadeQ,
     QueueDep,
     SessionDep,
     SettingsDep,
@@ -34,9 +39,11 @@ from ..deps import (
     lookup,
     require_ready,
 )
+from ..deletion import delete_resource
 from ..errors import ApiError
 from moelab.store.jobs import new_id
 from ..schemas import (
+    DeleteOut,
     BuiltinCalibrationCreate,
     BuiltinSetOut,
     CalibrationCreate,
@@ -58,7 +65,7 @@ def builtins() -> list[BuiltinSetOut]:
     return [BuiltinSetOut(name=n, description=d, spec=f"builtin:{n}") for n, d in BUILTIN_SETS.items()]
 
 
-@router.post("", response_model=CalibrationSetOut, status_code=202, responses={409: {}, 422: {}},
+@router.post("", response_model=CalibrationSetOut, status_code=202, responses={403: {}, 409: {}, 422: {}},
              summary="Build a built-in or Hugging Face set (queued job)")
 def create_set(body: CalibrationCreate, session: SessionDep, queue: QueueDep, settings: SettingsDep) -> CalibrationSetOut:
     if isinstance(body, BuiltinCalibrationCreate):
@@ -67,12 +74,16 @@ def create_set(body: CalibrationCreate, session: SessionDep, queue: QueueDep, se
         name = body.name if body.split == "calibration" else f"{body.name}-heldout"
         origin = "builtin"
     else:
-        path = Path(body.dataset).expanduser()
-        if body.dataset.startswith(("/", "./", "../", "~")) and not path.exists():
-            raise ApiError(422, f"dataset: local path {body.dataset!r} does not exist on the server")
-        name = path.name if path.exists() else body.dataset.rstrip("/").split("/")[-1]
+        try:
+            ref = resolve_dataset(body.dataset, settings.resolved_data_roots())
+        except DataRootError as exc:
+            raise ApiError(403 if "outside" in str(exc) else 422, str(exc)) from exc
+        name = Path(ref.value).name if ref.kind == "local" else ref.value.split("/")[-1]
         origin = "hf"
-    row = CalibrationRow(id=new_id("cal"), name=name, origin=origin, params=body.model_dump())
+    params = body.model_dump()
+    if origin == "hf":
+        params["dataset"] = ref.value  # the resolved path: the worker reads exactly what was checked
+    row = CalibrationRow(id=new_id("cal"), name=name, origin=origin, params=params)
     session.add(row)
     launch(session, queue, row, "calibration_sets", "build_calibration")
     return calibration_out(row)
@@ -114,20 +125,35 @@ def upload_set(
     cset = CalibrationSet(name or Path(filename).stem or "upload", parsed, source=f"upload:{filename}")
     if samples is not None:
         cset = cset.subsample(samples, seed)
-    existing = session.execute(
-        select(CalibrationRow).where(CalibrationRow.content_id == cset.id, CalibrationRow.origin == "upload")
-    ).scalars().first()
-    if existing is not None and store.exists(KIND, existing.id):
+    existing = _stored_upload(session, store, cset)
+    if existing is not None:
         response.status_code = 200
         return calibration_out(existing)
     row = CalibrationRow(
-        id=new_id("cal"), name=cset.name, origin="upload", content_id=cset.id,
+        id=new_id("cal"), name=cset.name, origin="upload", content_id=cset.id, upload_key=cset.id,
         params={"filename": filename, "samples": samples, "seed": seed}, summary=cset.stats(),
     )
     cset.save(store.path(KIND, row.id))  # artifact first: a row never points at nothing
     session.add(row)
-    session.flush()  # fills the defaults (created_at) before the row is shown
+    try:
+        session.commit()  # the unique upload_key decides between identical concurrent uploads
+    except IntegrityError:
+        session.rollback()
+        store.remove(KIND, row.id)
+        existing = _stored_upload(session, store, cset)
+        if existing is None:  # the winner was deleted in between: nothing sensible to return but a retry
+            raise ApiError(409, "the same content was being uploaded and deleted at once; upload it again") from None
+        response.status_code = 200
+        return calibration_out(existing)
     return calibration_out(row)
+
+
+def _stored_upload(session: Session, store: ArtifactStore, cset: CalibrationSet) -> CalibrationRow | None:
+    """The stored upload of the same content, if any (its samples re-written if its artifact went missing)."""
+    existing = session.execute(select(CalibrationRow).where(CalibrationRow.upload_key == cset.id)).scalars().first()
+    if existing is not None and not store.exists(KIND, existing.id):
+        cset.save(store.path(KIND, existing.id))
+    return existing
 
 
 @router.get("", response_model=CalibrationSetList, summary="Stored calibration sets")
@@ -169,3 +195,9 @@ def set_samples(
         for i, s in chosen[offset: offset + limit]
     ]
     return SamplePage(calibration_set_id=set_id, offset=offset, limit=limit, total=len(chosen), items=items)
+
+
+@router.delete("/{set_id}", response_model=DeleteOut, responses={404: {}, 409: {}}, summary="Delete a calibration set and its samples (409 while profiles, conversions, evaluations or fine-tunes use it)")
+def delete_calibration_set(set_id: str, session: SessionDep, queue: QueueDep, store: StoreDep, cascade: CascadeQ = False) -> DeleteOut:
+    """Cancels the resource's queued or running job (and its dependants' with cascade) before deleting."""
+    return delete_resource(session, queue, store, "calibration_sets", set_id, cascade)

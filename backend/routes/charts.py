@@ -7,6 +7,8 @@ manifest's mtime, so the CV arrays behind an allocation-preview slider are read 
 from __future__ import annotations
 
 import json
+import weakref
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -31,6 +33,7 @@ from ..schemas import (
     LayerSimilarity,
     METHOD_PARAMS,
     MethodPreview,
+    NeuronCard,
     NeuronStats,
     RoutingHeatmap,
     TaskSimilarity,
@@ -44,6 +47,27 @@ def _open(path: str, stamp: float) -> Any:
     from workers.engine.profiling.store import StoredProfile  # imported on first use only
 
     return StoredProfile.open(Path(path))
+
+
+#: per opened profile (weakly: they go when ``_open``'s cache lets the profile go), results that depend
+#: only on the profile and a few query values: the τ-independent CV statistics, the CV histograms
+_DERIVED: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
+
+
+def _derived(profile: Any, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
+    """``compute()`` once per profile and ``key``; the UI asks for the same chart on every slider move."""
+    cache = _DERIVED.get(profile)
+    if cache is None:
+        cache = _DERIVED.setdefault(profile, {})
+    if key not in cache:
+        if len(cache) > 256:  # a few per layer of a 80-layer model; small lists each
+            cache.clear()
+        cache[key] = compute()
+    return cache[key]
+
+
+def _cv_stats(profile: Any) -> charts.CVStats:
+    return _derived(profile, ("cv-stats",), lambda: charts.cv_stats(profile.cv_by_layer()))
 
 
 def stored_profile(session, store, profile_id: str) -> Any:
@@ -65,25 +89,34 @@ def _layer(profile: Any, layer: int) -> int:
 LayerQ = Annotated[int, Query(ge=0, description="decoder layer index")]
 
 
+def _group_means(profile: Any, layer: int) -> tuple[Any, list[str]]:
+    """The layer's per-group mean gate activations ā_{j,t} ([groups, d_ffn], EW §3.1) and the group names."""
+    return profile.group_means(layer), [str(g) for g in profile.manifest["groups"]]
+
+
 @router.get("/profiles/{profile_id}/charts/cv-histogram", response_model=CVHistogram, tags=["profiles"],
             summary="Per-layer neuron CV histograms (EW Eq. 3), bins chosen server-side")
 def cv_histogram(
     profile_id: str, session: SessionDep, store: StoreDep,
     bins: Annotated[int | None, Query(ge=2, le=500, description="fixed bin count; default: Freedman–Diaconis")] = None,
-    clip_quantile: Annotated[float, Query(gt=0.5, le=1.0, description="upper range = this quantile of all CVs")] = 0.99,
+    clip_quantile: Annotated[float, Query(gt=0.5, le=1.0, allow_inf_nan=False, description="upper range = this quantile of all CVs")] = 0.99,
+    scale: Annotated[Literal["log", "linear"], Query(description="log: geometric bins from the smallest positive CV "
+                                                                 "(CV is heavy-tailed); linear: equal widths from 0")] = "log",
 ) -> CVHistogram:
     profile = stored_profile(session, store, profile_id)
-    return CVHistogram(profile_id=profile_id, **charts.cv_histograms(profile.cv_by_layer(), bins, clip_quantile))
+    out = _derived(profile, ("cv-histogram", bins, clip_quantile, scale),
+                   lambda: charts.cv_histograms(profile.cv_by_layer(), bins, clip_quantile, scale))
+    return CVHistogram(profile_id=profile_id, **out)
 
 
 @router.get("/profiles/{profile_id}/charts/cv-summary", response_model=CVSummary, tags=["profiles"],
             summary="CV quantiles by layer (EW Fig. 2) and r_ℓ for a threshold τ")
 def cv_summary(
     profile_id: str, session: SessionDep, store: StoreDep,
-    tau: Annotated[float | None, Query(gt=0, description="EW Eq. 4 threshold")] = None,
+    tau: Annotated[float | None, Query(gt=0, allow_inf_nan=False, description="EW Eq. 4 threshold")] = None,
 ) -> CVSummary:
     profile = stored_profile(session, store, profile_id)
-    return CVSummary(profile_id=profile_id, **charts.cv_summary(profile.cv_by_layer(), tau))
+    return CVSummary(profile_id=profile_id, **charts.cv_summary(_cv_stats(profile), tau))
 
 
 @router.get("/profiles/{profile_id}/charts/activations", response_model=ActivationTiles, tags=["profiles"],
@@ -98,14 +131,18 @@ def activations(
 ) -> ActivationTiles:
     profile = stored_profile(session, store, profile_id)
     _layer(profile, layer)
-    cv = profile.cv_by_layer()[layer]
-    if rows == "groups":
-        values, labels = profile.group_means(layer), [str(g) for g in profile.manifest["groups"]]
-    else:
-        samples = profile.samples
-        values = profile.sample_means(layer)
-        labels = [f"{g}#{i}" for i, g in zip(samples["sample"].tolist(), samples["group"].astype(str).tolist(), strict=True)]
-    out = charts.activation_tiles(values, labels, cv, order=order, normalize=normalize, max_rows=max_rows, max_cols=max_cols)
+
+    def tiles() -> dict[str, Any]:
+        cv = profile.cv_by_layer()[layer]
+        if rows == "groups":
+            values, labels = _group_means(profile, layer)
+        else:
+            samples = profile.samples
+            values = profile.sample_means(layer)
+            labels = [f"{g}#{i}" for i, g in zip(samples["sample"].tolist(), samples["group"].astype(str).tolist(), strict=True)]
+        return charts.activation_tiles(values, labels, cv, order=order, normalize=normalize, max_rows=max_rows, max_cols=max_cols)
+
+    out = _derived(profile, ("activations", layer, rows, order, normalize, max_rows, max_cols), tiles)
     return ActivationTiles(profile_id=profile_id, layer=layer, row_kind=rows, **out)
 
 
@@ -117,8 +154,41 @@ def neuron_stats(
 ) -> NeuronStats:
     profile = stored_profile(session, store, profile_id)
     _layer(profile, layer)
-    out = charts.neuron_stats(profile.column_by_layer("rate")[layer], *profile.h_histogram(layer), bins=bins)
+    out = _derived(profile, ("neuron-stats", layer, bins),
+                   lambda: charts.neuron_stats(profile.column_by_layer("rate")[layer], *profile.h_histogram(layer), bins=bins))
     return NeuronStats(profile_id=profile_id, layer=layer, **out)
+
+
+@router.get("/profiles/{profile_id}/neurons/{layer}/{neuron}", response_model=NeuronCard, tags=["profiles"],
+            summary="One neuron's card: CV, mean, rate, per-task means and its top-activating tokens with snippets")
+def neuron_card(profile_id: str, layer: int, neuron: int, session: SessionDep, store: StoreDep) -> NeuronCard:
+    """The neuron's row of neurons.parquet (CV of EW Eq. 3 across the profile's ``cv_basis``), its mean
+    gate activation per group (the neuron × task map's column) and its ``top_tokens`` top-activating
+    tokens by |h| (CM Eq. 1), each with the tokens from 12 before to 4 after it in its sample. A snippet
+    token's ``value`` is the neuron's h where the profile knows it, at its top-K tokens, and null
+    elsewhere: a profile does not keep every activation. A profile made before top tokens (or with
+    ``top_tokens=0``) answers with an empty ``top`` and a note saying to re-profile."""
+    profile = stored_profile(session, store, profile_id)
+    _layer(profile, layer)
+    d_ffn = int(profile.manifest["d_ffn"][layer])
+    if not 0 <= neuron < d_ffn:
+        raise ApiError(422, f"neuron: layer {layer} has {d_ffn} neurons, use 0 … {d_ffn - 1} (got {neuron})")
+    table = profile.neurons
+    row = table[(table["layer"] == layer) & (table["neuron"] == neuron)].iloc[0]
+    means, groups = _group_means(profile, layer)
+    top, note = [], "profile predates top tokens (or was made with top_tokens=0): re-profile to see them"
+    if profile.has_top_tokens:
+        values, tokens = profile.top_tokens(layer)
+        top = charts.top_token_snippets(values[neuron], tokens[neuron], profile.tokens, profile.samples)
+        note = (f"top {len(top)} tokens by |h| over {profile.manifest['n_tokens']} calibration tokens; a snippet token's "
+                "value is known only at the neuron's top tokens (null elsewhere)")
+    num = lambda v: jsonable(float(v))  # noqa: E731  (NaN/inf → None)
+    return NeuronCard(
+        profile_id=profile_id, layer=layer, neuron=neuron, d_ffn=d_ffn, cv=num(row["cv"]), cv_basis=profile.manifest["cv_basis"],
+        mean=num(row["mean"]), abs_mean=num(row["abs_mean"]), std=num(row["std"]), rate=num(row["rate"]), groups=groups,
+        group_means=jsonable([float(v) for v in means[:, neuron]]), top_tokens=int(profile.manifest.get("top_tokens", 0)),
+        top=top, note=note,
+    )
 
 
 @router.get("/profiles/{profile_id}/charts/task-similarity", response_model=TaskSimilarity, tags=["profiles"],

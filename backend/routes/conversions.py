@@ -11,10 +11,11 @@ from workers.engine.core.params import ConversionError
 from workers.engine.methods import get_method, params_from_dict
 
 from moelab.store.db import CalibrationSet, Conversion, Model, Profile
-from ..deps import QueueDep, SessionDep, StoreDep, launch, lookup, require_ready
+from ..deps import CascadeQ, QueueDep, SessionDep, StoreDep, launch, lookup, require_ready
+from ..deletion import delete_resource
 from ..errors import ApiError
 from moelab.store.jobs import new_id
-from ..schemas import ConversionCreate, ConversionList, ConversionOut
+from ..schemas import DeleteOut, ConversionCreate, ConversionList, ConversionOut, ExpertNeurons, ExpertOut
 from ..views import conversion_out
 
 router = APIRouter(prefix="/conversions", tags=["conversions"])
@@ -45,6 +46,9 @@ def create_conversion(body: ConversionCreate, session: SessionDep, queue: QueueD
         _check_engine_params(method.name, params, [_ProfileFacts(p.summary or {}) for p in profiles])
         if body.extra_profile_ids:
             params["extra_profile_ids"] = list(body.extra_profile_ids)
+        if body.max_memory is not None:
+            _check_budget(session, method, params, profiles[0], body.max_memory)
+            params["max_memory"] = body.max_memory
         profile_id = profiles[0].id
     row = Conversion(id=new_id("conv"), profile_id=profile_id, model_id=model_id, params=params)
     session.add(row)
@@ -69,6 +73,24 @@ def _check_engine_params(method: str, params: dict, profiles: list[_ProfileFacts
             validate(parsed, profiles)
     except (ConversionError, ValueError) as exc:
         raise ApiError(422, f"{method}: {exc}") from exc
+
+
+def _check_budget(session, method, params: dict, profile: Profile, max_memory: str) -> None:
+    """422 when ``max_memory`` cannot hold one layer of the profiled model, or when the conversion would
+    have to stream (the model exceeds it) but its method or recipe needs the whole model."""
+    from workers.engine.core.params import check_streamable
+    from workers.engine.sizes import format_size, parse_size
+
+    memory = ((session.get(Model, profile.model_id).summary or {}).get("memory") or {})
+    budget = parse_size(max_memory)
+    if memory.get("min_max_memory") is not None and budget < memory["min_max_memory"]:
+        raise ApiError(422, f"max_memory: {max_memory} cannot hold one layer of model {profile.model_id}; "
+                            f"give at least {format_size(memory['min_max_memory'])} ({memory['min_max_memory']} bytes)")
+    if memory.get("total_bytes") is not None and budget < memory["total_bytes"]:
+        try:
+            check_streamable(method, params_from_dict(params))
+        except ConversionError as exc:
+            raise ApiError(422, f"max_memory: {exc}") from exc
 
 
 def _calibration_spec(session, ref: str) -> str:
@@ -103,3 +125,48 @@ def get_conversion(conversion_id: str, session: SessionDep, store: StoreDep) -> 
 
         layers = jsonable(json.loads(record.read_text()).get("layers"))
     return conversion_out(row, layers)
+
+
+@router.get("/{conversion_id}/experts/{layer}", response_model=ExpertNeurons, responses={404: {}, 409: {}, 422: {}},
+            summary="Which dense neurons each expert of one layer holds, with their CV")
+def get_expert_neurons(conversion_id: str, layer: int, session: SessionDep, store: StoreDep) -> ExpertNeurons:
+    """The neuron partition a partition method (ExpertWeaver, CMoE) built for ``layer``: the shared
+    expert's neurons and each routed expert's (ids of the dense FFN's neurons, as in the neuron
+    explorer), and each neuron's CV (EW Eq. 3) from the conversion's profile when it still exists."""
+    from safetensors import safe_open
+
+    from workers.engine.profiling.store import ProfileNotFound, StoredProfile
+    from workers.engine.runtime.export import PARTITION_FILE
+
+    row = lookup(session, Conversion, conversion_id, "conversion", "conversions")
+    require_ready(row, "conversion")
+    path = store.path("conversions", row.id) / PARTITION_FILE
+    if not path.is_file():
+        raise ApiError(409, f"conversion {row.id} records no neuron partition: only ExpertWeaver and CMoE conversions made by "
+                            "this version have one (convert again to get it)")
+    with safe_open(str(path), framework="numpy") as f:
+        layers = sorted({int(k.split(".")[1]) for k in f.keys()})
+        if layer not in layers:
+            raise ApiError(422, f"layer {layer} of conversion {row.id} has no experts; converted layers: "
+                                + ", ".join(map(str, layers)))
+        shared, routed = f.get_tensor(f"layer.{layer}.shared"), f.get_tensor(f"layer.{layer}.routed")
+    cv = None
+    if row.profile_id is not None:
+        try:
+            cv = StoredProfile.open(store.path("profiles", row.profile_id)).cv_by_layer()[layer]
+        except (ProfileNotFound, IndexError):
+            cv = None
+
+    def cvs(ids):
+        return [float(cv[i]) for i in ids] if cv is not None else None
+
+    return ExpertNeurons(
+        conversion_id=row.id, profile_id=row.profile_id, layer=layer, shared=shared.tolist(), shared_cv=cvs(shared),
+        experts=[ExpertOut(expert=e, neurons=ids.tolist(), cv=cvs(ids)) for e, ids in enumerate(routed)],
+    )
+
+
+@router.delete("/{conversion_id}", response_model=DeleteOut, responses={404: {}, 409: {}}, summary="Delete a conversion and its model files (409 while evaluations or fine-tunes use it)")
+def delete_conversion(conversion_id: str, session: SessionDep, queue: QueueDep, store: StoreDep, cascade: CascadeQ = False) -> DeleteOut:
+    """Cancels the resource's queued or running job (and its dependants' with cascade) before deleting."""
+    return delete_resource(session, queue, store, "conversions", conversion_id, cascade)

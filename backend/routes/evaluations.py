@@ -8,10 +8,11 @@ from sqlalchemy import select
 from workers.engine.data.builtin import bigbench_installed
 
 from moelab.store.db import CalibrationSet, Conversion, Evaluation
-from ..deps import QueueDep, SessionDep, SettingsDep, launch, lookup, require_ready
+from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, launch, lookup, require_ready
+from ..deletion import delete_resource
 from ..errors import ApiError
 from moelab.store.jobs import new_id
-from ..schemas import EvaluationCreate, EvaluationList, EvaluationOut
+from ..schemas import DeleteOut, EvaluationCreate, EvaluationList, EvaluationOut
 from ..views import evaluation_out
 
 router = APIRouter(prefix="/evaluations", tags=["evaluations"])
@@ -50,3 +51,9 @@ def list_evaluations(session: SessionDep, conversion_id: str | None = None) -> E
 @router.get("/{evaluation_id}", response_model=EvaluationOut, summary="One evaluation and its summary")
 def get_evaluation(evaluation_id: str, session: SessionDep) -> EvaluationOut:
     return evaluation_out(lookup(session, Evaluation, evaluation_id, "evaluation", "evaluations"))
+
+
+@router.delete("/{evaluation_id}", response_model=DeleteOut, responses={404: {}, 409: {}}, summary="Delete an evaluation and its report")
+def delete_evaluation(evaluation_id: str, session: SessionDep, queue: QueueDep, store: StoreDep, cascade: CascadeQ = False) -> DeleteOut:
+    """Cancels the resource's queued or running job (and its dependants' with cascade) before deleting."""
+    return delete_resource(session, queue, store, "evaluations", evaluation_id, cascade)

@@ -19,10 +19,11 @@ from workers.engine.data.builtin import bigbench_installed
 
 from moelab.store.artifacts import ArtifactStore
 from moelab.store.db import CalibrationSet, Conversion, Finetune
-from ..deps import QueueDep, SessionDep, SettingsDep, StoreDep, launch, lookup, require_ready
+from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, launch, lookup, require_ready
+from ..deletion import delete_resource
 from ..errors import ApiError
 from moelab.store.jobs import new_id
-from ..schemas import FinetuneCreate, FinetuneList, FinetuneMode, FinetuneOut, TrainLog, TrainStep
+from ..schemas import DeleteOut, FinetuneCreate, FinetuneList, FinetuneMode, FinetuneOut, TrainLog, TrainStep
 from ..views import finetune_out
 
 router = APIRouter(prefix="/finetunes", tags=["finetunes"])
@@ -148,3 +149,9 @@ def get_log(
         perplexity_after=_num(log.get("perplexity_after")), dense_perplexity=_num(log.get("dense_perplexity")),
         result_conversion_id=row.result_conversion_id,
     )
+
+
+@router.delete("/{finetune_id}", response_model=DeleteOut, responses={404: {}, 409: {}}, summary="Delete a fine-tune and its work dir (its result conversion stays)")
+def delete_finetune(finetune_id: str, session: SessionDep, queue: QueueDep, store: StoreDep, cascade: CascadeQ = False) -> DeleteOut:
+    """Cancels the resource's queued or running job (and its dependants' with cascade) before deleting."""
+    return delete_resource(session, queue, store, "finetunes", finetune_id, cascade)

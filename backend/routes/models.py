@@ -13,10 +13,11 @@ from fastapi import APIRouter, Response
 from sqlalchemy import select
 
 from moelab.store.db import Model
-from ..deps import QueueDep, SessionDep, SettingsDep, launch, lookup
+from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, launch, lookup
+from ..deletion import delete_resource
 from ..errors import ApiError
 from moelab.store.jobs import new_id
-from ..schemas import LayerOut, ModelCreate, ModelLayers, ModelList, ModelOut
+from ..schemas import DeleteOut, LayerOut, ModelCreate, ModelLayers, ModelList, ModelOut
 from ..views import model_out
 
 router = APIRouter(prefix="/models", tags=["models"])
@@ -24,21 +25,33 @@ router = APIRouter(prefix="/models", tags=["models"])
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
 
 
-def classify_source(source: str) -> tuple[str, str]:
-    """``(kind, normalised source)``; raises 422 saying which forms are accepted."""
+def classify_source(source: str, roots: list[Path]) -> tuple[str, str]:
+    """``(kind, normalised source)``; raises 422 saying which forms are accepted (403 for a path outside ``roots``).
+
+    A local path must lie, symlinks resolved, inside one of ``roots`` (``Settings.resolved_data_roots``:
+    DATA_DIR/uploads and MOELAB_DATA_ROOTS), checked before anything about it is looked at, so the API
+    neither loads nor reveals the existence of files elsewhere on the server. Relative paths are
+    refused: the API's working directory is not the user's.
+    """
     source = source.strip()
     if source == "default":
         return "default", source
-    looks_local = source.startswith(("/", "./", "../", "~")) or source.endswith(".gguf")
-    path = Path(source).expanduser()
-    if looks_local or path.exists():
+    if source.startswith(("/", "./", "../", "~")) or source.endswith(".gguf") or "\\" in source or "\x00" in source:
+        if not source.startswith("/"):
+            raise ApiError(422, f"source: {source!r} is a relative path; give the absolute path of a model directory "
+                                "inside a directory listed in MOELAB_DATA_ROOTS")
+        path = Path(source).resolve()
+        if not any(path == root or root in path.parents for root in roots):
+            listed = ", ".join(str(r) for r in roots) or "none"
+            raise ApiError(403, f"source: {source!r} is outside the directories this server loads from ({listed}); "
+                                "put the model under one of them or add its directory to MOELAB_DATA_ROOTS on the server")
         if not path.exists():
             raise ApiError(422, f"source: local path {source!r} does not exist on the server; give an existing model directory or .gguf file")
         if path.is_file() and path.suffix != ".gguf":
             raise ApiError(422, f"source: {source!r} is a file but not a .gguf model; give a model directory (with config.json) or a .gguf file")
         if path.is_dir() and not (path / "config.json").is_file():
             raise ApiError(422, f"source: directory {source!r} has no config.json; save the model with save_pretrained first")
-        return "local", str(path.resolve())
+        return "local", str(path)
     if not _HF_ID.match(source) or ".." in source:
         raise ApiError(
             422, f"source: {source!r} is neither 'default', an existing local path, nor a Hugging Face id such as 'HuggingFaceTB/SmolLM2-135M'"
@@ -48,7 +61,7 @@ def classify_source(source: str) -> tuple[str, str]:
 
 @router.post(
     "", response_model=ModelOut, status_code=202,
-    responses={200: {"model": ModelOut, "description": "already registered"}, 403: {}, 422: {}},
+    responses={200: {"model": ModelOut, "description": "already registered"}, 403: {"description": "remote code refused, or a local path outside MOELAB_DATA_ROOTS"}, 422: {}},
     summary="Register a model and queue its inspection",
 )
 def register_model(body: ModelCreate, response: Response, session: SessionDep, queue: QueueDep, settings: SettingsDep) -> ModelOut:
@@ -57,7 +70,7 @@ def register_model(body: ModelCreate, response: Response, session: SessionDep, q
             403, "this server does not run models' own code: register without trust_remote_code, or start the "
             "server with MOELAB_ALLOW_TRUST_REMOTE_CODE=1",
         )
-    kind, source = classify_source(body.source)
+    kind, source = classify_source(body.source, settings.resolved_data_roots())
     existing = session.execute(
         select(Model).where(Model.source == source, Model.trust_remote_code == body.trust_remote_code).order_by(Model.created_at)
     ).scalars().first()
@@ -100,3 +113,9 @@ def model_layers(model_id: str, session: SessionDep) -> ModelLayers:
         n_parameters=info["n_parameters"], n_ffn_parameters=info["n_ffn_parameters"],
         layers=[LayerOut(index=i, d_ffn=d) for i, d in enumerate(info["d_ffn"])],
     )
+
+
+@router.delete("/{model_id}", response_model=DeleteOut, responses={404: {}, 409: {}}, summary="Delete a model (409 while profiles or conversions use it; cascade=true deletes them too)")
+def delete_model(model_id: str, session: SessionDep, queue: QueueDep, store: StoreDep, cascade: CascadeQ = False) -> DeleteOut:
+    """Cancels the resource's queued or running job (and its dependants' with cascade) before deleting."""
+    return delete_resource(session, queue, store, "models", model_id, cascade)

@@ -6,10 +6,12 @@ from fastapi import APIRouter
 from sqlalchemy import select
 
 from moelab.store.db import CalibrationSet, Model, Profile
-from ..deps import QueueDep, SessionDep, launch, lookup, require_ready
+from ..deps import CascadeQ, QueueDep, SessionDep, StoreDep, launch, lookup, require_ready
+from ..deletion import delete_resource
 from ..errors import ApiError
 from moelab.store.jobs import new_id
-from ..schemas import ProfileCreate, ProfileList, ProfileOut
+from workers.engine.sizes import format_size, parse_size
+from ..schemas import DeleteOut, ProfileCreate, ProfileList, ProfileOut
 from ..views import profile_out
 
 router = APIRouter(prefix="/profiles", tags=["profiles"])
@@ -36,6 +38,12 @@ def create_profile(body: ProfileCreate, session: SessionDep, queue: QueueDep) ->
                 422, f"group_by: the CV across {body.group_by}s needs at least 2 distinct {body.group_by} labels, "
                 f"set {cset.id} has {labels or 'none'}; use group_by='sample' or 'auto'",
             )
+    floor = ((model.summary or {}).get("memory") or {}).get("min_max_memory")
+    if body.max_memory is not None and floor is not None and parse_size(body.max_memory) < floor:
+        raise ApiError(422, f"max_memory: {body.max_memory} cannot hold one step of model {model.id} "
+                            f"(largest decoder layer {format_size(model.summary['memory']['max_layer_bytes'])}, "
+                            f"embeddings {format_size(model.summary['memory']['resident_bytes'])}); "
+                            f"give at least {format_size(floor)} ({floor} bytes)")
     row = Profile(id=new_id("pr"), model_id=model.id, calibration_set_id=cset.id,
                   params=body.model_dump(exclude={"model_id", "calibration_set_id"}))
     session.add(row)
@@ -55,3 +63,9 @@ def list_profiles(session: SessionDep, model_id: str | None = None) -> ProfileLi
 @router.get("/{profile_id}", response_model=ProfileOut, summary="One profile and its summary")
 def get_profile(profile_id: str, session: SessionDep) -> ProfileOut:
     return profile_out(lookup(session, Profile, profile_id, "profile", "profiles"))
+
+
+@router.delete("/{profile_id}", response_model=DeleteOut, responses={404: {}, 409: {}}, summary="Delete a profile and its artifact (409 while conversions use it)")
+def delete_profile(profile_id: str, session: SessionDep, queue: QueueDep, store: StoreDep, cascade: CascadeQ = False) -> DeleteOut:
+    """Cancels the resource's queued or running job (and its dependants' with cascade) before deleting."""
+    return delete_resource(session, queue, store, "profiles", profile_id, cascade)

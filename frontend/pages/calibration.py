@@ -1,5 +1,6 @@
 """Calibration sets: build from built-ins, upload a .jsonl/.txt file, preview samples, token
-counts by task and domain. State in the URL: ?set=…&task=…"""
+counts by task and domain. A set being built is followed until its job ends, then it joins the
+list and is shown (no reload). State in the URL: ?set=…&task=…"""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import base64
 
 import dash
 import plotly.graph_objects as go
-from dash import Input, Output, State, callback, dcc, html
+from dash import Input, Output, State, callback, dcc, html, no_update
 
 from frontend import figures as F
 from frontend.api_client import ApiError, api
-from frontend.components import error_box, figure_card, options, to_search
+from frontend.components import error_box, figure_card, options, progress, to_search
 
 dash.register_page(__name__, path="/calibration", name="Calibration sets", order=1)
 
@@ -39,6 +40,7 @@ def layout(set: str | None = None, **_):  # noqa: A002  (the URL parameter's nam
                 dcc.Upload(id=f"{N}-upload", children=html.Button("Upload .jsonl / .txt"), multiple=False),
             ]),
             html.Div(id=f"{N}-created"),
+            dcc.Store(id=f"{N}-pending"), dcc.Interval(id=f"{N}-poll", interval=1000, disabled=True),
         ]),
         html.Div(className="controls", children=[
             html.Div([html.Label("set"), dcc.Dropdown(id=f"{N}-set", options=opts, value=set, style={"width": 360})]),
@@ -75,11 +77,13 @@ def _show(set_id):
     stats = cs.get("stats") or {}
     rows = [{"group": g, "label": k, **v} for g in ("tasks", "domains") for k, v in (stats.get(g) or {}).items()]
     text = f"{stats.get('n_samples')} samples, {stats.get('n_chars')} characters" + (f", {stats['n_tokens']} tokens" if "n_tokens" in stats else "")
-    samples = [html.Div(f"[{s['index']}] task={s['task']} domain={s['domain']}: {s['text']}", className="sample") for s in page["items"]]
+    samples = [html.Div(f"[{s['index']}] " + "".join(f"{k} {s[k]} · " for k in ("task", "domain") if s.get(k)) + s["text"], className="sample")
+               for s in page["items"]]  # no 'task=None' for a set without tasks
     return token_figure(stats), {"rows": rows, "filename": f"calibration_{set_id}"}, text, samples, None, search
 
 
-@callback(Output(f"{N}-created", "children"), Output(f"{N}-set", "options"), Input(f"{N}-build", "n_clicks"), Input(f"{N}-upload", "contents"),
+@callback(Output(f"{N}-created", "children"), Output(f"{N}-set", "options"), Output(f"{N}-pending", "data"), Output(f"{N}-poll", "disabled"),
+          Input(f"{N}-build", "n_clicks"), Input(f"{N}-upload", "contents"),
           State(f"{N}-upload", "filename"), State(f"{N}-builtin", "value"), State(f"{N}-samples", "value"), prevent_initial_call=True)
 def _create(_n, contents, filename, builtin, samples):
     try:
@@ -92,5 +96,26 @@ def _create(_n, contents, filename, builtin, samples):
             msg = f"building {created['id']} (job {created['job_id']}); it appears in the list when ready"
         opts = options(api().calibration_sets())
     except ApiError as exc:
-        return error_box(f"could not create: {exc}"), dash.no_update
-    return html.Div(msg, className="note"), opts
+        return error_box(f"could not create: {exc}"), no_update, no_update, no_update
+    pending = {"set": created["id"], "job": created.get("job_id")}
+    return html.Div(msg, className="note"), opts, pending, False  # followed until its job ends (an upload's may be done already)
+
+
+@callback(Output(f"{N}-created", "children", allow_duplicate=True), Output(f"{N}-set", "options", allow_duplicate=True),
+          Output(f"{N}-set", "value"), Output(f"{N}-poll", "disabled", allow_duplicate=True),
+          Input(f"{N}-poll", "n_intervals"), State(f"{N}-pending", "data"), prevent_initial_call=True)
+def _follow(_n, pending):
+    """The set being built: its job's progress; once ready it joins the list and is shown."""
+    if not pending:
+        return no_update, no_update, no_update, True
+    try:
+        cs = api().calibration_set(pending["set"])
+        if cs["status"] in ("queued", "running"):
+            return progress(cs.get("job")), no_update, no_update, False
+        opts = options(api().calibration_sets())
+    except ApiError as exc:
+        return error_box(str(exc)), no_update, no_update, True
+    if cs["status"] != "ready":
+        job = cs.get("job") or {}
+        return error_box(f"calibration set {cs['id']} {cs['status']}: {job.get('error') or 'no reason recorded'}"), opts, no_update, True
+    return html.Div(f"{cs['name']} — {cs['id']} is ready", className="note"), opts, cs["id"], True

@@ -12,7 +12,8 @@ from dash import Input, Output, callback, dcc, html
 
 from frontend import figures as F
 from frontend.api_client import ApiError, api
-from frontend.components import error_box, figure_card, options, to_search
+from frontend.components import error_box, figure_card, named_options, page_names, to_search
+from frontend.names import fmt, fmt_pct, short_conversion, with_id
 
 dash.register_page(__name__, path="/compare", name="Compare conversions", order=6)
 
@@ -22,7 +23,7 @@ HEADERS = {"sparsity": "sparsity (parameter)"}  # the cost compared at is ffn_fl
 
 def layout(ids: str | None = None, **_):
     try:
-        convs, err = options(api().conversions()), None
+        convs, err = named_options("conversions"), None
     except ApiError as exc:
         convs, err = [], str(exc)
     chosen = [i for i in (ids or "").split(",") if i] or [c["value"] for c in convs[:2]]
@@ -52,35 +53,41 @@ def _update(ids):
     try:
         convs = [api().conversion(i) for i in ids]
         evals = {i: api().evaluations(i) for i in ids}
+        names = page_names()
     except ApiError as exc:
         fig = F.message_figure(str(exc))
         return None, fig, fig, fig, None, None, error_box(str(exc)), search
-    keys = ["method", "n_experts", "alpha_min", "alpha_max", "tau", "sparsity", "plan", "shared", "active"]
-    header = html.Tr([html.Th("conversion"), html.Th("status"), html.Th("router")] + [html.Th(HEADERS.get(k, k)) for k in keys]
+    keys = ["n_experts", "alpha_min", "alpha_max", "tau", "plan", "shared", "active"]
+    header = html.Tr([html.Th(h) for h in ("conversion", "id", "status", "method", "router", HEADERS["sparsity"])]
+                     + [html.Th(HEADERS.get(k, k)) for k in keys]
                      + [html.Th("active neuron fraction"), html.Th("FFN cost (ffn_flops_fraction)"), html.Th("load CV (mean)")])
-    body, ppl_rows, plans, cost_points = [], [], {}, []
+    label = {c["id"]: names.conversion(c) for c in convs}
+    ppl_rows = F.perplexity_rows(convs, evals, label)
+    body, plans, cost_points = [], {}, []
     for c in convs:
-        alloc = {**(c["params"] or {}), "method": c.get("method")}  # every method (flat parameters)
+        params = c["params"] or {}
         s = c.get("summary") or {}
-        ev = [e for e in evals[c["id"]] if e["status"] == "ready"]
         load_cv = None
-        for e in ev:
-            heldout = (e.get("summary") or {}).get("heldout") or {}
-            text = f"{heldout.get('source', '?')} ({heldout.get('windows', '?')}×{heldout.get('seq_len', '?')} tokens)"
-            for variant, d in ((e.get("summary") or {}).get("variants") or {}).items():
-                ppl_rows.append({"conversion": c["id"], "variant": f"{variant}", "perplexity": d.get("perplexity")})
-                if variant == "converted":
-                    load_cv = d.get("load_cv") if d.get("load_cv") is not None else d.get("mean_load_cv")
-                    cost_points.append({"label": c["id"], "text": text, "ffn_flops_fraction": s.get("ffn_flops_fraction"),
-                                        "perplexity_ratio": d.get("perplexity_ratio")})
-        body.append(html.Tr([html.Td(c["id"]), html.Td(c["status"]), html.Td((c["params"] or {}).get("router"))]
-                            + [html.Td(str(alloc.get(k, ""))) for k in keys]
-                            + [html.Td(f"{s['active_fraction']:.3f}" if isinstance(s.get("active_fraction"), float) else ""),
-                               html.Td(f"{s['ffn_flops_fraction']:.3f}" if isinstance(s.get("ffn_flops_fraction"), float) else "not recorded"),
-                               html.Td(f"{load_cv:.3f}" if isinstance(load_cv, (int, float)) else "")]))
-        plans[c["id"]] = [{"layer": r.get("layer"), "active_fraction": r.get("active_fraction")} for r in (c.get("layers") or [])]
-    ppl = F.compare_perplexity(ppl_rows) if ppl_rows else F.message_figure("no evaluation yet: evaluate from the designer or routing explorer")
+        for r in ppl_rows:  # newest evaluation per text (perplexity_rows keeps one per text)
+            if r["conversion_id"] != c["id"] or r["variant"] != "converted":
+                continue
+            ev = next(e for e in evals[c["id"]] if e["id"] == r["evaluation_id"])
+            d = ev["summary"]["variants"]["converted"]
+            cv = d.get("load_cv") if d.get("load_cv") is not None else d.get("mean_load_cv")
+            if load_cv is None and isinstance(cv, (int, float)):
+                load_cv = f"{cv:.3f} on {r['text']}"
+            cost_points.append({"label": short_conversion(c), "text": r["text"], "ffn_flops_fraction": s.get("ffn_flops_fraction"),
+                                "perplexity_ratio": r["ratio_to_dense"]})
+        body.append(html.Tr([html.Td(label[c["id"]]), html.Td(c["id"], className="note"), html.Td(c["status"]), html.Td(c.get("method")),
+                             html.Td(params.get("router") or ""), html.Td(fmt_pct(params.get("sparsity")))]
+                            + [html.Td(fmt(params.get(k))) for k in keys]
+                            + [html.Td(fmt(s.get("active_fraction"), 3)),
+                               html.Td(fmt(s.get("ffn_flops_fraction"), 3) if s.get("ffn_flops_fraction") is not None else "not recorded"),
+                               html.Td(load_cv or "")]))
+        plans[with_id(label[c["id"]], c["id"])] = [{"layer": r.get("layer"), "active_fraction": r.get("active_fraction")} for r in (c.get("layers") or [])]
+    ppl = F.compare_perplexity(ppl_rows)
     active_rows = [{"conversion": k, **r} for k, rows in plans.items() for r in rows]
+    csv_rows = [{k: v for k, v in r.items() if k != "text_key"} for r in ppl_rows]
     return (html.Table([header, *body], className="list"), ppl, F.compare_active(plans), F.quality_vs_cost(cost_points),
-            {"rows": ppl_rows, "filename": "perplexity"} if ppl_rows else None, {"rows": active_rows, "filename": "active_share"},
+            {"rows": csv_rows, "filename": "perplexity"} if csv_rows else None, {"rows": active_rows, "filename": "active_share"},
             error_box(None), search)

@@ -15,11 +15,13 @@ from dash import ALL, MATCH, Input, Output, State, callback, ctx, dcc, html, no_
 
 from frontend import figures as F
 from frontend.api_client import ApiError, api
-from frontend.components import error_box, figure_card, options, profile_picker, progress, to_search
+from frontend.components import builtin_source_options, error_box, figure_card, options, profile_picker, progress, to_search
+from frontend.names import fmt
 
 dash.register_page(__name__, path="/designer", name="Conversion designer", order=4)
 
 N = "cd"
+EVAL_WINDOWS, EVAL_TOKENS = 4, 64  # a quick first look; the button and the chart say how small
 PARAM = "cd-param"  # pattern-matching id type of a parameter control: {"type", "method", "name"}
 RECIPE, RECIPE_DIFF = "cd-recipe", "cd-recipe-diff"  # {"type", "method"}: recipe choice and its difference
 
@@ -122,7 +124,9 @@ def layout(profile: str | None = None, method: str = "expertweaver", **query: st
         html.Div(className="row", children=[figure_card(f"{N}-plan", "Preview", loading=False)]),
         html.Div(className="controls", children=[
             html.Button("Convert", id=f"{N}-convert", className="primary"),
-            html.Button("Evaluate result (builtin:mixed)", id=f"{N}-evaluate", disabled=True),
+            html.Div([html.Label("evaluate on"), dcc.Dropdown(id=f"{N}-eval-source", options=builtin_source_options(), value="builtin:mixed",
+                                                              clearable=False, style={"width": 380})]),
+            html.Button(f"Evaluate result ({EVAL_WINDOWS} windows × {EVAL_TOKENS} tokens)", id=f"{N}-evaluate", disabled=True),
         ]),
         html.Div(id=f"{N}-job"),
         html.Div(id=f"{N}-result"),
@@ -215,13 +219,13 @@ def _preview(profile, method, values, ids, methods):
           State(f"{N}-conversion-id", "data"), State(f"{N}-profile", "value"), State(f"{N}-method", "value"),
           State({"type": PARAM, "method": ALL, "name": ALL}, "value"), State({"type": PARAM, "method": ALL, "name": ALL}, "id"),
           State(f"{N}-extra_profiles", "value"), State(f"{N}-moe_model", "value"), State(f"{N}-calibration", "value"),
-          State(f"{N}-methods", "data"), prevent_initial_call=True)
-def _launch(_c, _e, conversion_id, profile, method, values, ids, extra_profiles, moe_model, calibration, methods):
+          State(f"{N}-methods", "data"), State(f"{N}-eval-source", "value"), prevent_initial_call=True)
+def _launch(_c, _e, conversion_id, profile, method, values, ids, extra_profiles, moe_model, calibration, methods, eval_source):
     try:
         if ctx.triggered_id == f"{N}-evaluate":
             if not conversion_id:
                 return no_update, no_update, True, error_box("convert first")
-            created = api().create_evaluation(conversion_id, n_windows=4, seq_len=64)
+            created = api().create_evaluation(conversion_id, source=eval_source or "builtin:mixed", n_windows=EVAL_WINDOWS, seq_len=EVAL_TOKENS)
             return created["job_id"], conversion_id, False, progress(created.get("job"))
         needs = next((m["needs"] for m in methods or [] if m["name"] == method), "profile")
         body: dict[str, Any] = {"method": method, method: chosen_params(method, values, ids)}
@@ -266,9 +270,11 @@ def _result(conversion_id: str) -> html.Div:
         return error_box(str(exc))
     s = conv.get("summary") or {}
     children = [html.H3(f"Conversion {conversion_id}: {conv['status']}"),
-                html.Div(", ".join(f"{k}: {v}" for k, v in s.items() if not isinstance(v, (dict, list))), className="note"),
+                html.Div(", ".join(f"{k}: {fmt(v)}" for k, v in s.items() if not isinstance(v, (dict, list))), className="note"),
                 dcc.Link("open in routing explorer", href=f"/routing?conversion={conversion_id}"), html.Span(" · "),
-                dcc.Link("compare", href=f"/compare?ids={conversion_id}")]
+                dcc.Link("compare", href=f"/compare?ids={conversion_id}"), html.Span(" · "),
+                dcc.Link("token routing", href=f"/tokens?a={conversion_id}"), html.Span(" · "),
+                dcc.Link("playground", href=f"/playground?conversion={conversion_id}")]
     for note in s.get("notes") or []:
         children.append(html.Div(f"layer {note['layer']}: {note['note']}", className="aggregated"))
     timings = (conv.get("job") or {}).get("timings") or s.get("timings")
@@ -278,8 +284,7 @@ def _result(conversion_id: str) -> html.Div:
     if not evals:
         children.append(html.Div("Not evaluated yet: press 'Evaluate result' for perplexity vs dense and baselines.", className="note"))
         return html.Div(children, className="card", id=f"{N}-result-card")
-    rows = [{"conversion": conversion_id, "variant": v, "perplexity": d.get("perplexity")}
-            for v, d in ((evals[0].get("summary") or {}).get("variants") or {}).items()]
+    rows = F.perplexity_rows([conv], {conversion_id: evals[:1]})  # the newest evaluation, labelled with its text and size
     children.append(html.Div(className="row", children=[
         dcc.Graph(id=f"{N}-ppl", figure=F.compare_perplexity(rows)),
         dcc.Graph(id=f"{N}-recon", figure=F.reconstruction_error(report or {})),

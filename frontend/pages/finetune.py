@@ -16,7 +16,8 @@ from dash import Input, Output, State, callback, ctx, dcc, html, no_update
 
 from frontend import figures as F
 from frontend.api_client import ApiError, api
-from frontend.components import error_box, figure_card, progress, to_search
+from frontend.components import error_box, figure_card, page_names, progress, to_search
+from frontend.names import Names, with_id
 
 dash.register_page(__name__, path="/finetune", name="Fine-tune", order=7)
 
@@ -48,49 +49,69 @@ BUDGET: list[tuple[str, str, float, float, float, float | str]] = [
 ]
 
 
-def _label(conversion: dict[str, Any]) -> str:
+def _label(conversion: dict[str, Any], names: Names | None = None) -> str:
+    """model · set · method · key parameters, then the id (a fine-tune says whose)."""
     params = conversion.get("params") or {}
-    tuned = f", fine-tune of {params['finetune_of']}" if params.get("finetune_of") else ""
-    return f"{conversion['id']} ({conversion['method']}{tuned})"
+    tuned = f" (fine-tune of {params['finetune_of']})" if params.get("finetune_of") else ""
+    return with_id((names or Names()).conversion(conversion) + tuned, conversion["id"])
 
 
 def _run_options(conversion: str | None) -> list[dict[str, str]]:
     if not conversion:
         return []
-    return [{"label": f"{f['id']} ({f['params'].get('mode')}, {f['params'].get('steps')} steps): {f['status']}", "value": f["id"]}
+    return [{"label": with_id(f"{f['params'].get('mode')}, {f['params'].get('steps')} steps: {f['status']}", f["id"]), "value": f["id"]}
             for f in api().finetunes(conversion)]
 
 
+def form_values(params: dict[str, Any] | None) -> dict[str, Any]:
+    """The form's values for a run's stored ``params`` (mode, training text, budget); what a run
+    does not record keeps the form's default. Used when the page is reloaded on ``?finetune=…`` and
+    when another run is picked, so the form always says how the shown run was made."""
+    p = params or {}
+    values: dict[str, Any] = {name: p.get(name, default) for name, _label, default, *_ in BUDGET}
+    values["source"] = p.get("source") or "builtin:mixed"
+    values["mode"] = p.get("mode") if p.get("mode") in MODES else None
+    return values
+
+
 def layout(conversion: str | None = None, finetune: str | None = None, **_):
+    run_params: dict[str, Any] | None = None
     try:
         ready = [c for c in api().conversions() if c["status"] == "ready"]
-        if finetune and conversion is None:
-            conversion = api().finetune(finetune)["conversion_id"]
+        names = page_names()
+        if finetune:
+            run = api().finetune(finetune)
+            run_params = run.get("params")
+            conversion = conversion or run["conversion_id"]
         if conversion is None and ready:
             conversion = ready[0]["id"]
         runs, err = _run_options(conversion), None
         sources = [b["spec"] for b in api().builtin_sets()]
     except ApiError as exc:
-        ready, runs, sources, err = [], [], ["builtin:mixed"], str(exc)
+        ready, runs, sources, err, names = [], [], ["builtin:mixed"], str(exc), Names()
     methods = {c["id"]: c["method"] for c in ready}
     mode = methods.get(conversion, "expertweaver")
     mode = mode if mode in MODES else "expertweaver"
+    form = form_values(run_params)  # the shown run's settings (defaults without one)
+    mode = form["mode"] or mode
+    if form["source"] not in sources:
+        sources = [*sources, form["source"]]  # an uploaded set the run trained on
     return html.Div([
         dcc.Location(id=f"{N}-url", refresh=False),
         html.H2("Fine-tune"),
         error_box(err),
         html.Div(className="controls", children=[
-            html.Div([html.Label("conversion"), dcc.Dropdown(id=f"{N}-conversion", options=[{"label": _label(c), "value": c["id"]} for c in ready],
-                                                             value=conversion, clearable=False, style={"width": 420})]),
+            html.Div([html.Label("conversion"), dcc.Dropdown(id=f"{N}-conversion", options=[{"label": _label(c, names), "value": c["id"]} for c in ready],
+                                                             value=conversion, clearable=False, style={"width": 560})]),
             html.Div([html.Label("mode"), dcc.RadioItems(id=f"{N}-mode", options=list(MODES), value=mode, inline=True)]),
         ]),
         html.Div(id=f"{N}-mode-help", className="note"),
         html.Div(className="controls", children=[
-            html.Div([html.Label(label), dcc.Input(id=f"{N}-{name}", type="number", value=default, min=lo, max=hi, step=step,
+            html.Div([html.Label(label), dcc.Input(id=f"{N}-{name}", type="number", value=form[name], min=lo, max=hi, step=step,
                                                    style={"width": 110 if step == 1 else 140})])
-            for name, label, default, lo, hi, step in BUDGET
+            for name, label, _default, lo, hi, step in BUDGET
         ] + [html.Div([html.Label("training text (its held-out split measures perplexity)"),
-                       dcc.Dropdown(id=f"{N}-source", options=sources, value="builtin:mixed", clearable=False, style={"width": 220})])]),
+                       dcc.Dropdown(id=f"{N}-source", options=sources, value=form["source"], clearable=False, style={"width": 220})])]),
         html.Div(className="controls", children=[
             html.Button("Start", id=f"{N}-start", className="primary"),
             html.Button("Cancel", id=f"{N}-cancel", disabled=True),
@@ -126,6 +147,19 @@ def _mode_help(mode, conversion, methods):
     if method and method != mode:
         text += f" (the conversion was made with {method}: its default mode is {method if method in MODES else 'none'})"
     return text
+
+
+@callback(Output(f"{N}-mode", "value", allow_duplicate=True), Output(f"{N}-source", "value"),
+          *[Output(f"{N}-{name}", "value") for name, *_ in BUDGET], Input(f"{N}-run", "value"), prevent_initial_call=True)
+def _run_settings(run):
+    """Another run picked: the form shows how it was made (Start then repeats or varies it)."""
+    if not run:
+        return [no_update] * (2 + len(BUDGET))
+    try:
+        values = form_values(api().finetune(run).get("params"))
+    except ApiError:
+        return [no_update] * (2 + len(BUDGET))
+    return [values["mode"] or no_update, values["source"], *[values[name] for name, *_ in BUDGET]]
 
 
 @callback(Output(f"{N}-poll", "disabled"), Output(f"{N}-url", "search"), Output(f"{N}-loss", "figure"),
@@ -189,7 +223,8 @@ def _result(ft: dict[str, Any], log: dict[str, Any]) -> html.Div:
     if ft["status"] != "ready" or not result:
         return html.Div(f"Fine-tune {ft['id']} {ft['status']}: press Resume to continue from its latest checkpoint.", className="note",
                         id=f"{N}-result-card")
-    summary = F.finetune_summary_text(log) or "perplexity not measured"
+    summary = F.finetune_summary_text(log)
+    summary = f"{summary} {F.finetune_eval_text(ft.get('params') or {})}" if summary else "perplexity not measured"  # and on how much text
     return html.Div(className="card", id=f"{N}-result-card", children=[
         html.H3(f"Fine-tune {ft['id']}: ready"),
         html.Div(summary, id=f"{N}-result-ppl"),

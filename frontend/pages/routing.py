@@ -10,47 +10,49 @@ from dash import Input, Output, State, callback, dcc, html, no_update
 
 from frontend import figures as F
 from frontend.api_client import ApiError, api
-from frontend.components import error_box, figure_card, options, progress, to_search
+from frontend.components import builtin_source_options, error_box, figure_card, named_options, progress, to_search
+from frontend.names import with_id
 
 dash.register_page(__name__, path="/routing", name="Routing explorer", order=5)
 
 N = "rx"
+EVAL_WINDOWS, EVAL_TOKENS = 4, 64  # a quick look at routing; the button says how small
 
 
 def _eval_options(conversion: str | None) -> list[dict]:
     if not conversion:
         return []
-    return [{"label": f"{e['params'].get('label') or e['params'].get('source')} ({e['id']})", "value": e["id"]}
+    # the text and its size (windows × tokens): two evaluations of one set at different sizes differ
+    return [{"label": with_id(F.heldout_label(e), e["id"]), "value": e["id"]}
             for e in api().evaluations(conversion) if e["status"] == "ready"]
 
 
 def layout(conversion: str | None = None, a: str | None = None, b: str | None = None, variant: str = "converted", **_):
     try:
-        convs, err = options(api().conversions()), None
+        convs, err = named_options("conversions"), None
         if conversion is None and convs:
             conversion = convs[0]["value"]
         evals = _eval_options(conversion)
-        sets = api().calibration_sets()
     except ApiError as exc:
-        convs, evals, sets, err = [], [], [], str(exc)
+        convs, evals, err = [], [], str(exc)
     if a is None and evals:
         a = evals[0]["value"]
     if b is None and len(evals) > 1:
         b = evals[1]["value"]
-    sources = [{"label": f"builtin:{n}", "value": f"builtin:{n}"} for n in ("mixed", "code", "prose")] + options(sets)
+    sources = builtin_source_options()  # every built-in set, then the ready calibration sets
     return html.Div([
         dcc.Location(id=f"{N}-url", refresh=False),
         html.H2("Routing explorer"),
         error_box(err),
         html.Div(className="controls", children=[
-            html.Div([html.Label("conversion"), dcc.Dropdown(id=f"{N}-conversion", options=convs, value=conversion, clearable=False, style={"width": 320})]),
-            html.Div([html.Label("set A (evaluation)"), dcc.Dropdown(id=f"{N}-a", options=evals, value=a, style={"width": 320})]),
-            html.Div([html.Label("set B (evaluation)"), dcc.Dropdown(id=f"{N}-b", options=evals, value=b, style={"width": 320})]),
+            html.Div([html.Label("conversion"), dcc.Dropdown(id=f"{N}-conversion", options=convs, value=conversion, clearable=False, style={"width": 520})]),
+            html.Div([html.Label("set A (evaluation)"), dcc.Dropdown(id=f"{N}-a", options=evals, value=a, style={"width": 420})]),
+            html.Div([html.Label("set B (evaluation)"), dcc.Dropdown(id=f"{N}-b", options=evals, value=b, style={"width": 420})]),
             html.Div([html.Label("variant"), dcc.Dropdown(id=f"{N}-variant", options=["converted", "uniform"], value=variant, clearable=False, style={"width": 130})]),
         ]),
         html.Div(className="controls", children=[
-            html.Div([html.Label("evaluate on another set"), dcc.Dropdown(id=f"{N}-source", options=sources, value="builtin:mixed", style={"width": 260})]),
-            html.Button("Evaluate", id=f"{N}-evaluate"),
+            html.Div([html.Label("evaluate on another set"), dcc.Dropdown(id=f"{N}-source", options=sources, value="builtin:mixed", style={"width": 420})]),
+            html.Button(f"Evaluate ({EVAL_WINDOWS} windows × {EVAL_TOKENS} tokens)", id=f"{N}-evaluate"),
             html.Div(id=f"{N}-job", style={"minWidth": "300px"}),
             dcc.Store(id=f"{N}-job-id"), dcc.Interval(id=f"{N}-poll", interval=1000, disabled=True),
         ]),
@@ -86,9 +88,12 @@ def _update(conversion, a, b, variant):
         return (*[fig] * 5, *[None] * 5, error_box(msg if conversion else "no conversion yet: use the Conversion designer"), search)
     try:
         heat = api().conversion_routing(conversion, ids, variant=variant)
+        by_id = {e["id"]: e for e in api().evaluations(conversion)}
     except ApiError as exc:
         fig = F.message_figure(str(exc))
         return (*[fig] * 5, *[None] * 5, error_box(str(exc)), search)
+    # each set named with its text and size (the API labels sets by source only)
+    heat = {**heat, "sets": [F.heldout_label(by_id[e]) if e in by_id else name for e, name in zip(heat["evaluations"], heat["sets"], strict=True)]}
     store = {"kind": "routing", "data": heat, "filename": f"routing_{conversion}"}
     two = len(heat["sets"]) > 1
     pair_msg = F.message_figure("choose a second set to compare")
@@ -103,7 +108,7 @@ def _evaluate(_n, conversion, source):
     if not conversion or not source:
         return no_update, True, error_box("choose a conversion and a set")
     try:
-        created = api().create_evaluation(conversion, source=source, n_windows=4, seq_len=64)
+        created = api().create_evaluation(conversion, source=source, n_windows=EVAL_WINDOWS, seq_len=EVAL_TOKENS)
     except ApiError as exc:
         return no_update, True, error_box(f"could not start: {exc}")
     return created["job_id"], False, progress(created.get("job"))

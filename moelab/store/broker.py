@@ -34,6 +34,7 @@ TASKS: dict[str, tuple[str, str]] = {
     "conversion": ("moelab.convert", GPU_QUEUE),
     "evaluation": ("moelab.evaluate", GPU_QUEUE),
     "finetune": ("moelab.finetune", GPU_QUEUE),
+    "probe": ("moelab.probe", GPU_QUEUE),
 }
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -83,3 +84,28 @@ def make_celery(settings: Settings, include: tuple[str, ...] = ()) -> Celery:
     )
     return app
 
+
+def send_job(app: Celery, job_id: str, kind: str) -> None:
+    """Send a job of ``kind`` (its id is the task id and the only argument): the one place tasks are
+    sent, by the API (new jobs) and by the workers' re-queue sweep (jobs the broker lost).
+
+    The queues are declared first, every time (a few SADDs on a fresh connection): a Redis that
+    restarted empty would otherwise swallow the message until a worker reconnects and re-declares.
+    """
+    name, queue = TASKS[kind]
+    declare_queues(app)
+    app.send_task(name, args=[job_id], task_id=job_id, queue=queue)
+
+
+def declare_queues(app: Celery) -> None:
+    """(Re)create the queues and their bindings: after a Redis restart without persistence they are
+    gone, and kombu drops a message sent to an exchange with no bound queue without an error.
+
+    A fresh connection, on purpose: kombu remembers declarations per connection, and Celery's
+    producer pool (process-wide, keyed by broker URL) keeps its connection across a Redis restart,
+    so sending through it never declares again.
+    """
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        for queue in app.conf.task_queues:
+            queue.bind(channel).declare()

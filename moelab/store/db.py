@@ -19,6 +19,7 @@ from sqlalchemy import (
     Boolean,
     DateTime,
     ForeignKey,
+    Index,
     Integer,
     String,
     Text,
@@ -39,7 +40,7 @@ from sqlalchemy.orm import (
     sessionmaker,
 )
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 def utcnow() -> datetime:
@@ -75,7 +76,7 @@ class Job(Base):
     __tablename__ = "jobs"
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(32))  # inspect_model | build_calibration | profile | conversion | evaluation | finetune
+    kind: Mapped[str] = mapped_column(String(32))  # inspect_model | build_calibration | profile | conversion | evaluation | finetune | probe
     queue: Mapped[str] = mapped_column(String(16))
     resource_type: Mapped[str] = mapped_column(String(32))
     resource_id: Mapped[str] = mapped_column(String(40), index=True)
@@ -122,7 +123,13 @@ class CalibrationSet(_Resource, Base):
     name: Mapped[str] = mapped_column(String(200))
     origin: Mapped[str] = mapped_column(String(16))  # builtin | upload | hf
     content_id: Mapped[str | None] = mapped_column(String(40), index=True, default=None)  # engine's cs-… id
+    # An upload's content id, unique (index UPLOAD_KEY_INDEX): the database, not a check-then-insert,
+    # decides which of several identical concurrent uploads is stored. NULL for other origins and for
+    # duplicates stored before schema 3.
+    upload_key: Mapped[str | None] = mapped_column(String(40), default=None)
     job: Mapped[Job | None] = relationship(lazy="joined")
+
+    __table_args__ = (Index("uq_calibration_sets_upload_key", "upload_key", unique=True),)
 
 
 class Profile(_Resource, Base):
@@ -160,6 +167,16 @@ class Finetune(_Resource, Base):
     job: Mapped[Job | None] = relationship(lazy="joined")
 
 
+class Probe(_Resource, Base):
+    """A short look at one conversion on one text: token-level routing or a side-by-side generation
+    with the dense model (``params.kind``); its result is the artifact ``probes/<id>/probe.json``."""
+
+    __tablename__ = "probes"
+
+    conversion_id: Mapped[str] = mapped_column(ForeignKey("conversions.id"), index=True)
+    job: Mapped[Job | None] = relationship(lazy="joined")
+
+
 class Meta(Base):
     __tablename__ = "moelab_meta"
 
@@ -174,6 +191,7 @@ RESOURCE_TABLES: dict[str, type[_Resource]] = {
     "conversions": Conversion,
     "evaluations": Evaluation,
     "finetunes": Finetune,
+    "probes": Probe,
 }
 
 
@@ -197,7 +215,9 @@ def make_engine(url: str) -> Engine:
         db_path = url.split("///", 1)[-1]
         if db_path and db_path != ":memory:":
             Path(db_path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        # Connections are kept (16) for the API's request threads: one opened and closed per request past
+        # the default 5 re-runs the PRAGMAs below each time, which showed up under 50 concurrent clients.
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=16, max_overflow=32)
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     return create_engine(url, pool_pre_ping=True)
@@ -227,11 +247,28 @@ def migrate(engine: Engine) -> None:
                     value = column.default.arg
                     default = f" DEFAULT {int(value) if isinstance(value, bool) else repr(value)}"
                 conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {ddl}{default}'))
+        _unique_upload_keys(conn)
         row = conn.execute(text("SELECT value FROM moelab_meta WHERE key = 'schema_version'")).first()
         if row is None:
             conn.execute(text("INSERT INTO moelab_meta (key, value) VALUES ('schema_version', :v)"), {"v": str(SCHEMA_VERSION)})
         elif int(row[0]) < SCHEMA_VERSION:
             conn.execute(text("UPDATE moelab_meta SET value = :v WHERE key = 'schema_version'"), {"v": str(SCHEMA_VERSION)})
+
+
+def _unique_upload_keys(conn: Any) -> None:
+    """Schema 3: uploads are de-duplicated by a unique index on ``calibration_sets.upload_key``.
+
+    A database from before may hold several uploads of the same content (the old check-then-insert
+    raced): the oldest of each keeps the key, the others stay as they are with none (they may be in
+    use), then the index is created. Idempotent, and the same SQL on SQLite and Postgres."""
+    conn.execute(text(
+        "UPDATE calibration_sets SET upload_key = content_id "
+        "WHERE origin = 'upload' AND content_id IS NOT NULL AND upload_key IS NULL "
+        "AND id = (SELECT c2.id FROM calibration_sets c2 WHERE c2.origin = 'upload' "
+        "          AND c2.content_id = calibration_sets.content_id ORDER BY c2.created_at, c2.id LIMIT 1) "
+        "AND NOT EXISTS (SELECT 1 FROM calibration_sets c3 WHERE c3.upload_key = calibration_sets.content_id)"
+    ))
+    conn.execute(text("CREATE UNIQUE INDEX IF NOT EXISTS uq_calibration_sets_upload_key ON calibration_sets (upload_key)"))
 
 
 def _conversion_profile_optional(engine: Engine) -> None:
@@ -277,6 +314,42 @@ def _conversion_profile_optional(engine: Engine) -> None:
         raw.close()
 
 
+_PG_MIGRATION_LOCK = 0x6D6F656C  # pg_advisory_lock key of moelab's schema migration ("moel")
+
+
+@contextmanager
+def migration_lock(engine: Engine) -> Iterator[None]:
+    """Serialise ``migrate`` across processes: the API, its extra uvicorn workers and every job
+    worker migrate at start, often at the same moment on a fresh data directory, and two
+    ``CREATE TABLE``/``ADD COLUMN`` passes racing fail with "already exists". SQLite files take an
+    exclusive ``flock`` on ``<db>.migrate.lock`` beside them; Postgres a session advisory lock;
+    an in-memory SQLite database is private to its process and needs none."""
+    name = engine.dialect.name
+    if name == "postgresql":
+        with engine.connect() as conn:
+            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
+            try:
+                yield
+            finally:
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _PG_MIGRATION_LOCK})
+                conn.commit()
+        return
+    database = engine.url.database if name == "sqlite" else None
+    if not database or database == ":memory:" or database.startswith("file::memory:"):
+        yield
+        return
+    import fcntl
+    from pathlib import Path
+
+    lock_path = Path(database).with_name(Path(database).name + ".migrate.lock")
+    with open(lock_path, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 class Database:
     """An engine plus a session factory; the schema is migrated once, on first use."""
 
@@ -290,7 +363,8 @@ class Database:
     def init(self) -> None:
         with self._lock:
             if not self._ready:
-                migrate(self.engine)
+                with migration_lock(self.engine):
+                    migrate(self.engine)
                 self._ready = True
 
     @contextmanager

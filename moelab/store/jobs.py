@@ -13,6 +13,7 @@ died), so no job stays "running" forever.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -137,19 +138,41 @@ def reap_stale(session: Session, timeout_s: float, job_id: str | None = None) ->
     return reaped
 
 
+def fail_jobs_of(session: Session, worker: str, reason: Callable[[Job], str]) -> list[str]:
+    """Fail the jobs marked running under ``worker`` (a worker known to be dead), each with
+    ``reason(job)``; returns their ids. Conditional per row, like every transition."""
+    now = utcnow()
+    failed = []
+    for job in session.execute(select(Job).where(Job.state == RUNNING, Job.worker == worker)).scalars().all():
+        res = session.execute(
+            update(Job)
+            .where(Job.id == job.id, Job.state == RUNNING)
+            .values(state=FAILED, finished_at=now, error_type="worker_lost", error=reason(job))
+        )
+        if res.rowcount == 1:
+            failed.append(job.id)
+    session.commit()
+    return failed
+
+
+def fail_jobs_of_dead_workers(session: Session, dead_workers: Callable[[set[str]], set[str]]) -> list[str]:
+    """Fail the running jobs of the workers that ``dead_workers`` (given the workers that run jobs)
+    says are gone, e.g. :func:`moelab.store.liveness.dead_workers`; returns the jobs' ids."""
+    running = set(session.execute(select(Job.worker).where(Job.state == RUNNING).distinct()).scalars()) - {None}
+    failed: list[str] = []
+    for worker in sorted(dead_workers(running)) if running else []:
+        failed += fail_jobs_of(session, worker, lambda job, worker=worker: (
+            f"the process of worker {worker} ended while this job was running at stage {job.stage!r} "
+            f"{job.current}/{job.total} (its connection to the broker closed): it was killed, often by the kernel's "
+            "out-of-memory killer (see `dmesg`), or crashed (see its log). Make sure a worker is running, then re-run "
+            f"the job with POST /api/v1/jobs/{job.id}/retry"
+        ))
+    return failed
+
+
 def fail_orphans_of(session: Session, worker: str) -> list[str]:
     """A worker (re)starting under a name fails the jobs still marked running under that name."""
-    now = utcnow()
-    ids = list(session.execute(select(Job.id).where(Job.state == RUNNING, Job.worker == worker)).scalars())
-    if ids:
-        session.execute(
-            update(Job)
-            .where(Job.id.in_(ids), Job.state == RUNNING)
-            .values(
-                state=FAILED, finished_at=now, error_type="worker_lost",
-                error=f"worker {worker} restarted while this job was running (it crashed or was killed); "
-                "re-run the job with POST /api/v1/jobs/<id>/retry",
-            )
-        )
-    session.commit()
-    return ids
+    return fail_jobs_of(session, worker, lambda job: (
+        f"worker {worker} restarted while this job was running (it crashed or was killed) at stage {job.stage!r} "
+        f"{job.current}/{job.total}; re-run the job with POST /api/v1/jobs/{job.id}/retry"
+    ))

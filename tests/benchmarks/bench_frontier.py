@@ -29,6 +29,7 @@ import math
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,7 @@ def _cmoe(level: float, d_model: int, profile: Any, **kw: Any) -> CMoEParams | N
     return None
 
 
-def configurations(level: float, d_model: int, profile: Any) -> dict[str, Any]:
+def configurations(level: float, d_model: int, profile: Any, candidates: bool = False) -> dict[str, Any]:
     best = get_method("expertweaver").recipe("best", sparsity=round(1 - level, 6))
     out = {
         "ew-paper": _ew(level, d_model, profile),
@@ -83,6 +84,9 @@ def configurations(level: float, d_model: int, profile: Any) -> dict[str, Any]:
         "cmoe-ridge": _cmoe(level, d_model, profile, router="ridge"),
         "best": best,
     }
+    if candidates:  # for the recipe: finer experts (more choice at the same cost; the router costs 2×),
+        # and four times the fit tokens for the ridge router and the error curves
+        out |= {"best-e128": replace(best, n_experts=128), "best-fit16k": replace(best, fit_tokens=16384)}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -138,6 +142,18 @@ def svg_plot(points: dict[str, list[tuple[float, float]]], path: Path, title: st
     path.write_text("\n".join(out) + "\n")
 
 
+def _previous(out: Path, report: dict[str, Any]) -> dict[str, Any]:
+    """The results in ``out`` when they were measured on the same profile, model and held-out text
+    (dense perplexity is deterministic, so their ratios stay comparable); else nothing."""
+    if not out.is_file():
+        return {}
+    old = json.loads(out.read_text())
+    same = all(old.get(key) == report[key] for key in ("model", "profile", "calibration", "fit_tokens", "heldout"))
+    if not same:
+        print(f"--resume: {out} was measured on another profile or held-out text; starting afresh", flush=True)
+    return old if same else {}
+
+
 def write(report: dict[str, Any], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
@@ -153,6 +169,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--no-dense2moe", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_frontier.json")
+    ap.add_argument("--candidates", action="store_true", help="also measure variants of --recipe best")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the (level, variant) results already in --out when its profile and held-out text match")
     args = ap.parse_args()
     torch.manual_seed(0)
     t_start = time.perf_counter()
@@ -166,6 +185,14 @@ def main() -> None:
                for dom in DOMAINS}
     items = bigbench_choice_items(data_dir, per_task=30) if bigbench_installed(data_dir) else None
     fit_inputs = collect_inputs(adapter, profile_token_windows(adapter, profile, ExpertWeaverParams().fit_tokens, data_dir))
+    fit_cache = {fit_inputs.n_tokens: fit_inputs}
+
+    def fit_for(n_tokens: int) -> Any:
+        """The calibration inputs of ``n_tokens`` fit tokens, collected once (the same a conversion collects)."""
+        if n_tokens not in fit_cache:
+            fit_cache[n_tokens] = collect_inputs(adapter, profile_token_windows(adapter, profile, n_tokens, data_dir))
+        return fit_cache[n_tokens]
+
     report: dict[str, Any] = {
         "model": profile.manifest["model"]["source"], "profile": str(args.profile),
         "calibration": profile.manifest["calibration"], "fit_tokens": fit_inputs.n_tokens,
@@ -173,32 +200,41 @@ def main() -> None:
         "cost": "ffn_flops_fraction: FFN multiply-adds per token, router and scoring included, over the dense FFN's",
         "levels": {}, "own_cost": {},
     }
+    previous = _previous(args.out, report) if args.resume else {}
     dense_by_domain = {dom: evaluate_variants(adapter, {"dense": None}, w, choice_items=items if dom == DOMAINS[0] else None)["dense"]
                        for dom, w in windows.items()}
     dense_ppl = {dom: r["perplexity"] for dom, r in dense_by_domain.items()}
     report["dense"] = dense_by_domain
+    report["levels"] = previous.get("levels", {})
+    report["own_cost"] = previous.get("own_cost", {})
     for level in args.levels:
+        done = report["levels"].setdefault(str(level), {})
         variants: dict[str, Any] = {}
         meta: dict[str, Any] = {}
-        for name, params in configurations(level, d, profile).items():
+        for name, params in configurations(level, d, profile, args.candidates).items():
+            if name in done:
+                continue
             t0 = time.perf_counter()
             method = expertweaver if params.method == "expertweaver" else cmoe
             _, _, modules, fit = partition_modules(adapter, profile, params, method.plan_for(profile, params),
-                                                   method.layer_builder(profile, params), data_dir=data_dir, calib=fit_inputs)
+                                                   method.layer_builder(profile, params), data_dir=data_dir, calib=fit_for(params.fit_tokens))
             variants[name] = modules
             meta[name] = {"params": params.to_dict(), "ffn_flops_fraction": _ffn_cost(modules, dense_macs, adapter.n_layers, d_macs),
                           "convert_s": time.perf_counter() - t0}
-        k = max(1, int(math.floor((level - 1 / 3) * 1.5 * adapter.d_ffn)))
-        variants["abstopk"] = abstopk_modules(adapter, k / adapter.d_ffn)
-        meta["abstopk"] = {"ffn_flops_fraction": _ffn_cost(variants["abstopk"], dense_macs, adapter.n_layers, d_macs)}
-        by_domain = {dom: evaluate_variants(adapter, variants, w, reconstruction=False, choice_items=items if dom == DOMAINS[0] else None)
-                     for dom, w in windows.items()}
-        report["levels"][str(level)] = {name: {**meta[name], **score(by_domain, name, dense_ppl)} for name in variants}
+        if "abstopk" not in done:
+            k = max(1, int(math.floor((level - 1 / 3) * 1.5 * adapter.d_ffn)))
+            variants["abstopk"] = abstopk_modules(adapter, k / adapter.d_ffn)
+            meta["abstopk"] = {"ffn_flops_fraction": _ffn_cost(variants["abstopk"], dense_macs, adapter.n_layers, d_macs)}
+        if variants:
+            by_domain = {dom: evaluate_variants(adapter, variants, w, reconstruction=False,
+                                                choice_items=items if dom == DOMAINS[0] else None)
+                         for dom, w in windows.items()}
+            done.update({name: {**meta[name], **score(by_domain, name, dense_ppl)} for name in variants})
         write(report, args.out)  # after every level: a long run that is stopped keeps what it measured
         print(f"level {level}: " + ", ".join(f"{n} {r['ratio_geomean']:.2f}x@{r['ffn_flops_fraction']:.3f}"
                                               for n, r in report["levels"][str(level)].items()), flush=True)
         del variants
-    if not args.no_dense2moe:
+    if not args.no_dense2moe and "dense2moe" not in report["own_cost"]:
         with tempfile.TemporaryDirectory() as tmp:
             params = get_method("dense2moe").recipe("paper")
             record = run_conversion(args.profile, params, Path(tmp) / "d2", data_dir=data_dir)
@@ -211,7 +247,7 @@ def main() -> None:
 
     names = sorted({n for lv in report["levels"].values() for n in lv})
     lines = ["| cost ≤ | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for level, rows in report["levels"].items():
+    for level, rows in sorted(report["levels"].items(), key=lambda kv: -float(kv[0])):
         cells = [f"{rows[n]['ratio_geomean']:.2f}× ({rows[n]['ffn_flops_fraction']:.3f})" if n in rows else "-" for n in names]
         lines.append(f"| {level} | " + " | ".join(cells) + " |")
     for name, r in report["own_cost"].items():

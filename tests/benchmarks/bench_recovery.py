@@ -1,22 +1,30 @@
-"""Recovery fine-tuning on the default model: perplexity before vs after a short CPU run, per mode.
+"""Recovery fine-tuning on the default model: perplexity before vs after a short CPU run, per conversion.
 
-    python tests/benchmarks/bench_recovery.py [--work runs/bench_recovery] [--steps 200] [--modes cmoe ...]
+    python tests/benchmarks/bench_recovery.py [--work runs/bench_recovery] [--runs best-0.75 best-0.5 ...]
+        [--steps 90] [--profile runs/p1]
 
-For every mode (cmoe, expertweaver, midas, dense2moe) it converts the default model with that
-method (profiles and conversions are made once and cached in ``--work``), fine-tunes it with
-``FinetuneParams`` (defaults unless overridden here) and reads the run's summary: held-out
-perplexity of the training-free conversion (before), where training starts (start: differs
-from before only when the mode changes the model, EW Eq. 11), after, and the dense model's on
-the same windows; steps, tokens, seconds, peak RSS. Conversions:
+Every run converts the default model (profiles and conversions are made once and cached in
+``--work``; ``--profile`` reuses a stored ``builtin:mixed`` profile instead), fine-tunes it with
+``FinetuneParams`` in the run's mode (defaults unless overridden here) and reads the run's summary:
+held-out perplexity of the training-free conversion (before), where training starts (start:
+differs from before only when the mode changes the model, EW Eq. 11), after, and the dense
+model's on the same windows; the conversion's ``ffn_flops_fraction``, steps, tokens, seconds,
+peak RSS. Runs (``RUNS``):
 
-* cmoe: CMoE 24·24·64 (25% sparsity, representative router; as in bench_frontier.py);
-* expertweaver: paper defaults (α 0.2–0.7, τ 0.6, 64 experts, 25% sparsity, centroid router);
-* dense2moe: the defaults (D2 §4.2: n* = 5 pruned blocks, N = M = 1 so 6 experts, top-1; δ 0.3;
-  results recorded before these defaults (n* = 1, top-2, whose router got no gradient) are stale);
+* cmoe / cmoe-0.5: CMoE 24·24·64 / 16·16·64 (25% / 50% sparsity, representative router);
+* expertweaver / expertweaver-0.5: paper settings at 25% / 50% sparsity (centroid router);
+* best-0.75 / best-0.5: ``--recipe best`` at ``ffn_flops_fraction`` ≤ 0.75 / 0.5 (ridge router,
+  budget plan), fine-tuned in mode ``cmoe`` (gate scale u, balancing bias b and LoRA on the
+  training-free sum: the same function at step 0, so the fitted router is kept; mode
+  ``expertweaver`` would replace it by a softmax router initialised from gate centroids);
+* dense2moe: the defaults (D2 §4.2: n* = 5 pruned blocks, 6 experts, top-1; δ 0.3);
 * midas: one expert per built-in set (code, prose, literature, chat), keep ratio 0.25, top-2.
 
-Writes tests/benchmarks/results/bench_recovery.json (a finished mode is not re-run unless
-``--fresh``) and prints one summary line.
+"≤ 15 minutes of CPU fine-tuning": 90 steps of 4 × 256 tokens at ≈ 9 s a step on 2 idle cores;
+``train_s`` is the wall time measured (longer when the machine is shared).
+
+Writes tests/benchmarks/results/bench_recovery.json (a finished run is not re-run unless
+``--fresh`` or its parameters changed) and prints one summary line.
 """
 
 from __future__ import annotations
@@ -27,11 +35,13 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from moelab.settings import get_settings  # noqa: E402
+from workers.engine.methods import get_method  # noqa: E402
 from workers.engine.methods.cmoe import CMoEParams  # noqa: E402
 from workers.engine.methods.expertweaver import ExpertWeaverParams  # noqa: E402
 from workers.engine.methods.dense2moe import Dense2MoEParams  # noqa: E402
@@ -40,13 +50,18 @@ from workers.engine.methods.midas import MidasParams  # noqa: E402
 from workers.engine.profiling.profiler import ProfileSettings  # noqa: E402
 from workers.engine.runs import run_conversion, run_profile  # noqa: E402
 
-MODES = ("cmoe", "expertweaver", "midas", "dense2moe")
 MIDAS_SETS = ("code", "prose", "literature", "chat")
-CONVERSIONS = {
-    "cmoe": CMoEParams(n_experts=64, shared=24, active=24),
-    "expertweaver": ExpertWeaverParams(),
-    "dense2moe": Dense2MoEParams(),
-    "midas": MidasParams(),
+_best = get_method("expertweaver").recipe
+#: run name -> (fine-tuning mode, conversion parameters)
+RUNS: dict[str, tuple[str, Any]] = {
+    "cmoe": ("cmoe", CMoEParams(n_experts=64, shared=24, active=24)),
+    "cmoe-0.5": ("cmoe", CMoEParams(n_experts=64, shared=16, active=16)),
+    "expertweaver": ("expertweaver", ExpertWeaverParams()),
+    "expertweaver-0.5": ("expertweaver", ExpertWeaverParams(sparsity=0.5)),
+    "best-0.75": ("cmoe", _best("best", sparsity=0.25)),
+    "best-0.5": ("cmoe", _best("best", sparsity=0.5)),
+    "dense2moe": ("dense2moe", Dense2MoEParams()),
+    "midas": ("midas", MidasParams()),
 }
 
 
@@ -59,29 +74,33 @@ def profile(work: Path, calib: str, samples: int, data_dir: Path) -> Path:
     return out
 
 
-def conversion(work: Path, mode: str, samples: int, data_dir: Path) -> Path:
-    out = work / "conversions" / mode
-    if (out / "conversion.json").is_file():
+def conversion(work: Path, name: str, samples: int, data_dir: Path, mixed: Path | None) -> Path:
+    """The run's conversion, made once (``mixed``: a stored builtin:mixed profile to convert from)."""
+    out = work / "conversions" / name
+    params = RUNS[name][1]
+    if (out / "conversion.json").is_file() and json.loads((out / "conversion.json").read_text())["params"] == params.to_dict():
         return out
+    shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    if mode == "midas":
-        profs = [profile(work, f"builtin:{name}", samples // 2, data_dir) for name in MIDAS_SETS]
-        run_conversion(profs[0], CONVERSIONS[mode], out, data_dir=data_dir, extra_profiles=profs[1:])
+    if params.method == "midas":
+        profs = [profile(work, f"builtin:{s}", samples // 2, data_dir) for s in MIDAS_SETS]
+        run_conversion(profs[0], params, out, data_dir=data_dir, extra_profiles=profs[1:])
     else:
-        run_conversion(profile(work, "builtin:mixed", samples, data_dir), CONVERSIONS[mode], out, data_dir=data_dir)
-    print(f"  converted {mode} in {time.perf_counter() - t0:.0f} s", flush=True)
+        run_conversion(mixed or profile(work, "builtin:mixed", samples, data_dir), params, out, data_dir=data_dir)
+    print(f"  converted {name} in {time.perf_counter() - t0:.0f} s", flush=True)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_recovery")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=RUNS)
+    ap.add_argument("--profile", type=Path, default=None, help="a stored builtin:mixed profile to convert from")
     ap.add_argument("--samples", type=int, default=120, help="profile samples (MIDAS: half, per set)")
     ap.add_argument("--steps", type=int, default=None, help="override FinetuneParams.steps")
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--router-lr", type=float, default=None)
-    ap.add_argument("--fresh", action="store_true", help="re-run modes already in the results file")
+    ap.add_argument("--fresh", action="store_true", help="re-run runs already in the results file")
     ap.add_argument("--prepare", action="store_true", help="only make the profiles and conversions")
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "benchmarks" / "results" / "bench_recovery.json")
     args = ap.parse_args()
@@ -89,39 +108,50 @@ def main() -> None:
     data_dir = get_settings().data_dir
     report = json.loads(args.out.read_text()) if args.out.is_file() and not args.fresh else {"runs": {}}
     if args.prepare:
-        for mode in args.modes:
-            conversion(args.work, mode, args.samples, data_dir)
+        for name in args.runs:
+            conversion(args.work, name, args.samples, data_dir, args.profile)
         return
     overrides = {k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("router_lr", args.router_lr)) if v is not None}
-    for mode in args.modes:
+    for name in args.runs:
+        mode, conv_params = RUNS[name]
         params = FinetuneParams(mode=mode, **overrides)
-        if mode in report["runs"] and report["runs"][mode]["params"] == params.to_dict():
+        done = report["runs"].get(name)
+        if done and done["params"] == params.to_dict() and done.get("conversion_params") == conv_params.to_dict():
             continue
-        print(f"{mode}:", flush=True)
-        conv = conversion(args.work, mode, args.samples, data_dir)
-        out = args.work / "finetunes" / mode
+        print(f"{name}:", flush=True)
+        conv = conversion(args.work, name, args.samples, data_dir, args.profile)
+        out = args.work / "finetunes" / name
         if out.exists() and (read_train_log(out) or {}).get("params") != params.to_dict():
             shutil.rmtree(out)  # a different configuration: start over (same one: resume)
         summary = run_finetune(conv, params, out, data_dir=data_dir)
         log = read_train_log(out)
         steps = log["steps"]
-        report["runs"][mode] = {
+        conv_summary = json.loads((conv / "conversion.json").read_text())["summary"]
+        report["runs"][name] = {
             **summary,
-            "conversion_summary": json.loads((conv / "conversion.json").read_text())["summary"],
+            "conversion_params": conv_params.to_dict(),
+            "conversion_summary": conv_summary,
+            "ffn_flops_fraction": conv_summary.get("ffn_flops_fraction"),
+            "ratio_before": summary["perplexity_before"] / summary["dense_perplexity"],
+            "ratio_after": summary["perplexity_after"] / summary["dense_perplexity"],
             "loss_first": [s["ntp_loss"] for s in steps[:5]],
             "loss_last": [s["ntp_loss"] for s in steps[-5:]],
             "load_cv_first": steps[0].get("load_cv"), "load_cv_last": steps[-1].get("load_cv"),
             "seconds_per_step": summary["train_s"] / max(1, summary["steps"]),
             "improved": summary["perplexity_after"] < summary["perplexity_before"],
         }
-        print(f"  {mode}: ppl {summary['perplexity_before']:.2f} -> {summary['perplexity_after']:.2f} "
+        print(f"  {name}: ppl {summary['perplexity_before']:.2f} -> {summary['perplexity_after']:.2f} "
               f"(start {summary['perplexity_start']:.2f}, dense {summary['dense_perplexity']:.2f}) in "
               f"{summary['train_s']:.0f} s", flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        tmp.replace(args.out)
     runs = report["runs"]
     line = "; ".join(
-        f"{m} {r['perplexity_before']:.2f}->{r['perplexity_after']:.2f} ({r['steps']} steps, {r['train_s'] / 60:.1f} min)"
+        f"{m} {r['perplexity_before']:.2f}->{r['perplexity_after']:.2f}"
+        + (f" @{r['ffn_flops_fraction']:.3f}" if r.get("ffn_flops_fraction") is not None else "")
+        + f" ({r['steps']} steps, {r['train_s'] / 60:.1f} min)"
         for m, r in runs.items()
     )
     dense = next(iter(runs.values()))["dense_perplexity"] if runs else float("nan")

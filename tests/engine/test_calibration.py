@@ -511,3 +511,26 @@ def test_install_bigbench_reports_pip_failure(tmp_path: Path, monkeypatch: pytes
             tf.addfile(tarfile.TarInfo("x/README"), io.BytesIO(b""))
         bd.install_bigbench(tmp_path, sdist=empty)
     assert not (tmp_path / "bigbench").exists()
+
+
+def test_one_line_text_is_split_in_linear_time(tmp_path):
+    """A .txt upload that is one 24 MB line (no blank lines, no newlines): cutting it re-sliced the
+    rest of the line once per piece (quadratic: 16 MB took 10 s, 49 MB 516 s inside the request).
+    Walking an index, twice the text costs about twice the time, and every character is kept."""
+    import time
+
+    from workers.engine.data.calibration import TXT_CHUNK_CHARS, read_txt
+
+    words = "rivers engines bread lanterns orbit sauce ".split()
+    times = {}
+    for mb in (6, 24):
+        path = tmp_path / f"one-{mb}.txt"
+        text = " ".join(words[i % len(words)] for i in range(mb * 1_000_000 // 7))
+        path.write_text(text)
+        t0 = time.perf_counter()
+        samples = read_txt(path)
+        times[mb] = time.perf_counter() - t0
+        assert all(len(s.text) <= TXT_CHUNK_CHARS * 4 // 3 for s in samples)
+        assert sum(len(s.text) for s in samples) >= len(text) - len(samples)  # only the cut spaces go
+    assert times[24] < 5.0, times  # the quadratic version: ~40 s for 24 MB
+    assert times[24] < 8 * times[6] + 0.5, times  # linear: ×4 the size is not ×16 the time

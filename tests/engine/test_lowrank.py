@@ -19,7 +19,7 @@ def test_error_falls_with_rank_and_beats_plain_svd():
     xtx = x.T @ x
     white = whitening(xtx)
     assert white.jitter == 0.0
-    np.testing.assert_allclose(white.S @ white.S.T, xtx, rtol=1e-10, atol=1e-8)  # Eq. 1
+    np.testing.assert_allclose((white.S @ white.S.T).numpy(), xtx, rtol=1e-10, atol=1e-8)  # Eq. 1
     u, s, vt = np.linalg.svd(w, full_matrices=False)
     errors = []
     for r in (2, 4, 8, 16, 32):
@@ -27,13 +27,13 @@ def test_error_falls_with_rank_and_beats_plain_svd():
         ours = data_error(w, lr.A @ lr.B, xtx)
         plain = data_error(w, (u[:, :r] * s[:r]) @ vt[:r], xtx)
         # Direct check on the activations themselves, not only through XᵀX.
-        direct = np.linalg.norm(x @ (w - lr.A @ lr.B).T) / np.linalg.norm(x @ w.T)
+        direct = np.linalg.norm(x @ (w - (lr.A @ lr.B).numpy()).T) / np.linalg.norm(x @ w.T)
         assert direct == pytest.approx(ours, rel=1e-6)
         assert ours < plain, f"rank {r}: whitened {ours:.4f} should beat plain SVD {plain:.4f}"
         errors.append(ours)
     assert all(b < a for a, b in zip(errors, errors[1:]))
     full = whitened_lowrank(w, white, 48)
-    np.testing.assert_allclose(full.A @ full.B, w, atol=1e-8)
+    np.testing.assert_allclose((full.A @ full.B).numpy(), w, atol=1e-8)
 
 
 def test_smallest_jitter_for_rank_deficient_moments():
@@ -50,7 +50,7 @@ def test_smallest_jitter_for_rank_deficient_moments():
 
     ladder = [0.0] + [np.mean(np.diag(xtx)) * 10.0**k for k in range(-12, 1)]
     assert white.jitter > 0 and white.jitter == next(j for j in ladder if factorises(j))
-    np.testing.assert_allclose(white.S @ white.S.T, xtx + white.jitter * np.eye(32), rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose((white.S @ white.S.T).numpy(), xtx + white.jitter * np.eye(32), rtol=1e-9, atol=1e-9)
 
 
 def test_rank_for_ratio_and_bad_input():
@@ -62,3 +62,39 @@ def test_rank_for_ratio_and_bad_input():
         whitening(np.zeros((3, 4)))
     with pytest.raises(ValueError, match="rank"):
         whitened_lowrank(np.ones((4, 3)), whitening(np.eye(3)), 5)
+
+
+def test_factors_are_a_balanced_projection_independent_of_the_token_count():
+    """W' = U_r Σ_r V_rᵀ S⁻¹ = U_r U_rᵀ W (MI Eq. 2): the stored factors reproduce that map, split
+    each rank-one component evenly, and stay the same when XᵀX counts more tokens of the same data."""
+    rng = np.random.default_rng(2)
+    x = anisotropic_inputs()
+    w = rng.normal(size=(64, 48))
+    lr = whitened_lowrank(w, whitening(x.T @ x), 8)
+    u = np.linalg.svd(w @ np.linalg.cholesky(x.T @ x), full_matrices=False)[0][:, :8]
+    np.testing.assert_allclose((lr.A @ lr.B).numpy(), u @ u.T @ w, atol=1e-9)
+    np.testing.assert_allclose(np.linalg.norm(lr.A.numpy(), axis=0), np.linalg.norm(lr.B.numpy(), axis=1), rtol=1e-10)
+    more = whitened_lowrank(w, whitening(1000.0 * x.T @ x), 8)
+    np.testing.assert_allclose(np.abs(more.A.numpy()), np.abs(lr.A.numpy()), rtol=1e-6, atol=1e-9)  # up to each component's sign
+    np.testing.assert_allclose(np.abs(more.B.numpy()), np.abs(lr.B.numpy()), rtol=1e-6, atol=1e-9)
+    # off the calibration data: never more output than the dense map
+    z = rng.normal(size=(300, 48)) * 100
+    assert np.all(np.linalg.norm(z @ (lr.A @ lr.B).numpy().T, axis=1) <= np.linalg.norm(z @ w.T, axis=1) * (1 + 1e-9))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs a CUDA device"))])
+def test_factorisation_runs_in_float64_on_the_inputs_device(device):
+    """The factorisations run in torch on the job's device (a GPU at 7B), in float64 there,
+    and agree with numpy's LAPACK on the same inputs."""
+    import torch
+
+    rng = np.random.default_rng(3)
+    x = anisotropic_inputs(n=500, d=24)
+    w = rng.normal(size=(40, 24))
+    white = whitening(torch.from_numpy(x.T @ x).to(device))
+    lr = whitened_lowrank(torch.from_numpy(w).to(device), white, 6)
+    assert white.S.device.type == lr.A.device.type == device and lr.A.dtype == lr.B.dtype == torch.float64
+    np.testing.assert_allclose(white.S.cpu().numpy(), np.linalg.cholesky(x.T @ x), rtol=1e-9, atol=1e-9)
+    u = np.linalg.svd(w @ np.linalg.cholesky(x.T @ x), full_matrices=False)[0][:, :6]
+    np.testing.assert_allclose((lr.A @ lr.B).cpu().numpy(), u @ u.T @ w, atol=1e-9)

@@ -15,7 +15,8 @@ from workers.engine.evaluation.metrics import load_cv_by_source
 from workers.engine.runtime.export import export_model, load_exported
 from workers.engine.core.lowrank import data_error, rank_for_ratio, whitening
 from workers.engine.methods import params_from_dict
-from workers.engine.methods.midas import MidasParams, convert_midas, expert_rank, surrogate_hidden_moment
+from workers.engine.methods.midas import (DENSE_RATIO, MidasParams, convert_midas, expert_rank, ffn_residual_ratios,
+                                          surrogate_hidden_moment)
 from workers.engine.runtime.modeling_moelab import LowRankMoeFFN, build_layer_module
 from workers.engine.models import load_model
 from workers.engine.runtime.param_count import parameter_counts
@@ -69,6 +70,8 @@ def test_params_contract_and_paper_rank():
         (MidasParams(keep_ratio=0.0), 2, "keep_ratio"),
         (MidasParams(keep_ratio=1.5), 2, "keep_ratio"),
         (MidasParams(down="exact"), 2, "down"),
+        (MidasParams(dense_layers="first"), 2, "dense_layers"),
+        (MidasParams(dense_layers="0,-1"), 2, "dense_layers"),
     ]
     for params, n_sets, message in bad:
         with pytest.raises(ConversionError, match=message):
@@ -161,6 +164,67 @@ def test_export_reload_identical_logits_and_load_cv_per_set(fresh, profiles, tmp
         assert sorted(cv[source]["load_cv"]) == ["0", "1", "2"]
         assert all(math.isfinite(v) and v >= 0 for v in cv[source]["load_cv"].values())
         assert all(sum(c) == 2 * 32 for c in cv[source]["load"].values())  # top_k = 1: one expert a token
+
+
+def test_factors_are_projections_of_the_dense_map_and_balanced(fresh, profiles, dense_weights):
+    """MI Eq. 2's rank-r map is U_r U_rᵀ W: on *any* input, seen in calibration or not, an expert's
+    matrix cannot output more than the dense one (no blow-up off the calibration data), and the two
+    stored factors split each component evenly (their scale does not grow with the token count)."""
+    moe, _ = convert_midas(fresh, profiles, MidasParams(keep_ratio=0.25, top_k=2))
+    x = 50.0 * torch.randn(500, D_MODEL, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    for i, mod in moe.moe_modules().items():
+        wg, wu, wd = dense_weights[i]
+        for e in range(2):
+            for kind, w, inp in (("gate", wg, x), ("up", wu, x), ("down", wd, x @ wg.T)):
+                a, b = getattr(mod, f"{kind}_b")[e].detach().double(), getattr(mod, f"{kind}_a")[e].detach().double()
+                approx = inp @ (a @ b).T
+                assert (approx.norm(dim=-1) <= (inp @ w.T).norm(dim=-1) * (1 + 1e-4) + 1e-6).all(), (i, e, kind)
+                torch.testing.assert_close(a.norm(dim=0), b.norm(dim=1), rtol=1e-4, atol=1e-6)
+
+
+def test_surrogate_samples_cover_the_hidden_width(fresh, profiles):
+    """HᵀH is d_ffn × d_ffn: fewer Gaussian samples than neurons leave it singular, so a layer
+    draws at least 2·d_ffn whatever surrogate_samples asks (16 here, d_ffn = 96)."""
+    _, record = convert_midas(fresh, profiles, MidasParams(keep_ratio=0.5, top_k=1, surrogate_samples=16))
+    for row in record["layers"]:
+        assert row["surrogate_samples"] == 2 * D_FFN
+        assert row["down_jitter"] == [0.0, 0.0]  # full rank: no jitter-dominated directions
+
+
+def test_a_layer_whose_ffn_outweighs_the_residual_stream_stays_dense(tiny_model, data_dir, profiles):
+    """The first FFN of a real model is its token representation (SmolLM2-135M: output 16× the
+    residual it is added to); approximating it corrupts every later layer's input, so
+    dense_layers='auto' keeps such a layer dense (MI §3.2: the backbone keeps unconverted FFNs)."""
+    def loud(layer=0, scale=300.0):
+        adapter = load_model(str(tiny_model("llama")), data_dir=data_dir)
+        with torch.no_grad():
+            adapter.layers[layer].mlp.down_proj.weight.mul_(scale)
+        return adapter
+
+    adapter = loud()
+    ratios = ffn_residual_ratios(adapter)
+    assert ratios[0] > DENSE_RATIO > max(ratios[1:])
+    x = torch.randn(2, 10, D_MODEL, generator=torch.Generator().manual_seed(2))
+    dense_mlp = adapter.layers[0].mlp
+    with torch.no_grad():
+        y0 = dense_mlp(x)
+    moe, record = convert_midas(adapter, profiles, MidasParams(keep_ratio=0.5, top_k=1))
+    assert sorted(moe.moe_modules()) == [1, 2] and [row["layer"] for row in record["layers"]] == [1, 2]
+    assert record["summary"]["dense_layers"] == [0] and record["summary"]["ffn_residual_ratio"] == pytest.approx(ratios)
+    with torch.no_grad():
+        assert torch.equal(moe.model.model.layers[0].mlp(x), y0)  # the dense MLP itself
+    s = record["summary"]
+    expert, router = 3 * rank_for_ratio(D_FFN, D_MODEL, 0.5) * (D_MODEL + D_FFN), 2 * D_MODEL
+    assert s["active_params"] == s["dense_active_params"] + 2 * (expert + router - 3 * D_MODEL * D_FFN)  # layer 0 dense
+
+    moe, record = convert_midas(loud(), profiles, MidasParams(keep_ratio=0.5, top_k=1, dense_layers="none"))
+    assert sorted(moe.moe_modules()) == [0, 1, 2] and record["summary"]["dense_layers"] == []
+    moe, record = convert_midas(loud(), profiles, MidasParams(keep_ratio=0.5, top_k=1, dense_layers="2"))
+    assert sorted(moe.moe_modules()) == [0, 1] and record["summary"]["dense_layers"] == [2]
+    with pytest.raises(ConversionError, match="beyond the model's 3 layers"):
+        convert_midas(loud(), profiles, MidasParams(dense_layers="0,3"))
+    with pytest.raises(ConversionError, match="nothing left to convert"):
+        convert_midas(loud(), profiles, MidasParams(dense_layers="0,1,2"))
 
 
 # --------------------------------------------------------------------------- runtime module

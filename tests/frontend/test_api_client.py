@@ -43,3 +43,27 @@ def test_unreachable_api_and_query_building():
 
     with pytest.raises(ApiError, match="not reachable.*moelab serve"):
         _client(refuse).profiles()
+
+
+def test_delete_cascade_query_and_archive_refusal_before_streaming():
+    seen = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        seen.append((req.method, str(req.url)))
+        if req.url.path.endswith("/archive"):
+            return httpx.Response(409, json={"detail": "conversion conv-1 has no artifact: its job job-1 is running"})
+        return httpx.Response(200, json={"deleted": [], "cancelled_jobs": [], "artifacts_removed": 0})
+
+    c = _client(handler)
+    c.delete("calibration-sets", "cal-1")
+    c.delete("calibration-sets", "cal-1", cascade=True)
+    assert seen == [("DELETE", "http://api.test/api/v1/calibration-sets/cal-1"),
+                    ("DELETE", "http://api.test/api/v1/calibration-sets/cal-1?cascade=true")]
+    with pytest.raises(ApiError, match="cannot delete"):
+        c.delete("jobs", "job-1")  # a job is cancelled, not deleted
+    with pytest.raises(ApiError, match="its job job-1 is running") as err:
+        c.archive("conversions", "conv-1")  # refused at once, not as a broken download
+    assert err.value.status == 409
+
+    c = _client(lambda req: httpx.Response(200, content=b"PK" + b"x" * 10))
+    assert b"".join(c.archive("conversions", "conv-1", chunk=4)) == b"PK" + b"x" * 10

@@ -6,6 +6,7 @@ Screenshots go to test-artifacts/."""
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import numpy as np
@@ -21,6 +22,10 @@ HAS_DATA = """id => { const g = document.querySelector('#' + CSS.escape(id) + ' 
                       return !!(g && g.data && g.data.length > 0); }"""
 DATA = """id => { const g = document.querySelector('#' + CSS.escape(id) + ' .js-plotly-plot');
                   return JSON.stringify({data: g.data, title: g.layout.title && g.layout.title.text}); }"""
+
+
+FIRST_Y = """id => Array.from(document.querySelector('#' + CSS.escape(id) + ' .js-plotly-plot').data[0].y,
+                               v => (v === null || v === undefined || Number.isNaN(v)) ? null : v)"""
 
 
 def wait_figures(page, *ids: str, timeout: float = 30_000) -> None:
@@ -53,12 +58,20 @@ def test_pages_render_figures(page, live, profile_id):
 
     page.goto(f"{ui}/neurons?profile={profile_id}&layer=9")  # API and UI errors are shown in words
     page.wait_for_selector(".error >> text=layer 9 does not exist")
-    assert page.errors == []
+    wait_figures(page, "nx-cv-layers", "nx-tasksim")  # a bad layer blanks only that layer's charts
+    assert page.locator(".error").count() == 1 and page.errors == []
 
     page.goto(f"{ui}/neurons?profile={profile_id}&layer=1&order=cv&tau=0.5")
     wait_figures(page, "nx-cv-hist", "nx-cv-layers", "nx-act", "nx-tasksim", "nx-neuron", "nx-rates", "nx-hvals")
     assert "layer 1" in figure(page, "nx-cv-hist")["title"] and "order: cv" in figure(page, "nx-act")["title"]
+    hist = page.evaluate("() => { const l = document.querySelector('#nx-cv-hist .js-plotly-plot').layout; "
+                         "return {type: l.yaxis.type, tau: (l.shapes || []).map(s => s.x0), "
+                         "log_cv: !!(l.xaxis.ticktext && l.xaxis.ticktext.length)}; }")
+    # Counts on a log axis; τ drawn where the CV axis puts 0.5 (log-spaced bins sit on a log10 axis).
+    assert hist["type"] == "log"
+    assert hist["tau"] == [pytest.approx(math.log10(0.5) if hist["log_cv"] else 0.5)]
     first = figure(page, "nx-neuron")["title"]
+    page.locator("#nx-act").scroll_into_view_if_needed()  # the map's middle can lie below the 1000-px viewport
     box = page.locator("#nx-act .nsewdrag").first.bounding_box()
     page.mouse.click(box["x"] + box["width"] * 0.8, box["y"] + box["height"] / 2)  # a neuron column far from column 0
     page.wait_for_function("""t => { const g = document.querySelector('#nx-neuron .js-plotly-plot');
@@ -163,6 +176,12 @@ def test_routing_compares_two_sets_and_compare_page(page, live, api, evaluated):
     wait_figures(page, "rx-heat-a", "rx-heat-b", "rx-diff", "rx-js", "rx-loadcv")
     assert "builtin:code" in figure(page, "rx-heat-a")["title"] and "builtin:prose" in figure(page, "rx-heat-b")["title"]
     assert len(figure(page, "rx-loadcv")["data"]) == 2
+    # the JS line has a value for every layer with routed experts (padding cells of narrower layers no longer blank it)
+    heat = api.get(f"/conversions/{conversion}/charts/routing", params={"evaluation_id": [a, b]}).json()
+    routed = np.isfinite(np.array(heat["counts"][0], dtype=float)).sum(axis=-1)
+    js = np.array(page.evaluate(FIRST_Y, "rx-js"), dtype=float)
+    assert len(js) == len(heat["layers"]) and np.isfinite(js[routed >= 1]).all() and np.isnan(js[routed == 0]).all(), (js, routed)
+    assert "2 windows × 32 tokens" in figure(page, "rx-heat-a")["title"]  # the set says its size
     shot(page, "routing")
     no_errors(page)
 
@@ -175,5 +194,13 @@ def test_routing_compares_two_sets_and_compare_page(page, live, api, evaluated):
     page.goto(f"{live['ui']}/compare?ids={','.join(ids)}")
     wait_figures(page, "cc-ppl", "cc-active")
     assert page.locator("#cc-table tr").count() == len(ids) + 1 and len(figure(page, "cc-active")["data"]) == len(ids)
+    # two sets evaluated on one conversion: two panels, never one bar summing both; values and × dense on the bars
+    panels = page.evaluate("() => document.querySelector('#cc-ppl .js-plotly-plot').layout.annotations.map(a => a.text)")
+    assert {"builtin:code · 2 windows × 32 tokens = 64 tokens", "builtin:prose · 2 windows × 32 tokens = 64 tokens"} <= set(panels)
+    for trace in figure(page, "cc-ppl")["data"]:
+        assert len({c[0] for c in trace["customdata"]}) == 1, trace  # one text per trace (and per panel)
+        if trace["name"] == "converted":
+            assert all("× dense)" in t for t in trace["text"])
+    assert "expertweaver · 8 experts" in page.inner_text("#cc-table")  # a name, not only the id
     shot(page, "compare")
     no_errors(page)

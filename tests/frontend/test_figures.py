@@ -42,6 +42,41 @@ def test_cv_histogram_uses_server_bins_and_reports_overflow():
     _json_ok(fig)
     assert list(fig.data[0].y) == [3, 2, 1] and np.allclose(fig.data[0].x, [0.25, 0.75, 1.25])
     assert "1 above 1.5" in fig.layout.title.text
+    assert fig.layout.yaxis.type == "log" and not fig.layout.shapes  # counts span decades; no τ given, no line
+
+
+def test_cv_histogram_draws_tau_and_names_the_groups():
+    fig = F.cv_histogram(HIST, 1, tau=0.6, basis="sample")
+    (line,) = fig.layout.shapes
+    assert (line.x0, line.x1) == (0.6, 0.6) and any("τ = 0.6" in a.text for a in fig.layout.annotations)
+    assert fig.layout.xaxis.title.text == "CV across samples"
+    assert F.cv_histogram(HIST, 1, basis="task").layout.xaxis.title.text == "CV across tasks"
+
+
+def test_cv_histogram_on_log_bins_draws_log10_positions_labelled_in_cv():
+    hist = {**HIST, "edges": [0.1, 1.0, 10.0, 100.0], "scale": "log", "underflow": [2, 0], "clipped_at": 100.0}
+    fig = F.cv_histogram(hist, 0, tau=0.6)
+    _json_ok(fig)
+    bar = fig.data[0]
+    assert np.allclose(bar.x, [-0.5, 0.5, 1.5]) and np.allclose(bar.width, [1, 1, 1]) and list(bar.y) == [3, 2, 1]
+    assert np.allclose(np.asarray(bar.customdata)[:, 0], [0.1, 1.0, 10.0])  # hover in CV units
+    labels = dict(zip(fig.layout.xaxis.ticktext, fig.layout.xaxis.tickvals))
+    assert labels["1"] == 0 and labels["10"] == 1 and labels["0.2"] == pytest.approx(np.log10(0.2))
+    (line,) = fig.layout.shapes
+    assert line.x0 == pytest.approx(np.log10(0.6))
+    assert "2 with CV ≤ 0 not shown" in fig.layout.title.text and "CV on a log axis" in fig.layout.title.text
+
+
+def test_single_topic_profiles_are_titled_by_samples_not_tasks():
+    sim = {**SIM, "labels": [str(i) for i in range(48)], "matrix": np.eye(48).tolist()}
+    fig = F.task_similarity(sim, "sample")
+    assert fig.layout.title.text.startswith("Sample × sample activation similarity") and "48 samples" in fig.layout.title.text
+    assert "Task" not in fig.layout.title.text
+    assert F.task_similarity(SIM, "task").layout.title.text.startswith("Task × task")
+    heat = F.activation_heatmap(TILES, "sample")
+    assert "Neuron × sample activations" in heat.layout.title.text and heat.layout.yaxis.title.text == "sample"
+    assert F.neuron_profile(TILES, 0, "sample").layout.title.text.startswith("Per-sample profile")
+    assert F.activation_heatmap(TILES, "domain").layout.yaxis.title.text == "domain"
 
 
 def test_cv_by_layer_boxes_from_quantiles_and_tau_line():
@@ -93,6 +128,8 @@ def test_value_histograms():
     assert list(rates.data[0].y) == [3, 1] and np.allclose(rates.data[0].x, [0.125, 0.375]) and "CM Fig. 2" in rates.layout.title.text
     h = F.h_value_histogram(STATS)
     assert list(h.data[0].y) == [10, 20] and "1 below and 2 above" in h.layout.title.text
+    for hist in (fig, rates, h):  # counts on log axes: the tail is visible next to the one full bin
+        assert hist.layout.yaxis.type == "log" and "(log)" in hist.layout.yaxis.title.text
     assert len(F.table("rates", STATS)) == 2 and F.table("h-values", STATS)[1]["count"] == 20
 
 
@@ -112,13 +149,49 @@ def test_js_divergence_properties():
     assert js[0] == pytest.approx(0) and js[1] == pytest.approx(1) and np.isnan(js[2])
 
 
+# EW's layer-adaptive α: layer 0 has 4 routed experts, layer 1 only 2 (padded with None), layer 2 is static
+PADDED = {"sets": ["code", "prose"], "layers": [0, 1, 2], "n_experts": 4, "evaluations": ["e1", "e2"],
+          "share": [[[0.4, 0.3, 0.2, 0.1], [0.75, 0.25, None, None], [None] * 4],
+                    [[0.25, 0.25, 0.25, 0.25], [0.5, 0.5, None, None], [None] * 4]],
+          "counts": [[[4, 3, 2, 1], [3, 1, None, None], [None] * 4], [[1, 1, 1, 1], [2, 2, None, None], [None] * 4]],
+          "load_cv": [[0.4, 0.5, None], [0.0, 0.0, None]], "note": ""}
+
+
+def test_js_line_has_a_value_for_every_layer_with_routed_experts():
+    assert F.routed_experts(PADDED).tolist() == [4, 2, 0]
+    fig = F.routing_js_line(PADDED, 0, 1)
+    _json_ok(fig)
+    js = np.asarray(fig.data[0].y, dtype=float)
+    assert np.isfinite(js[:2]).all() and np.isnan(js[2])  # padding no longer blanks layer 1; static layer 2 has no value
+    m = np.array([0.625, 0.375])  # layer 1 over its own two experts
+    kl = lambda x: float(np.sum(x * np.log2(x / m)))  # noqa: E731
+    assert js[1] == pytest.approx(0.5 * kl(np.array([0.75, 0.25])) + 0.5 * kl(np.array([0.5, 0.5])))
+    assert "static layers [2]" in fig.layout.title.text and list(fig.data[0].customdata) == [4, 2, 0]
+
+
+def test_routing_heatmap_explains_blank_cells():
+    fig = F.routing_heatmap(PADDED, 0)
+    _json_ok(fig)
+    text = fig.data[0].text
+    assert text[0][0] == "layer 0, expert 0: share 0.4000"
+    assert text[1][3] == "layer 1 has 2 routed experts: no expert 3 (padding)"
+    assert text[2][0] == "layer 2: static, no routed expert"
+    assert "blank cells: padding" in fig.layout.title.text and fig.data[0].hoverongaps
+    diff = F.routing_difference(PADDED, 0, 1)
+    assert diff.data[0].text[1][2].endswith("(padding)") and "blank cells" in diff.layout.title.text
+    assert "A = code<br>B = prose" in diff.layout.title.text and diff.layout.margin.t > 70  # long set names, one line each
+    full = {**PADDED, "n_experts": 2, "layers": [1], "share": [[r[1][:2]] for r in PADDED["share"]],
+            "counts": [[r[1][:2]] for r in PADDED["counts"]], "load_cv": [[0.5], [0.0]]}
+    assert "blank cells" not in F.routing_heatmap(full, 0).layout.title.text  # nothing blank, nothing to explain
+
+
 def test_routing_figures():
     for fig in (F.routing_heatmap(HEAT, 0), F.routing_heatmap(HEAT, 1), F.routing_difference(HEAT, 0, 1),
                 F.routing_js_line(HEAT, 0, 1), F.load_cv_by_layer(HEAT)):
         _json_ok(fig)
     diff = np.asarray(F.routing_difference(HEAT, 0, 1).data[0].z, dtype=float)
     assert np.allclose(diff[0], [0.25, 0, -0.25]) and np.isnan(diff[1]).all()
-    js = F.routing_js_line(HEAT, 0, 1).data[0].y
+    js = np.asarray(F.routing_js_line(HEAT, 0, 1).data[0].y, dtype=float)
     assert js[0] > 0 and np.isnan(js[1])
     assert len(F.load_cv_by_layer(HEAT).data) == 2
 
@@ -131,9 +204,69 @@ def test_reconstruction_error_per_variant():
     assert F.reconstruction_error({"results": {}}).layout.annotations
 
 
-def test_compare_figures():
-    rows = [{"conversion": "c1", "variant": "dense", "perplexity": 10.0}, {"conversion": "c1", "variant": "converted", "perplexity": 12.0}]
-    assert len(F.compare_perplexity(rows).data) == 2
+def _ev(ev_id: str, source: str, windows: int, seq_len: int, ppl: dict[str, float], label: str | None = None) -> dict:
+    dense = ppl["dense"]
+    return {"id": ev_id, "status": "ready", "params": {"source": source, "label": label or source, "n_windows": windows, "seq_len": seq_len},
+            "summary": {"heldout": {"source": source, "split": "heldout", "windows": windows, "seq_len": seq_len},
+                        "variants": {v: {"perplexity": x, "perplexity_ratio": x / dense} for v, x in ppl.items()}}}
+
+
+# the reported bug: three evaluations of one conversion on three texts drawn as one "dense ≈ 190" bar
+EVALS = {"c1": [_ev("e3", "builtin:code", 4, 64, {"dense": 16.4, "converted": 20.5}),  # newest first, as the API lists
+                _ev("e2", "builtin:prose", 4, 64, {"dense": 33.8, "converted": 50.7}),
+                _ev("e1", "cal-9", 2, 32, {"dense": 140.1, "converted": 170.0}, label="mine-heldout"),
+                _ev("e0", "builtin:code", 4, 64, {"dense": 99.0, "converted": 999.0})],  # older run, same text and size
+         "c2": [_ev("f1", "builtin:code", 4, 64, {"dense": 16.4, "converted": 18.0, "uniform": 900.0}),
+                _ev("f0", "builtin:code", 8, 128, {"dense": 15.0, "converted": 17.0})]}  # same text, other size
+CONVS = [{"id": "c1"}, {"id": "c2"}]
+
+
+def test_perplexity_rows_keep_texts_and_sizes_apart():
+    rows = F.perplexity_rows(CONVS, EVALS, {"c1": "tiny · mixed · expertweaver"})
+    texts = {r["text"] for r in rows}
+    assert texts == {"builtin:code · 4 windows × 64 tokens = 256 tokens", "builtin:prose · 4 windows × 64 tokens = 256 tokens",
+                     "mine-heldout (cal-9) · 2 windows × 32 tokens = 64 tokens", "builtin:code · 8 windows × 128 tokens = 1,024 tokens"}
+    dense_c1 = sorted(r["perplexity"] for r in rows if r["conversion_id"] == "c1" and r["variant"] == "dense")
+    assert dense_c1 == [16.4, 33.8, 140.1]  # one per text; the older re-run (99.0) on the same text is not added
+    conv = next(r for r in rows if r["evaluation_id"] == "f1" and r["variant"] == "converted")
+    assert conv["ratio_to_dense"] == pytest.approx(18.0 / 16.4) and conv["conversion"] == "c2"
+    assert next(r for r in rows if r["conversion_id"] == "c1")["conversion"] == "tiny · mixed · expertweaver"
+
+
+def test_compare_chart_never_mixes_texts_and_says_values_and_ratios():
+    rows = F.perplexity_rows(CONVS, EVALS)
+    fig = F.compare_perplexity(rows)
+    _json_ok(fig)
+    assert fig.layout.barmode == "group"
+    titles = [a.text for a in fig.layout.annotations]
+    assert len(titles) == 4 and "builtin:prose · 4 windows × 64 tokens = 256 tokens" in titles
+    by_text = {r["evaluation_id"]: r["text"] for r in rows}
+    for trace in fig.data:
+        texts = {c[0] for c in trace.customdata}
+        assert len(texts) == 1  # every bar of a trace measured on one text and size …
+        axis = trace.yaxis.replace("y", "") or "1"
+        assert titles[int(axis) - 1] in texts  # … the one its panel is titled with
+        assert all(by_text[c[1]] in texts for c in trace.customdata)
+    code = [t for t in fig.data if t.customdata[0][0].startswith("builtin:code · 4 windows")]
+    dense = next(t for t in code if t.name == "dense")
+    assert list(dense.y) == [16.4, 16.4] and list(dense.text) == ["16.4", "16.4"]  # never 16.4 + 33.8 + 140.1
+    conv = next(t for t in code if t.name == "converted")
+    assert list(conv.text) == ["20.5 (1.25× dense)", "18.0 (1.10× dense)"]
+    uniform = next(t for t in code if t.name == "uniform")
+    assert list(uniform.text) == ["900.0 (54.9× dense)"]
+    assert F._bar_label({"variant": "converted", "perplexity": 49560.0, "ratio_to_dense": 0.9969}) == "49,560 (0.997× dense)"
+    assert fig.layout[f"yaxis{code[0].yaxis[1:]}"].type == "log"  # 900 vs 16: log axis so dense stays visible
+    assert sum(t.showlegend for t in fig.data) == 3  # one legend entry per variant
+    assert "no evaluation" in F.compare_perplexity([]).layout.annotations[0].text
+
+
+def test_heldout_label_falls_back_to_the_request():
+    ev = {"id": "e", "params": {"source": "builtin:mixed", "label": "builtin:mixed", "n_windows": 4, "seq_len": 64}, "summary": None}
+    assert F.heldout_label(ev) == "builtin:mixed · 4 windows × 64 tokens = 256 tokens"
+    assert F.heldout_key(ev) == ("builtin:mixed", 4, 64)
+
+
+def test_compare_active():
     _json_ok(F.compare_active({"c1": PREVIEW["layers"]}))
 
 

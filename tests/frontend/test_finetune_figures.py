@@ -64,3 +64,10 @@ def test_the_pages_budget_defaults_are_the_apis():
     fields = FinetuneCreate.model_fields
     assert {name: default for name, _, default, *_ in page.BUDGET} == {name: fields[name].default for name, *_ in page.BUDGET}
     assert set(page.MODES) == set(FinetuneCreate.model_fields["mode"].annotation.__args__[0].__args__)
+
+
+def test_finetune_perplexity_says_what_text_and_how_much():
+    assert F.finetune_eval_text({"source": "builtin:code", "eval_windows": 16, "seq_len": 256}) == \
+        "on builtin:code held-out · 16 windows × 256 tokens"
+    assert F.finetune_eval_text({"source": "cal-1", "eval_source": None, "eval_windows": 4, "seq_len": 64}).startswith("on builtin:mixed")
+    assert F.finetune_eval_text({"source": "cal-1", "eval_source": "builtin:prose"}).startswith("on builtin:prose")

@@ -8,6 +8,7 @@ instead (never a fake). Every key the session wrote is deleted at the end.
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import time
@@ -18,6 +19,8 @@ from typing import Any
 
 import pytest
 import redis
+
+from tests.conftest import tiny_models_root
 
 from .helpers import Worker, env_for, jsonl, succeeded, wait_job
 
@@ -65,6 +68,7 @@ def service_config(tmp_path_factory, data_dir: Path, redis_url: str) -> Iterator
     """The settings shared by the API under test and its worker, as field values."""
     root = tmp_path_factory.mktemp("service")
     prefix = f"moelab-test-{uuid.uuid4().hex[:8]}:"
+    (root / "datasets").mkdir()
     config = {
         "data_dir": str(data_dir),
         "database_url": f"sqlite:///{root / 'moelab.db'}",
@@ -79,12 +83,20 @@ def service_config(tmp_path_factory, data_dir: Path, redis_url: str) -> Iterator
         "visibility_timeout_s": 60,
         "max_upload_mb": MAX_UPLOAD_MB,
         "model_cache_size": 1,
+        # where `hf` sources may read local files, and local models may be registered from (the tiny models)
+        "data_roots": json.dumps([str(root / "datasets"), str(tiny_models_root(tmp_path_factory))]),
     }
     yield config
     client = redis.Redis.from_url(redis_url)
     keys = list(client.scan_iter(f"{prefix}*", count=500))
     if keys:
         client.delete(*keys)
+
+
+@pytest.fixture(scope="session")
+def data_root(service_config) -> Path:
+    """The one directory (besides DATA_DIR/uploads) the service under test may read datasets from."""
+    return Path(json.loads(service_config["data_roots"])[0])
 
 
 @pytest.fixture(scope="session")

@@ -25,8 +25,8 @@ def env_for(config: dict[str, Any], **extra: str) -> dict[str, str]:
 class Worker:
     """A real ``celery worker`` subprocess on queues gpu,cpu (solo pool)."""
 
-    def __init__(self, env: dict[str, str], logdir: Path) -> None:
-        self.env, self.logdir = env, logdir
+    def __init__(self, env: dict[str, str], logdir: Path, name: str = "moelab-test@%h") -> None:
+        self.env, self.logdir, self.name = env, logdir, name
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.log: Path | None = None
@@ -37,7 +37,7 @@ class Worker:
         with open(self.log, "wb") as fh:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", "gpu,cpu", "-P", "solo",
-                 "-n", "moelab-test@%h", "--loglevel", "INFO", "--without-mingle", "--without-gossip", "--without-heartbeat"],
+                 "-n", self.name, "--loglevel", "INFO", "--without-mingle", "--without-gossip", "--without-heartbeat"],
                 env=self.env, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + timeout

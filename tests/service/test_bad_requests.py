@@ -29,13 +29,18 @@ def snapshot(settings) -> tuple[dict[str, list[str]], list[tuple[str, int, int]]
 
 
 @pytest.fixture(scope="module")
-def ids(client, model_id, calib_id, profile_id, conversion_id, failed_profile_id) -> dict[str, str]:
+def ids(client, settings, model_id, calib_id, profile_id, conversion_id, failed_profile_id) -> dict[str, str]:
     txt = client.post("/api/v1/calibration-sets/upload",
                       files={"file": ("plain.txt", b"An unlabelled paragraph of text.\n\nAnother unlabelled paragraph here.")})
     assert txt.status_code in (200, 201)
     done = client.get("/api/v1/jobs", params={"resource_id": profile_id}).json()["items"][0]["id"]
+    root = Path(settings.resolved_data_roots()[1])
+    link = root / "escape.txt"
+    if not link.is_symlink():
+        link.symlink_to("/etc/hostname")
     return {"model": model_id, "calib": calib_id, "profile": profile_id, "conversion": conversion_id,
-            "failed_profile": failed_profile_id, "unlabelled": txt.json()["id"], "done_job": done}
+            "failed_profile": failed_profile_id, "unlabelled": txt.json()["id"], "done_job": done,
+            "root": str(root), "link": str(link), "db_path": settings.resolved_database_url().split("///", 1)[1]}
 
 
 def _profile(ids, **kw: Any) -> dict[str, Any]:
@@ -53,7 +58,11 @@ CASES: list[tuple[str, str, str, Any, int, str]] = [
     ("unknown model", "get", "/api/v1/models/mod-0000000000000000", None, 404, "GET /api/v1/models"),
     ("unknown job", "get", "/api/v1/jobs/job-nope", None, 404, "no job"),
     ("unknown endpoint", "get", "/api/v1/nothing-here", None, 404, "/docs"),
-    ("model path missing", "post", "/api/v1/models", lambda i: {"json": {"source": "/no/such/model"}}, 422, "does not exist"),
+    ("model path missing", "post", "/api/v1/models", lambda i: {"json": {"source": i["root"] + "/no-such-model"}}, 422, "does not exist"),
+    ("model path outside the roots", "post", "/api/v1/models", lambda i: {"json": {"source": "/etc"}}, 403, "MOELAB_DATA_ROOTS"),
+    ("model path missing outside the roots", "post", "/api/v1/models", lambda i: {"json": {"source": "/no/such/model"}}, 403, "outside the directories"),
+    ("model path relative", "post", "/api/v1/models", lambda i: {"json": {"source": "./my-llama"}}, 422, "relative path"),
+    ("model path dot-dot out of a root", "post", "/api/v1/models", lambda i: {"json": {"source": i["root"] + "/../.."}}, 403, "outside"),
     ("model id malformed", "post", "/api/v1/models", lambda i: {"json": {"source": "not a model id!"}}, 422, "Hugging Face id"),
     ("model remote code refused", "post", "/api/v1/models", lambda i: {"json": {"source": "default", "trust_remote_code": True}}, 403, "MOELAB_ALLOW_TRUST_REMOTE_CODE"),
     ("model field typo", "post", "/api/v1/models", lambda i: {"json": {"sauce": "default"}}, 422, "sauce: unknown field"),
@@ -73,6 +82,8 @@ CASES: list[tuple[str, str, str, Any, int, str]] = [
     ("profile unknown set", "post", "/api/v1/profiles", lambda i: {"json": {**_profile(i), "calibration_set_id": "cal-1234"}}, 404, "calibration set"),
     ("profile batch < sample", "post", "/api/v1/profiles", lambda i: {"json": _profile(i, max_tokens=512, batch_tokens=256)}, 422, "batch_tokens"),
     ("profile max_tokens 1", "post", "/api/v1/profiles", lambda i: {"json": _profile(i, max_tokens=1)}, 422, "max_tokens"),
+    ("profile max_memory unreadable", "post", "/api/v1/profiles", lambda i: {"json": _profile(i, max_memory="lots")}, 422, "cannot read memory size"),
+    ("profile max_memory below one layer", "post", "/api/v1/profiles", lambda i: {"json": _profile(i, max_memory="1KB")}, 422, "give at least"),
     ("profile too many samples", "post", "/api/v1/profiles", lambda i: {"json": _profile(i, samples=500)}, 422, "at most 12"),
     ("profile CV by missing tasks", "post", "/api/v1/profiles",
      lambda i: {"json": {**_profile(i, group_by="task"), "calibration_set_id": i["unlabelled"]}}, 422, "group_by"),
@@ -99,7 +110,61 @@ CASES: list[tuple[str, str, str, Any, int, str]] = [
     ("artifact path escape", "get", "/api/v1/artifacts/profiles/{profile}/files/..%2F..%2Fmoelab.db", None, 404, "no file"),
     ("artifact kind unknown", "get", "/api/v1/artifacts/secrets/{profile}", None, 422, "kind"),
     ("samples limit too big", "get", "/api/v1/calibration-sets/{calib}/samples", lambda i: {"params": {"limit": 10000}}, 422, "limit"),
+    # --- where calibration data may come from (issue 15 item 3): Hub names, or paths inside MOELAB_DATA_ROOTS
+    ("hf: any server file", "post", "/api/v1/calibration-sets", lambda i: {"json": {"source": "hf", "dataset": "/etc/passwd"}}, 403, "MOELAB_DATA_ROOTS"),
+    ("hf: the service's own DB", "post", "/api/v1/calibration-sets", lambda i: {"json": {"source": "hf", "dataset": i["db_path"]}}, 403, "outside the directories"),
+    ("hf: relative path", "post", "/api/v1/calibration-sets", lambda i: {"json": {"source": "hf", "dataset": "../moelab.db"}}, 422, "MOELAB_DATA_ROOTS"),
+    ("hf: home path", "post", "/api/v1/calibration-sets", lambda i: {"json": {"source": "hf", "dataset": "~/.ssh/id_rsa"}}, 422, "relative path"),
+    ("hf: dot-dot out of a root", "post", "/api/v1/calibration-sets", lambda i: {"json": {"source": "hf", "dataset": i["root"] + "/../../moelab.db"}}, 403, "outside"),
+    ("hf: symlink out of a root", "post", "/api/v1/calibration-sets", lambda i: {"json": {"source": "hf", "dataset": i["link"]}}, 403, "outside"),
+    ("hf: relative file name", "post", "/api/v1/calibration-sets", lambda i: {"json": {"source": "hf", "dataset": "pyproject.toml/x/y"}}, 422, "relative path"),
+    ("hf: data file name", "post", "/api/v1/calibration-sets", lambda i: {"json": {"source": "hf", "dataset": "rows.jsonl"}}, 422, "relative path"),
+    ("hf: not a Hub name", "post", "/api/v1/calibration-sets", lambda i: {"json": {"source": "hf", "dataset": "a b|c"}}, 422, "not a Hugging Face dataset name"),
+    ("hf: missing file in a root", "post", "/api/v1/calibration-sets", lambda i: {"json": {"source": "hf", "dataset": i["root"] + "/nope.jsonl"}}, 422, "does not exist"),
+    # --- inputs (item 4): nested JSON, non-finite numbers in bodies and query parameters
+    ("upload deeply nested JSON line", "post", "/api/v1/calibration-sets/upload",
+     lambda i: {"files": {"file": ("deep.jsonl", NESTED)}}, 422, "deep.jsonl:2: JSON nested too deeply"),
+    ("upload deeply nested JSON array", "post", "/api/v1/calibration-sets/upload",
+     lambda i: {"files": {"file": ("deep.json", b"[" * 200_000 + b"]" * 200_000)}}, 422, "nested too deeply"),
+    ("upload JSON line not an object", "post", "/api/v1/calibration-sets/upload",
+     lambda i: {"files": {"file": ("list.jsonl", b'{"text": "a fine first sample of text"}\n[1, 2]\n')}}, 422, "list.jsonl:2: expected a JSON object"),
+    ("tau Infinity in a body", "post", "/api/v1/conversions", lambda i: _raw(_conversion(i), "tau", "Infinity"), 422, "expertweaver.tau: Input should be a finite number"),
+    ("tau NaN in a body", "post", "/api/v1/conversions", lambda i: _raw(_conversion(i), "tau", "NaN"), 422, "finite number"),
+    ("tau -Infinity in a body", "post", "/api/v1/conversions", lambda i: _raw(_conversion(i), "tau", "-Infinity"), 422, "finite number"),
+    ("alpha 1e999 in a body", "post", "/api/v1/conversions", lambda i: _raw(_conversion(i), "alpha_max", "1e999"), 422, "finite number"),
+    ("fine-tune lr NaN", "post", "/api/v1/finetunes", lambda i: _raw({"conversion_id": i["conversion"]}, "lr", "NaN", block=None), 422, "lr: Input should be a finite number"),
+    ("fine-tune lora_alpha Infinity", "post", "/api/v1/finetunes", lambda i: _raw({"conversion_id": i["conversion"]}, "lora_alpha", "Infinity", block=None), 422, "finite number"),
+    ("profile seed Infinity", "post", "/api/v1/profiles", lambda i: _raw(_profile(i), "seed", "Infinity", block=None), 422, "seed"),
+    ("preview tau=inf", "get", "/api/v1/profiles/{profile}/allocation-preview", lambda i: {"params": {"tau": "inf"}}, 422, "tau: Input should be a finite number"),
+    ("preview tau=nan", "get", "/api/v1/profiles/{profile}/preview/expertweaver", lambda i: {"params": {"tau": "nan"}}, 422, "finite number"),
+    ("preview alpha_max=-infinity", "get", "/api/v1/profiles/{profile}/preview/expertweaver", lambda i: {"params": {"alpha_max": "-infinity"}}, 422, "finite number"),
+    ("cv-summary tau=inf", "get", "/api/v1/profiles/{profile}/charts/cv-summary", lambda i: {"params": {"tau": "inf"}}, 422, "tau: Input should be a finite number"),
+    ("cv-histogram clip_quantile=nan", "get", "/api/v1/profiles/{profile}/charts/cv-histogram", lambda i: {"params": {"clip_quantile": "nan"}}, 422, "finite number"),
+    ("layer-similarity delta=inf", "get", "/api/v1/profiles/{profile}/charts/layer-similarity", lambda i: {"params": {"delta": "inf"}}, 422, "finite number"),
+    # --- deleting (item 6): unknown ids, and what something depends on without cascade
+    ("delete unknown model", "delete", "/api/v1/models/mod-0000000000000000", None, 404, "no model"),
+    ("delete unknown calibration set", "delete", "/api/v1/calibration-sets/cal-0000000000000000", None, 404, "no calibration set"),
+    ("delete unknown profile", "delete", "/api/v1/profiles/pr-0000000000000000", None, 404, "no profile"),
+    ("delete unknown conversion", "delete", "/api/v1/conversions/conv-0000000000000000", None, 404, "no conversion"),
+    ("delete unknown evaluation", "delete", "/api/v1/evaluations/ev-0000000000000000", None, 404, "no evaluation"),
+    ("delete unknown fine-tune", "delete", "/api/v1/finetunes/ft-0000000000000000", None, 404, "no fine-tune"),
+    ("delete a model in use", "delete", "/api/v1/models/{model}", None, 409, "is used by profile"),
+    ("delete a set in use", "delete", "/api/v1/calibration-sets/{calib}", None, 409, "cascade=true"),
+    ("delete a profile in use", "delete", "/api/v1/profiles/{profile}", None, 409, "is used by conversion conv-"),
+    ("delete with a bad cascade flag", "delete", "/api/v1/profiles/{profile}", lambda i: {"params": {"cascade": "maybe"}}, 422, "cascade"),
 ]
+
+NESTED = b'{"text": "a fine first sample of text"}\n{"text": "x", "meta": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"
+
+
+def _raw(body: dict[str, Any], field: str, literal: str, block: str | None = "expertweaver") -> dict[str, Any]:
+    """A JSON body with a non-standard literal (``Infinity``, ``NaN``) that ``json.dumps`` would not write."""
+    import json
+
+    target = body[block] if block else body
+    target[field] = "__RAW__"
+    text = json.dumps(body).replace('"__RAW__"', literal)
+    return {"content": text.encode(), "headers": {"content-type": "application/json"}}
 
 
 def test_table_is_big_enough():
@@ -120,26 +185,71 @@ def test_bad_requests_answer_4xx_and_change_nothing(client, settings, ids):
     assert snapshot(settings) == before
 
 
-def test_api_token_guards_mutating_requests(settings, worker, ids):
+def test_api_token_guards_reads_and_writes(settings, worker, ids):
+    """With MOELAB_API_TOKEN set every route needs it, reads included (weights, samples, job errors,
+    charts); only /health and the OpenAPI docs stay open. Refusals say what to send and store nothing."""
     from fastapi.testclient import TestClient
 
     from backend.app import create_app
 
     guarded = settings.model_copy(update={"api_token": SecretStr("s3cret-token")})
     before = snapshot(settings)
+    reads = [
+        "/api/v1/models", f"/api/v1/models/{ids['model']}", "/api/v1/methods", "/api/v1/jobs",
+        f"/api/v1/jobs/{ids['done_job']}", f"/api/v1/calibration-sets/{ids['calib']}/samples",
+        "/api/v1/artifacts", f"/api/v1/artifacts/conversions/{ids['conversion']}",
+        f"/api/v1/artifacts/conversions/{ids['conversion']}/archive",
+        f"/api/v1/artifacts/conversions/{ids['conversion']}/files/config.json",
+        f"/api/v1/profiles/{ids['profile']}/charts/cv-summary", f"/api/v1/profiles/{ids['profile']}/allocation-preview",
+        f"/api/v1/conversions/{ids['conversion']}",
+    ]
     with TestClient(create_app(guarded)) as c:
-        assert c.get("/api/v1/models").status_code == 200  # reading needs no token
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-API-Token": "wrong"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-API-Token": "wrong"}, {"Authorization": "Basic czNjcmV0"}):
+            for path in reads:
+                r = c.get(path, headers=headers)
+                assert r.status_code == 401 and "MOELAB_API_TOKEN" in r.json()["detail"], (path, headers, r.text)
+                assert r.headers["www-authenticate"] == "Bearer"
             r = c.post("/api/v1/models", json={"source": "default"}, headers=headers)
             assert r.status_code == 401 and "MOELAB_API_TOKEN" in r.json()["detail"]
-            r = c.delete(f"/api/v1/jobs/{ids['done_job']}", headers=headers)
-            assert r.status_code == 401
+            for path in (f"/api/v1/jobs/{ids['done_job']}", f"/api/v1/profiles/{ids['profile']}?cascade=true"):
+                assert c.delete(path, headers=headers).status_code == 401
         assert snapshot(settings) == before
-        r = c.delete(f"/api/v1/jobs/{ids['done_job']}", headers={"Authorization": "Bearer s3cret-token"})
+        assert c.get("/api/v1/health").status_code == 200  # probes need no secret
+        assert c.get("/docs").status_code == 200 and c.get("/openapi.json").status_code == 200
+        ok = {"Authorization": "Bearer s3cret-token"}
+        for path in reads:
+            assert c.get(path, headers=ok).status_code == 200, path
+        assert c.get(reads[0], headers={"X-API-Token": "s3cret-token"}).status_code == 200
+        r = c.delete(f"/api/v1/jobs/{ids['done_job']}", headers=ok)
         assert r.status_code == 409  # past the token check, refused for what it is
         r = c.post("/api/v1/calibration-sets/upload", headers={"X-API-Token": "s3cret-token"},
                    files={"file": ("tok.txt", b"A paragraph uploaded with a token, long enough.\n\nAnd a second one too.")})
         assert r.status_code in (200, 201)
+
+
+def test_frontend_client_sends_the_token_on_reads(settings, ids):
+    """The UI's API client (the one place its URLs live) carries MOELAB_API_TOKEN on every call."""
+    from fastapi.testclient import TestClient
+
+    from backend.app import create_app
+    from frontend.api_client import ApiClient, ApiError
+
+    import httpx
+
+    guarded = settings.model_copy(update={"api_token": SecretStr("ui-token")})
+    with TestClient(create_app(guarded)) as c:
+        def forward(request: httpx.Request) -> httpx.Response:  # the in-process app, headers as the client sent them
+            r = c.request(request.method, request.url.raw_path.decode(), headers=dict(request.headers), content=request.content)
+            return httpx.Response(r.status_code, headers=r.headers, content=r.content)
+
+        transport = httpx.MockTransport(forward)
+        client = ApiClient(base_url="http://api/api/v1", token="ui-token", transport=transport)
+        assert client.samples(ids["calib"], limit=2)["items"] and client.cv_summary(ids["profile"], tau=0.5)["tau"] == 0.5
+        assert client.job(ids["done_job"])["state"] == "succeeded"
+        anonymous = ApiClient(base_url="http://api/api/v1", token="", transport=transport)
+        with pytest.raises(ApiError) as err:
+            anonymous.samples(ids["calib"])
+        assert err.value.status == 401 and "MOELAB_API_TOKEN" in err.value.message
 
 
 def test_chunked_upload_over_the_limit_is_refused(client, settings):

@@ -17,14 +17,32 @@ def test_cv_histograms_count_every_neuron_once():
     out = charts.cv_histograms(cvs)
     counts = np.array(out["counts"])
     assert counts.shape == (3, out["bins"]) and 10 <= out["bins"] <= 80
-    totals = counts.sum(1) + np.array(out["overflow"]) + np.array(out["not_finite"])
+    totals = counts.sum(1) + np.array(out["overflow"]) + np.array(out["not_finite"]) + np.array(out["underflow"])
     assert totals.tolist() == [300, 200, 4]
-    assert out["not_finite"][2] == 2 and out["overflow"][2] == 1
+    assert out["not_finite"][2] == 2 and out["overflow"][2] == 1 and out["underflow"] == [0, 0, 0]
     edges = np.array(out["edges"])
     assert (np.diff(edges) > 0).all() and edges[-1] == pytest.approx(out["clipped_at"], rel=1e-5)
+    # log-spaced by default: equal steps in log CV, from the smallest positive CV
+    assert out["scale"] == "log" and np.allclose(np.diff(np.log10(edges)), np.log10(edges[1] / edges[0]), rtol=1e-4)
+    assert edges[0] == pytest.approx(min(c[np.isfinite(c)].min() for c in cvs), rel=1e-5)
     ref, _ = np.histogram(cvs[0][cvs[0] <= out["clipped_at"]], bins=edges)
     assert counts[0].tolist() == ref.tolist()
     assert charts.cv_histograms(cvs, bins=5)["bins"] == 5
+
+
+def test_cv_histograms_log_bins_spread_a_heavy_tail_and_count_zeros_apart():
+    """A lognormal CV (as profiles have: ~0.1 … 40): equal-width bins put nearly every neuron in the
+    first bins, log bins spread them; a CV of exactly 0 cannot sit on a log axis and is counted apart."""
+    rng = np.random.default_rng(2)
+    cv = np.concatenate([rng.lognormal(0, 1.2, 2000), [0.0, 0.0]])
+    lin = charts.cv_histograms([cv], bins=40, scale="linear")
+    log = charts.cv_histograms([cv], bins=40, scale="log")
+    share_top2 = lambda out: sum(sorted(out["counts"][0])[-2:]) / len(cv)  # noqa: E731
+    assert share_top2(lin) > 0.35 and share_top2(log) < 0.15
+    assert lin["underflow"] == [0] and log["underflow"] == [2] and lin["edges"][0] == 0.0
+    assert sum(log["counts"][0]) + log["overflow"][0] + log["underflow"][0] == len(cv)
+    with pytest.raises(ValueError, match="scale"):
+        charts.cv_histograms([cv], scale="sqrt")
 
 
 def test_cv_summary_quantiles_and_specialisation_ratio():

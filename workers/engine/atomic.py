@@ -2,14 +2,20 @@
 
 A reader never sees a half-written file or directory: either the old complete artifact or
 the new complete one. Interrupted writes leave only ``.tmp-*`` siblings, which readers ignore
-and ``remove_stale_temporaries`` cleans up.
+and ``remove_stale_temporaries`` cleans up. A temporary's name carries its writer's host and
+process id, so the cleanup that an API or worker runs at start removes what dead writers left,
+never the conversion another worker is writing at that moment.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
+import socket
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,14 +24,22 @@ from typing import Any, Iterator
 TMP_MARK = ".tmp-"
 
 
-def _sibling(path: Path, kind: str) -> Path:
-    return path.with_name(f".{path.name}{TMP_MARK}{kind}-{uuid.uuid4().hex[:8]}")
+#: this host, as it appears in temporaries' names (process ids only mean something on their host)
+HOST_TAG = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+_OWNER = re.compile(r"-([0-9a-f]{8})-(\d+)-[0-9a-f]{8}$")
+
+
+def temporary_sibling(path: Path, kind: str) -> Path:
+    """``.{name}.tmp-{kind}-{host}-{pid}-{random}`` next to ``path``: hidden from readers, owned by this process."""
+    path = Path(path)
+    return path.with_name(f".{path.name}{TMP_MARK}{kind}-{HOST_TAG}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _sibling(path, "file")
+    tmp = temporary_sibling(path, "file")
     with open(tmp, "wb") as fh:
         fh.write(data)
         fh.flush()
@@ -46,7 +60,7 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _sibling(final, "dir")
+    tmp = temporary_sibling(final, "dir")
     tmp.mkdir()
     try:
         yield tmp
@@ -55,17 +69,50 @@ def atomic_directory(final: Path) -> Iterator[Path]:
         raise
     old = None
     if final.exists():
-        old = _sibling(final, "old")
+        old = temporary_sibling(final, "old")
         os.replace(final, old)
     os.replace(tmp, final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def remove_stale_temporaries(folder: Path) -> int:
-    """Delete leftovers of interrupted writes under ``folder`` (not recursive). Returns a count."""
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
+def is_stale_temporary(path: Path, foreign_age_s: float = 86_400.0) -> bool:
+    """Whether a ``.tmp-`` entry is a leftover rather than a write in progress.
+
+    Written on this host: stale once its writer process is gone. Written on another host (a
+    container sharing the data volume): its process cannot be checked, so stale only when
+    untouched for ``foreign_age_s``. Names without an owner come from versions before owners were
+    recorded and are stale (their writers stopped at the upgrade).
+    """
+    match = _OWNER.search(path.name)
+    if match is None:
+        return True
+    host, pid = match.group(1), int(match.group(2))
+    if host == HOST_TAG:
+        return not _pid_alive(pid)
+    try:
+        return time.time() - path.stat().st_mtime > foreign_age_s
+    except FileNotFoundError:
+        return False
+
+
+def remove_stale_temporaries(folder: Path, foreign_age_s: float = 86_400.0) -> int:
+    """Delete leftovers of interrupted writes under ``folder`` (not recursive), keeping writes in
+    progress (``is_stale_temporary``). Returns a count."""
     n = 0
     for p in Path(folder).glob(f".*{TMP_MARK}*"):
+        if not is_stale_temporary(p, foreign_age_s):
+            continue
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         n += 1
     return n

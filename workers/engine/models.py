@@ -290,6 +290,7 @@ def load_model(
     Python would otherwise run in our process.
     """
     t0 = time.perf_counter()
+    progress.update("load model", 0, 1)  # at once: resolving the device can import CUDA, and the job's stage was 'starting'
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     gguf_file = None

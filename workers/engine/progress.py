@@ -8,6 +8,8 @@ run never leaves a half-written artifact (writers only publish complete results)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,6 +32,20 @@ class Progress:
             raise Cancelled(f"cancelled during {stage!r} at {current}/{total}")
         if self.callback is not None:
             self.callback(stage, current, total)
+
+    @contextmanager
+    def step(self, stage: str) -> Iterator[None]:
+        """One indivisible piece of work (loading a model, reading text) as ``stage 0/1`` then ``1/1``,
+        so a watcher sees what runs instead of the previous stage frozen."""
+        self.update(stage, 0, 1)
+        yield
+        self.update(stage, 1, 1)
+
+    def within(self, prefix: str) -> Progress:
+        """The same reporting and cancellation with stages named ``'prefix: stage'``: a routine
+        reused inside a larger job (clustering experts for an evaluation's baseline) says whose
+        step it is instead of looking like the conversion itself."""
+        return Progress(callback=lambda stage, current, total: self.update(f"{prefix}: {stage}", current, total))
 
 
 NO_PROGRESS = Progress()

@@ -33,21 +33,62 @@ ModelLoader = Callable[..., ModelAdapter]
 
 
 def _peak_rss_mib() -> float:
+    """This job's peak resident memory: since ``_reset_peak_rss`` where the kernel allows it
+    (a worker process runs many jobs; ru_maxrss would report the largest of them all)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _reset_peak_rss() -> None:
+    try:  # Linux ≥ 4.0: "5" resets the peak RSS (VmHWM) to the current RSS
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
 
 
 def run_profile(
     model: str, calib: str, out: Path, settings: ProfileSettings, *, samples: int | None, data_dir: Path,
     device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False, progress: Progress = NO_PROGRESS,
-    loader: ModelLoader = load_model,
+    loader: ModelLoader = load_model, max_memory: int | str | None = None,
 ) -> StoredProfile:
+    """Profile ``model`` over ``calib`` and publish the profile at ``out``.
+
+    ``max_memory`` (bytes or "2GiB"): when the model's weights exceed it, the pass streams one
+    decoder layer at a time (``profiling.streaming``); a budget below one layer fails here,
+    before the calibration set or any weight is read.
+    """
     t0 = time.perf_counter()
+    _reset_peak_rss()
     settings.validate()
+    plan = None
+    if max_memory is not None:
+        from .profiling.streaming import parse_size, plan_streaming
+
+        plan = plan_streaming(model, parse_size(max_memory), data_dir=data_dir, device=device, dtype=dtype,
+                              trust_remote_code=trust_remote_code)
     cset = load_calibration(calib, samples=samples, seed=settings.seed, data_dir=data_dir)
-    adapter = loader(model, data_dir=data_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=progress)
-    result = profile_model(adapter, cset, settings, progress)
-    result.timings.update(load_model_s=adapter.load_seconds, total_s=time.perf_counter() - t0, peak_rss_mib=_peak_rss_mib())
-    write_profile(result, cset, out)
+    if plan is not None and plan.stream:
+        from .profiling.streaming import profile_streamed, remove_scratch
+
+        result = profile_streamed(plan, cset, settings, progress, scratch_near=Path(out).parent)
+        load_s = 0.0
+    else:
+        adapter = loader(model, data_dir=data_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=progress)
+        result = profile_model(adapter, cset, settings, progress)
+        load_s = adapter.load_seconds
+    try:
+        result.timings.update(load_model_s=load_s, total_s=time.perf_counter() - t0, peak_rss_mib=_peak_rss_mib())
+        if plan is not None:
+            result.timings["max_memory_bytes"] = float(plan.max_memory)
+        write_profile(result, cset, out)
+    finally:
+        if plan is not None and plan.stream:
+            remove_scratch(result)
     return StoredProfile.open(out)
 
 
@@ -55,8 +96,14 @@ def run_conversion(
     profile_dir: Path | None, params: Any, out: Path, *, data_dir: Path, device: str = "auto",
     trust_remote_code: bool = False, progress: Progress = NO_PROGRESS, loader: ModelLoader = load_model,
     extra_profiles: Sequence[Path] = (), model: str | None = None, calib: str | None = None,
+    map_layers: Callable[..., Any] | None = None, max_memory: int | str | None = None,
 ) -> dict[str, Any]:
     """Convert with any registered method (``methods.REGISTRY``) and export the result; returns the record.
+    ``map_layers``: where a partition method's per-layer work runs (``core.slicing.LayerMap``).
+    ``max_memory`` (bytes or "2GiB"): when the dense model's weights exceed it, a partition method
+    converts one decoder layer at a time straight into the export (``core.streamed_conversion``;
+    its layers are not shared with other workers then, as each would load the whole model); a
+    budget below one layer, or a method or recipe that needs the whole model, fails before any work.
 
     ``profile_dir``: the dense model's profile (MIDAS: the first calibration set's);
     ``extra_profiles``: MIDAS's other calibration sets; ``model`` + ``calib``: methods that read an
@@ -71,20 +118,39 @@ def run_conversion(
     profiles = [StoredProfile.open(p) for p in profile_paths]
     if method.validate is not None:
         method.validate(params, profiles)  # before a model is loaded
-    inputs = ConversionInputs(profiles=profiles, data_dir=data_dir, device=device, model=model, calib=calib)
+    _reset_peak_rss()
+    budget: dict[str, float] = {}
+
+    def complete(record: dict[str, Any], moe: Any) -> None:
+        if profiles:
+            record["summary"].setdefault(
+                "ffn_flops_fraction", ffn_flops_fraction(moe, profiles[0].manifest["model"]["n_ffn_parameters"]))
+            record.update(profile=str(Path(profile_paths[0]).resolve()), model=profiles[0].manifest["model"],
+                          calibration=profiles[0].manifest["calibration"])
+        record["timings"].update(total_s=time.perf_counter() - t0, peak_rss_mib=_peak_rss_mib(), **budget)
+
+    if max_memory is not None and profiles:
+        from .core.params import check_streamable
+        from .core.streamed_conversion import convert_streamed
+        from .profiling.streaming import parse_size, plan_streaming
+
+        plan = plan_streaming(profiles[0].manifest["model"]["source"], parse_size(max_memory), data_dir=data_dir,
+                              device=device, dtype="float32", trust_remote_code=trust_remote_code)
+        budget["max_memory_bytes"] = float(plan.max_memory)
+        if plan.stream:
+            check_streamable(method, params)
+            return convert_streamed(plan, profiles[0], params, method, out, progress, complete=complete)
+    inputs = ConversionInputs(profiles=profiles, data_dir=data_dir, device=device, model=model, calib=calib,
+                              map_layers=map_layers)
     if profiles:
         source = profiles[0].manifest["model"]["source"]
         inputs.load_dense = lambda: loader(source, data_dir=data_dir, device=device, dtype="float32",
                                            trust_remote_code=trust_remote_code, progress=progress)
     moe, tokenizer, record = method.build(inputs, params, progress)
-    if profiles:
-        record["summary"].setdefault(
-            "ffn_flops_fraction", ffn_flops_fraction(moe, profiles[0].manifest["model"]["n_ffn_parameters"]))
-        record.update(profile=str(Path(profile_paths[0]).resolve()), model=profiles[0].manifest["model"],
-                      calibration=profiles[0].manifest["calibration"])
+    complete(record, moe)
     progress.update("export", 0, 1)
-    record["timings"]["total_s"] = time.perf_counter() - t0
-    export_model(moe, out, tokenizer, record)
+    partition = record.pop("partition", None)
+    export_model(moe, out, tokenizer, record, partition=partition)
     progress.update("export", 1, 1)
     return record
 
@@ -122,28 +188,28 @@ def run_evaluation(
     t0 = time.perf_counter()
     record = read_conversion(conversion_dir)
     method = get_method(method_of(record["params"]))
-    converted = load_exported(conversion_dir)
+    with progress.step("load converted model"):  # stages all the way: a watcher never sees 'starting' for a minute
+        converted = load_exported(conversion_dir)
     timings: dict[str, float] = {}
     extra: dict[str, Any] = {}
-    items = _choice_items(data_dir, mc_per_task)
+    items = _choice_items(data_dir, mc_per_task, progress)
     if method.baselines is not None:  # layers swap into the dense model: baselines in the same pass
         adapter = loader(record["model"]["source"], data_dir=data_dir, device=device, dtype="float32", progress=progress)
         tokenizer = adapter.tokenizer
         variants: dict[str, Any] = {"dense": None, "converted": converted.to(adapter.device).moe_modules()}
         if baselines:
             t1 = time.perf_counter()
-            variants.update(method.baselines(adapter, record, progress))
+            with progress.step("build baselines"):  # their clustering reports as 'baselines: cluster experts i/L'
+                variants.update(method.baselines(adapter, record, progress.within("baselines")))
             timings["baselines_build_s"] = time.perf_counter() - t1
-        windows = heldout_windows(tokenizer, data_dir, seq_len=seq_len, n_windows=n_windows, source=source)
+        with progress.step("read held-out text"):
+            windows = heldout_windows(tokenizer, data_dir, seq_len=seq_len, n_windows=n_windows, source=source)
         results = evaluate_variants(adapter, variants, windows, progress=progress, choice_items=items)
     else:
-        if method.reference is not None:
-            dense, tokenizer = method.reference(record, device=device, data_dir=data_dir)
-        else:
-            adapter = loader(record["model"]["source"], data_dir=data_dir, device=device, dtype="float32", progress=progress)
-            dense, tokenizer = adapter.model, adapter.tokenizer
+        dense, tokenizer = _reference_model(method, record, data_dir=data_dir, device=device, progress=progress, loader=loader)
         converted = converted.to(next(dense.parameters()).device)
-        windows = heldout_windows(tokenizer, data_dir, seq_len=seq_len, n_windows=n_windows, source=source)
+        with progress.step("read held-out text"):
+            windows = heldout_windows(tokenizer, data_dir, seq_len=seq_len, n_windows=n_windows, source=source)
         results = evaluate_models({"dense": dense, "converted": converted}, tokenizer, windows, progress=progress, choice_items=items)
     if method.extra_evaluation is not None:
         extra = method.extra_evaluation(converted, tokenizer, record, data_dir=data_dir, n_windows=n_windows,
@@ -162,8 +228,81 @@ def run_evaluation(
     }
     if write:
         write_json_atomic(Path(conversion_dir) / EVALUATION_FILE, out)
+        from .runtime.model_card import write_model_card  # the card shows the numbers just measured
+
+        write_model_card(Path(conversion_dir), record, converted, "moelab", out)
     return out
 
 
-def _choice_items(data_dir: Path, mc_per_task: int) -> Any:
-    return bigbench_choice_items(data_dir, per_task=mc_per_task) if mc_per_task and bigbench_installed(data_dir) else None
+PROBE_KINDS = ("routing", "generate")
+
+
+def run_probe(
+    conversion_dir: Path, *, kind: str, text: str, max_new_tokens: int = 32, data_dir: Path, device: str = "auto",
+    progress: Progress = NO_PROGRESS, loader: ModelLoader = load_model,
+) -> dict[str, Any]:
+    """A short look at one conversion on one text (``evaluation.probes``).
+
+    ``routing``: the expert every token is routed to, per layer (only the converted model runs).
+    ``generate``: ``text`` as a prompt, greedily continued by the dense model the conversion was
+    made from (the method's reference model where it has one, e.g. the original MoE of a
+    hierarchical conversion) and by the converted model, each timed.
+    """
+    from transformers import AutoTokenizer
+
+    from .evaluation.probes import timed_generation, token_routing
+
+    if kind not in PROBE_KINDS:
+        raise ValueError(f"unknown probe kind {kind!r}; one of {', '.join(PROBE_KINDS)}")
+    t0 = time.perf_counter()
+    record = read_conversion(conversion_dir)
+    with progress.step("load converted model"):
+        converted = load_exported(conversion_dir).eval()
+        tokenizer = AutoTokenizer.from_pretrained(str(conversion_dir), trust_remote_code=True)  # our own export, as load_exported
+    out: dict[str, Any] = {"kind": kind, "method": record["params"].get("method"), "text": text}
+    if kind == "routing":
+        with progress.step("route tokens"):
+            out.update(token_routing(converted, tokenizer, text))
+    else:
+        method = get_method(method_of(record["params"]))
+        dense, dense_tokenizer = _reference_model(method, record, data_dir=data_dir, device=device, progress=progress,
+                                                  loader=loader)
+        converted = converted.to(next(dense.parameters()).device)
+        with progress.step("generate dense"):
+            out["dense"] = timed_generation(dense, dense_tokenizer, text, max_new_tokens)
+        with progress.step("generate converted"):
+            out["converted"] = timed_generation(converted, tokenizer, text, max_new_tokens)
+        d, c = out["dense"]["tokens_per_s"], out["converted"]["tokens_per_s"]
+        out["speedup"] = c / d if d and c else None
+    out["timings"] = {"total_s": time.perf_counter() - t0}
+    return out
+
+
+HELDOUT_PICK = 48  # held-out samples a probe can pick from, per built-in set (a fixed, seeded draw)
+
+
+def heldout_sample(source: str, index: int, *, data_dir: Path) -> str:
+    """The text of sample ``index`` of a built-in set's held-out split (``builtin:NAME``), from a
+    fixed draw of ``HELDOUT_PICK`` samples (seed 0), so an index always names the same text."""
+    cset = load_calibration(source, samples=HELDOUT_PICK, split="heldout", data_dir=data_dir)
+    if not 0 <= index < len(cset.samples):
+        raise ValueError(f"{source} offers {len(cset.samples)} held-out samples to probe: choose sample 0 to {len(cset.samples) - 1}")
+    return cset.samples[index].text
+
+
+def _reference_model(method: Method, record: dict[str, Any], *, data_dir: Path, device: str, progress: Progress,
+                     loader: ModelLoader) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` a conversion is compared with: the method's reference (e.g. the original
+    MoE of a hierarchical conversion) or the profiled dense model, float32."""
+    if method.reference is not None:
+        with progress.step("load reference model"):
+            return method.reference(record, device=device, data_dir=data_dir)
+    adapter = loader(record["model"]["source"], data_dir=data_dir, device=device, dtype="float32", progress=progress)
+    return adapter.model, adapter.tokenizer
+
+
+def _choice_items(data_dir: Path, mc_per_task: int, progress: Progress = NO_PROGRESS) -> Any:
+    if not mc_per_task or not bigbench_installed(data_dir):
+        return None
+    with progress.step("read multiple-choice items"):
+        return bigbench_choice_items(data_dir, per_task=mc_per_task)

@@ -150,3 +150,21 @@ def from_known_fields(cls: type[T], d: Mapping[str, Any], what: str, error: type
     if unknown:
         raise error(f"unknown {what} parameters: {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     return cls(**d)
+
+
+def needs_fitting(params: Any) -> bool:
+    """The ridge router and the budget plan are fitted on calibration tokens (``core.fitting``)."""
+    return getattr(params, "router", None) == "ridge" or getattr(params, "plan", "paper") == "budget"
+
+
+def check_streamable(method: Any, params: Any) -> None:
+    """Raise what blocks a layer-streamed conversion (``core.streamed_conversion``), and what to do instead."""
+    if method.partition is None:
+        raise ConversionError(
+            f"{method.name} cannot convert under --max-memory: only the partition methods (expertweaver, cmoe) build one "
+            "layer at a time; run it on a machine that holds the whole model, or without --max-memory")
+    if needs_fitting(params):
+        raise ConversionError(
+            "the ridge router and the budget plan are fitted on calibration activations of the whole model, which "
+            "--max-memory does not hold: use --router centroid (expertweaver) or representative (cmoe) and --plan paper "
+            "(--recipe paper), or convert without --max-memory")

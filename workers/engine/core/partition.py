@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -69,3 +70,36 @@ def finish(row: LayerPlan, shared: np.ndarray, routed: np.ndarray, router: str, 
         n_iter=0 if res is None else int(res.n_iter), converged=True if res is None else bool(res.converged),
         seconds=time.perf_counter() - t0,
     )
+
+
+def save_layer_experts(e: LayerExperts, path: Path) -> None:
+    """One layer's experts as a safetensors file (neuron ids, router weights; the rest in its
+    metadata), written atomically: another process may build a layer that this one assembles."""
+    import json
+    import os
+
+    from safetensors.numpy import save_file
+
+    tensors = {"shared": np.ascontiguousarray(e.shared), "routed": np.ascontiguousarray(e.routed)}
+    tensors.update({f"router.{k}": np.ascontiguousarray(v) for k, v in e.router_weights.items()})
+    meta = {"layer": e.layer, "top_k": e.top_k, "router": e.router, "objective": e.objective,
+            "objective_history": list(e.objective_history), "n_iter": e.n_iter, "converged": e.converged, "seconds": e.seconds}
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={"layer_experts": json.dumps(meta)})
+    os.replace(tmp, path)
+
+
+def load_layer_experts(path: Path) -> LayerExperts:
+    """The ``LayerExperts`` ``save_layer_experts`` wrote, equal array for array."""
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        meta = json.loads(f.metadata()["layer_experts"])
+        arrays = {k: f.get_tensor(k) for k in f.keys()}
+    routers = {k.removeprefix("router."): v for k, v in arrays.items() if k.startswith("router.")}
+    return LayerExperts(layer=meta["layer"], shared=arrays["shared"], routed=arrays["routed"], top_k=meta["top_k"],
+                        router=meta["router"], router_weights=routers, objective=meta["objective"],
+                        objective_history=meta["objective_history"], n_iter=meta["n_iter"], converged=meta["converged"],
+                        seconds=meta["seconds"])

@@ -22,12 +22,15 @@ from ..runtime.export import build_moe_model
 from ..runtime.modeling_moelab import AbsTopKGLU, MoeFFN
 from ..runtime.param_count import parameter_counts
 from .allocation import LayerPlan, summarize
-from .params import ConversionError, MethodParams
+from .params import ConversionError, MethodParams, needs_fitting
 from .partition import LayerExperts
 
 #: ``(row, gate_w, up_w) -> LayerExperts``: one method's expert construction for one layer
 #: (``gate_w``/``up_w``: the layer's dense weights as float32 numpy, ``[d_ffn, d_model]``).
 LayerBuilder = Callable[[LayerPlan, np.ndarray, np.ndarray], LayerExperts]
+#: ``(layers, build_one, progress) -> experts in the order of layers``: runs ``build_one(i)`` for every
+#: layer, here or elsewhere (``workers.fanout`` shares the layers with idle workers)
+LayerMap = Callable[[list[int], Callable[[int], LayerExperts], Progress], list[LayerExperts]]
 
 
 def check_compatible(adapter: ModelAdapter, profile: Any) -> None:
@@ -48,17 +51,30 @@ def dense_weights(adapter: ModelAdapter, i: int) -> tuple[torch.Tensor, torch.Te
     return lay.gate_weight().detach(), lay.up_weight().detach(), lay.down_weight().detach()
 
 
-def partition_layers(adapter: ModelAdapter, profile: Any, rows: list[LayerPlan], build_layer: LayerBuilder,
-                     progress: Progress = NO_PROGRESS) -> list[LayerExperts]:
-    """Partition every layer's neurons as ``rows`` plan (clustering is the slow part: per-layer progress)."""
-    check_compatible(adapter, profile)
-    experts = []
-    progress.update("cluster experts", 0, len(rows))
-    for i, row in enumerate(rows):
+def build_one_layer(adapter: ModelAdapter, rows: list[LayerPlan], build_layer: LayerBuilder) -> Callable[[int], LayerExperts]:
+    """``i -> LayerExperts`` of layer ``i`` (its dense gate/up weights as float32 numpy)."""
+    def one(i: int) -> LayerExperts:
         gate_w, up_w, _ = (w.float().cpu().numpy() for w in dense_weights(adapter, i))
-        experts.append(build_layer(row, gate_w, up_w))
-        progress.update("cluster experts", i + 1, len(rows))
+        return build_layer(rows[i], gate_w, up_w)
+    return one
+
+
+def map_in_process(layers: list[int], build_one: Callable[[int], LayerExperts], progress: Progress) -> list[LayerExperts]:
+    """The default ``LayerMap``: one layer after the other in this process."""
+    experts = []
+    progress.update("cluster experts", 0, len(layers))
+    for n, i in enumerate(layers):
+        experts.append(build_one(i))
+        progress.update("cluster experts", n + 1, len(layers))
     return experts
+
+
+def partition_layers(adapter: ModelAdapter, profile: Any, rows: list[LayerPlan], build_layer: LayerBuilder,
+                     progress: Progress = NO_PROGRESS, map_layers: LayerMap | None = None) -> list[LayerExperts]:
+    """Partition every layer's neurons as ``rows`` plan (clustering is the slow part: per-layer progress).
+    Layers are independent given the profile, so ``map_layers`` may build them anywhere."""
+    check_compatible(adapter, profile)
+    return (map_layers or map_in_process)(list(range(len(rows))), build_one_layer(adapter, rows, build_layer), progress)
 
 
 def build_modules(adapter: ModelAdapter, experts: list[LayerExperts], combine: str = "sum") -> dict[int, nn.Module]:
@@ -73,17 +89,13 @@ def build_modules(adapter: ModelAdapter, experts: list[LayerExperts], combine: s
     return modules
 
 
-def needs_fitting(params: MethodParams) -> bool:
-    """The ridge router and the budget plan are fitted on calibration tokens (``core.fitting``)."""
-    return getattr(params, "router", None) == "ridge" or getattr(params, "plan", "paper") == "budget"
-
-
 def partition_modules(adapter: ModelAdapter, profile: Any, params: MethodParams, rows: list[LayerPlan],
                       build_layer: LayerBuilder, progress: Progress = NO_PROGRESS, data_dir: Any = None,
-                      calib: Any = None) -> tuple[list[LayerPlan], list[LayerExperts], dict[int, nn.Module], dict[str, Any]]:
+                      calib: Any = None, map_layers: LayerMap | None = None,
+                      ) -> tuple[list[LayerPlan], list[LayerExperts], dict[int, nn.Module], dict[str, Any]]:
     """Plan → experts (→ fitted routers and budget plan, ``core.fitting``) → one ``MoeFFN`` per layer;
     returns ``(rows, experts, modules, fit record)``. ``calib``: calibration inputs already collected."""
-    experts = partition_layers(adapter, profile, rows, build_layer, progress)
+    experts = partition_layers(adapter, profile, rows, build_layer, progress, map_layers)
     fit: dict[str, Any] = {}
     if needs_fitting(params):
         from .fitting import fit_layers
@@ -94,28 +106,47 @@ def partition_modules(adapter: ModelAdapter, profile: Any, params: MethodParams,
 
 def convert_partition(adapter: ModelAdapter, profile: Any, params: MethodParams, rows: list[LayerPlan],
                       build_layer: LayerBuilder, progress: Progress = NO_PROGRESS, data_dir: Any = None,
-                      ) -> tuple[Any, dict[str, Any]]:
+                      map_layers: LayerMap | None = None) -> tuple[Any, dict[str, Any]]:
     """``partition_modules`` → ``MoelabForCausalLM``; returns ``(moe_model, record)``. The dense model
     is converted in place."""
     t0 = time.perf_counter()
     before = parameter_counts(adapter.model)
-    rows, experts, modules, fit = partition_modules(adapter, profile, params, rows, build_layer, progress, data_dir)
+    rows, experts, modules, fit = partition_modules(adapter, profile, params, rows, build_layer, progress, data_dir,
+                                                    map_layers=map_layers)
     t1 = time.perf_counter()
     moe = build_moe_model(adapter, modules, provenance={"method": params.method, "router": params.router})  # type: ignore[attr-defined]
-    after = parameter_counts(moe)
-    summary = {
-        **summarize(rows), "method": params.method, "n_layers": adapter.n_layers,
-        "dense_total_params": before["total"], "dense_active_params": before["active"],
-        "total_params": after["total"], "active_params": after["active"],
-    }
-    record = {
-        "params": params.to_dict(),
-        "summary": summary,
-        "layers": [{**asdict(p), **e.summary()} for p, e in zip(rows, experts)],
-        "timings": {"build_s": t1 - t0, "total_s": time.perf_counter() - t0},
-        **({"fit": fit} if fit else {}),
-    }
+    record = partition_record(params, rows, experts, adapter.n_layers, before, parameter_counts(moe),
+                              {"build_s": t1 - t0, "total_s": time.perf_counter() - t0})
+    if fit:
+        record["fit"] = fit
+    # which dense neurons each expert holds (not JSON: ``run_conversion`` writes it as PARTITION_FILE)
+    record["partition"] = partition_arrays(experts)
     return moe, record
+
+
+def partition_record(params: MethodParams, rows: list[LayerPlan], experts: list[LayerExperts], n_layers: int,
+                     before: dict[str, int], after: dict[str, int], timings: dict[str, Any]) -> dict[str, Any]:
+    """``conversion.json`` of a partition conversion: parameters, plan summary, parameter counts, per-layer rows."""
+    return {
+        "params": params.to_dict(),
+        "summary": {
+            **summarize(rows), "method": params.method, "n_layers": n_layers,
+            "dense_total_params": before["total"], "dense_active_params": before["active"],
+            "total_params": after["total"], "active_params": after["active"],
+        },
+        "layers": [{**asdict(p), **e.summary()} for p, e in zip(rows, experts)],
+        "timings": timings,
+    }
+
+
+def partition_arrays(experts: list[LayerExperts]) -> dict[str, np.ndarray]:
+    """``layer.{i}.shared`` [d_shared] and ``layer.{i}.routed`` [N_re, m] dense neuron ids (int32) of
+    every converted layer: what an expert's card lists as its neurons."""
+    out: dict[str, np.ndarray] = {}
+    for e in experts:
+        out[f"layer.{e.layer}.shared"] = np.ascontiguousarray(e.shared, dtype=np.int32)
+        out[f"layer.{e.layer}.routed"] = np.ascontiguousarray(np.asarray(e.routed).reshape(len(e.routed), -1), dtype=np.int32)
+    return out
 
 
 def build_partition(inputs: Any, params: MethodParams, plan_for: Callable[[Any, Any], list[LayerPlan]],
@@ -126,7 +157,7 @@ def build_partition(inputs: Any, params: MethodParams, plan_for: Callable[[Any, 
     adapter = inputs.load_dense()
     profile = inputs.profile
     moe, record = convert_partition(adapter, profile, params, plan_for(profile, params), layer_builder(profile, params),
-                                    progress, inputs.data_dir)
+                                    progress, inputs.data_dir, map_layers=inputs.map_layers)
     return moe, adapter.tokenizer, record
 
 

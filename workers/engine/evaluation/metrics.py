@@ -94,6 +94,7 @@ def perplexity(
 @torch.inference_mode()
 def reconstruction_errors(
     adapter: ModelAdapter, variants: dict[str, dict[int, nn.Module]], windows: torch.Tensor, batch_size: int = 8,
+    progress: Progress = NO_PROGRESS,
 ) -> dict[str, list[float]]:
     """Per variant, per layer: relative L2 error of its replacement MLPs on the dense model's MLP
     inputs. One dense pass serves every variant, since they all see the same inputs."""
@@ -111,9 +112,11 @@ def reconstruction_errors(
                     err[name][i] += float((modules[i](args[0]).float() - dense).pow(2).sum())
 
         hooks.append(lay.mlp.register_forward_hook(hook))
+    n_batches = math.ceil(len(windows) / batch_size)
     try:
-        for b in range(0, len(windows), batch_size):
-            adapter.decoder()(input_ids=windows[b : b + batch_size].to(adapter.device), use_cache=False)
+        for b in range(n_batches):
+            adapter.decoder()(input_ids=windows[b * batch_size : (b + 1) * batch_size].to(adapter.device), use_cache=False)
+            progress.update("reconstruction error", b + 1, n_batches)
     finally:
         for h in hooks:
             h.remove()
@@ -208,7 +211,8 @@ def _score(
         recorder.detach(routed)
     entry: dict[str, Any] = {"perplexity": ppl, "tokens_per_s": tps}
     if choice_items:
-        entry["multiple_choice"] = multiple_choice_accuracy(model, tokenizer, choice_items)
+        entry["multiple_choice"] = multiple_choice_accuracy(model, tokenizer, choice_items, progress=progress,
+                                                            stage=stage.replace("evaluate", "multiple choice", 1))
     if recorder.counts:
         entry["routing"] = recorder.summary()
     return entry
@@ -239,7 +243,7 @@ def evaluate_variants(
             )
     replaced = {name: modules for name, modules in variants.items() if modules}
     if reconstruction and replaced:
-        for name, errors in reconstruction_errors(adapter, replaced, windows, batch_size).items():
+        for name, errors in reconstruction_errors(adapter, replaced, windows, batch_size, progress).items():
             results[name]["reconstruction_error"] = errors
     return _add_ratios(results)
 
@@ -308,7 +312,8 @@ def bigbench_choice_items(data_dir: Path, tasks: tuple[str, ...] = MC_TASKS, per
 
 
 @torch.inference_mode()
-def multiple_choice_accuracy(model: nn.Module, tokenizer: Any, items: list[ChoiceItem], batch_size: int = 16) -> dict[str, Any]:
+def multiple_choice_accuracy(model: nn.Module, tokenizer: Any, items: list[ChoiceItem], batch_size: int = 16,
+                             progress: Progress = NO_PROGRESS, stage: str = "multiple choice") -> dict[str, Any]:
     """Accuracy by length-normalised log-likelihood: each choice is scored by the mean log-prob
     of its tokens after the prompt; the best-scoring choice is the model's answer."""
     device = next(model.parameters()).device
@@ -336,6 +341,7 @@ def multiple_choice_accuracy(model: nn.Module, tokenizer: Any, items: list[Choic
         mean_lp = (tok_lp * sel).sum(1) / sel.sum(1).clamp_min(1)
         for r, (i, j, _, _) in enumerate(chunk):
             scores[i, j] = float(mean_lp[r])
+        progress.update(stage, min(b + batch_size, len(pairs)), len(pairs))  # choices scored
     correct = scores.argmax(1) == np.array([it.answer for it in items])
     per_task = {}
     for name in sorted({it.task for it in items}):

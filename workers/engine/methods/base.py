@@ -34,6 +34,9 @@ class ConversionInputs:
     model: str | None = None  # needs == "moe_model": the MoE model's source
     calib: str | None = None  # needs == "moe_model": calibration spec
     load_dense: Callable[[], "ModelAdapter"] | None = None  # the profiled dense model, float32
+    # how per-layer work runs (``core.slicing.LayerMap``): in this process, one layer after the
+    # other (None), or shared with other workers (``workers.fanout``); the result is the same
+    map_layers: Callable[..., list[Any]] | None = None
 
     @property
     def profile(self) -> "StoredProfile":
@@ -92,6 +95,9 @@ class Method:
     reference: Callable[..., tuple[Any, Any]] | None = None
     extra_evaluation: Callable[..., dict[str, Any]] | None = None
     recipes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # partition methods: ``(plan_for(profile, params), layer_builder(profile, params))``, so another
+    # process can build any one layer's experts alone (``workers.fanout``)
+    partition: tuple[Callable[..., Any], Callable[..., Any]] | None = None
 
     def recipe(self, name: str, **given: Any) -> MethodParams:
         """The parameters of recipe ``name`` (``paper``: the defaults), with ``given`` on top."""

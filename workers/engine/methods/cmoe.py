@@ -143,6 +143,7 @@ METHOD = Method(
     params=CMoEParams,
     needs="profile",
     build=build,
+    partition=(plan_for, layer_builder),
     validate=validate_partition,
     preview=preview,
     # CM §4: u trains, not the router weights; b balances the load instead of EW's λ (AF §4.3).

@@ -208,6 +208,7 @@ METHOD = Method(
     params=ExpertWeaverParams,
     needs="profile",
     build=build,
+    partition=(plan_for, layer_builder),
     validate=validate_partition,
     preview=preview,
     recovery=Recovery(paper="EW Eqs. 11-12: softmax router + load balancing, LoRA", lora="optional",

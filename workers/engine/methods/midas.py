@@ -18,6 +18,31 @@ For every decoder layer and every calibration set D_i (one profile each, all of 
   of the same set), down-projection relative error plain → surrogate (4096 samples) → true
   ``HᵀH`` of the calibration text: layer 3 0.57 → 0.55 → 0.47, layer 15 0.59 → 0.52 → 0.38,
   layer 27 0.50 → 0.35 → 0.28; whole-expert FFN output error at layer 15 0.68 → 0.62 → 0.52.
+  Samples: ``HᵀH`` is ``d_ffn × d_ffn`` and has rank ≤ the number of samples, so a layer draws
+  ``max(surrogate_samples, 2·d_ffn)`` (``surrogate_samples_for``; recorded per layer). With
+  fewer samples than neurons (the old fixed 4096 against d_ffn 11008–14336 of 7B models) the
+  whitening would be rank-deficient by construction: jitter alone would weigh every hidden
+  direction the samples miss. Two per neuron make it full rank (for isotropic Gaussian h the
+  sample eigenvalues would spread over (1 ± 1/√2)² of the true ones, Marchenko–Pastur). The
+  samples are drawn and accumulated 4096 at a time on the model's device (7B: 28672 samples,
+  about 18 TFLOP per layer and set).
+* Factors: MI Eq. 2's rank-r map ``U_r Σ_r V_rᵀ S⁻¹`` equals ``U_r U_rᵀ W`` (the dense map
+  followed by an orthogonal projection of its output), so no expert matrix can output more
+  than the dense one on any input; the two stored factors split each rank-one component
+  evenly (``lowrank.balanced_factors``), so their scale no longer grows with √(calibration
+  tokens) (on the default model ‖A‖_F was up to 1.3·10⁵ against ‖B‖_F ≈ 0.1–2; now both ≈ 45–65).
+* Layers kept dense (``MidasParams.dense_layers``). MI §3.2 copies into the backbone every
+  parameter "excluding the FFN layers slated for conversion"; which layers are converted is a
+  choice. ``auto`` (default) keeps a layer's dense FFN when its output is at least
+  ``DENSE_RATIO`` = 0.5 × the norm of the residual stream entering the layer (median over a
+  seeded random-token probe, ``ffn_residual_ratios``). Why: an expert's error is relative to
+  the FFN's output, but what the model feels is its size against the residual stream. On the
+  default model the layer-0 FFN writes 16.5× the residual it is added to (it *is* the token
+  representation; 20× on random tokens), layer 29 0.9× (1.2×), every other layer ≤ 0.4×.
+  Converting layer 0 alone (keep 0.5) takes held-out perplexity 15.9 → 1431 and is what made
+  the whole conversion useless: all 30 layers 20.5k, all but layer 0 1577, all but 0 and 29
+  934 (16 × 128 held-out builtin:mixed tokens, experts from 48 × 128 tokens of code / prose).
+  ``none`` converts every layer (the old behaviour); a comma list names the layers.
 * Rank: ``keep_ratio`` is the fraction of a matrix's parameters its two factors keep,
   ``r (d_ffn + d_model) ≈ keep_ratio · d_ffn · d_model`` (``lowrank.rank_for_ratio``). This is
   MI §4.1's reading: "25% compression ratio (rank 746)" on Llama-2-7B is
@@ -30,12 +55,16 @@ For every decoder layer and every calibration set D_i (one profile each, all of 
   selected experts (see ``modeling_moelab.LowRankMoeFFN``), so before any training the layer
   outputs a convex combination of low-rank approximations of the same dense FFN.
 
-The backbone (attention, norms, embeddings) is the base model's own tensors; LoRA and the
-two-stage fine-tuning of MI §3.2 are a later step (the factors and G are plain parameters).
-Untrained, the model is far from dense, as in the paper (MI Table 9: C4 perplexity 625 before
-CPT): on the default model, keep_ratio 0.5, top-2 of {code, prose}, 8 × 256 held-out
-builtin:mixed tokens, perplexity 24.5k vs 12.9 dense (68M with ``down="plain"``); converting
-layer 15 alone gives 13.4.
+The backbone (attention, norms, embeddings and the dense layers) is the base model's own tensors;
+LoRA and the two-stage fine-tuning of MI §3.2 are a later step (the factors and G are plain
+parameters). Untrained, the model is far from dense, as in the paper (MI Table 9: C4 perplexity
+625 before CPT). On the default model, top-2 of {code, prose} (48 × 128 calibration tokens each),
+16 × 128 held-out builtin:mixed tokens, dense 15.9: keep_ratio 0.5 gives 934 (layers 0 and 29
+dense; 20.5k converting all 30), keep_ratio 0.25 gives 7.2·10⁵ (1.2·10⁶ converting all). At 0.25
+(rank 104 of 576) every converted layer's experts miss 0.8–0.9 of its FFN output on held-out text
+(0.65–0.75 at 0.5) and the errors compound over 28 layers; each layer alone costs only 3–16%
+perplexity. The hidden states do not blow up (median per-token norm within 0.77–1.5× of dense at
+every layer); the model is simply far from dense until it is trained.
 """
 
 from __future__ import annotations
@@ -46,7 +75,8 @@ from typing import Any, ClassVar, Literal, Sequence
 
 import numpy as np
 
-from ..core.lowrank import LowRank, Whitening, data_error, rank_for_ratio, whitened_lowrank, whitening
+from ..core.lowrank import (LowRank, Whitening, as_float64, balanced_factors, data_error, rank_for_ratio, whitened_lowrank,
+                             whitening)
 from ..core.params import ConversionError, MethodParams, param
 from .base import ConversionInputs, Method, Recovery
 from ..progress import NO_PROGRESS, Progress
@@ -58,8 +88,9 @@ _MODEL_KEYS = ("source", "family", "activation", "n_layers", "d_model", "d_ffn",
 
 @dataclass(frozen=True)
 class MidasParams(MethodParams):
-    """``down``: how ``W_down`` is factorised (module doc); ``surrogate_samples``: Gaussian samples
-    per layer and set for ``down="surrogate"``."""
+    """``down``: how ``W_down`` is factorised (module doc); ``surrogate_samples``: the least number
+    of Gaussian samples per layer and set for ``down="surrogate"`` (a layer uses
+    ``max(surrogate_samples, 2·d_ffn)``); ``dense_layers``: FFN layers that stay dense (module doc)."""
 
     method: ClassVar[str] = "midas"
 
@@ -68,7 +99,12 @@ class MidasParams(MethodParams):
     seed: int = param(0, "gating-network init and the surrogate samples", ge=0, advanced=True)
     down: DownChoice = param("surrogate", "how W_down is factorised: whitened by a surrogate HᵀH, or plain SVD",
                              paper="MI Eq. 2", advanced=True)
-    surrogate_samples: int = param(4096, "Gaussian samples per layer and set for down=surrogate", ge=16, advanced=True)
+    surrogate_samples: int = param(
+        4096, "least Gaussian samples per layer and set for down=surrogate (a layer uses at least 2 × its d_ffn)",
+        ge=16, advanced=True)
+    dense_layers: str = param(
+        "auto", "FFN layers kept dense: auto (those whose output outweighs half the residual stream), "
+        "none, or a comma list such as 0,29", paper="MI §3.2", advanced=True)
 
     def validate(self, n_sets: int) -> None:
         """``n_sets``: the number of calibration sets (= profiles = experts)."""
@@ -81,6 +117,9 @@ class MidasParams(MethodParams):
             (self.down in ("surrogate", "plain"), f"down must be 'surrogate' or 'plain', got {self.down!r}"),
             (isinstance(self.surrogate_samples, int) and self.surrogate_samples >= 16,
              f"surrogate_samples must be an integer ≥ 16, got {self.surrogate_samples}"),
+            (_parse_dense_layers(self.dense_layers) is not None,
+             f"dense_layers must be 'auto', 'none' or a comma list of layer indices such as '0,29', "
+             f"got {self.dense_layers!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -93,6 +132,64 @@ def expert_rank(out_features: int, in_features: int, keep_ratio: float) -> int:
     if keep_ratio >= 1.0:
         return min(out_features, in_features)
     return rank_for_ratio(out_features, in_features, keep_ratio)
+
+
+#: ``dense_layers="auto"`` keeps a layer dense when its FFN output is at least this share of the
+#: residual stream entering the layer (module doc).
+DENSE_RATIO = 0.5
+#: The GLU hidden state's surrogate ``HᵀH`` uses at least this many samples per FFN neuron.
+SURROGATE_PER_NEURON = 2
+_PROBE_SHAPE = (2, 128)  # random-token probe of the residual ratios: 254 tokens past position 0
+
+
+def _parse_dense_layers(spec: Any) -> str | list[int] | None:
+    """``"auto"``, a sorted list of layer indices (``""``/``"none"``: none), or None if malformed."""
+    if not isinstance(spec, str):
+        return None
+    text = spec.strip().lower()
+    if text == "auto":
+        return "auto"
+    if text in ("", "none"):
+        return []
+    try:
+        layers = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        return None
+    return layers if all(i >= 0 for i in layers) else None
+
+
+def ffn_residual_ratios(adapter: Any, seed: int = 0) -> list[float]:
+    """Per decoder layer: the median over probe tokens of ``‖FFN output‖ / ‖residual stream
+    entering the layer‖`` on seeded random token ids (position 0 left out: it carries the
+    attention-sink activations). No text is needed: on the default model the ratios of random
+    tokens and of held-out text agree (layer 0: 20 vs 16.5; layer 29: 1.2 vs 0.9; every other
+    layer ≤ 0.4 on both)."""
+    import torch
+
+    model = adapter.model
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    ids = torch.randint(0, vocab, _PROBE_SHAPE, generator=torch.Generator().manual_seed(seed)).to(adapter.device)
+    residual: dict[int, Any] = {}
+    output: dict[int, Any] = {}
+    hooks = []
+    for i, lay in enumerate(adapter.layers):
+        def pre(_m, args, kwargs, i=i):
+            h = args[0] if args else kwargs["hidden_states"]
+            residual[i] = h[:, 1:].float().norm(dim=-1)
+
+        def post(_m, _args, out, i=i):
+            out = out[0] if isinstance(out, tuple) else out
+            output[i] = out[:, 1:].float().norm(dim=-1)
+
+        hooks.append(lay.block.register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(lay.mlp.register_forward_hook(post))
+    try:
+        with torch.inference_mode():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [float((output[i] / residual[i].clamp_min(1e-30)).median()) for i in range(len(adapter.layers))]
 
 
 def check_profiles(adapter: Any, profiles: Sequence[Any]) -> None:
@@ -126,22 +223,37 @@ def check_profiles(adapter: Any, profiles: Sequence[Any]) -> None:
 
 
 def surrogate_hidden_moment(
-    gate_w: np.ndarray, up_w: np.ndarray, white: Whitening, n_tokens: int, act: str, n_samples: int, seed: int,
-) -> np.ndarray:
+    gate_w: Any, up_w: Any, white: Whitening, n_tokens: int, act: str, n_samples: int, seed: int,
+    device: Any = None, chunk: int = 4096,
+) -> "torch.Tensor":
     """``HᵀH`` (scaled to ``n_tokens``) of the GLU hidden state ``h = act(W_gate x) ⊙ W_up x`` for
     Gaussian inputs ``x = S z / √n_tokens``, ``z ~ N(0, I)``: their second moment is ``M / n_tokens``,
-    the calibration set's own (MI Eq. 1). Used to whiten the down projection (module doc)."""
+    the calibration set's own (MI Eq. 1). Used to whiten the down projection (module doc).
+    ``HᵀH`` has rank ≤ ``n_samples``: fewer samples than FFN neurons leave it singular (the caller
+    uses at least 2 per neuron). Samples are drawn (numpy's generator: the same draws on every
+    device) and accumulated ``chunk`` at a time on ``device`` (default: the whitening's)."""
     import torch
     from transformers.activations import ACT2FN
 
     rng = np.random.default_rng(seed)
-    z = rng.standard_normal((n_samples, white.S.shape[0]))
+    dev = torch.device(device) if device is not None else white.S.device
     # float32 for the big products: the estimate's sampling noise dwarfs the rounding
-    x = torch.from_numpy((z @ white.S.T / np.sqrt(max(n_tokens, 1))).astype(np.float32))
-    g = torch.from_numpy(np.asarray(gate_w, dtype=np.float32))
-    u = torch.from_numpy(np.asarray(up_w, dtype=np.float32))
-    h = ACT2FN[act](x @ g.T) * (x @ u.T)
-    return (h.T @ h).double().numpy() * (n_tokens / n_samples)
+    s = (white.S / np.sqrt(max(n_tokens, 1))).to(device=dev, dtype=torch.float32)
+    g = torch.as_tensor(gate_w).to(device=dev, dtype=torch.float32)
+    u = torch.as_tensor(up_w).to(device=dev, dtype=torch.float32)
+    hth = torch.zeros(g.shape[0], g.shape[0], dtype=torch.float64, device=dev)
+    for start in range(0, n_samples, chunk):
+        z = rng.standard_normal((min(chunk, n_samples - start), white.S.shape[0]))
+        x = torch.from_numpy(z.astype(np.float32)).to(dev) @ s.T
+        h = ACT2FN[act](x @ g.T) * (x @ u.T)
+        hth += (h.T @ h).double()
+    return hth * (n_tokens / n_samples)
+
+
+def surrogate_samples_for(params: "MidasParams", d_ffn: int) -> int:
+    """Samples for one layer's surrogate ``HᵀH``: ``max(surrogate_samples, 2·d_ffn)``, so that the
+    d_ffn × d_ffn moment is full rank (module doc)."""
+    return max(int(params.surrogate_samples), SURROGATE_PER_NEURON * int(d_ffn))
 
 
 @dataclass
@@ -151,21 +263,25 @@ class _SetFactors:
     up: LowRank
     down: LowRank
     down_jitter: float | None
-    hidden_moment: np.ndarray | None
+    hidden_moment: "torch.Tensor | None"
 
 
 def _factorise_set(
-    w: dict[str, np.ndarray], xtx: np.ndarray, n_tokens: int, rank: int, act: str, params: MidasParams, seed: int,
+    w: dict[str, "torch.Tensor"], xtx: Any, n_tokens: int, rank: int, act: str, params: MidasParams, seed: int,
 ) -> _SetFactors:
-    white = whitening(xtx)
+    """One set's factors on the device of ``w`` (float64 tensors there)."""
+    import torch
+
+    white = whitening(xtx, device=w["gate"].device)
     gate = whitened_lowrank(w["gate"], white, rank)  # MI Eq. 2
     up = whitened_lowrank(w["up"], white, rank)
     if params.down == "surrogate":
-        hth = surrogate_hidden_moment(w["gate"], w["up"], white, n_tokens, act, params.surrogate_samples, seed)
+        n_samples = surrogate_samples_for(params, w["down"].shape[1])
+        hth = surrogate_hidden_moment(w["gate"], w["up"], white, n_tokens, act, n_samples, seed)
         white_h = whitening(hth)
         return _SetFactors(white, gate, up, whitened_lowrank(w["down"], white_h, rank), white_h.jitter, hth)
-    u, s, vt = np.linalg.svd(w["down"], full_matrices=False)
-    return _SetFactors(white, gate, up, LowRank(u[:, :rank] * s[:rank], vt[:rank], s), None, None)
+    u, s, _ = torch.linalg.svd(w["down"], full_matrices=False)
+    return _SetFactors(white, gate, up, LowRank(*balanced_factors(w["down"], u[:, :rank]), s), None, None)
 
 
 def convert_midas(
@@ -177,7 +293,9 @@ def convert_midas(
     ``gate_error[i][k]`` / ``up_error[i][k]``: expert i's relative data error on set k's ``XᵀX``
     (sets in ``summary.sets`` order; the diagonal is an expert's own set, the off-diagonal shows
     how specialised the experts are); with ``down='surrogate'`` also ``down_error_surrogate``,
-    the same for the down projection on each set's surrogate ``HᵀH``."""
+    the same for the down projection on each set's surrogate ``HᵀH``, and ``surrogate_samples``.
+    Layers kept dense (``params.dense_layers``, module doc) have no row; ``summary`` names them
+    and holds every layer's ``ffn_residual_ratio``."""
     import torch
 
     from ..runtime.export import build_moe_model
@@ -193,19 +311,33 @@ def convert_midas(
     init_std = float(getattr(adapter.model.config, "initializer_range", 0.02))
     gen = torch.Generator().manual_seed(params.seed)
     E, L = len(profiles), adapter.n_layers
+    ratios = ffn_residual_ratios(adapter, params.seed)
+    keep_dense = _parse_dense_layers(params.dense_layers)
+    if keep_dense == "auto":
+        keep_dense = [i for i, r in enumerate(ratios) if r >= DENSE_RATIO]
+    elif any(i >= L for i in keep_dense):
+        raise ConversionError(
+            f"dense_layers {params.dense_layers!r} names a layer beyond the model's {L} layers (0 … {L - 1})")
+    if len(keep_dense) == L:
+        raise ConversionError(f"dense_layers {params.dense_layers!r} keeps every layer dense: nothing left to convert")
     modules: dict[int, Any] = {}
     layers: list[dict[str, Any]] = []
     progress.update("midas experts", 0, L)
     for i, lay in enumerate(adapter.layers):
+        router = torch.randn(E, adapter.d_model, generator=gen, dtype=torch.float64) * init_std
+        if i in keep_dense:
+            progress.update("midas experts", i + 1, L)
+            continue
         ref = lay.gate_weight()
-        w = {k: t.detach().double().cpu().numpy() for k, t in
+        # float64 on the model's device: the factorisations are the job's heavy part at 7B (module doc)
+        w = {k: t.detach().to(torch.float64) for k, t in
              (("gate", lay.gate_weight()), ("up", lay.up_weight()), ("down", lay.down_weight()))}
         rank = expert_rank(lay.d_ffn, adapter.d_model, params.keep_ratio)
-        xtx = [p.xtx(i) for p in profiles]
+        xtx = [as_float64(p.xtx(i), ref.device) for p in profiles]
         sets = [_factorise_set(w, xtx[j], n_tokens[j], rank, adapter.activation, params, params.seed * 7919 + i * E + j)
                 for j in range(E)]
 
-        def cross(kind: str, moments: list[np.ndarray]) -> list[list[float]]:
+        def cross(kind: str, moments: list[Any]) -> list[list[float]]:
             return [[data_error(w[kind], getattr(f, kind).A @ getattr(f, kind).B, m) for m in moments] for f in sets]
 
         row: dict[str, Any] = {
@@ -215,17 +347,17 @@ def convert_midas(
             "up_error": cross("up", xtx),
         }
         if params.down == "surrogate":
+            row["surrogate_samples"] = surrogate_samples_for(params, lay.d_ffn)
             row["down_jitter"] = [f.down_jitter for f in sets]
             row["down_error_surrogate"] = cross("down", [f.hidden_moment for f in sets])
         layers.append(row)
 
         def stack(kind: str, part: str) -> Any:
             mats = [getattr(getattr(f, kind), part) for f in sets]
-            return torch.from_numpy(np.stack(mats)).to(dtype=ref.dtype, device=ref.device)
+            return torch.stack(mats).to(dtype=ref.dtype, device=ref.device)
 
         factors = {f"{k}_a": stack(k, "B") for k in ("gate", "up", "down")}
         factors |= {f"{k}_b": stack(k, "A") for k in ("gate", "up", "down")}
-        router = torch.randn(E, adapter.d_model, generator=gen, dtype=torch.float64) * init_std
         modules[i] = LowRankMoeFFN.from_factors(factors, router.to(ref.dtype), adapter.activation, params.top_k)
         progress.update("midas experts", i + 1, L)
     t1 = time.perf_counter()
@@ -241,6 +373,8 @@ def convert_midas(
         "ranks": sorted({row["rank"] for row in layers}),
         "sets": names,
         "down": params.down,
+        "dense_layers": list(keep_dense),
+        "ffn_residual_ratio": ratios,
         "total_params": counts["total"],
         "active_params": counts["active"],
         "dense_total_params": dense["total"],

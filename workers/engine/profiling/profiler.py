@@ -24,8 +24,17 @@ Per layer ℓ it accumulates, without ever keeping all token activations:
 * D2 Eqs. 4–5: the mean over tokens of the cosine similarity between every pair of layers'
   decoder outputs (S_L) and MLP inputs (S_M, the post-norm tensor the MLP receives), computed
   as ``Σ_t <x̂_l,t, x̂_m,t>`` = one ``[L, N·d] @ [N·d, L]`` product per batch.
-* MI Eq. 1: the second moment ``XᵀX`` of each layer's MLP input, accumulated in float64, with
-  the token count, so a whitening matrix can later be built for any calibration set.
+* MI Eq. 1: the second moment ``XᵀX`` of each layer's MLP input, each batch's product in
+  float32 summed in float64, with the token count, so a whitening matrix can later be built for
+  any calibration set.
+* Per neuron, its ``top_tokens`` top-activating tokens: the K calibration tokens with the largest
+  ``|h_i|`` (h of CM Eq. 1, the down projection's input, never the normalised variant), kept as
+  a running ``[d_ffn, K]`` top-K of signed values and global token indices (token index =
+  first token of the sample + position), so a neuron page can show the text it fires on. A
+  token whose whole prefix repeats a prefix of another sample (the same opening words, a
+  shared template) has exactly the activation of that one and is counted once: in the
+  sample whose token ids sort first (``repeated_prefix``). Ties and near-ties would otherwise
+  fill a neuron's list with copies of one context.
 
 Padding never enters a statistic: every hook selects the attention-mask positions first.
 """
@@ -61,6 +70,7 @@ class ProfileSettings:
     cv_eps: float = 1e-6
     second_moment: bool = True
     seed: int = 0
+    top_tokens: int = 8  # K top-activating tokens kept per neuron (|h|, CM Eq. 1); 0: none
 
     def validate(self) -> None:
         checks = [
@@ -70,6 +80,7 @@ class ProfileSettings:
             (self.feature_tokens >= 1, "feature_tokens must be ≥ 1"),
             (self.hist_bins >= 2, "hist_bins must be ≥ 2"),
             (self.cv_eps > 0, "cv_eps must be > 0"),
+            (self.top_tokens >= 0, "top_tokens must be ≥ 0 (0 keeps none)"),
             (self.group_by in ("auto", "task", "domain", "sample"), "group_by: auto|task|domain|sample"),
         ]
         for ok, message in checks:
@@ -92,6 +103,8 @@ class LayerStats:
     h_hist_edges: np.ndarray  # [bins + 1] float32
     h_outside: np.ndarray  # [2] int64: counts below -R and above R
     xtx: np.ndarray | None  # [d_model, d_model] float64
+    top_value: np.ndarray | None = None  # [d_ffn, K] float32 signed h of each neuron's top tokens, |h| descending
+    top_token: np.ndarray | None = None  # [d_ffn, K] int64 global token index (-1: fewer than K distinct tokens)
 
 
 @dataclass
@@ -109,6 +122,9 @@ class ProfileResult:
     similarity_outputs: np.ndarray  # [L, L] S_L
     similarity_mlp_inputs: np.ndarray  # [L, L] S_M
     timings: dict[str, float] = field(default_factory=dict)
+    token_ids: np.ndarray | None = None  # [n_tokens] int32, every sample's token ids back to back
+    token_pieces: np.ndarray | None = None  # [n_tokens] str, the text each token decodes to
+    token_repeated: np.ndarray | None = None  # [n_tokens] bool, ``repeated_prefix``
 
 
 class ProfileError(ValueError):
@@ -166,6 +182,28 @@ class _LayerAccumulator:
         self.k = min(s.atopk_k, d_ffn)
         self.bins = s.hist_bins
         self.index_dtype = _index_dtype(d_ffn)
+        # Running top-K of |h| per neuron: score (|h|, -inf for a repeated prefix), signed h, token index.
+        self.top_k = s.top_tokens
+        self.top_score = torch.empty(d_ffn, 0, device=device)
+        self.top_value = torch.empty(d_ffn, 0, device=device)
+        self.top_token = torch.empty(d_ffn, 0, dtype=torch.int64, device=device)
+
+    def add_top(self, h: torch.Tensor, token: torch.Tensor, repeated: torch.Tensor) -> None:
+        """Merge the batch into every neuron's top-K tokens by |h| (h: CM Eq. 1) in two ``topk`` calls.
+
+        h: [N, d_ffn] float32; token: [N] int64 global token index; repeated: [N] bool (never kept).
+        """
+        if self.top_k == 0:
+            return
+        score = h.abs()
+        if repeated.any():
+            score = score.masked_fill(repeated[:, None], float("-inf"))
+        best = score.topk(min(self.top_k, h.shape[0]), dim=0)  # [k, d_ffn] over the batch's tokens
+        score = torch.cat([self.top_score, best.values.T], dim=1)
+        value = torch.cat([self.top_value, h.gather(0, best.indices).T], dim=1)
+        tok = torch.cat([self.top_token, token[best.indices].T], dim=1)
+        keep = score.topk(min(self.top_k, score.shape[1]), dim=1).indices  # [d_ffn, K] with the running list
+        self.top_score, self.top_value, self.top_token = score.gather(1, keep), value.gather(1, keep), tok.gather(1, keep)
 
     def add_h(self, h: torch.Tensor, keep: torch.Tensor) -> None:
         """h: [N, d_ffn] float32 for the batch's real tokens; keep: [N] bool feature rows."""
@@ -184,30 +222,78 @@ class _LayerAccumulator:
 # --------------------------------------------------------------------------- the pass
 
 
-def profile_model(
-    adapter: ModelAdapter,
-    cset: CalibrationSet,
-    settings: ProfileSettings | None = None,
-    progress: Progress = NO_PROGRESS,
-) -> ProfileResult:
-    """Run the calibration set through the model once and return every statistic."""
+@dataclass
+class _PassInputs:
+    """Everything a pass needs before a layer runs: tokens, groups, the feature sample, batches.
+
+    Shared by the in-memory pass below and the layer-streamed one (``streaming.py``), so both
+    see the same batches in the same order and keep the same marker rows.
+    """
+
+    ids: list[torch.Tensor]
+    lengths: np.ndarray  # [M] tokens per sample
+    n_tokens: int
+    basis: str
+    group_names: list[str]
+    sample_group: np.ndarray
+    keep_flags: np.ndarray  # [n_tokens] bool: the token keeps its ATopK marker row
+    offsets: np.ndarray  # [M] first token of each sample in keep_flags
+    batches: list[np.ndarray]
+    pad_id: int
+    repeated: np.ndarray  # [n_tokens] bool, ``repeated_prefix``: left out of the top tokens
+
+
+def repeated_prefix(ids: list[np.ndarray], offsets: np.ndarray, n_tokens: int) -> np.ndarray:
+    """[n_tokens] bool: the token's whole prefix (its sample's tokens up to and including it) is
+    also a prefix of a sample whose token ids sort before this one's (ties: the lower index).
+
+    In a causal model such a token has exactly the activations of that one, so each repeated
+    context is counted once among a neuron's top tokens. Samples sharing a prefix are adjacent
+    in sorted order, so each sample is compared with its sorted predecessor only (a loop over
+    samples; the comparison itself is vectorised).
+    """
+    order = sorted(range(len(ids)), key=lambda i: (ids[i].tolist(), i))
+    repeated = np.zeros(n_tokens, dtype=bool)
+    for prev, cur in zip(order, order[1:]):
+        a, b = ids[prev], ids[cur]
+        n = min(len(a), len(b))
+        differ = np.flatnonzero(a[:n] != b[:n])
+        common = int(differ[0]) if differ.size else n
+        repeated[offsets[cur] : offsets[cur] + common] = True
+    return repeated
+
+
+def token_pieces(tokenizer: Any, token_ids: np.ndarray) -> np.ndarray:
+    """The text each token decodes to, for showing snippets without a tokenizer: one decode per
+    distinct id. SentencePiece tokens that start a word (``▁the``) decode alone without their
+    space, so it is put back."""
+    uniq, inverse = np.unique(np.asarray(token_ids), return_inverse=True)
+    texts = tokenizer.batch_decode(uniq[:, None].tolist())
+    raw = tokenizer.convert_ids_to_tokens(uniq.tolist())
+    texts = [" " + t if str(r).startswith("▁") and not t.startswith(" ") else t for t, r in zip(texts, raw, strict=True)]
+    return np.asarray(texts, dtype=object)[inverse.reshape(-1)]
+
+
+def start_pass(tokenizer: Any, cset: CalibrationSet, settings: ProfileSettings | None,
+               ) -> tuple[ProfileSettings, _PassInputs, dict[str, float]]:
+    """What both passes (in memory, streamed) do first: check the settings and the set, tokenise."""
     s = settings or ProfileSettings()
     s.validate()
     if not cset.samples:
         raise ProfileError(f"calibration set {cset.name!r} has no samples")
-    timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    basis, group_names, sample_group = _groups(cset, s.group_by)
+    p = _prepare_pass(tokenizer, cset, s)
+    return s, p, {"tokenize_s": time.perf_counter() - t0}
 
-    tok = adapter.tokenizer
-    enc = tok([x.text for x in cset.samples], truncation=True, max_length=s.max_tokens)
+
+def _prepare_pass(tokenizer: Any, cset: CalibrationSet, s: ProfileSettings) -> _PassInputs:
+    basis, group_names, sample_group = _groups(cset, s.group_by)
+    enc = tokenizer([x.text for x in cset.samples], truncation=True, max_length=s.max_tokens)
     ids = [torch.tensor(e, dtype=torch.long) for e in enc["input_ids"]]
     lengths = np.array([len(e) for e in ids])
     if (lengths == 0).any():
         raise ProfileError(f"sample {int(np.argmin(lengths))} tokenises to nothing")
     n_tokens = int(lengths.sum())
-    timings["tokenize_s"] = time.perf_counter() - t0
-
     # Seeded uniform choice of which tokens keep their ATopK marker rows (the feature sample).
     rng = np.random.default_rng(s.seed)
     n_keep = min(s.feature_tokens, n_tokens)
@@ -215,10 +301,133 @@ def profile_model(
     keep_flags = np.zeros(n_tokens, dtype=bool)
     keep_flags[chosen] = True
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    repeated = repeated_prefix([e.numpy() for e in ids], offsets, n_tokens) if s.top_tokens else np.zeros(n_tokens, dtype=bool)
+    return _PassInputs(ids, lengths, n_tokens, basis, group_names, sample_group, keep_flags, offsets,
+                       length_sorted_batches(lengths, s.batch_tokens), pad_id, repeated)
+
+
+def _batch_tensors(p: _PassInputs, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, mask, keep) of one batch, each [B, width], on the CPU."""
+    width = int(p.lengths[rows].max())
+    input_ids = torch.full((len(rows), width), p.pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    keep = torch.zeros(len(rows), width, dtype=torch.bool)
+    for r, sample in enumerate(rows):  # per-sample copy into the batch, not per token
+        n = p.lengths[sample]
+        input_ids[r, :n] = p.ids[sample]
+        mask[r, :n] = True
+        keep[r, :n] = torch.from_numpy(p.keep_flags[p.offsets[sample] : p.offsets[sample] + n])
+    return input_ids, mask, keep
+
+
+def _batch_state(p: _PassInputs, rows: np.ndarray, mask: torch.Tensor, keep: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    """What the hooks read about the batch in flight (``out_buf``/``mlp_buf`` are set by the caller).
+
+    ``token``: the global token index (sample's first token + position) of each real token, in
+    the order ``_flat`` puts them; ``repeated``: whether that token is left out of the top tokens.
+    """
+    token = torch.from_numpy(p.offsets[rows])[:, None] + torch.arange(mask.shape[1])[None, :]
+    token = token[mask]
+    return dict(
+        dense=bool(mask.all()),
+        mask=mask.to(device),
+        mask_f=mask.to(device).float(),
+        rows=torch.from_numpy(rows).to(device),
+        lengths=torch.from_numpy(p.lengths[rows]).float().to(device),
+        keep=keep[mask].to(device),
+        token=token.to(device),
+        repeated=torch.from_numpy(p.repeated[token.numpy()]).to(device),
+    )
+
+
+def _feature_rows(rows: np.ndarray, keep: torch.Tensor) -> np.ndarray:
+    """(sample, position) of the batch's tokens that keep marker rows, in the hooks' order."""
+    sel = keep.nonzero()
+    return np.stack([rows[sel[:, 0].numpy()], sel[:, 1].numpy()], axis=1)
+
+
+def _flat(state: dict[str, Any], t: torch.Tensor) -> torch.Tensor:
+    # Real tokens only, as [N, width]; a batch without padding needs no gather.
+    t = t.reshape(-1, t.shape[-1]) if state["dense"] else t[state["mask"]]
+    return t.float()
+
+
+def _layer_hooks(i: int, lay: Any, acc: _LayerAccumulator, state: dict[str, Any], s: ProfileSettings) -> list[Any]:
+    """Register layer ``i``'s statistic hooks; they read the batch from ``state`` and write
+    the unit-norm MLP inputs / decoder outputs into ``state["mlp_buf"][i]`` / ``state["out_buf"][i]``."""
+
+    def on_mlp_input(_m, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        xf = _flat(state, x)
+        F.normalize(xf, dim=-1, out=state["mlp_buf"][i])
+        if acc.xtx is not None:
+            # MI Eq. 1: each batch's product in float32 (a batch sums ≤ batch_tokens terms; float64
+            # matmuls are several times slower, and on GPUs much more), the running sum in float64.
+            acc.xtx += (xf.T @ xf).double()
+        if s.atopk_normalized:
+            acc.add_h(_normalized_h(lay, xf), state["keep"])
+
+    def on_act_output(_m, _args, out):
+        # Signed token mean of act(x W_gate) per sample (EW §3.1); the masked sum is a bmm.
+        sums = torch.bmm(state["mask_f"][:, None, :], out.float()).squeeze(1)
+        acc.sample_means[state["rows"]] = sums / state["lengths"][:, None]
+
+    def on_down_input(_m, args):
+        h = _flat(state, args[0])  # CM Eq. 1 h, the neurons' activations
+        if not s.atopk_normalized:
+            acc.add_h(h, state["keep"])
+        acc.add_top(h, state["token"], state["repeated"])
+
+    def on_block_output(_m, _args, out):
+        hs = out[0] if isinstance(out, tuple) else out
+        F.normalize(_flat(state, hs), dim=-1, out=state["out_buf"][i])
+
+    return [
+        lay.mlp.register_forward_pre_hook(on_mlp_input, with_kwargs=True),
+        lay.act_fn.register_forward_hook(on_act_output),
+        lay.down_proj.register_forward_pre_hook(on_down_input),
+        lay.block.register_forward_hook(on_block_output),
+    ]
+
+
+def _assemble(
+    model: dict[str, Any], cset: CalibrationSet, s: ProfileSettings, p: _PassInputs, layers: list[LayerStats],
+    sim_out: torch.Tensor, sim_mlp: torch.Tensor, feature_rows: list[np.ndarray], timings: dict[str, float],
+    tokenizer: Any,
+) -> ProfileResult:
+    return ProfileResult(
+        settings=s,
+        model=model,
+        calibration={"id": cset.id, "name": cset.name, "source": cset.source, "n_samples": len(cset.samples)},
+        group_basis=p.basis,
+        groups=p.group_names,
+        sample_group=p.sample_group,
+        sample_tokens=p.lengths,
+        feature_token_index=np.concatenate(feature_rows).astype(np.int32),
+        n_tokens=p.n_tokens,
+        layers=layers,
+        similarity_outputs=_finish_similarity(sim_out, p.n_tokens),
+        similarity_mlp_inputs=_finish_similarity(sim_mlp, p.n_tokens),
+        timings=timings,
+        token_ids=torch.cat(p.ids).numpy().astype(np.int32),
+        token_pieces=token_pieces(tokenizer, torch.cat(p.ids).numpy()) if s.top_tokens else None,
+        token_repeated=p.repeated,
+    )
+
+
+def profile_model(
+    adapter: ModelAdapter,
+    cset: CalibrationSet,
+    settings: ProfileSettings | None = None,
+    progress: Progress = NO_PROGRESS,
+) -> ProfileResult:
+    """Run the calibration set through the model once and return every statistic."""
+    s, p, timings = start_pass(adapter.tokenizer, cset, settings)
 
     n_layers, d_model = adapter.n_layers, adapter.d_model
     device = adapter.device
-    accs = [_LayerAccumulator(len(ids), lay.d_ffn, d_model, s, device) for lay in adapter.layers]
+    accs = [_LayerAccumulator(len(p.ids), lay.d_ffn, d_model, s, device) for lay in adapter.layers]
     sim_out = torch.zeros(n_layers, n_layers, dtype=torch.float64)
     sim_mlp = torch.zeros(n_layers, n_layers, dtype=torch.float64)
     feature_rows: list[np.ndarray] = []
@@ -226,104 +435,35 @@ def profile_model(
     # Per-batch state the hooks read: mask, sample rows, which tokens keep markers, and the
     # unit-norm decoder outputs / MLP inputs of every layer (for S_L and S_M).
     state: dict[str, Any] = {}
-
-    def flat(t: torch.Tensor) -> torch.Tensor:
-        # Real tokens only, as [N, width]; a batch without padding needs no gather.
-        t = t.reshape(-1, t.shape[-1]) if state["dense"] else t[state["mask"]]
-        return t.float()
-
-    def make_hooks(i: int):
-        acc, lay = accs[i], adapter.layers[i]
-
-        def on_mlp_input(_m, args, kwargs):
-            x = args[0] if args else kwargs["hidden_states"]
-            xf = flat(x)
-            F.normalize(xf, dim=-1, out=state["mlp_buf"][i])
-            if acc.xtx is not None:
-                xd = xf.double()
-                acc.xtx += xd.T @ xd  # MI Eq. 1
-            if s.atopk_normalized:
-                acc.add_h(_normalized_h(lay, xf), state["keep"])
-
-        def on_act_output(_m, _args, out):
-            # Signed token mean of act(x W_gate) per sample (EW §3.1); the masked sum is a bmm.
-            sums = torch.bmm(state["mask_f"][:, None, :], out.float()).squeeze(1)
-            acc.sample_means[state["rows"]] = sums / state["lengths"][:, None]
-
-        def on_down_input(_m, args):
-            if not s.atopk_normalized:
-                acc.add_h(flat(args[0]), state["keep"])
-
-        def on_block_output(_m, _args, out):
-            hs = out[0] if isinstance(out, tuple) else out
-            F.normalize(flat(hs), dim=-1, out=state["out_buf"][i])
-
-        return [
-            lay.mlp.register_forward_pre_hook(on_mlp_input, with_kwargs=True),
-            lay.act_fn.register_forward_hook(on_act_output),
-            lay.down_proj.register_forward_pre_hook(on_down_input),
-            lay.block.register_forward_hook(on_block_output),
-        ]
-
-    handles = [h for i in range(n_layers) for h in make_hooks(i)]
-    batches = length_sorted_batches(lengths, s.batch_tokens)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    handles = [h for i, lay in enumerate(adapter.layers) for h in _layer_hooks(i, lay, accs[i], state, s)]
     decoder = adapter.decoder()
     t1 = time.perf_counter()
     try:
-        progress.update("profile", 0, len(batches))
+        progress.update("profile", 0, len(p.batches))
         with torch.inference_mode():
-            for b, rows in enumerate(batches):
-                width = int(lengths[rows].max())
-                input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-                mask = torch.zeros(len(rows), width, dtype=torch.bool)
-                keep = torch.zeros(len(rows), width, dtype=torch.bool)
-                for r, sample in enumerate(rows):  # per-sample copy into the batch, not per token
-                    n = lengths[sample]
-                    input_ids[r, :n] = ids[sample]
-                    mask[r, :n] = True
-                    keep[r, :n] = torch.from_numpy(keep_flags[offsets[sample] : offsets[sample] + n])
+            for b, rows in enumerate(p.batches):
+                input_ids, mask, keep = _batch_tensors(p, rows)
                 n_real = int(mask.sum())
                 state.update(
+                    _batch_state(p, rows, mask, keep, device),
                     out_buf=torch.empty(n_layers, n_real, d_model, device=device),
                     mlp_buf=torch.empty(n_layers, n_real, d_model, device=device),
-                    dense=n_real == mask.numel(),
-                    mask=mask.to(device),
-                    mask_f=mask.to(device).float(),
-                    rows=torch.from_numpy(rows).to(device),
-                    lengths=torch.from_numpy(lengths[rows]).float().to(device),
-                    keep=keep[mask].to(device),
                 )
                 decoder(input_ids=input_ids.to(device), attention_mask=mask.long().to(device), use_cache=False)
                 # D2 Eqs. 4-5: Σ_t cos(x_l,t, x_m,t) for every layer pair in one matmul.
                 for buf, total in ((state["out_buf"], sim_out), (state["mlp_buf"], sim_mlp)):
                     flat_layers = buf.reshape(n_layers, -1)
                     total += (flat_layers @ flat_layers.T).double().cpu()
-                sel = keep.nonzero()
-                feature_rows.append(np.stack([rows[sel[:, 0].numpy()], sel[:, 1].numpy()], axis=1))
-                progress.update("profile", b + 1, len(batches))
+                feature_rows.append(_feature_rows(rows, keep))
+                progress.update("profile", b + 1, len(p.batches))
     finally:
         for h in handles:
             h.remove()
     timings["forward_s"] = time.perf_counter() - t1
 
-    layers = [_finish_layer(acc, sample_group, len(group_names), n_tokens, s) for acc in accs]
+    layers = [_finish_layer(acc, p.sample_group, len(p.group_names), p.n_tokens, s) for acc in accs]
     timings["finish_s"] = time.perf_counter() - t1 - timings["forward_s"]
-    return ProfileResult(
-        settings=s,
-        model=adapter.describe(),
-        calibration={"id": cset.id, "name": cset.name, "source": cset.source, "n_samples": len(cset.samples)},
-        group_basis=basis,
-        groups=group_names,
-        sample_group=sample_group,
-        sample_tokens=lengths,
-        feature_token_index=np.concatenate(feature_rows).astype(np.int32),
-        n_tokens=n_tokens,
-        layers=layers,
-        similarity_outputs=_finish_similarity(sim_out, n_tokens),
-        similarity_mlp_inputs=_finish_similarity(sim_mlp, n_tokens),
-        timings=timings,
-    )
+    return _assemble(adapter.describe(), cset, s, p, layers, sim_out, sim_mlp, feature_rows, timings, adapter.tokenizer)
 
 
 def _normalized_h(lay, x: torch.Tensor) -> torch.Tensor:
@@ -352,6 +492,14 @@ def _finish_layer(acc: _LayerAccumulator, group: np.ndarray, n_groups: int, n_to
     cv = sigma / (np.abs(mu) + s.cv_eps)  # EW Eq. 3 on signed group means
     markers = torch.cat(acc.markers).cpu() if acc.markers else torch.zeros(0, acc.k, dtype=acc.index_dtype)
     r = acc.hist_range or 1.0
+    top_value = top_token = None
+    if acc.top_k:
+        # Pad to K when the set has fewer tokens; a slot without a distinct token says so with index -1.
+        missing = acc.top_k - acc.top_score.shape[1]
+        score = F.pad(acc.top_score, (0, missing), value=float("-inf")).cpu()
+        empty = torch.isneginf(score)
+        top_value = F.pad(acc.top_value, (0, missing)).cpu().masked_fill(empty, 0.0).numpy().astype(np.float32)
+        top_token = F.pad(acc.top_token, (0, missing)).cpu().masked_fill(empty, -1).numpy().astype(np.int64)
     return LayerStats(
         sample_means=a.astype(np.float32),
         group_means=gmeans.astype(np.float32),
@@ -364,4 +512,6 @@ def _finish_layer(acc: _LayerAccumulator, group: np.ndarray, n_groups: int, n_to
         h_hist_edges=np.linspace(-r, r, acc.bins + 1, dtype=np.float32),
         h_outside=acc.outside.cpu().numpy(),
         xtx=None if acc.xtx is None else acc.xtx.cpu().numpy(),
+        top_value=top_value,
+        top_token=top_token,
     )

@@ -8,6 +8,17 @@ Layout of a profile directory::
     stats.safetensors         small per-layer statistics and the S_L / S_M matrices
     activations.safetensors   EW A_ℓ per layer and the ATopK feature rows (for clustering)
     second_moment.safetensors XᵀX per layer, float64 (MI Eq. 1)
+    top_tokens.safetensors    per layer, each neuron's K top-activating tokens by |h| (CM Eq. 1):
+                              ``layers.{i}.value`` float32 [d_ffn, K] signed h, |h| descending,
+                              ``layers.{i}.token`` int64 [d_ffn, K] token index into tokens.parquet
+                              (-1: the set had fewer than K distinct tokens)
+    tokens.parquet            every calibration token: token (global index), sample, position,
+                              token_id, piece (the text it decodes to), repeated (its whole prefix
+                              repeats another sample's, so it is never a top token)
+
+The last two exist when ``settings.top_tokens`` > 0 (profiles made before them have neither; a
+reader checks ``StoredProfile.has_top_tokens``). ``piece`` lets the API show snippets with no
+tokenizer and no model.
 
 The whole directory is built under a temporary name and renamed into place
 (``atomic.atomic_directory``), so an interrupted run never leaves something that
@@ -17,6 +28,7 @@ The whole directory is built under a temporary name and renamed into place
 from __future__ import annotations
 
 import json
+import mmap
 import platform
 import time
 from dataclasses import asdict
@@ -58,6 +70,39 @@ def _versions() -> dict[str, str]:
     }
 
 
+_SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32",
+                       "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def save_file_streaming(tensors: dict[str, np.ndarray], path: Path) -> None:
+    """A safetensors file written one array at a time.
+
+    ``safetensors.numpy.save_file`` serialises every array into one buffer first; the XᵀX
+    matrices of a large model (32 × 4096² float64 = 4.3 GB at 8B), possibly memory-mapped
+    from a streamed profile's scratch files, would all be in memory at once.
+    """
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, arr in tensors.items():
+        nbytes = int(arr.size) * arr.dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[arr.dtype.name], "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8-byte alignment
+    with open(path, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little"))
+        fh.write(raw)
+        for arr in tensors.values():
+            flat = np.ascontiguousarray(arr).reshape(-1)
+            step = max(1, (64 << 20) // max(1, flat.itemsize))
+            for i in range(0, flat.size, step):
+                fh.write(memoryview(flat[i : i + step]).cast("B"))
+            mapped = getattr(arr, "_mmap", None)
+            if mapped is not None:  # a memory-mapped array: drop its pages from our resident set once written
+                mapped.madvise(mmap.MADV_DONTNEED)
+
+
 def write_profile(result: ProfileResult, cset: CalibrationSet, out: Path) -> Path:
     """Publish ``result`` at ``out`` atomically (replacing any previous profile there)."""
     t0 = time.perf_counter()
@@ -93,6 +138,8 @@ def write_profile(result: ProfileResult, cset: CalibrationSet, out: Path) -> Pat
             acts |= {f"layers.{i}.sample_means": lay.sample_means, f"layers.{i}.atopk": lay.atopk_indices}
             if lay.xtx is not None:
                 second[f"layers.{i}.xtx"] = lay.xtx
+        top = {f"layers.{i}.{k}": v for i, lay in enumerate(result.layers) if lay.top_value is not None
+               for k, v in (("value", lay.top_value), ("token", lay.top_token))}
         pd.concat(rows, ignore_index=True).to_parquet(tmp / "neurons.parquet", index=False)
         frame = cset.to_frame()
         frame.insert(0, "sample", np.arange(len(frame), dtype=np.int32))
@@ -103,8 +150,12 @@ def write_profile(result: ProfileResult, cset: CalibrationSet, out: Path) -> Pat
         save_file(acts, str(tmp / "activations.safetensors"))
         files = ["neurons.parquet", "samples.parquet", "stats.safetensors", "activations.safetensors"]
         if second:
-            save_file(second, str(tmp / "second_moment.safetensors"))
+            save_file_streaming(second, tmp / "second_moment.safetensors")
             files.append("second_moment.safetensors")
+        if top and result.token_pieces is not None:
+            save_file(top, str(tmp / "top_tokens.safetensors"))
+            _token_table(result).to_parquet(tmp / "tokens.parquet", index=False)
+            files += ["top_tokens.safetensors", "tokens.parquet"]
         timings = dict(result.timings, write_s=time.perf_counter() - t0)
         manifest = {
             "format": FORMAT,
@@ -121,12 +172,28 @@ def write_profile(result: ProfileResult, cset: CalibrationSet, out: Path) -> Pat
             "d_ffn": [int(len(lay.cv)) for lay in result.layers],
             "n_tokens": result.n_tokens,
             "n_feature_tokens": int(len(result.feature_token_index)),
+            "top_tokens": int(result.settings.top_tokens) if "top_tokens.safetensors" in files else 0,
             "files": files,
             "versions": _versions(),
             "timings": timings,
         }
         write_json_atomic(tmp / MANIFEST, manifest)  # last: its presence marks completeness
     return out
+
+
+def _token_table(result: ProfileResult) -> pd.DataFrame:
+    """One row per calibration token, in global token order (sample after sample)."""
+    lengths = result.sample_tokens.astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    sample = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+    return pd.DataFrame({
+        "token": np.arange(int(lengths.sum()), dtype=np.int64),
+        "sample": sample,
+        "position": (np.arange(int(lengths.sum())) - np.repeat(starts, lengths)).astype(np.int32),
+        "token_id": result.token_ids.astype(np.int32),
+        "piece": pd.Series(result.token_pieces, dtype="string"),
+        "repeated": result.token_repeated.astype(bool),
+    })
 
 
 class StoredProfile:
@@ -206,6 +273,25 @@ class StoredProfile:
 
     def feature_token_index(self) -> np.ndarray:
         return self._tensor("activations.safetensors", "atopk.token_index")
+
+    @property
+    def has_top_tokens(self) -> bool:
+        """Whether the profile keeps its neurons' top-activating tokens (profiles made before
+        ``top_tokens``, or with ``top_tokens=0``, do not)."""
+        return "top_tokens.safetensors" in self.manifest.get("files", [])
+
+    def top_tokens(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """(values [d_ffn, K] float32 signed h, tokens [d_ffn, K] int64 index into ``tokens``) of ``layer``."""
+        if not self.has_top_tokens:
+            raise ProfileNotFound(f"{self.path}: this profile keeps no top tokens (made before them or with top_tokens=0); re-profile")
+        return tuple(self._tensor("top_tokens.safetensors", f"layers.{layer}.{k}") for k in ("value", "token"))
+
+    @cached_property
+    def tokens(self) -> pd.DataFrame:
+        """tokens.parquet: token, sample, position, token_id, piece, repeated (row i is token i)."""
+        if not self.has_top_tokens:
+            raise ProfileNotFound(f"{self.path}: this profile stores no calibration tokens (made before top tokens); re-profile")
+        return pd.read_parquet(self.path / "tokens.parquet")
 
     def xtx(self, layer: int) -> np.ndarray:
         if "second_moment.safetensors" not in self.manifest["files"]:

@@ -14,6 +14,7 @@ MoE modules (the dense model is therefore converted in place).
       modeling_moelab.py     verbatim copy: loaded with trust_remote_code=True
       tokenizer files
       conversion.json        the conversion record given by the caller
+      README.md              model card (model_card.py): method, parameters, layout, cost, evaluation
 
 ``load_exported(path)`` = ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)``.
 """
@@ -44,6 +45,8 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_moelab.MoelabForCausalLM",
 }
 CONVERSION_FILE = "conversion.json"
+#: the neuron partition of a partition method's conversion (``core.slicing.partition_arrays``), safetensors
+PARTITION_FILE = "partition.safetensors"
 
 
 def _hf_model(adapter_or_hf_model: Any) -> nn.Module:
@@ -113,8 +116,14 @@ def export_model(
     out_dir: Path,
     tokenizer: Any = None,
     conversion: dict | None = None,
+    evaluation: dict | None = None,
+    partition: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``moe_model`` as a self-contained, trust_remote_code-loadable directory (atomic)."""
+    """Write ``moe_model`` as a self-contained, trust_remote_code-loadable directory (atomic),
+    with its model card (README.md, ``model_card``; ``evaluation``: the numbers to show) and, for
+    partition methods, which dense neurons each expert holds (``partition``: PARTITION_FILE)."""
+    from .model_card import write_model_card
+
     out_dir = Path(out_dir)
     moe_model.config.auto_map = dict(AUTO_MAP)
     moe_model.config.architectures = [MoelabForCausalLM.__name__]
@@ -124,6 +133,11 @@ def export_model(
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         write_json_atomic(tmp / CONVERSION_FILE, dict(conversion or {}))
+        if partition:
+            from safetensors.numpy import save_file
+
+            save_file(partition, str(tmp / PARTITION_FILE))
+        write_model_card(tmp, dict(conversion or {}), moe_model, fmt="moelab", evaluation=evaluation)
     return out_dir
 
 

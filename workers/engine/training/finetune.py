@@ -403,7 +403,9 @@ def _lora_targets(moe: MoelabForCausalLM, modules: dict[int, nn.Module]) -> tupl
         for child, sub in mod.named_children():
             if isinstance(sub, nn.Linear) and not _is_router(child):
                 linears.append(f"{base}.{child}")
-        for pname, p in mod.named_parameters(recurse=False):
+        # stacked experts: the MoeFFN's ``experts`` module (gate_up_proj, down_proj), or the
+        # module's own 3-D factors (LowRankMoeFFN)
+        for pname, p in mod.named_parameters():
             if p.dim() == 3 and not _is_router(pname):
                 params.append(f"{base}.{pname}")
     return linears, params
@@ -459,7 +461,7 @@ def to_softmax_router(mod: MoeFFN, beta: float) -> MoeFFN:
     new.to(ref.dtype)
     state = {k: v for k, v in mod.state_dict().items() if not _is_router(k)}
     state["router_weight"] = _centroid(mod) * beta
-    state["experts_down"] = mod.experts_down.detach() * mod.n_routed
+    state["experts.down_proj"] = mod.experts_down.detach() * mod.n_routed
     new.load_state_dict(state, strict=True)
     return new
 
@@ -676,12 +678,14 @@ def run_finetune(
         )
     dev = resolve_device(device)
     record = json.loads((conversion_dir / CONVERSION_FILE).read_text()) if (conversion_dir / CONVERSION_FILE).is_file() else None
-    moe = load_conversion_for_training(conversion_dir, dev)
-    tokenizer = load_tokenizer(conversion_dir)
-    eval_win = heldout_windows(tokenizer, data_dir, seq_len=params.seq_len, n_windows=params.eval_windows,
-                               source=params.heldout_source())
-    train_win = training_windows(tokenizer, data_dir, params.source, params.seq_len, params.steps * params.batch_size,
-                                 params.seed)
+    with progress.step("load converted model"):  # real stages before 'train': loading and tokenising take a while
+        moe = load_conversion_for_training(conversion_dir, dev)
+        tokenizer = load_tokenizer(conversion_dir)
+    with progress.step("read training and held-out text"):
+        eval_win = heldout_windows(tokenizer, data_dir, seq_len=params.seq_len, n_windows=params.eval_windows,
+                                   source=params.heldout_source())
+        train_win = training_windows(tokenizer, data_dir, params.source, params.seq_len, params.steps * params.batch_size,
+                                     params.seed)
     moe.eval()
     if log is None or log.get("perplexity_before") is None:
         log = {"params": params.to_dict(), "mode": params.mode, "status": "evaluating", "steps": [],
@@ -694,7 +698,8 @@ def run_finetune(
 
     torch.manual_seed(params.seed)
     first = torch.as_tensor(train_win[window_indices(0, params.batch_size, len(train_win), params.seed)]).to(dev)
-    setup = apply_mode(moe, params, first)
+    with progress.step(f"set up {params.mode} training"):
+        setup = apply_mode(moe, params, first)
     if "perplexity_start" not in log:
         log["perplexity_start"] = log["perplexity_before"]
         if setup.changes_function:

@@ -1,0 +1,36 @@
+"""``/download/<kind>/<id>.zip`` on the frontend's own server: a stored artifact (a converted model
+directory …) streamed from the API's archive route to the browser.
+
+Why a relay instead of a link to the API: the browser may not reach the API's address (in
+docker-compose the frontend calls ``http://api:8000``) and cannot send its bearer token; the
+frontend can. The zip is passed through piece by piece, never held in memory or on disk.
+"""
+
+from __future__ import annotations
+
+from flask import Flask, Response, stream_with_context
+
+from .api_client import ApiError, api
+
+#: artifact kinds a person downloads from the UI (models have no artifact of their own)
+KINDS = ("calibration-sets", "profiles", "conversions", "evaluations", "finetunes")
+
+
+def download_url(kind: str, ident: str) -> str:
+    """The frontend path that downloads ``kind``/``ident`` as a zip."""
+    return f"/download/{kind}/{ident}.zip"
+
+
+def _download(kind: str, ident: str) -> Response:
+    if kind not in KINDS:
+        return Response(f"nothing to download for {kind!r}; one of {', '.join(KINDS)}", status=404, mimetype="text/plain")
+    try:
+        pieces = api().archive(kind, ident)
+    except ApiError as exc:  # in words, with the API's status (409: its job has not succeeded …)
+        return Response(f"could not download {ident}: {exc}", status=exc.status or 502, mimetype="text/plain")
+    return Response(stream_with_context(pieces), mimetype="application/zip",
+                    headers={"Content-Disposition": f'attachment; filename="{ident}.zip"'})
+
+
+def register(server: Flask) -> None:
+    server.add_url_rule("/download/<kind>/<ident>.zip", "moelab_download", _download)

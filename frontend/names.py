@@ -1,0 +1,113 @@
+"""Human names for the API's records and readable values (pure functions, no I/O).
+
+Ids (``pr-e06989ec8ade3ce0``) say nothing to a person: every dropdown and table shows a name
+built from what the record is — model · calibration set · method · key parameters — with the
+id second, and numbers are formatted instead of printed as Python reprs
+(``mean_alpha: 0.5182291666666666``, ``jobs {'queued': 0}``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def fmt(value: Any, digits: int = 4) -> str:
+    """A value as a person reads it: floats to ``digits`` significant digits, dicts as
+    'k v, k v', lists comma-separated (long ones cut), None as ''."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    if isinstance(value, Mapping):
+        return ", ".join(f"{k} {fmt(v, digits)}" for k, v in value.items()) or "none"
+    if isinstance(value, (list, tuple)):
+        shown = ", ".join(fmt(v, digits) for v in value[:12])
+        return shown + (f", … ({len(value)} in all)" if len(value) > 12 else "")
+    return str(value)
+
+
+def fmt_pct(value: Any) -> str:
+    """0.25 → '25%'; anything not a number → ''."""
+    return f"{value:.1%}".replace(".0%", "%") if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
+
+
+def key_params(method: str | None, params: Mapping[str, Any]) -> str:
+    """The few parameters that tell conversions of one method apart (the rest is in the table)."""
+    p = params or {}
+    if method in ("cmoe", "hierarchical"):
+        parts = [f"S{p.get('shared', '?')}·A{p.get('active', '?')}·E{p.get('n_experts', '?')}"]
+    elif method == "dense2moe":
+        lstar = p.get("layer")
+        parts = [f"δ {fmt(p.get('delta'))}", f"l* {lstar if lstar is not None else 'auto'}", f"n* {p.get('n_fused', '?') or 'auto'}",
+                 f"top-{p.get('top_k', 1)}"]
+    elif method == "midas":
+        parts = [f"keep {fmt_pct(p.get('keep_ratio'))}", f"top-{p.get('top_k', '?')}"]
+    else:  # expertweaver and records from before the method registry; a missing parameter is left out, not shown blank
+        parts = [f"{p.get('n_experts', '?')} experts"]
+        if p.get("alpha_min") is not None and p.get("alpha_max") is not None:
+            parts.append(f"α {fmt(p['alpha_min'])}–{fmt(p['alpha_max'])}")
+        parts += [f"τ {fmt(p['tau'])}"] if p.get("tau") is not None else []
+        parts += [f"sparsity {fmt_pct(p['sparsity'])}"] if p.get("sparsity") is not None else []
+    if p.get("router"):
+        parts.append(f"{p['router']} router")
+    if p.get("plan") and p.get("plan") != "paper":
+        parts.append(f"{p['plan']} plan")
+    return ", ".join(parts)
+
+
+@dataclass
+class Names:
+    """Names of the records one page shows, from the API's lists (models, sets, profiles)."""
+
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def from_lists(cls, models: Sequence[dict[str, Any]] = (), sets: Sequence[dict[str, Any]] = (),
+                   profiles: Sequence[dict[str, Any]] = ()) -> Names:
+        return cls({m["id"]: m for m in models}, {s["id"]: s for s in sets}, {p["id"]: p for p in profiles})
+
+    def model(self, model_id: str | None) -> str:
+        m = self.models.get(model_id or "")
+        return (m.get("name") or m["id"]) if m else (model_id or "?")
+
+    def set(self, set_id: str | None) -> str:
+        s = self.sets.get(set_id or "")
+        return (s.get("name") or s["id"]) if s else (set_id or "?")
+
+    def profile(self, p: dict[str, Any] | str | None) -> str:
+        """'SmolLM2-135M · mixed · 256 tokens/sample'."""
+        if isinstance(p, str) or p is None:
+            p = self.profiles.get(p or "") or {"id": p or "?"}
+        if "model_id" not in p:
+            return p["id"]
+        tokens = (p.get("params") or {}).get("max_tokens")
+        parts = [self.model(p["model_id"]), self.set(p["calibration_set_id"])] + ([f"{tokens} tokens/sample"] if tokens else [])
+        return " · ".join(parts)
+
+    def conversion(self, c: dict[str, Any]) -> str:
+        """'SmolLM2-135M · mixed · expertweaver · 64 experts, α 0.2–0.7, τ 0.6, sparsity 25%'."""
+        params = c.get("params") or {}
+        method = c.get("method") or params.get("method") or "expertweaver"
+        prof = self.profiles.get(c.get("profile_id") or "")
+        if prof:
+            base = [self.model(prof["model_id"]), self.set(prof["calibration_set_id"])]
+        else:
+            base = [self.model(c.get("model_id"))] if c.get("model_id") else []
+        return " · ".join([*base, method, key_params(method, params)])
+
+
+def short_conversion(c: dict[str, Any]) -> str:
+    """'expertweaver · 64 experts, α 0.2–0.7, …': the name without model and set (chart labels)."""
+    method = c.get("method") or (c.get("params") or {}).get("method") or "expertweaver"
+    return f"{method} · {key_params(method, c.get('params') or {})}"
+
+
+def with_id(name: str, record_id: str) -> str:
+    """The name first, the id second (still searchable in a dropdown)."""
+    return f"{name} — {record_id}" if name and name != record_id else record_id

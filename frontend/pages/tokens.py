@@ -1,0 +1,138 @@
+"""Token routing: paste a text or pick a held-out sample, and see every token coloured by the
+expert it is routed to, layer by layer, for one conversion or two side by side (two calibration
+sets' conversions, or the paper recipe against the best one). Each conversion's routing is a
+short probe job on the worker (the API runs no model). Choosing an expert shows that expert's
+view: only the tokens routed to it are coloured.
+State in the URL: ?a=…&b=…&pa=…&pb=…&layer=…&expert=… (conversions, their probes, the view)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dash
+from dash import Input, Output, State, callback, dcc, html, no_update
+
+from frontend.api_client import ApiError, api
+from frontend.components import error_box, options_or_error, progress, to_search
+from frontend.token_view import expert_card, routed_layers, routed_tokens
+
+dash.register_page(__name__, path="/tokens", name="Token routing", order=6)
+
+N = "tk"
+TERMINAL = ("succeeded", "failed", "cancelled")
+TEXT = "type a text (routing reads its first 512 tokens)"
+SAMPLE_SETS = ("code", "prose", "literature", "chat", "code_problems", "math", "mixed")
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def layout(a: str | None = None, b: str | None = None, pa: str | None = None, pb: str | None = None,
+           layer: str | None = None, expert: str | None = None, **_):
+    convs, err = options_or_error("conversions")
+    if a is None and convs:
+        a = convs[0]["value"]
+    sources = [{"label": TEXT, "value": "text"}] + [{"label": f"held-out sample of builtin:{n}", "value": f"builtin:{n}"}
+                                                     for n in SAMPLE_SETS]
+    probes = {"a": pa, "b": pb} if pa else None
+    return html.Div([
+        dcc.Location(id=f"{N}-url", refresh=False),
+        html.H2("Token routing"),
+        html.P("Each token coloured by the expert it is routed to in one layer (hover for all its experts); "
+               "two conversions side by side on the same text.", className="note"),
+        error_box(err),
+        html.Div(className="controls", children=[
+            html.Div([html.Label("conversion A"), dcc.Dropdown(id=f"{N}-a", options=convs, value=a, clearable=False, style={"width": 480})]),
+            html.Div([html.Label("conversion B (optional)"), dcc.Dropdown(id=f"{N}-b", options=convs, value=b, style={"width": 480})]),
+        ]),
+        html.Div(className="controls", children=[
+            html.Div([html.Label("text"), dcc.Dropdown(id=f"{N}-source", options=sources, value="text", clearable=False, style={"width": 330})]),
+            html.Div([html.Label("sample (0–47)"), dcc.Input(id=f"{N}-sample", type="number", min=0, max=47, step=1, value=0, style={"width": 90})]),
+            html.Button("Route tokens", id=f"{N}-run", className="primary"),
+        ]),
+        dcc.Textarea(id=f"{N}-text", value="def mean(values):\n    return sum(values) / len(values)  # the average",
+                     style={"width": "100%", "height": 90}),
+        html.Div(id=f"{N}-jobs"),
+        dcc.Store(id=f"{N}-probes", data=probes), dcc.Store(id=f"{N}-ready", data=probes),
+        dcc.Interval(id=f"{N}-poll", interval=1000, disabled=True),
+        html.Div(className="controls", children=[
+            html.Div([html.Label("layer"), dcc.Dropdown(id=f"{N}-layer", options=[], value=_int(layer), clearable=False, style={"width": 120})]),
+            html.Div([html.Label("expert (blank: all)"), dcc.Input(id=f"{N}-expert", type="number", min=0, step=1, value=_int(expert),
+                                                               debounce=True, style={"width": 90})]),
+        ]),
+        html.Div(id=f"{N}-view", className="row"),
+        html.Div(id=f"{N}-error"),
+    ])
+
+
+@callback(Output(f"{N}-probes", "data"), Output(f"{N}-poll", "disabled"), Output(f"{N}-error", "children"),
+          Input(f"{N}-run", "n_clicks"), State(f"{N}-a", "value"), State(f"{N}-b", "value"), State(f"{N}-source", "value"),
+          State(f"{N}-sample", "value"), State(f"{N}-text", "value"), prevent_initial_call=True)
+def _run(_n, a, b, source, sample, text):
+    if not a:
+        return no_update, True, error_box("choose a conversion (make one in the Conversion designer)")
+    body: dict[str, Any] = {"text": text} if source == "text" else {"sample_source": source, "sample": _int(sample) or 0}
+    made: dict[str, str | None] = {"a": None, "b": None}
+    try:
+        for side, conversion in (("a", a), ("b", b)):
+            if conversion:
+                made[side] = api().create_probe(conversion, "routing", **body)["id"]
+    except ApiError as exc:
+        return no_update, True, error_box(f"could not start: {exc}")
+    return made, False, error_box(None)
+
+
+@callback(Output(f"{N}-jobs", "children"), Output(f"{N}-ready", "data"), Output(f"{N}-poll", "disabled", allow_duplicate=True),
+          Input(f"{N}-poll", "n_intervals"), State(f"{N}-probes", "data"), prevent_initial_call=True)
+def _poll(_n, probes):
+    if not probes:
+        return None, no_update, True
+    try:
+        rows = {side: api().probe(pid) for side, pid in probes.items() if pid}
+    except ApiError as exc:
+        return error_box(str(exc)), no_update, True
+    done = all(r["job"] is None or r["job"]["state"] in TERMINAL for r in rows.values())
+    bars = [progress(r.get("job"), f"routing of conversion {side.upper()}") for side, r in rows.items()]
+    return html.Div(bars), (probes if done else no_update), done
+
+
+@callback(Output(f"{N}-layer", "options"), Output(f"{N}-layer", "value"), Input(f"{N}-ready", "data"), State(f"{N}-layer", "value"))
+def _layers(probes, layer):
+    if not probes or not probes.get("a"):
+        return [], None
+    try:
+        layers = routed_layers(api().probe_result(probes["a"]))
+    except ApiError:
+        return [], None
+    return [{"label": str(i), "value": i} for i in layers], (layer if layer in layers else (layers[len(layers) // 2] if layers else None))
+
+
+@callback(Output(f"{N}-view", "children"), Output(f"{N}-url", "search"),
+          Input(f"{N}-ready", "data"), Input(f"{N}-layer", "value"), Input(f"{N}-expert", "value"),
+          State(f"{N}-a", "value"), State(f"{N}-b", "value"))
+def _view(probes, layer, expert, a, b):
+    search = to_search(a=a, b=b, pa=(probes or {}).get("a"), pb=(probes or {}).get("b"), layer=layer, expert=expert)
+    if not probes or layer is None:
+        return html.Div("Route a text to see its tokens.", className="note"), search
+    cards = []
+    for side, pid in probes.items():
+        if not pid:
+            continue
+        try:
+            probe, result = api().probe(pid), api().probe_result(pid)
+        except ApiError as exc:
+            cards.append(error_box(f"conversion {side.upper()}: {exc}"))
+            continue
+        title = f"{side.upper()}: {probe['conversion_id']} ({result.get('method')}, {len(result['tokens'])} tokens)"
+        children = [routed_tokens(result, layer, _int(expert), title=title)]
+        if _int(expert) is not None:  # the expert's card: its neurons, linked to the neuron explorer
+            try:
+                children.append(expert_card(api().expert_neurons(probe["conversion_id"], layer), _int(expert)))
+            except ApiError as exc:
+                children.append(html.Div(str(exc), className="note"))
+        cards.append(html.Div(children, className="col"))
+    return cards, search

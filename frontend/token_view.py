@@ -1,0 +1,101 @@
+"""Token-level routing as text: every token of a probe coloured by the expert it is routed to in
+one layer (pure functions of the probe's result, like ``figures``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dash import dcc, html
+from plotly import colors
+
+#: one colour per expert id (ids beyond it wrap around; the tooltip always names the expert)
+PALETTE: list[str] = colors.qualitative.Light24 + colors.qualitative.Dark24
+
+
+def expert_colour(expert: int) -> str:
+    return PALETTE[expert % len(PALETTE)]
+
+
+def routed_layers(result: dict[str, Any]) -> list[int]:
+    return [lay["layer"] for lay in result.get("layers") or []]
+
+
+def _layer(result: dict[str, Any], layer: int) -> dict[str, Any] | None:
+    return next((lay for lay in result.get("layers") or [] if lay["layer"] == layer), None)
+
+
+def routed_tokens(result: dict[str, Any], layer: int, expert: int | None = None, title: str = "") -> html.Div:
+    """The probe's text with each token coloured by its best-scoring expert in ``layer`` (its
+    tooltip lists all k, best first); with ``expert``, only the tokens routed to that expert are
+    coloured (the expert's view: which tokens it sees). A legend gives each expert's token count."""
+    lay = _layer(result, layer)
+    if lay is None:
+        have = ", ".join(map(str, routed_layers(result))) or "none"
+        return html.Div(f"layer {layer} routes nothing in this conversion (routed layers: {have})", className="note")
+    tokens, experts = result["tokens"], lay["experts"]
+    spans = []
+    for t, (piece, chosen) in enumerate(zip(tokens, experts, strict=True)):
+        hit = expert is None or expert in chosen
+        colour = expert_colour(chosen[0] if expert is None else expert) if hit and chosen else "transparent"
+        spans.append(html.Span(
+            piece, className="tok" + (" tok-hit" if hit else ""),
+            title=f"token {t} {piece!r} → experts {', '.join(map(str, chosen))} (best first)",
+            style={"backgroundColor": colour}, **{"data-expert": str(chosen[0]) if chosen else ""},
+        ))
+    load = lay["load"]
+    n = len(tokens)
+    if expert is None:
+        head = (f"layer {layer}: {lay['n_routed']} routed experts, top-{lay['top_k']}; colour = each token's best-scoring "
+                "expert (hover a token for all of them)")
+    else:
+        head = (f"layer {layer}, expert {expert}: {load[expert] if expert < len(load) else 0} of {n} tokens routed to it "
+                f"({lay['n_routed']} routed experts, top-{lay['top_k']})")
+    legend = [html.Span(f"{e}: {c}", className="chip", title=f"expert {e}: {c} of {n} tokens",
+                        style={"backgroundColor": expert_colour(e)}) for e, c in enumerate(load) if c]
+    return html.Div([
+        html.Div(title, className="probe-title") if title else None,
+        html.Div(head, className="note"),
+        html.Div(spans, className="token-text"),
+        html.Div([html.Span("tokens per expert: ", className="note"), *legend], className="legend"),
+    ], className="card token-routing")
+
+
+def generation_card(name: str, side: dict[str, Any]) -> html.Div:
+    """One model's continuation with its speed (``timed_generation``'s record)."""
+    tps = side.get("tokens_per_s")
+    return html.Div([
+        html.H4(name),
+        html.Pre(side.get("text") or "", className="generated"),
+        html.Div(f"{side.get('new_tokens')} tokens in {side.get('seconds', 0):.2f} s: "
+                 + (f"{tps:.1f} tokens/s" if tps else "no tokens")
+                 + f"; prefill of {side.get('prefill_tokens')} prompt tokens {side.get('prefill_s', 0) * 1000:.0f} ms",
+                 className="note speed"),
+    ], className="card generation")
+
+
+def expert_card(partition: dict[str, Any], expert: int, limit: int = 48) -> html.Div:
+    """A routed expert's neurons (``GET /conversions/{id}/experts/{layer}``), each a link to its card
+    in the neuron explorer with its CV; the mean CV against the shared expert's."""
+    experts = partition.get("experts") or []
+    if not 0 <= expert < len(experts):
+        return html.Div(f"layer {partition.get('layer')} has experts 0–{len(experts) - 1}", className="note")
+    e = experts[expert]
+    cvs = e.get("cv")
+    profile, layer = partition.get("profile_id"), partition["layer"]
+
+    def mean(values: list[float] | None) -> str:
+        return f"{sum(values) / len(values):.3g}" if values else "n/a"
+
+    links = []
+    for j, n in enumerate(e["neurons"][:limit]):
+        label = f"{n}" + (f" (CV {cvs[j]:.2f})" if cvs else "")
+        links.append(dcc.Link(label, href=f"/neurons?profile={profile}&layer={layer}&neuron={n}", className="neuron-link")
+                     if profile else html.Span(label))
+        links.append(html.Span(" "))
+    more = len(e["neurons"]) - limit
+    return html.Div([
+        html.Div(f"expert {expert} of layer {layer}: {len(e['neurons'])} neurons, mean CV {mean(cvs)} "
+                 f"(shared expert: {len(partition.get('shared') or [])} neurons, mean CV {mean(partition.get('shared_cv'))})",
+                 className="note expert-head"),
+        html.Div([*links, html.Span(f"… and {more} more") if more > 0 else None], className="expert-neurons"),
+    ], className="expert-card")

@@ -1,0 +1,72 @@
+"""Human names for ids and readable values (frontend.names): pure functions, fixed records."""
+
+from __future__ import annotations
+
+from frontend.components import options
+from frontend.names import Names, fmt, fmt_pct, key_params, short_conversion, with_id
+
+MODELS = [{"id": "m-1", "name": "SmolLM2-135M-Instruct", "status": "ready"}]
+SETS = [{"id": "cal-1", "name": "mixed", "status": "ready"}]
+PROFILES = [{"id": "pr-e06989ec8ade3ce0", "model_id": "m-1", "calibration_set_id": "cal-1", "params": {"max_tokens": 256},
+             "status": "ready"}]
+EW = {"id": "cv-1", "method": "expertweaver", "profile_id": "pr-e06989ec8ade3ce0", "status": "ready",
+      "params": {"method": "expertweaver", "n_experts": 64, "alpha_min": 0.2, "alpha_max": 0.7, "tau": 0.6, "sparsity": 0.25,
+                 "router": "centroid", "plan": "paper"}}
+CM = {"id": "cv-2", "method": "cmoe", "profile_id": "pr-e06989ec8ade3ce0", "status": "ready",
+      "params": {"method": "cmoe", "n_experts": 64, "shared": 1, "active": 1, "router": "representative", "plan": "budget"}}
+
+
+def test_values_are_formatted_not_printed():
+    assert fmt(0.5182291666666666) == "0.5182" and fmt({"queued": 0, "running": 2}) == "queued 0, running 2"
+    assert fmt(None) == "" and fmt([1, 2.123456]) == "1, 2.123" and fmt(True) == "yes" and fmt(7) == "7"
+    assert fmt(list(range(20))).endswith("… (20 in all)")
+    assert fmt_pct(0.25) == "25%" and fmt_pct(0.969) == "96.9%" and fmt_pct(None) == ""
+
+
+def test_records_are_named_model_set_method_parameters():
+    names = Names.from_lists(MODELS, SETS, PROFILES)
+    assert names.profile("pr-e06989ec8ade3ce0") == "SmolLM2-135M-Instruct · mixed · 256 tokens/sample"
+    assert names.conversion(EW) == ("SmolLM2-135M-Instruct · mixed · expertweaver · 64 experts, α 0.2–0.7, τ 0.6, sparsity 25%, "
+                                    "centroid router")
+    assert names.conversion(CM) == "SmolLM2-135M-Instruct · mixed · cmoe · S1·A1·E64, representative router, budget plan"
+    assert short_conversion(CM) == "cmoe · S1·A1·E64, representative router, budget plan"
+    assert key_params("dense2moe", {"delta": 0.3, "layer": None, "n_fused": 0, "top_k": 1}) == "δ 0.3, l* auto, n* auto, top-1"
+    assert key_params("midas", {"keep_ratio": 0.25, "top_k": 2}) == "keep 25%, top-2"
+    assert key_params("expertweaver", {"n_experts": 8, "sparsity": 0.5}) == "8 experts, sparsity 50%"  # nothing shown blank
+    assert Names().conversion(EW).startswith("expertweaver · 64 experts")  # unknown profile: still a name, never only an id
+    assert with_id("mixed", "cal-1") == "mixed — cal-1" and with_id("", "cal-1") == "cal-1"
+
+
+def test_dropdown_options_show_the_name_first_and_the_id_second():
+    names = Names.from_lists(MODELS, SETS, PROFILES)
+    (conv,) = options([EW, {**CM, "status": "running"}], names=names)
+    assert conv["value"] == "cv-1" and conv["label"].startswith("SmolLM2-135M-Instruct · mixed · expertweaver") and conv["label"].endswith("— cv-1")
+    (prof,) = options(PROFILES, names=names)
+    assert prof["label"] == "SmolLM2-135M-Instruct · mixed · 256 tokens/sample — pr-e06989ec8ade3ce0"
+    assert options(SETS) == [{"label": "mixed — cal-1", "value": "cal-1"}]
+
+
+def test_job_progress_names_what_it_works_on_and_how_long_it_ran():
+    from frontend.components import progress
+
+    job = {"id": "job-1", "kind": "profile", "state": "succeeded", "run_s": 3.21, "progress": {}}
+    assert progress(job, "tiny · mixed").children[0].children == "profile tiny · mixed — job-1: succeeded in 3.2 s"
+    running = {**job, "state": "running", "run_s": 1.0, "progress": {"stage": "profile", "current": 2, "total": 5, "fraction": 0.4}}
+    assert progress(running).children[0].children == "profile job-1: running — profile 2/5"
+
+
+def test_names_are_a_help_a_list_the_api_does_not_answer_leaves_ids(monkeypatch):
+    from frontend import api_client, components
+
+    class Api:
+        def models(self):
+            raise api_client.ApiError("models: HTTP 500")
+
+        calibration_sets = models
+
+        def profiles(self):
+            return PROFILES
+
+    monkeypatch.setattr(api_client, "api", lambda: Api())
+    (opt,) = components.named_options("profiles")
+    assert opt == {"label": "m-1 · cal-1 · 256 tokens/sample — pr-e06989ec8ade3ce0", "value": "pr-e06989ec8ade3ce0"}

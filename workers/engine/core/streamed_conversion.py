@@ -1,0 +1,160 @@
+"""A partition conversion (ExpertWeaver, CMoE) under a memory budget: one decoder layer in memory
+at a time, written straight into the export (``moelab convert --max-memory``).
+
+The dense model is built on the ``meta`` device (``profiling.streaming.meta_model``). For each
+layer, only its MLP's weights are read from the safetensors shards (memory-mapped, one tensor at a
+time), its experts are built exactly as in memory (``core.slicing``: same plan, same clustering,
+same router) and sliced into a ``MoeFFN``, whose tensors go to that layer's shard of the export;
+then the layer's weights go back to ``meta``. Every other tensor (attention, norms, embeddings) is
+copied from the source shards one at a time. The export has the same files, names and float32
+values as the in-memory conversion's (``runtime.export.export_model``), so it loads the same way
+and computes the same logits.
+
+What cannot stream is refused before any weight is read: the ridge router and the budget plan fit
+on calibration activations of the whole model (``core.fitting``), and the other methods read the
+whole model by design.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..atomic import atomic_directory, write_json_atomic
+from ..progress import NO_PROGRESS, Progress
+from ..runtime.export import AUTO_MAP, CONVERSION_FILE, MODELING_FILE, PARTITION_FILE, build_moe_model
+from ..runtime.modeling_moelab import MoelabForCausalLM
+from ..runtime.param_count import parameter_counts
+from .params import MethodParams, check_streamable
+from .slicing import build_modules, build_one_layer, check_compatible, partition_arrays, partition_record
+
+INDEX_FILE = "model.safetensors.index.json"
+SHARD_BYTES = 256 << 20  # tensors other than the MLPs are grouped into shards of about this size (held until written)
+
+
+def _module_names(model: nn.Module) -> dict[int, str]:
+    return {id(m): name for name, m in model.named_modules()}
+
+
+def _load_tensors(model: nn.Module, module: nn.Module, prefix: str, ckpt: Any) -> None:
+    from accelerate.utils import set_module_tensor_to_device
+
+    for name, _ in module.named_parameters():
+        set_module_tensor_to_device(model, f"{prefix}{name}", "cpu", value=ckpt.get(f"{prefix}{name}"), dtype=torch.float32)
+
+
+def _unload(module: nn.Module) -> None:
+    from accelerate.utils import set_module_tensor_to_device
+
+    for name, _ in module.named_parameters():
+        set_module_tensor_to_device(module, name, "meta")
+
+
+class _ShardWriter:
+    """Safetensors shards written as they fill, and the index that maps each tensor to its shard."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.weight_map, self.total = out, {}, 0
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes, self.n = 0, 0
+
+    def add(self, name: str, t: torch.Tensor, flush_at: int = SHARD_BYTES) -> None:
+        self.pending[name] = t.detach().to(torch.float32).contiguous()
+        self.pending_bytes += self.pending[name].numel() * 4
+        if self.pending_bytes >= flush_at:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        self.n += 1
+        shard = f"model-{self.n:05d}.safetensors"
+        save_file(self.pending, str(self.out / shard), metadata={"format": "pt"})
+        self.weight_map.update({k: shard for k in self.pending})
+        self.total += self.pending_bytes
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        """Rename the shards ``-of-N`` as transformers writes them, and write the index."""
+        self.flush()
+        names = {f"model-{i:05d}.safetensors": f"model-{i:05d}-of-{self.n:05d}.safetensors" for i in range(1, self.n + 1)}
+        for old, new in names.items():
+            (self.out / old).rename(self.out / new)
+        index = {"metadata": {"total_size": self.total}, "weight_map": {k: names[v] for k, v in sorted(self.weight_map.items())}}
+        write_json_atomic(self.out / INDEX_FILE, index)
+
+
+def convert_streamed(plan: Any, profile: Any, params: MethodParams, method: Any, out: Path,
+                     progress: Progress = NO_PROGRESS, complete: Callable[[dict[str, Any], Any], None] | None = None,
+                     ) -> dict[str, Any]:
+    """Convert ``plan.adapter`` (a meta-device model, ``profiling.streaming.StreamPlan``) layer by
+    layer into the export directory ``out`` (atomic); returns the conversion record.
+    ``complete(record, moe)``: adds the caller's fields (cost, provenance) before it is written."""
+    from safetensors.numpy import save_file
+
+    from ..profiling.streaming import Checkpoint
+    from ..runtime.model_card import write_model_card
+
+    check_streamable(method, params)
+    t0 = time.perf_counter()
+    adapter = plan.adapter
+    hf = adapter.model
+    hf.tie_weights()  # a model built on meta leaves tied embeddings untied: they would count twice
+    check_compatible(adapter, profile)
+    ckpt = Checkpoint(plan.location)
+    plan_for, layer_builder = method.partition
+    rows = plan_for(profile, params)
+    build_one = build_one_layer(adapter, rows, layer_builder(profile, params))
+    before = parameter_counts(hf)
+    names = _module_names(hf)
+    mlp_prefixes = tuple(f"{names[id(lay.mlp)]}." for lay in adapter.layers)
+    experts, meta_modules = [], {}
+    with atomic_directory(out) as tmp:
+        shards = _ShardWriter(tmp)
+        progress.update("cluster experts", 0, len(rows))
+        for i in range(len(rows)):
+            mlp = adapter.layers[i].mlp
+            _load_tensors(hf, mlp, mlp_prefixes[i], ckpt)
+            layer = build_one(i)
+            module = build_modules(adapter, [layer], params.combine)[i]  # type: ignore[attr-defined]
+            _unload(mlp)
+            for name, t in module.state_dict().items():  # this layer's experts go to the export now, a shard of their own
+                shards.add(f"model.{mlp_prefixes[i]}{name}", t)
+            shards.flush()
+            experts.append(layer)
+            meta_modules[i] = module.to("meta")
+            progress.update("cluster experts", i + 1, len(rows))
+        t1 = time.perf_counter()
+        progress.update("copy the other weights", 0, 1)
+        moe = build_moe_model(adapter, meta_modules, provenance={"method": params.method, "router": params.router})  # type: ignore[attr-defined]
+        tied = set(moe.all_tied_weights_keys or {})
+        for name in moe.state_dict():  # every other tensor, named as save_pretrained names it: ``model.`` + HF name
+            hf_name = name.removeprefix("model.")
+            if hf_name.startswith(mlp_prefixes) or name in tied:  # tied (lm_head ↔ embed_tokens): written once, as there
+                continue
+            shards.add(name, ckpt.get(hf_name))
+        shards.finish()
+        progress.update("copy the other weights", 1, 1)
+        moe.config.auto_map = dict(AUTO_MAP)
+        moe.config.architectures = [MoelabForCausalLM.__name__]
+        moe.config.dtype = torch.float32
+        moe.config.save_pretrained(tmp)
+        if getattr(moe, "generation_config", None) is not None:
+            moe.generation_config.save_pretrained(tmp)
+        shutil.copyfile(MODELING_FILE, tmp / MODELING_FILE.name)
+        adapter.tokenizer.save_pretrained(tmp)
+        save_file(partition_arrays(experts), str(tmp / PARTITION_FILE))
+        record = partition_record(params, rows, experts, adapter.n_layers, before, parameter_counts(moe),
+                                  {"build_s": t1 - t0, "copy_s": time.perf_counter() - t1, "streamed": True})
+        if complete is not None:
+            complete(record, moe)
+        write_json_atomic(tmp / CONVERSION_FILE, record)
+        write_model_card(tmp, record, moe, fmt="moelab")
+    return record

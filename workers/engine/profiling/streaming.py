@@ -1,0 +1,524 @@
+"""Layer-streamed profiling: the same pass as ``profiler.profile_model`` under a memory budget.
+
+When a model's weights exceed ``--max-memory``, the pass runs layer by layer instead of batch
+by batch:
+
+1. The model is built on the ``meta`` device (``accelerate.init_empty_weights``): its modules
+   exist, its weights do not.
+2. Only the decoder's own weights (embeddings, final norm) are loaded; every calibration batch
+   goes through the decoder's real ``forward`` with each decoder layer replaced by a catcher
+   that records the exact arguments the model passes to it (causal mask, rotary position
+   embeddings, position ids, per-layer attention type). Layer 0's input is the embedded batch.
+   This is the model's own code path, so families that scale embeddings (Gemma) or alternate
+   sliding/full attention (Gemma 2/3, Qwen2) need nothing special.
+3. For each decoder layer: its tensors are read from the safetensors shards (memory-mapped by
+   ``safe_open``) into the meta module (``accelerate``'s ``set_module_tensor_to_device``), the
+   profiler's own hooks are attached, every batch runs through it with the recorded arguments,
+   its outputs become the next layer's inputs, and the weights go back to ``meta``.
+4. S_L / S_M (D2 Eqs. 4–5) need every layer's unit-norm vectors of the same token: they are
+   kept per layer (in memory or on disk) and reduced at the end in bounded token chunks.
+
+Hidden states, the unit vectors and finished XᵀX matrices stay in memory while the budget left
+after the largest layer holds them, and go to memory-mapped files in a scratch directory next
+to the output otherwise. The statistics equal the in-memory pass's (tests: to 1e-5).
+
+The budget covers weights and carried tensors, not the Python/torch runtime (a few hundred
+MB) nor one batch's transient activations (``batch_tokens`` bounds those).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..atomic import temporary_sibling
+from ..data.calibration import CalibrationSet
+from ..models import DEFAULT_MODEL, ModelAdapter, ModelError, adapt, cache_default_model, resolve_device, resolve_dtype
+from ..progress import NO_PROGRESS, Progress
+from ..sizes import format_size, parse_size  # noqa: F401  (parse_size: re-exported for callers)
+from .profiler import (
+    LayerStats,
+    ProfileResult,
+    ProfileSettings,
+    _assemble,
+    _batch_state,
+    _batch_tensors,
+    _feature_rows,
+    _finish_layer,
+    _LayerAccumulator,
+    _layer_hooks,
+    start_pass,
+)
+
+#: Tokens per chunk when S_L / S_M are reduced from the per-layer unit vectors: 64 MiB of floats.
+_SIMILARITY_CHUNK_BYTES = 64 * 1024**2
+
+
+class MemoryBudgetError(ValueError):
+    """``max_memory`` cannot hold what one streamed step needs; raised before any work starts."""
+
+
+# --------------------------------------------------------------------------- how much a model needs
+
+
+@dataclass
+class Footprint:
+    """Weight bytes of a model in the dtype a job runs it in."""
+
+    total_bytes: int
+    layer_bytes: list[int]  # per decoder layer
+    resident_bytes: int  # the decoder's own weights (embeddings, final norm): loaded for step 2
+
+    @property
+    def floor_bytes(self) -> int:
+        """The least ``max_memory`` a streamed pass can run in: one layer, or the embeddings."""
+        return max(max(self.layer_bytes), self.resident_bytes)
+
+    def floor_reason(self) -> str:
+        i = int(np.argmax(self.layer_bytes))
+        if self.layer_bytes[i] >= self.resident_bytes:
+            return f"decoder layer {i} alone holds {format_size(self.layer_bytes[i])} of weights"
+        return f"the embeddings and other non-layer weights hold {format_size(self.resident_bytes)}"
+
+    def check(self, max_memory: int) -> None:
+        if max_memory < self.floor_bytes:
+            raise MemoryBudgetError(
+                f"memory budget (--max-memory / max_memory) {format_size(max_memory)} is too small: {self.floor_reason()}; "
+                f"give at least {format_size(self.floor_bytes)} ({self.floor_bytes} bytes)"
+            )
+
+    def to_dict(self) -> dict[str, int]:
+        return {"total_bytes": self.total_bytes, "max_layer_bytes": max(self.layer_bytes),
+                "resident_bytes": self.resident_bytes, "min_max_memory": self.floor_bytes}
+
+
+def _param_bytes(params: Any, dtype: torch.dtype | None) -> int:
+    # On a meta skeleton the parameters carry the dtype they will be loaded in, but
+    # ``dtype`` overrides it where the caller knows better.
+    seen: set[int] = set()
+    total = 0
+    for p in params:
+        if id(p) in seen:  # tied weights count once
+            continue
+        seen.add(id(p))
+        size = (dtype or p.dtype).itemsize if p.is_floating_point() else p.dtype.itemsize
+        total += p.numel() * size
+    return total
+
+
+def footprint(adapter: ModelAdapter, dtype: torch.dtype | None = None) -> Footprint:
+    """Bytes of the whole model, of each decoder layer and of the decoder's non-layer weights."""
+    layer_ids = {id(p) for lay in adapter.layers for p in lay.block.parameters()}
+    decoder = adapter.decoder()
+    resident = [p for p in decoder.parameters() if id(p) not in layer_ids]
+    return Footprint(
+        total_bytes=_param_bytes(adapter.model.parameters(), dtype),
+        layer_bytes=[_param_bytes(lay.block.parameters(), dtype) for lay in adapter.layers],
+        resident_bytes=_param_bytes(resident, dtype),
+    )
+
+
+# --------------------------------------------------------------------------- weights on disk
+
+
+def weights_location(spec: str, data_dir: Path) -> Path:
+    """The directory holding ``spec``'s config and safetensors (the default model: its cache)."""
+    if spec == DEFAULT_MODEL:
+        return cache_default_model(data_dir)
+    path = Path(spec)
+    if path.is_file() and path.suffix == ".gguf":
+        raise ModelError(f"{spec}: a GGUF file cannot be streamed layer by layer; save it as safetensors first")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{spec}: a local model directory needs a config.json (a Hugging Face save)")
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:  # only what streaming reads: config, tokenizer and the safetensors shards
+        return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as exc:  # the hub raises many types; all mean "not available"
+        raise ModelError(f"could not find model {spec!r} locally or on the Hugging Face Hub: {exc}") from exc
+
+
+class Checkpoint:
+    """Tensor name → shard of a safetensors checkpoint; tensors read one at a time (memory-mapped)."""
+
+    def __init__(self, location: Path) -> None:
+        index = location / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: location / shard for name, shard in weight_map.items()}
+        elif (location / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(location / "model.safetensors"), framework="pt") as fh:
+                self.files = {name: location / "model.safetensors" for name in fh.keys()}
+        else:
+            raise ModelError(f"{location}: no safetensors weights (model.safetensors[.index.json]); streaming reads only those")
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        shard = self.files.get(name)
+        if shard is None:
+            raise ModelError(f"weight {name!r} is not in the checkpoint; this model cannot be streamed layer by layer")
+        # One mapping per tensor: pages read through a mapping count as resident until it is
+        # unmapped, so a shard kept open would add up to every layer read from it.
+        with safe_open(str(shard), framework="pt") as fh:
+            return fh.get_tensor(name)
+
+
+def _load_module(model: nn.Module, prefix: str, module: nn.Module, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
+                 skip: tuple[str, ...] = ()) -> None:
+    from accelerate.utils import set_module_tensor_to_device
+
+    for name, _ in module.named_parameters():
+        if name.startswith(skip):
+            continue
+        full = f"{prefix}{name}"
+        set_module_tensor_to_device(model, full, device, value=ckpt.get(full), dtype=dtype)
+
+
+def _unload_module(module: nn.Module, skip: tuple[str, ...] = ()) -> None:
+    from accelerate.utils import set_module_tensor_to_device
+
+    for name, _ in module.named_parameters():
+        if not name.startswith(skip):
+            set_module_tensor_to_device(module, name, "meta")
+
+
+@dataclass
+class StreamPlan:
+    """A model built on ``meta`` with what streaming needs to load it layer by layer."""
+
+    adapter: ModelAdapter
+    location: Path
+    device: torch.device
+    dtype: torch.dtype
+    footprint: Footprint
+    max_memory: int
+
+    @property
+    def stream(self) -> bool:
+        """Whether the whole model exceeds the budget (else the ordinary in-memory pass runs)."""
+        return self.footprint.total_bytes > self.max_memory
+
+
+def meta_model(spec: str, *, data_dir: Path, device: str = "auto", dtype: str = "auto",
+               trust_remote_code: bool = False) -> tuple[ModelAdapter, Path, torch.device, torch.dtype]:
+    """``spec`` built on the meta device with its tokenizer: (adapter, weights dir, device, dtype).
+
+    Reads the config and tokenizer only, so a model of any size can be described and planned.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    location = weights_location(spec, data_dir)
+    config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code)
+    with init_empty_weights():  # parameters on meta; buffers (rotary inv_freq) real, as the forward needs them
+        model = AutoModelForCausalLM.from_config(config, dtype=dt, trust_remote_code=trust_remote_code)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token  # as load_model: padding is masked out
+    source = spec if spec == DEFAULT_MODEL or not Path(spec).exists() else str(Path(spec).resolve())
+    adapter = adapt(model, tokenizer, source=source)
+    adapter.extra["device"] = str(dev)  # describe() would say "meta"
+    return adapter, location, dev, dt
+
+
+def plan_streaming(spec: str, max_memory: int, *, data_dir: Path, device: str = "auto", dtype: str = "auto",
+                   trust_remote_code: bool = False) -> StreamPlan:
+    """Build ``spec`` on the meta device and check ``max_memory`` against it (no weights read).
+
+    Raises MemoryBudgetError when the budget cannot hold one layer: before any work starts.
+    """
+    adapter, location, dev, dt = meta_model(spec, data_dir=data_dir, device=device, dtype=dtype,
+                                            trust_remote_code=trust_remote_code)
+    fp = footprint(adapter, dt)
+    fp.check(max_memory)
+    return StreamPlan(adapter, location, dev, dt, fp, max_memory)
+
+
+# --------------------------------------------------------------------------- carried tensors
+
+
+def _pwrite(fd: int, data: np.ndarray, offset: int) -> None:
+    view = memoryview(np.ascontiguousarray(data)).cast("B")
+    while len(view):  # a single pwrite may write less than asked (e.g. past 2 GiB)
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _pread(fd: int, nbytes: int, offset: int) -> np.ndarray:
+    buf = np.empty(nbytes, dtype=np.uint8)
+    view = memoryview(buf)
+    while len(view):
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise EOFError("scratch file shorter than written")
+        view, offset = view[n:], offset + n
+    return buf
+
+
+class _ScratchFile:
+    """A file in the scratch directory read and written with pread/pwrite, not mmap: mapped
+    pages would count in this process's resident memory until unmapped, which is what the
+    budget is meant to bound; the page cache they land in instead is the kernel's to evict."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class _Carry:
+    """Per-batch tensors carried between layers: a list in memory, or one scratch file.
+
+    Stored as raw bytes so bfloat16 (which numpy lacks) round-trips exactly.
+    """
+
+    def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, path: Path | None) -> None:
+        self.shapes, self.dtype = shapes, dtype
+        sizes = [int(np.prod(s)) * dtype.itemsize for s in shapes]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.items: list[torch.Tensor | None] = [None] * len(shapes)
+        self.file = None if path is None else _ScratchFile(path)
+
+    def put(self, b: int, t: torch.Tensor) -> None:
+        t = t.detach().to("cpu", self.dtype).contiguous()
+        if self.file is None:
+            self.items[b] = t
+        else:
+            _pwrite(self.file.fd, t.view(-1).view(torch.uint8).numpy(), int(self.offsets[b]))
+
+    def get(self, b: int) -> torch.Tensor:
+        if self.file is None:
+            return self.items[b]
+        raw = _pread(self.file.fd, int(self.offsets[b + 1] - self.offsets[b]), int(self.offsets[b]))
+        return torch.from_numpy(raw).view(self.dtype).view(self.shapes[b])
+
+
+class _Units:
+    """Unit-norm vectors of every layer and token, [L, N, d] float32, in memory or a scratch file."""
+
+    def __init__(self, n_layers: int, n_tokens: int, d_model: int, path: Path | None) -> None:
+        self.shape = (n_layers, n_tokens, d_model)
+        self.file = None if path is None else _ScratchFile(path)
+        self.data = torch.empty(self.shape) if path is None else None
+
+    def put(self, layer: int, t0: int, t: torch.Tensor) -> None:
+        if self.file is None:
+            self.data[layer, t0 : t0 + len(t)] = t
+        else:
+            _, n, d = self.shape
+            _pwrite(self.file.fd, t.float().contiguous().numpy(), ((layer * n) + t0) * d * 4)
+
+    def chunk(self, t0: int, t1: int) -> torch.Tensor:
+        """[L, t1 - t0, d] for tokens t0 … t1 - 1."""
+        if self.file is None:
+            return self.data[:, t0:t1]
+        n_layers, n, d = self.shape
+        rows = [_pread(self.file.fd, (t1 - t0) * d * 4, ((i * n) + t0) * d * 4).view(np.float32) for i in range(n_layers)]
+        return torch.from_numpy(np.stack(rows).reshape(n_layers, t1 - t0, d))
+
+
+class _LayerCatcher(nn.Module):
+    """Stands in for decoder layer ``index``: records the arguments the model's forward gives it."""
+
+    class Done(Exception):
+        pass
+
+    def __init__(self, index: int, last: bool, calls: dict[int, Any], original: nn.Module) -> None:
+        super().__init__()
+        self.index, self.last, self.calls = index, last, calls
+        if hasattr(original, "attention_type"):  # read by some decoders' loops
+            self.attention_type = original.attention_type
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.index == 0:
+            self.calls["input"] = hidden_states
+        self.calls[self.index] = (args, kwargs)
+        if self.last:
+            raise self.Done  # the final norm and head are not needed (and not loaded)
+        return hidden_states
+
+
+# --------------------------------------------------------------------------- the streamed pass
+
+
+@dataclass
+class _Budget:
+    """What goes to disk: decided once from the bytes left after the largest step."""
+
+    left: int
+    on_disk: dict[str, bool] = field(default_factory=dict)
+
+    def place(self, name: str, nbytes: int) -> bool:
+        fits = nbytes <= self.left
+        if fits:
+            self.left -= nbytes
+        self.on_disk[name] = not fits
+        return not fits
+
+
+def profile_streamed(
+    plan: StreamPlan,
+    cset: CalibrationSet,
+    settings: ProfileSettings | None = None,
+    progress: Progress = NO_PROGRESS,
+    scratch_near: Path | None = None,
+) -> ProfileResult:
+    """``profile_model``'s statistics, one decoder layer in memory at a time."""
+    adapter, device = plan.adapter, plan.device
+    s, p, timings = start_pass(adapter.tokenizer, cset, settings)
+
+    n_layers, d_model = adapter.n_layers, adapter.d_model
+    model = adapter.model
+    decoder = adapter.decoder()
+    prefix = next(name for name, m in model.named_modules() if m is decoder)
+    prefix = f"{prefix}." if prefix else ""
+    layer_prefix = f"{prefix}{next(n for n, m in decoder.named_modules() if m is adapter.layers[0].block).rsplit('.', 1)[0]}."
+    layers_name = layer_prefix[len(prefix):].rstrip(".")
+
+    # Where the carried tensors live: budget after the largest step, hidden states first
+    # (they are read every layer), then the unit vectors, then the finished XᵀX matrices.
+    batch_shapes = [(len(rows), int(p.lengths[rows].max()), d_model) for rows in p.batches]
+    hidden_bytes = sum(int(np.prod(sh)) for sh in batch_shapes) * plan.dtype.itemsize
+    unit_bytes = n_layers * p.n_tokens * d_model * 4
+    budget = _Budget(plan.max_memory - plan.footprint.floor_bytes)
+    hidden_disk = budget.place("hidden_states", 2 * hidden_bytes)
+    units_disk = budget.place("unit_vectors", 2 * unit_bytes)
+    xtx_disk = s.second_moment and budget.place("second_moment", n_layers * d_model * d_model * 8)
+    scratch = None
+    if hidden_disk or units_disk or xtx_disk:
+        scratch = temporary_sibling(Path(scratch_near or Path.cwd()) / "profile", "stream")
+        scratch.mkdir(parents=True)
+
+    ckpt = Checkpoint(plan.location)
+    try:
+        def carry(name: str) -> _Carry:
+            return _Carry(batch_shapes, plan.dtype, scratch / f"{name}.bin" if hidden_disk else None)
+
+        h_in, h_out = carry("hidden_a"), carry("hidden_b")
+        units_out = _Units(n_layers, p.n_tokens, d_model, scratch / "units_out.f32" if units_disk else None)
+        units_mlp = _Units(n_layers, p.n_tokens, d_model, scratch / "units_mlp.f32" if units_disk else None)
+        token_start = np.concatenate([[0], np.cumsum([int(p.lengths[rows].sum()) for rows in p.batches])])
+
+        # Step 2: embeddings and each layer's call arguments, through the model's own forward.
+        t1 = time.perf_counter()
+        progress.update("embed", 0, len(p.batches))
+        _load_module(model, prefix, decoder, ckpt, device, plan.dtype, skip=(f"{layers_name}.",))
+        calls_per_batch: list[dict[int, Any]] = []
+        feature_rows: list[np.ndarray] = []
+        originals = decoder.get_submodule(layers_name)
+        try:
+            with torch.inference_mode():
+                for b, rows in enumerate(p.batches):
+                    calls: dict[int, Any] = {}
+                    catchers = nn.ModuleList(
+                        _LayerCatcher(i, i == n_layers - 1, calls, originals[i]) for i in range(n_layers))
+                    decoder.set_submodule(layers_name, catchers)
+                    input_ids, mask, keep = _batch_tensors(p, rows)
+                    try:
+                        decoder(input_ids=input_ids.to(device), attention_mask=mask.long().to(device), use_cache=False)
+                    except _LayerCatcher.Done:
+                        pass
+                    h_in.put(b, calls.pop("input"))
+                    calls_per_batch.append(calls)
+                    feature_rows.append(_feature_rows(rows, keep))
+                    progress.update("embed", b + 1, len(p.batches))
+        finally:
+            decoder.set_submodule(layers_name, originals)
+            _unload_module(decoder, skip=(f"{layers_name}.",))
+        timings["embed_s"] = time.perf_counter() - t1
+
+        # Step 3: one layer at a time over every batch.
+        layers: list[LayerStats] = []
+        t2 = time.perf_counter()
+        progress.update("profile layers", 0, n_layers)
+        for i, lay in enumerate(adapter.layers):
+            _load_module(model, f"{layer_prefix}{i}.", lay.block, ckpt, device, plan.dtype)
+            acc = _LayerAccumulator(len(p.ids), lay.d_ffn, d_model, s, device)
+            state: dict[str, Any] = {}
+            handles = _layer_hooks(i, lay, acc, state, s)
+            try:
+                with torch.inference_mode():
+                    for b, rows in enumerate(p.batches):
+                        _, mask, keep = _batch_tensors(p, rows)
+                        n_real = int(mask.sum())
+                        out_buf = {i: torch.empty(n_real, d_model, device=device)}
+                        mlp_buf = {i: torch.empty(n_real, d_model, device=device)}
+                        state.update(_batch_state(p, rows, mask, keep, device), out_buf=out_buf, mlp_buf=mlp_buf)
+                        args, kwargs = calls_per_batch[b][i]
+                        out = lay.block(h_in.get(b).to(device), *args, **kwargs)
+                        h_out.put(b, out[0] if isinstance(out, tuple) else out)
+                        units_out.put(i, int(token_start[b]), out_buf[i].cpu())
+                        units_mlp.put(i, int(token_start[b]), mlp_buf[i].cpu())
+            finally:
+                for h in handles:
+                    h.remove()
+                _unload_module(lay.block)
+            stats = _finish_layer(acc, p.sample_group, len(p.group_names), p.n_tokens, s)
+            if xtx_disk and stats.xtx is not None:  # finished XᵀX wait on disk for the profile writer
+                np.save(scratch / f"xtx_{i}.npy", stats.xtx)
+                stats.xtx = np.load(scratch / f"xtx_{i}.npy", mmap_mode="r")
+            layers.append(stats)
+            del acc
+            h_in, h_out = h_out, h_in
+            progress.update("profile layers", i + 1, n_layers)
+        timings["forward_s"] = time.perf_counter() - t2
+        timings["seconds_per_layer"] = timings["forward_s"] / n_layers
+
+        # Step 4: D2 Eqs. 4-5 from the stored unit vectors, a bounded token chunk at a time.
+        t3 = time.perf_counter()
+        sim_out = _similarity(units_out)
+        sim_mlp = _similarity(units_mlp)
+        del units_out, units_mlp
+        timings["finish_s"] = time.perf_counter() - t3
+        timings.update(max_memory_bytes=float(plan.max_memory), streamed=1.0,
+                       hidden_states_on_disk=float(hidden_disk), unit_vectors_on_disk=float(units_disk),
+                       second_moment_on_disk=float(bool(xtx_disk)))
+        info = adapter.describe() | {"streamed": True}
+        result = _assemble(info, cset, s, p, layers, sim_out, sim_mlp, feature_rows, timings, adapter.tokenizer)
+        result.scratch = scratch  # the XᵀX memmaps live there until the profile is written
+        return result
+    except BaseException:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
+
+
+def _similarity(units: _Units) -> torch.Tensor:
+    """Σ_t <x̂_l,t, x̂_m,t> for every layer pair, over token chunks of bounded size."""
+    n_layers, n_tokens, d_model = units.shape
+    chunk = max(1, _SIMILARITY_CHUNK_BYTES // (n_layers * d_model * 4))
+    total = torch.zeros(n_layers, n_layers, dtype=torch.float64)
+    for t0 in range(0, n_tokens, chunk):
+        flat = units.chunk(t0, min(n_tokens, t0 + chunk)).reshape(n_layers, -1)
+        total += (flat @ flat.T).double()
+    return total
+
+
+def remove_scratch(result: ProfileResult) -> None:
+    """Delete a streamed result's scratch files (after the profile is written)."""
+    scratch = getattr(result, "scratch", None)
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)

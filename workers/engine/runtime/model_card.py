@@ -1,0 +1,160 @@
+"""The model card (README.md) written next to every export, moelab or native format.
+
+A converted model leaves the app as a directory; its README.md is what a person who downloads it
+reads first. It says, from the conversion record (``conversion.json``) and the evaluation the
+conversion directory holds (``evaluation.json``, written by ``moelab evaluate``):
+
+* the method (with its paper) and every parameter of the conversion (and of the fine-tuning);
+* the per-layer layout, a compact table (one row per run of identically laid-out layers: kind,
+  shared neurons, routed experts × neurons, top-k, router, combine), read from the model's own
+  layer specs, so it is what the weights are;
+* the cost: ``ffn_flops_fraction`` (FFN multiply-adds per token over the dense model's) and the
+  total and per-token active parameter counts;
+* the evaluation numbers (perplexity and its ratio to dense, multiple-choice accuracy,
+  fine-tuning perplexities) when there are any, and "not evaluated" otherwise;
+* how to load it (``trust_remote_code=True`` for the moelab format, plain for native).
+
+The numbers are copied from the record, never recomputed, so the card agrees with conversion.json.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..atomic import write_bytes_atomic
+
+CARD_FILE = "README.md"
+EVALUATION_FILE = "evaluation.json"
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, int) and abs(v) >= 10_000:
+        return f"{v:,}"
+    if isinstance(v, (list, dict)):
+        return json.dumps(v)
+    return str(v)
+
+
+def _layer_rows(specs: list[dict]) -> list[str]:
+    """One table row per run of consecutive layers with the same layout (``0–29`` for a uniform plan)."""
+    rows: list[str] = []
+    for i, s in enumerate(specs):
+        s = s or {"kind": "dense"}
+        kind = s.get("kind", "moe")
+        if kind == "moe":
+            rows.append(f"| {i} | moe | {s.get('d_shared', 0)} | {s.get('n_routed', s.get('n_experts', 0))} × "
+                        f"{s.get('expert_size', 0)} | {s.get('top_k', 0)} | {s.get('router', 'centroid')} | "
+                        f"{s.get('combine', 'sum')} |")
+        elif kind == "lowrank_moe":
+            rows.append(f"| {i} | low-rank MoE (rank {s.get('rank')}) | 0 | {s.get('n_experts')} × {s.get('d_ffn')} | "
+                        f"{s.get('top_k')} | softmax | normalized |")
+        elif kind == "hierarchical":
+            subs = s.get("experts") or [{}]
+            rows.append(f"| {i} | hierarchical | {subs[0].get('d_shared', 0)} per expert | {s.get('num_experts')} experts × "
+                        f"{subs[0].get('n_routed', 0)} sub-experts | {s.get('experts_per_token')} × {subs[0].get('top_k', 0)} | "
+                        f"{subs[0].get('router', '')} | {subs[0].get('combine', '')} |")
+        elif kind == "abstopk":
+            rows.append(f"| {i} | AbsTopK-GLU | - | - | {s.get('k')} of {s.get('d_ffn')} neurons | - | - |")
+        else:
+            rows.append(f"| {i} | dense | - | - | - | - | - |")
+    out = ["| layers | kind | shared | routed × size | top-k | router | combine |", "|---|---|---|---|---|---|---|"]
+    start = 0
+    for i in range(1, len(rows) + 1):
+        rest = rows[start].split(" | ", 1)[1] if rows else ""
+        if i < len(rows) and rows[i].split(" | ", 1)[1] == rest:
+            continue
+        out.append(f"| {start}{'' if i - 1 == start else f'–{i - 1}'} | {rest}")
+        start = i
+    return out
+
+
+def _evaluation_lines(evaluation: dict | None, record: dict) -> list[str]:
+    lines: list[str] = []
+    if evaluation:
+        h = evaluation.get("heldout") or {}
+        lines.append(f"Held-out text `{h.get('source', '?')}` ({h.get('windows', '?')} windows × {h.get('seq_len', '?')} tokens):")
+        lines.append("")
+        lines += ["| variant | perplexity | × dense | multiple-choice accuracy |", "|---|---|---|---|"]
+        for name, r in (evaluation.get("results") or {}).items():
+            mc = (r.get("multiple_choice") or {}).get("mean_accuracy")
+            lines.append(f"| {name} | {_fmt(r.get('perplexity'))} | {_fmt(r.get('perplexity_ratio', 1.0))} | "
+                         f"{'-' if mc is None else _fmt(mc)} |")
+        lines.append("")
+    ft = record.get("finetune")
+    if ft:
+        lines.append(f"Fine-tuned ({(ft.get('params') or {}).get('mode', '?')}, {ft.get('steps')} steps, {ft.get('tokens')} tokens): "
+                     + ", ".join(f"{k} {_fmt(ft.get(k))}" for k in ("perplexity_before", "perplexity_start", "perplexity_after",
+                                                                     "dense_perplexity") if ft.get(k) is not None))
+        lines.append("")
+    if not lines:
+        lines = ["Not evaluated yet (`moelab evaluate CONVERSION_DIR` writes evaluation.json; export again to include it).", ""]
+    return lines
+
+
+def render_model_card(record: dict, specs: list[dict], fmt: str = "moelab", evaluation: dict | None = None) -> str:
+    """Markdown text of the card. ``record``: conversion.json; ``specs``: one layer spec per decoder
+    layer (``MoelabConfig.moe_layers``); ``fmt``: ``moelab`` or ``native``."""
+    params = record.get("params") or {}
+    summary = record.get("summary") or {}
+    model = record.get("model") or {}
+    method = params.get("method") or summary.get("method") or "?"
+    native = record.get("native") or {}
+    out = [f"# {model.get('name') or model.get('source') or 'model'} → MoE ({method})", ""]
+    out.append(f"Converted by moelab with **{method}** from `{model.get('source', '?')}`"
+               + (f" ({model.get('family')})" if model.get("family") else "") + ".")
+    cal = record.get("calibration") or {}
+    if cal:
+        out.append(f"Calibration set: {cal.get('name', '?')} ({cal.get('n_samples', '?')} samples).")
+    out += ["", "## Parameters", "", "| parameter | value |", "|---|---|"]
+    out += [f"| {k} | {_fmt(v)} |" for k, v in params.items()]
+    ftp = (record.get("finetune") or {}).get("params")
+    if ftp:
+        out += ["", "Fine-tuning:", "", "| parameter | value |", "|---|---|"]
+        out += [f"| {k} | {_fmt(v)} |" for k, v in ftp.items()]
+    out += ["", "## Cost", "", "| quantity | value |", "|---|---|"]
+    for key in ("ffn_flops_fraction", "total_params", "active_params", "dense_total_params", "active_fraction", "sparsity"):
+        if summary.get(key) is not None:
+            out.append(f"| {key} | {_fmt(summary[key])} |")
+    out += ["", "`ffn_flops_fraction`: FFN multiply-adds per token (router included) over the dense model's; "
+            "`active_params`: parameters one token uses.", "", "## Layout", ""]
+    out += _layer_rows(specs)
+    out += ["", "## Evaluation", ""]
+    out += _evaluation_lines(evaluation, record)
+    out += ["## How to load", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", ""]
+    if fmt == "native":
+        out += ['model = AutoModelForCausalLM.from_pretrained("PATH")  # stock ' + native.get("model_type", "transformers")
+                + " architecture, no remote code"]
+    else:
+        out += ['model = AutoModelForCausalLM.from_pretrained("PATH", trust_remote_code=True)  # runs the bundled modeling_moelab.py']
+    out += ['tokenizer = AutoTokenizer.from_pretrained("PATH"' + (")" if fmt == "native" else ", trust_remote_code=True)"),
+            "```", ""]
+    if fmt == "native":
+        shared = (f"shared expert of {native.get('d_shared')} neurons (its gate is zero, sigmoid 0.5, and its down "
+                  "projection is doubled)") if native.get("d_shared") else "no shared expert"
+        out += [f"Written as `{native.get('model_type')}`: {native.get('num_experts')} routed experts of "
+                f"{native.get('expert_size')} neurons, top-{native.get('top_k')}, norm_topk_prob="
+                f"{native.get('norm_topk_prob', False)}, {shared}, dense layers {native.get('dense_layers')}. "
+                "Logits equal moelab's own model (fp32, 1e-4).", ""]
+    return "\n".join(out)
+
+
+def read_evaluation(src_dir: Path | None) -> dict | None:
+    """``evaluation.json`` of a conversion directory, if any."""
+    if src_dir is None:
+        return None
+    path = Path(src_dir) / EVALUATION_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_model_card(out_dir: Path, record: dict, moe: Any, fmt: str = "moelab", evaluation: dict | None = None) -> Path:
+    """Write README.md into ``out_dir`` (atomic file write); ``moe``: the MoelabForCausalLM exported."""
+    specs = list(getattr(moe.config, "moe_layers", None) or [])
+    path = Path(out_dir) / CARD_FILE
+    write_bytes_atomic(path, render_model_card(record, specs, fmt, evaluation).encode())
+    return path
