@@ -123,6 +123,7 @@ class LayerFanOut:
             progress.update("cluster experts", 0, total)
             while (layer := claims.next()) is not None:
                 save_layer_experts(build_one(layer), _layer_file(self.scratch, layer))
+                self._check_helpers(layers)  # between own layers too: a dead helper fails the job early
                 progress.update("cluster experts", self._done(layers), total)
             while (done := self._done(layers)) < total:  # layers other workers hold
                 self._check_helpers(layers)
@@ -150,21 +151,30 @@ class LayerFanOut:
         return sum(_layer_file(self.scratch, i).is_file() for i in layers)
 
     def _check_helpers(self, layers: list[int]) -> None:
-        """Raise with the reason when a helper failed a layer or died holding one."""
+        """Raise with the reason when a helper failed a layer, or when a layer not built yet has no
+        live worker building it: its holder died (named connection closed), its holder stopped
+        announcing itself (a death the leader, busy with its own layers, noticed only after the
+        presence key lapsed), or nobody holds it and it is not queued (Redis lost the keys)."""
         error = self.client.get(self.keys["error"])
         if error:
             raise ConversionError(error.decode())
         owners = {int(k): v.decode() for k, v in self.client.hgetall(self.keys["owner"]).items()}
-        missing = {i: w for i, w in owners.items() if w != self.worker and not _layer_file(self.scratch, i).is_file()}
-        dead = liveness.dead_workers(self.client, self.prefix, set(missing.values()))
+        missing = [i for i in layers if not _layer_file(self.scratch, i).is_file()]
+        queued = {int(v) for v in self.client.lrange(self.keys["todo"], 0, -1)}
+        retry = f"re-run the job with POST /api/v1/jobs/{self.job_id}/retry"
+        lost = [i for i in missing if i not in owners and i not in queued]
+        if lost:
+            raise ConversionError(f"layer(s) {', '.join(map(str, lost))} of this conversion are neither built, queued nor "
+                                  f"held by a worker (the broker lost the conversion's keys, e.g. Redis restarted); {retry}")
+        holders = {owners[i] for i in missing if i in owners and owners[i] != self.worker}
+        present = set(liveness.alive(self.client, self.prefix))
+        dead = {w for w in holders if w not in present} | liveness.dead_workers(self.client, self.prefix, holders)
         if dead:
-            held = sorted(i for i, w in missing.items() if w in dead)
+            held = sorted(i for i in missing if owners.get(i) in dead)
             raise ConversionError(
                 f"worker {', '.join(sorted(dead))} died while building layer(s) {', '.join(map(str, held))} of this "
-                "conversion (killed, out of memory or crashed; its log says which); re-run the job with POST /api/v1/jobs/"
-                f"{self.job_id}/retry"
+                f"conversion (killed, out of memory or crashed; its log says which); {retry}"
             )
-
 
 def help_build_layers(client: redis.Redis, prefix: str, job_id: str, worker: str,
                       load_dense: Callable[[dict[str, Any]], Any]) -> int:

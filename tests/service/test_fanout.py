@@ -66,9 +66,7 @@ def second_worker(service_config, settings, tmp_path):
         time.sleep(0.2)
     yield w, name
     w.stop()
-    while name in liveness.alive(client, settings.redis_prefix):  # its presence lapses: later tests see one worker
-        client.delete(f"{settings.redis_prefix}worker:{name}")
-        time.sleep(0.2)
+    liveness.withdraw(client, settings.redis_prefix, name)  # a killed worker's presence would stand until its TTL
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +111,7 @@ def test_a_worker_killed_holding_a_layer_fails_the_job_then_a_retry_succeeds(cli
     t0 = time.monotonic()
     job = wait_job(client, created["job_id"], timeout=60)
     assert job["state"] == "failed" and f"worker {name} died while building layer" in job["error"], job
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < 30  # the leader notices between its own layers (a few seconds each on a slow machine)
     retry = client.post(f"/api/v1/jobs/{created['job_id']}/retry")
     assert retry.status_code in (200, 201, 202), retry.text
     assert wait_job(client, retry.json()["id"], timeout=120)["state"] == "succeeded"
