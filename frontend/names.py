@@ -56,6 +56,8 @@ def key_params(method: str | None, params: Mapping[str, Any]) -> str:
         parts.append(f"{p['router']} router")
     if p.get("plan") and p.get("plan") != "paper":
         parts.append(f"{p['plan']} plan")
+    if p.get("compensation") and p.get("compensation") != "none":
+        parts.append("skipped-expert means")
     return ", ".join(parts)
 
 

@@ -225,7 +225,8 @@ def _recovery_modes() -> list[str]:
 @click.option("--calib", help="hierarchical: calibration set spec, e.g. builtin:mixed")
 @click.option("--recipe", type=click.Choice(["paper", "best"]), default="paper", show_default=True,
               help="paper: the method's paper settings; best: the best training-free conversion measured "
-                   "(expertweaver: ridge router, per-layer budget plan; with --sparsity S its ffn_flops_fraction is ≤ 1 − S)")
+                   "(expertweaver: ridge router, per-layer budget plan, skipped-expert compensation; with --sparsity S its "
+                   "ffn_flops_fraction is ≤ 1 − S)")
 @_method_param_options
 @click.option("--max-memory", default=None, metavar="SIZE",
               help="memory budget, e.g. 2GiB: a dense model larger than it is converted one decoder layer at a time "

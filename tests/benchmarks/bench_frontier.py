@@ -10,7 +10,8 @@ the built modules' own count), so rows of one level cost the same within one exp
 * ExpertWeaver with the paper's settings (centroid router, α on all neurons), with the gate-mass
   router and with the ridge router; CMoE (S = A, representative
   router) with the gate-mass and ridge routers; ``--recipe best`` (``methods.expertweaver``:
-  ridge router, α on the active budget, per-layer budget plan); AbsTopK-GLU (EW Eq. 2) at the
+  ridge router, α on the active budget, per-layer budget plan, skipped-expert compensation) and the
+  same without the compensation; AbsTopK-GLU (EW Eq. 2) at the
   same cost (it computes every gate: ``1/3 + 2/3 · k/d_ffn``);
 * Dense2MoE with its defaults, at its own cost (it removes whole blocks: attention too).
 
@@ -83,6 +84,7 @@ def configurations(level: float, d_model: int, profile: Any, candidates: bool = 
         "cmoe-gate_mass": _cmoe(level, d_model, profile, router="gate_mass"),
         "cmoe-ridge": _cmoe(level, d_model, profile, router="ridge"),
         "best": best,
+        "best-no-compensation": replace(best, compensation="none"),  # what the skipped-expert means add
     }
     if candidates:  # for the recipe: finer experts (more choice at the same cost; the router costs 2×),
         # and four times the fit tokens for the ridge router and the error curves

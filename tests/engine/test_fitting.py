@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from moelab.cli import main
 from workers.engine.core.allocation import plan_flops_fraction
-from workers.engine.core.fitting import collect_inputs, error_curve, greedy_budget, ridge_router, router_scores
+from workers.engine.core.fitting import collect_inputs, error_curve, greedy_budget, ridge_router, router_scores, skipped_means
 from workers.engine.core.params import ConversionError
 from workers.engine.core.slicing import dense_weights, partition_modules
 from workers.engine.methods import cmoe, expertweaver, get_method
@@ -72,6 +72,74 @@ def test_error_curve_is_the_brute_force_error_of_the_top_k_experts():
     assert err[E] == pytest.approx(0, abs=1e-6) and np.all(np.diff(err) <= 1e-6)
 
 
+def test_skipped_means_are_each_experts_mean_over_the_tokens_that_skip_it():
+    torch.manual_seed(0)
+    T, d, E, m, k = 50, 8, 5, 3, 2
+    x = torch.randn(T, d)
+    g, u, dn = torch.randn(E * m, d), torch.randn(E * m, d), torch.randn(d, E * m)
+    routed = torch.randperm(E * m).reshape(E, m).numpy()
+    scores = torch.randn(T, E)
+    scores[:, 4] = 100.0  # every token selects expert 4: nobody skips it
+    mu = skipped_means(x, g, u, dn, routed, scores, k, "silu", chunk=7)
+    top = scores.topk(k, dim=1).indices.tolist()
+    for e in range(E):
+        idx = torch.as_tensor(routed[e])
+        out = (torch.nn.functional.silu(x @ g[idx].T) * (x @ u[idx].T)) @ dn[:, idx].T  # [T, d]
+        skipped = [t for t in range(T) if e not in top[t]]
+        want = out[skipped].mean(0) if skipped else torch.zeros(d)
+        assert np.allclose(mu[e], want.numpy(), atol=1e-5), e
+    assert not mu[4].any()
+    every = skipped_means(x, g, u, dn, routed, scores, 0, "silu")  # top-k 0: the plain mean of every expert
+    assert np.allclose(every.sum(0), ((torch.nn.functional.silu(x @ g.T) * (x @ u.T)) @ dn.T).mean(0).numpy(), atol=1e-4)
+
+
+@pytest.mark.parametrize("top_k", [0, 2, 4])
+def test_moe_ffn_adds_the_means_of_the_experts_a_token_skips(top_k):
+    torch.manual_seed(1)
+    gate, up, down = torch.randn(16, D_MODEL), torch.randn(16, D_MODEL), torch.randn(D_MODEL, 16)
+    mu = torch.randn(4, D_MODEL)
+    plain = MoeFFN.from_dense(gate, up, down, "silu", [], torch.arange(16).reshape(4, 4), top_k, "centroid")
+    comp = MoeFFN.from_dense(gate, up, down, "silu", [], torch.arange(16).reshape(4, 4), top_k, "centroid", skip_mean=mu)
+    picked = []
+    plain.recorder = picked.append
+    x = torch.randn(7, D_MODEL)
+    with torch.no_grad():
+        want = plain(x) + torch.stack([mu[[e for e in range(4) if e not in row]].sum(0) for row in picked[0].tolist()])
+        assert torch.allclose(comp(x), want, atol=1e-4)
+        comp.dispatch = "loop"
+        assert torch.allclose(comp(x), want, atol=1e-4)
+        again = MoeFFN(comp.spec)  # the spec says it, the state dict carries the means
+        again.load_state_dict(comp.state_dict())
+        assert torch.equal(again.skip_mean, mu) and torch.allclose(again(x), want, atol=1e-4)
+    assert comp.active_param_count() == plain.active_param_count()  # additions, not multiply-adds
+    with pytest.raises(ValueError, match=r"skip_mean must be \[n_routed=4, d_model=64\]"):
+        MoeFFN.from_dense(gate, up, down, "silu", [], torch.arange(16).reshape(4, 4), 1, "centroid", skip_mean=mu[:2])
+
+
+def test_compensation_lowers_the_error_at_the_same_cost(fitted):
+    _, adapter, prof, calib = fitted
+    out = {}
+    for comp in ("none", "skipped_mean"):
+        p = ExpertWeaverParams(n_experts=8, sparsity=0.5, router="ridge", alpha_basis="active", compensation=comp)
+        rows, experts, modules, fit = partition_modules(adapter, prof, p, expertweaver.plan_for(prof, p),
+                                                         expertweaver.layer_builder(prof, p), calib=calib)
+        err = 0.0
+        with torch.no_grad():
+            for e, mod in zip(experts, modules.values()):
+                x = calib.mlp_inputs[e.layer]
+                err += float(((adapter.layers[e.layer].mlp(x) - mod(x)) ** 2).sum())
+        out[comp] = (sum(m.active_param_count() for m in modules.values()), err, fit.get("compensation"))
+    assert out["skipped_mean"][0] == out["none"][0] and out["skipped_mean"][2] == "skipped_mean"
+    assert out["skipped_mean"][1] < 0.98 * out["none"][1], out
+
+
+def test_compensation_needs_the_sum_combine():
+    with pytest.raises(ConversionError, match="needs combine 'sum', not 'weighted'"):
+        ExpertWeaverParams(compensation="skipped_mean", combine="weighted").check()
+    with pytest.raises(ConversionError, match="needs combine 'sum'"):
+        CMoEParams(compensation="skipped_mean", combine="weighted").check()
+
+
 def test_ridge_router_is_the_regularised_least_squares_solution():
     torch.manual_seed(1)
     T, d, E, m = 200, 6, 3, 2
@@ -107,6 +175,7 @@ def test_moe_ffn_ridge_router_scores_with_its_offset():
     ExpertWeaverParams(n_experts=8, sparsity=0.25),
     ExpertWeaverParams(n_experts=8, sparsity=0.5, router="gate_mass"),
     ExpertWeaverParams(n_experts=8, sparsity=0.5, router="ridge", alpha_basis="active"),
+    ExpertWeaverParams(n_experts=8, sparsity=0.5, router="ridge", alpha_basis="active", compensation="skipped_mean"),
     CMoEParams(n_experts=8, shared=2, active=2),
     CMoEParams(n_experts=8, shared=1, active=3, router="gate_mass"),
 ])
@@ -157,8 +226,10 @@ def test_recipe_best_from_the_cli_records_its_cost_and_the_export_reloads(fitted
     assert res.exit_code == 0, res.output
     record = json.loads(res.output[res.output.index("{"):])
     assert record["params"]["router"] == "ridge" and record["params"]["plan"] == "budget"
-    assert record["params"]["alpha_basis"] == "active"
+    assert record["params"]["alpha_basis"] == "active" and record["params"]["compensation"] == "skipped_mean"
     model = load_exported(out)
+    moes = [m for m in model.moe_modules().values() if 0 < m.top_k < m.n_routed]
+    assert moes and all(m.compensated and m.skip_mean.abs().sum() > 0 for m in moes)  # the means were saved and reloaded
     dense = prof.manifest["model"]["n_ffn_parameters"]
     assert record["summary"]["ffn_flops_fraction"] == pytest.approx(ffn_flops_fraction(model, dense))
     assert record["summary"]["ffn_flops_fraction"] <= 0.5

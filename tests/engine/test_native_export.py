@@ -171,11 +171,11 @@ def test_midas_and_gemma_are_refused(tiny_model, data_dir, convs, tmp_path):
         native_layout(_hand_moe(load_model(str(tiny_model("gemma2")), data_dir=data_dir)))
 
 
-def _hand_moe(adapter, router="softmax", combine="weighted"):
+def _hand_moe(adapter, router="softmax", combine="weighted", **extra):
     """Layer 0 of ``adapter`` as an MoE of 4 experts of 24 neurons, top-2, no shared part (default: softmax, weighted)."""
     from workers.engine.runtime.export import build_moe_model
 
-    extra = {"router_offset": torch.zeros(4)} if router == "ridge" else {}
+    extra |= {"router_offset": torch.zeros(4)} if router == "ridge" else {}
     mlp = adapter.model.model.layers[0].mlp
     mod = MoeFFN.from_dense(mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach(), mlp.down_proj.weight.detach(),
                             getattr(adapter.model.config, "hidden_activation", None) or adapter.model.config.hidden_act,
@@ -382,4 +382,11 @@ def test_layout_table_groups_runs_of_equal_layers():
 def test_routers_and_combines_a_stock_gate_cannot_compute_are_refused(router, combine, tiny_model, data_dir):
     moe = _hand_moe(load_model(str(tiny_model("llama")), data_dir=data_dir), router, combine)
     with pytest.raises(NativeExportError, match=f"layer 0 routes with the '{router}' router and the '{combine}' combine"):
+        native_layout(moe)
+
+
+def test_skipped_expert_compensation_is_refused(tiny_model, data_dir):
+    adapter = load_model(str(tiny_model("llama")), data_dir=data_dir)
+    moe = _hand_moe(adapter, skip_mean=torch.ones(4, adapter.d_model))
+    with pytest.raises(NativeExportError, match="layer 0 adds the means of the experts a token skips .*compensation 'none'"):
         native_layout(moe)

@@ -79,7 +79,7 @@ def test_streamed_conversion_equals_the_in_memory_one(profiled, params, data_dir
 def test_what_cannot_stream_is_refused_before_any_work(profiled, data_dir, tmp_path):
     src, prof = profiled
     budget = _budget(src, data_dir)
-    with pytest.raises(ConversionError, match="ridge router and the budget plan"):
+    with pytest.raises(ConversionError, match="ridge router, the budget plan and the skipped-expert compensation"):
         run_conversion(prof, ExpertWeaverParams(n_experts=8, router="ridge"), tmp_path / "ridge", data_dir=data_dir, max_memory=budget)
     with pytest.raises(MemoryBudgetError):
         run_conversion(prof, ExpertWeaverParams(n_experts=8), tmp_path / "small", data_dir=data_dir, max_memory=1024)

@@ -153,8 +153,10 @@ def from_known_fields(cls: type[T], d: Mapping[str, Any], what: str, error: type
 
 
 def needs_fitting(params: Any) -> bool:
-    """The ridge router and the budget plan are fitted on calibration tokens (``core.fitting``)."""
-    return getattr(params, "router", None) == "ridge" or getattr(params, "plan", "paper") == "budget"
+    """The ridge router, the budget plan and the skipped-expert compensation are fitted on calibration
+    tokens (``core.fitting``)."""
+    return (getattr(params, "router", None) == "ridge" or getattr(params, "plan", "paper") == "budget"
+            or getattr(params, "compensation", "none") != "none")
 
 
 def check_streamable(method: Any, params: Any) -> None:
@@ -165,6 +167,6 @@ def check_streamable(method: Any, params: Any) -> None:
             "layer at a time; run it on a machine that holds the whole model, or without --max-memory")
     if needs_fitting(params):
         raise ConversionError(
-            "the ridge router and the budget plan are fitted on calibration activations of the whole model, which "
-            "--max-memory does not hold: use --router centroid (expertweaver) or representative (cmoe) and --plan paper "
-            "(--recipe paper), or convert without --max-memory")
+            "the ridge router, the budget plan and the skipped-expert compensation are fitted on calibration activations "
+            "of the whole model, which --max-memory does not hold: use --router centroid (expertweaver) or representative "
+            "(cmoe), --plan paper and --compensation none (--recipe paper), or convert without --max-memory")

@@ -42,6 +42,9 @@ class CMoEParams(MethodParams):
     plan: Literal["paper", "budget"] = param(
         "paper", "paper: A routed experts in every layer (CM §3.1); budget: the same total FFN cost, the routed experts "
         "per layer chosen by calibration error (moelab's)", paper="CM §3.1")
+    compensation: Literal["none", "skipped_mean"] = param(
+        "none", "none: a skipped expert adds nothing (CM Eq. 11); skipped_mean: it adds its mean output over the calibration "
+        "tokens that skipped it (moelab's; additions only, no multiply-adds; needs combine 'sum')", paper="CM Eq. 11")
     combine: Literal["sum", "weighted"] = param("sum", "how selected experts add up; sum is CM Eq. 11", paper="CM Eq. 11",
                                                 advanced=True)
     max_iter: int = param(50, "balanced clustering iteration cap", paper="CM Eqs. 7-10", ge=1, le=10000, advanced=True)
@@ -50,6 +53,9 @@ class CMoEParams(MethodParams):
 
     def _check(self) -> None:
         s, a, e = self.shared, self.active, self.n_experts
+        if self.compensation != "none" and self.combine != "sum":
+            raise ConversionError(f"compensation {self.compensation!r} adds unweighted expert means: it needs combine 'sum', "
+                                  f"not {self.combine!r}")
         if s + a > e:
             raise ConversionError(f"S·A·E = {s}·{a}·{e}: shared + active ({s + a}) exceeds the {e} experts; lower S or A or raise n_experts")
         if s + a == 0:

@@ -54,6 +54,9 @@ class ExpertWeaverParams(MethodParams):
     plan: Literal["paper", "budget"] = param(
         "paper", "paper: one top-k for every layer (EW Eq. 6); budget: per-layer top-k chosen by calibration error so "
         "that the FFN cost, router included, is at most 1 - sparsity of the dense FFN's (moelab's)", paper="EW Eq. 6")
+    compensation: Literal["none", "skipped_mean"] = param(
+        "none", "none: a skipped expert adds nothing (EW Eq. 10); skipped_mean: it adds its mean output over the calibration "
+        "tokens that skipped it (moelab's; additions only, no multiply-adds; needs combine 'sum')", paper="EW Eq. 10")
     combine: Literal["sum", "weighted"] = param("sum", "how selected experts add up; sum is EW Eq. 10", paper="EW Eq. 10",
                                                 advanced=True)
     seed: int = param(0, "k-means++ seeding of the balanced clustering", paper="EW App. G", ge=0, advanced=True)
@@ -66,6 +69,9 @@ class ExpertWeaverParams(MethodParams):
         return 1 - self.sparsity
 
     def _check(self) -> None:
+        if self.compensation != "none" and self.combine != "sum":
+            raise ConversionError(f"compensation {self.compensation!r} adds unweighted expert means: it needs combine 'sum', "
+                                  f"not {self.combine!r}")
         if self.alpha_min > self.alpha_max:
             raise ConversionError(f"alpha_min ({self.alpha_min}) must not exceed alpha_max ({self.alpha_max}): swap or lower alpha_min")
         if round((1 - self.sparsity) * self.n_experts) < 1:
@@ -215,5 +221,5 @@ METHOD = Method(
                       prepare=prepare_recovery),
     baselines=baselines,
     # tests/benchmarks/bench_frontier.py: the best training-free conversion measured at every cost
-    recipes={"best": {"router": "ridge", "alpha_basis": "active", "plan": "budget"}},
+    recipes={"best": {"router": "ridge", "alpha_basis": "active", "plan": "budget", "compensation": "skipped_mean"}},
 )

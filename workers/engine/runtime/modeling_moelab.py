@@ -50,6 +50,9 @@ capacity-padded matmul; now the same as ``auto``). Optional ``expert_groups`` (o
 experts of one group are copies of one another (Dense2MoE's N copies of a block's MLP); a
 token selects at most one expert per group, the best-scoring (ties: the lower index), so
 two copies never add up for one token; ``top_k`` must not exceed the number of groups.
+Optional ``skip_mean: true``: the buffer ``skip_mean`` ``[n_routed, d_model]`` holds each routed
+expert's mean output over the calibration tokens that skipped it, and a token adds the means of
+the experts it skips (``core.fitting``, skipped-expert compensation; moelab's own).
 Any other keys are kept and written back by ``MoeFFN.spec``.
 
 AbsTopK layer: ``{"kind": "abstopk", "d_model", "d_ffn", "act", "k"}``. Dense layer:
@@ -523,6 +526,9 @@ class MoeFFN(nn.Module):
             self.router_up = nn.Parameter(torch.empty(E, d))
         if self.combine == "scaled":
             self._add_scaled_gating()
+        self.compensated = bool(spec.get("skip_mean", False))
+        if self.compensated:  # a buffer: fitted in closed form, saved and loaded, never trained
+            self.register_buffer("skip_mean", torch.zeros(E, d))
         self.recorder: Callable[[torch.Tensor], None] | None = None
         _register_load_pre_hook(self, _load_legacy_expert_keys)
         self.reset_parameters()
@@ -606,7 +612,8 @@ class MoeFFN(nn.Module):
             "kind": "moe", "d_model": self.d_model, "act": self.act, "d_shared": self.d_shared,
             "n_routed": self.n_routed, "expert_size": self.expert_size, "top_k": self.top_k,
             "router": self.router, "combine": self.combine,
-            **({"dispatch": self.dispatch} if self.dispatch != "auto" else {}), **self._extra,
+            **({"dispatch": self.dispatch} if self.dispatch != "auto" else {}),
+            **({"skip_mean": True} if self.compensated else {}), **self._extra,
         }
 
     @classmethod
@@ -626,6 +633,7 @@ class MoeFFN(nn.Module):
         router_gate: torch.Tensor | None = None,
         router_up: torch.Tensor | None = None,
         router_offset: torch.Tensor | None = None,
+        skip_mean: torch.Tensor | None = None,
         **extra: Any,
     ) -> "MoeFFN":
         """Slice a dense GLU into a shared expert and routed experts (EW Eqs. 7-8, CMoE Eq. 5).
@@ -635,7 +643,9 @@ class MoeFFN(nn.Module):
         ``[E, m]`` neuron ids of each routed expert. Neurons left out of both are pruned.
         Router weights default to the expert centroids of the gate rows (EW Eq. 9); for the
         representative router to the centroids of the gate and up rows (pass CMoE's
-        representative-neuron rows to follow Eq. 18 exactly).
+        representative-neuron rows to follow Eq. 18 exactly). ``skip_mean`` ``[E, d_model]``: the
+        skipped experts' calibration means (``core.fitting.skipped_means``), added for the experts
+        a token skips.
         """
         d_ffn, d_model = gate_w.shape
         if up_w.shape != gate_w.shape or down_w.shape != (d_model, d_ffn):
@@ -658,7 +668,7 @@ class MoeFFN(nn.Module):
         spec = {
             "kind": "moe", "d_model": int(d_model), "act": str(act), "d_shared": int(shared.numel()),
             "n_routed": int(E), "expert_size": int(m), "top_k": int(top_k), "router": router,
-            "combine": combine, **extra,
+            "combine": combine, **({"skip_mean": True} if skip_mean is not None else {}), **extra,
         }
         dev, dt = gate_w.device, gate_w.dtype
         with torch.device("meta"):
@@ -690,6 +700,10 @@ class MoeFFN(nn.Module):
         if mod.combine == "scaled":  # to_empty left them uninitialised
             mod.router_scale.zero_()
             mod.router_bias.zero_()
+        if skip_mean is not None:
+            if tuple(skip_mean.shape) != (E, d_model):
+                raise ValueError(f"skip_mean must be [n_routed={E}, d_model={d_model}], got {tuple(skip_mean.shape)}")
+            mod.skip_mean.copy_(skip_mean)
         return mod
 
     def active_param_count(self) -> int:
@@ -741,6 +755,8 @@ class MoeFFN(nn.Module):
         y = self._shared(xt)
         if k == 0 or E == 0:
             self._record(torch.empty(T, 0, dtype=torch.long, device=x.device), lead)
+            if self.compensated and E:
+                y = y + self.skip_mean.sum(0)  # every routed expert is skipped
             return y.reshape(x.shape)
         if k >= E:
             self._record(torch.arange(E, device=x.device).expand(T, E), lead)
@@ -757,6 +773,8 @@ class MoeFFN(nn.Module):
         top = torch.topk(key, k, dim=-1).indices  # [T, k], best first: the recorder's readers rank by it (k ≤ E is small)
         self._record(top, lead)
         y = y + self.experts(xt, top, self._routing_weights(scores, top), act_gate)
+        if self.compensated:  # Σ_{e∉top} μ_e as (Σ_e μ_e) − Σ_{e∈top} μ_e: k + 1 additions per token
+            y = y + (self.skip_mean.sum(0) - self.skip_mean[top].sum(1))
         return y.reshape(x.shape)
 
     def _routing_weights(self, scores: torch.Tensor, top: torch.Tensor | None) -> torch.Tensor | None:
@@ -783,7 +801,7 @@ class MoeFFN(nn.Module):
 
 
 _MOE_KEYS = {"kind", "d_model", "act", "d_shared", "n_routed", "n_experts", "expert_size", "top_k", "router", "combine",
-             "dispatch"}
+             "dispatch", "skip_mean"}
 
 
 def _register_load_pre_hook(module: nn.Module, hook: Callable) -> None:

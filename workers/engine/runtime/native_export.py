@@ -46,7 +46,7 @@ Anything else is refused with ``NativeExportError`` (a ``ValueError``) naming th
 layer or setting and the plan/route that would export: per-layer expert counts, sizes, top-k
 or shared widths (Qwen2-MoE has one of each for the model), the unweighted ``sum`` combine and
 the ``normalized``/``scaled`` combines, the centroid/representative/gate_mass/ridge routers,
-Dense2MoE's grouped copies, AbsTopK, MIDAS low-rank and hierarchical layers, and source
+Dense2MoE's grouped copies, the skipped-expert compensation, AbsTopK, MIDAS low-rank and hierarchical layers, and source
 families whose attention or norms differ (Gemma 2/3's post-norms and soft-capping, OLMo's norms,
 Phi-3's fused projections…).
 
@@ -132,6 +132,9 @@ def native_layout(moe: MoelabForCausalLM) -> dict[str, Any]:
                 f"layer {i} routes with the {router!r} router and the {combine!r} combine; a stock MoE gate is "
                 "softmax(x W) with each selected expert weighted by its probability (router 'softmax' or 'centroid', "
                 "combine 'weighted', or 'normalized' over the selected experts)")
+        if s.get("skip_mean"):
+            raise _refuse(f"layer {i} adds the means of the experts a token skips (compensation 'skipped_mean'): a stock "
+                          "sparse-MoE block has no such term; convert with compensation 'none'")
         if s.get("expert_groups") is not None and len(set(s["expert_groups"])) != len(s["expert_groups"]):
             raise _refuse(f"layer {i} holds grouped expert copies (at most one copy of an MLP per token)")
         if int(s.get("top_k", 0)) < 1 or int(s.get("n_routed", s.get("n_experts", 0))) < 1:
