@@ -226,7 +226,9 @@ def test_mode_parameter_selection(convs):
     assert any(".mlp.experts." in n and n.endswith("lora_A.default.weight") for n in names), \
         "routed experts (3-D gate_up_proj/down_proj of the experts module) get LoRA too"
     assert len(setup.buffers) == 3 and all(k.endswith("router_bias") for k in setup.buffers)
-    assert torch.equal(logits(setup.model), ref), "u = b = 0 and LoRA B = 0: the model is unchanged"
+    # u = b = 0 and LoRA B = 0: the model is unchanged, up to float rounding: W + 0 of the stacked down
+    # projections is a contiguous tensor, not the runtime's decode layout, so BLAS sums in another order
+    assert torch.allclose(logits(setup.model), ref, rtol=0, atol=1e-5), "u = b = 0 and LoRA B = 0: the model is unchanged"
 
     moe = load_conversion_for_training(convs["expertweaver"], CPU)
     setup = apply_mode(moe, quick("expertweaver", "builtin:mixed"), x)

@@ -141,6 +141,11 @@ class MoeExperts(nn.Module):
     gate, ``m:`` the up projection of each expert) and ``down_proj [E, d_model, m]``; expert e is
     ``down_proj[e] (act(gate_up_proj[e, :m] x) * gate_up_proj[e, m:] x)``. Every expert of a layer
     has the same size ``m`` (layers may differ), so no padding is stored or computed.
+    ``down_proj`` has the ``[E, d_model, m]`` shape of those modules (and of every checkpoint) but
+    ``[E, m, d_model]`` storage (``_decode_layout``): a decode step multiplies one row by the down
+    projections of the selected experts, and with rows of ``m`` contiguous numbers that product
+    streams memory at a third of the speed (8B-shaped layer, 32 of 64 experts, one token, one
+    thread: 14 ms against 5 ms); prefill GEMMs take either layout at the same speed.
 
     ``forward(hidden_states [T, d], top_k_index [T, k], top_k_weights [T, k] | None,
     gate_act [T, E*m] | None) -> [T, d]``: the sum over each token's k selected experts, each
@@ -169,7 +174,7 @@ class MoeExperts(nn.Module):
         self.act_fn = ACT2FN[act]
         E, m, d = self.num_experts, self.expert_size, self.d_model
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * m, d))
-        self.down_proj = nn.Parameter(torch.empty(E, d, m))
+        self.down_proj = nn.Parameter(_decode_layout(torch.empty(E, m, d).transpose(1, 2)))
         self.experts_impl = "auto"
 
     @torch.no_grad()
@@ -1267,13 +1272,25 @@ def convert_in_place(model: nn.Module, layer_modules: dict[int, nn.Module | None
 
 
 @torch.no_grad()
+def _decode_layout(down: torch.Tensor) -> torch.Tensor:
+    """``down`` ``[E, d, m]`` with ``[E, m, d]`` storage (``MoeExperts``); the same values."""
+    if down.dim() != 3 or down.stride()[1:] == (1, down.shape[1]) or down.device.type == "meta":
+        return down
+    return down.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def realign_parameters(model: nn.Module, alignment: int = 64) -> int:
     """Copy CPU parameters/buffers whose data is not ``alignment``-byte aligned (safetensors
-    memory-maps tensors at arbitrary offsets) into fresh, aligned storage. BLAS kernels may
-    round differently depending on alignment, so a model loaded from disk and the in-memory
-    model it was saved from only compute bit-identical logits once both are aligned.
-    Tied parameters stay tied (the Parameter objects are kept). Returns the number copied."""
+    memory-maps tensors at arbitrary offsets) into fresh, aligned storage, and give every
+    ``MoeExperts.down_proj`` its decode layout (a loaded checkpoint arrives contiguous). BLAS
+    kernels may round differently depending on alignment and layout, so a model loaded from disk
+    and the in-memory model it was saved from only compute bit-identical logits once both are
+    realigned. Tied parameters stay tied (the Parameter objects are kept). Returns the number copied."""
     n = 0
+    for mod in model.modules():
+        if isinstance(mod, MoeExperts) and (relaid := _decode_layout(mod.down_proj.data)) is not mod.down_proj.data:
+            mod.down_proj.data = relaid
+            n += 1
     for t in list(model.parameters()) + list(model.buffers()):
         if t.device.type == "cpu" and t.numel() and t.data_ptr() % alignment:
             t.data = t.data.clone()
