@@ -33,7 +33,7 @@ the FFN) prediction of every neuron's gate and up was worse than ridge; the orac
   and the router's selections. A token pays ``k + 1`` vector additions of width ``d``
   (``Σ_e μ_e − Σ_{e∈S} μ_e``), element-wise work that ``ffn_flops_fraction`` does not count,
   like the sum of the selected experts' outputs; the layer stores ``E·d`` more numbers.
-  Measured on the default model, ``--recipe best``, four held-out domains: 1.52× → 1.42× dense
+  Measured on the default model, ``--recipe best``, four held-out domains: 1.51× → 1.42× dense
   perplexity at cost 0.75 and 3.04× → 2.49× at 0.5, every domain better (bench_frontier).
 """
 
