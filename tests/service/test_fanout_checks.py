@@ -78,7 +78,7 @@ def test_a_helper_whose_presence_lapsed_holding_a_layer_fails_the_job(fanout):
     def helper_claims_then_vanishes():
         liveness.announce(client, prefix, "helper@h", ttl_s=1)
         assert _Claims(client, _keys(prefix, "job-x"), "helper@h").next() is not None
-        time.sleep(1.2)  # the helper died and its presence lapsed while the leader built its own layers
+        time.sleep(1.5)  # the helper died and its presence (TTL 1 s) lapsed while the leader built its own layers
 
     t0 = time.monotonic()
     with pytest.raises(ConversionError, match=r"worker helper@h died while building layer\(s\) 1 .*retry"):
