@@ -16,9 +16,9 @@ import redis
 
 from moelab.store import liveness
 from workers.engine.core.params import ConversionError
-from workers.engine.core.partition import LayerExperts
+from workers.engine.core.partition import LayerExperts, save_layer_experts
 from workers.engine.progress import Progress
-from workers.fanout import LayerFanOut, _Claims, _keys
+from workers.fanout import LayerFanOut, _Claims, _keys, _layer_file
 
 LAYERS = [0, 1, 2, 3]
 
@@ -91,9 +91,6 @@ def test_a_live_helper_holding_a_layer_is_waited_for(fanout, redis_url):
     leader.start(LAYERS)
     presence = liveness.client_for(redis_url, name=liveness.connection_name(prefix, "helper@h"))
     presence.ping()  # the helper's named connection is open: it is alive
-    from workers.engine.core.partition import save_layer_experts
-    from workers.fanout import _layer_file
-
     claimed: list[int] = []
 
     def helper_claims_and_builds():

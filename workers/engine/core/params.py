@@ -159,6 +159,14 @@ def needs_fitting(params: Any) -> bool:
             or getattr(params, "compensation", "none") != "none")
 
 
+def check_compensation(params: Any) -> None:
+    """The skipped-expert compensation adds unweighted expert means (``core.fitting``): only under the
+    ``sum`` combine are they what a skipped expert would have added."""
+    if params.compensation != "none" and params.combine != "sum":
+        raise ConversionError(f"compensation {params.compensation!r} adds unweighted expert means: it needs combine 'sum', "
+                              f"not {params.combine!r}")
+
+
 def check_streamable(method: Any, params: Any) -> None:
     """Raise what blocks a layer-streamed conversion (``core.streamed_conversion``), and what to do instead."""
     if method.partition is None:

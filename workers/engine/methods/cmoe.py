@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Literal, Sequence
 import numpy as np
 
 from ..core.allocation import LayerPlan, check_experts_fit, layer_plan, model_width, plan_record, validate_partition
-from ..core.params import ConversionError, MethodParams, param
+from ..core.params import ConversionError, MethodParams, check_compensation, param
 from ..core.partition import LayerExperts, cluster_routed, finish, split_shared
 from .base import ConversionInputs, Method, Recovery
 
@@ -53,9 +53,7 @@ class CMoEParams(MethodParams):
 
     def _check(self) -> None:
         s, a, e = self.shared, self.active, self.n_experts
-        if self.compensation != "none" and self.combine != "sum":
-            raise ConversionError(f"compensation {self.compensation!r} adds unweighted expert means: it needs combine 'sum', "
-                                  f"not {self.combine!r}")
+        check_compensation(self)
         if s + a > e:
             raise ConversionError(f"S·A·E = {s}·{a}·{e}: shared + active ({s + a}) exceeds the {e} experts; lower S or A or raise n_experts")
         if s + a == 0:

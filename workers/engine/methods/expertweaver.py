@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Literal, Sequence
 import numpy as np
 
 from ..core.allocation import LayerPlan, check_experts_fit, layer_plan, model_width, plan_record, validate_partition, specialisation_ratio
-from ..core.params import ConversionError, MethodParams, param
+from ..core.params import ConversionError, MethodParams, check_compensation, param
 from ..core.partition import LayerExperts, cluster_routed, finish, split_shared
 from .base import ConversionInputs, Method, Recovery
 
@@ -69,9 +69,7 @@ class ExpertWeaverParams(MethodParams):
         return 1 - self.sparsity
 
     def _check(self) -> None:
-        if self.compensation != "none" and self.combine != "sum":
-            raise ConversionError(f"compensation {self.compensation!r} adds unweighted expert means: it needs combine 'sum', "
-                                  f"not {self.combine!r}")
+        check_compensation(self)
         if self.alpha_min > self.alpha_max:
             raise ConversionError(f"alpha_min ({self.alpha_min}) must not exceed alpha_max ({self.alpha_max}): swap or lower alpha_min")
         if round((1 - self.sparsity) * self.n_experts) < 1:
