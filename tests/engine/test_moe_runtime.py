@@ -342,13 +342,23 @@ def test_each_stacked_weight_is_read_once_per_forward(impl, monkeypatch):
     assert Counted.reads == 2, f"{impl}: {Counted.reads} reads of the parametrised weights in one forward"
 
 
-def test_auto_picks_grouped_mm_without_gradient_on_cpu():
-    mod = kernel_moe("centroid", "sum")
-    x = torch.randn(5, 32)
-    experts = mod.experts
-    expected = "grouped_mm" if modeling_moelab._GROUPED_MM is not None else "sorted"
-    assert experts.resolve_impl(x, torch.zeros(5, 3, dtype=torch.long), needs_grad=False) == expected
-    assert experts.resolve_impl(x, torch.zeros(5, 3, dtype=torch.long), needs_grad=True) == "sorted"
+def test_auto_kernel_choice_on_cpu(monkeypatch):
+    """CPU ``auto``: gather for a decode step of small experts (at most GATHER_MAX_TOKENS tokens
+    whose experts' blocks fit in GATHER_MAX_BYTES), grouped_mm for other batches whose activations
+    fit in CHUNK_BYTES, the chunked sorted kernel above that, and never gather or grouped_mm under
+    a gradient."""
+    experts = kernel_moe("centroid", "sum").experts  # 16 experts of 4 neurons, d_model 32
+
+    def pick(tokens, needs_grad=False):
+        return experts.resolve_impl(torch.randn(tokens, 32), torch.zeros(tokens, 3, dtype=torch.long), needs_grad)
+
+    grouped = "grouped_mm" if modeling_moelab._GROUPED_MM is not None else "sorted"
+    assert pick(1) == pick(modeling_moelab.GATHER_MAX_TOKENS) == "gather"
+    assert pick(modeling_moelab.GATHER_MAX_TOKENS + 1) == grouped
+    assert pick(1, needs_grad=True) == pick(5, needs_grad=True) == "sorted"
+    assert pick(100_000) == "sorted"  # 100k pairs' activations exceed CHUNK_BYTES
+    monkeypatch.setattr(modeling_moelab, "GATHER_MAX_BYTES", 3 * 2 * 4 * 32 * 4 - 1)  # < three experts' blocks
+    assert pick(1) == grouped
 
 
 def test_legacy_state_dict_keys_load():

@@ -99,10 +99,18 @@ _DISPATCH_TO_IMPL = {"auto": "auto", "loop": "loop", "padded": "auto"}
 
 # "auto" on accelerators: up to this many (token, expert) pairs the gather path runs (one batched
 # matmul, no host synchronisation); above it grouped_mm, whose torch fallback reads the group
-# offsets on the host. On CPU grouped_mm is used at every size: its kernel is a C++ loop of one
-# GEMM per non-empty expert, so a decode step reads only the selected experts' weights
-# (tests/benchmarks/bench_moe_ffn.py).
+# offsets on the host.
 GATHER_MAX_PAIRS = 64
+
+# "auto" on CPU: the gather path for up to this many tokens whose experts' gate/up blocks (the union,
+# at most min(E, T·k) of them) take at most GATHER_MAX_BYTES (copied once, they stay in cache): a
+# decode step of small experts. torch 2.13's CPU grouped_mm walks every group with a host read and
+# one GEMM call each, ~400 µs for a default-model layer against gather's ~175 µs; with large experts
+# (8B-shaped: 176 MB for one token) the copy would cost more than the GEMMs, and grouped_mm runs.
+# Past 8 tokens the union's extra multiply-adds lose to grouped_mm at 16 × 96
+# (tests/benchmarks/bench_moe_ffn.py).
+GATHER_MAX_TOKENS = 8
+GATHER_MAX_BYTES = 8 << 20
 
 # CPU: activations (per pair: input and output rows of d_model, gate/up/product rows of m) processed
 # per chunk of experts, about one core's L2 cache; "auto" runs all pairs at once (grouped_mm) when
@@ -160,11 +168,12 @@ class MoeExperts(nn.Module):
     calls, no host synchronisation), ``sorted`` (same sort, processed in cache-sized chunks of
     whole experts, grouped_mm inside a chunk, or one GEMM chain per expert where grouped_mm cannot
     run, e.g. when a gradient is needed: torch 2.13 has no CPU backward for it; one host read of
-    the expert counts per layer), ``gather`` (each pair's expert weights gathered with
-    ``index_select``, batched matmuls: the accelerator decode path) and ``auto`` (CPU: grouped_mm
-    when all pairs' activations fit in ``CHUNK_BYTES``, i.e. decode, else sorted; accelerators:
-    gather for at most ``GATHER_MAX_PAIRS`` pairs, else grouped_mm; sorted when grouped_mm cannot
-    run). When a gradient is needed, ``sorted`` and ``auto`` train through ``_masked_dense`` (every
+    the expert counts per layer), ``gather`` (the selected experts' gate/up blocks gathered with
+    ``index_select`` into one GEMM, the down projection an ``embedding_bag`` over the selected
+    neurons' rows: the decode path) and ``auto`` (CPU: gather for at most ``GATHER_MAX_TOKENS``
+    tokens whose experts' blocks fit in ``GATHER_MAX_BYTES``, else grouped_mm when all pairs'
+    activations fit in ``CHUNK_BYTES``, else sorted; accelerators: gather for at most
+    ``GATHER_MAX_PAIRS`` pairs, else grouped_mm; sorted when grouped_mm cannot run). When a gradient is needed, ``sorted`` and ``auto`` train through ``_masked_dense`` (every
     expert, unselected ones weighted 0, when top_k ≥ E / ``GRAD_DENSE_RATIO``) or ``_segments``.
     """
 
@@ -210,6 +219,9 @@ class MoeExperts(nn.Module):
             if pairs <= GATHER_MAX_PAIRS:
                 return "gather"
             return "grouped_mm" if not needs_grad and self._grouped_ok(x, wgu, wd) else "sorted"
+        block_bytes = 2 * self.expert_size * self.d_model * wgu.element_size()
+        if not needs_grad and x.shape[0] <= GATHER_MAX_TOKENS and min(self.num_experts, pairs) * block_bytes <= GATHER_MAX_BYTES:
+            return "gather"
         row_bytes = (2 * self.d_model + 3 * self.expert_size) * x.element_size()
         if not needs_grad and self._grouped_ok(x, wgu, wd) and pairs * row_bytes <= CHUNK_BYTES:
             return "grouped_mm"  # a decode step: every pair's activations fit in cache at once
@@ -264,8 +276,7 @@ class MoeExperts(nn.Module):
         E, m, d = self.num_experts, self.expert_size, self.d_model
         T = x.shape[0]
         h = F.linear(x, wgu.reshape(E * 2 * m, d)).view(T, E, 2, m)
-        a = self.act_fn(h[:, :, 0]) if gate_act is None else gate_act.view(T, E, m)
-        g = a * h[:, :, 1]
+        g = self._glu(h.view(T, E, 2 * m)) if gate_act is None else gate_act.view(T, E, m) * h[:, :, 1]
         if weights is not None:
             g = g * weights.unsqueeze(-1).to(g.dtype)
         w_down = wd.permute(1, 0, 2).reshape(d, E * m)
@@ -305,11 +316,19 @@ class MoeExperts(nn.Module):
 
     def _sort_pairs(self, top):
         """(token, expert) pairs sorted by expert (stable: tokens ascending within an expert, the
-        reference loop's order): expert ids, positions in ``top.reshape(-1)``, tokens, counts [E]."""
-        k = top.shape[1]
+        reference loop's order): expert ids, positions in ``top.reshape(-1)``, tokens, counts [E].
+        On CPU from an expert × token mask (``nonzero`` lists it in that order; a token's experts
+        are distinct): 12,288 pairs in 0.07 ms against a stable sort's 0.35 ms. Accelerators sort,
+        which needs no host synchronisation."""
+        T, k = top.shape
         flat = top.reshape(-1)
-        e_sorted, order = torch.sort(flat, stable=True)
-        return e_sorted, order, torch.div(order, k, rounding_mode="floor"), torch.bincount(flat, minlength=self.num_experts)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        if top.device.type != "cpu":
+            e_sorted, order = torch.sort(flat, stable=True)
+            return e_sorted, order, torch.div(order, k, rounding_mode="floor"), counts
+        slot = torch.full((T, self.num_experts), -1, dtype=torch.long).scatter_(1, top, torch.arange(k).expand(T, k))
+        e_sorted, tok = (slot.t() >= 0).nonzero().unbind(1)
+        return e_sorted, tok * k + slot[tok, e_sorted], tok, counts
 
     def _grouped(self, x, w, top, weights, gate_act):
         """All pairs in two ``grouped_mm`` calls (one GEMM per non-empty expert inside the kernel):
@@ -322,7 +341,7 @@ class MoeExperts(nn.Module):
         xs = x.index_select(0, tok)
         if gate_act is None:
             h = _GROUPED_MM(xs, wgu.transpose(1, 2), offs=offs)
-            g = self.act_fn(h[:, :m]) * h[:, m:]
+            g = self._glu(h)
         else:
             a = gate_act.view(T, E, m)[tok, e_sorted]
             g = a * _GROUPED_MM(xs, wgu[:, m:].transpose(1, 2), offs=offs)
@@ -363,7 +382,7 @@ class MoeExperts(nn.Module):
                     offs = torch.tensor(list(itertools.accumulate(sizes[e0:e1])), dtype=torch.int32, device=x.device)
                     if a is None:
                         h = _GROUPED_MM(xs, wgu[e0:e1].transpose(1, 2), offs=offs)
-                        g = self.act_fn(h[:, :m]) * h[:, m:]
+                        g = self._glu(h)
                     else:
                         g = a * _GROUPED_MM(xs, wgu[e0:e1, m:].transpose(1, 2), offs=offs)
                     out = _GROUPED_MM(g.contiguous(), wd[e0:e1].transpose(1, 2), offs=offs)
@@ -383,13 +402,20 @@ class MoeExperts(nn.Module):
             e0 = e1
         return y
 
+    def _glu(self, h: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` of gate/up rows ``h [..., 2m]``. The gate half is made contiguous
+        first: torch's CPU activations take a scalar path on a strided half (SiLU of 12,288 × 24
+        numbers: 1.0 ms strided, 0.08 ms with the copy)."""
+        m = self.expert_size
+        return self.act_fn(h[..., :m].contiguous()) * h[..., m:]
+
     def _expert_glu(self, x, gate_act, gate_up, down):
         """One expert on its tokens: ``down (act(gate_up[:m] x) * gate_up[m:] x)``, the gate's
         activation taken from ``gate_act`` when the router already computed it."""
         m = self.expert_size
         if gate_act is None:
             h = F.linear(x, gate_up)
-            g = self.act_fn(h[:, :m]) * h[:, m:]
+            g = self._glu(h)
         else:
             g = gate_act * F.linear(x, gate_up[m:])
         return F.linear(g, down)
@@ -427,23 +453,40 @@ class MoeExperts(nn.Module):
         return x.new_zeros(T, self.d_model).index_add(0, tok, out.to(x.dtype))
 
     def _gather(self, x, w, top, weights, gate_act):
-        """Decode path: each (token, expert) pair multiplies by its own expert's weights, gathered
-        with ``index_select`` (only the selected experts are read), in two batched matmuls."""
+        """Decode path: only the selected experts' weights are read.
+
+        Gate/up: the selected experts' ``gate_up_proj`` blocks gathered with ``index_select`` and
+        multiplied in one GEMM: for one token its k experts; on CPU for a few tokens the union of
+        their experts (``unique``) against every token (``resolve_impl`` keeps the extra
+        multiply-adds small); on accelerators for several tokens one block per (token, expert)
+        pair and a batched matmul (no host synchronisation). Down: an ``embedding_bag`` over the
+        selected neurons' rows of ``down_proj``'s ``[E·m, d_model]`` storage (the decode layout),
+        each row weighted by its neuron's activation (times the routing weight): every selected
+        row is read once and nothing is copied. Default model's layer, one token, 24 of 56
+        experts of 24 neurons, 2 CPU threads: 175 µs against grouped_mm's 410 µs."""
         wgu, wd = w
         T, k = top.shape
         E, m, d = self.num_experts, self.expert_size, self.d_model
-        flat = top.reshape(-1)
-        xs = x.unsqueeze(1).expand(T, k, d).reshape(T * k, d, 1)
-        if gate_act is None:
-            h = torch.bmm(wgu.index_select(0, flat), xs).squeeze(-1)
-            g = self.act_fn(h[:, :m]) * h[:, m:]
+        blocks = wgu if gate_act is None else wgu[:, m:]  # gate and up rows, or up rows only
+        n = blocks.shape[1]
+        if T == 1 or x.device.type == "cpu":
+            experts, inv = (top.reshape(-1), None) if T == 1 else torch.unique(top, return_inverse=True)
+            h = F.linear(x, blocks.index_select(0, experts).reshape(-1, d)).view(T, -1, n)
+            if inv is not None:
+                h = h.gather(1, inv.unsqueeze(-1).expand(T, k, n))
         else:
-            a = gate_act.view(T, E, m).gather(1, top.unsqueeze(-1).expand(T, k, m)).reshape(T * k, m)
-            g = a * torch.bmm(wgu[:, m:].index_select(0, flat), xs).squeeze(-1)
-        out = torch.bmm(wd.index_select(0, flat), g.unsqueeze(-1)).view(T, k, d)
+            xs = x.unsqueeze(1).expand(T, k, d).reshape(T * k, d, 1)
+            h = torch.bmm(blocks.index_select(0, top.reshape(-1)), xs).view(T, k, n)
+        if gate_act is None:
+            g = self._glu(h)
+        else:
+            g = gate_act.view(T, E, m).gather(1, top.unsqueeze(-1).expand(T, k, m)) * h
         if weights is not None:
-            out = out * weights.unsqueeze(-1).to(out.dtype)
-        return out.sum(dim=1)
+            g = g * weights.unsqueeze(-1).to(g.dtype)
+        rows = (top.unsqueeze(-1) * m + torch.arange(m, device=top.device)).reshape(T, k * m)
+        down_rows = wd.transpose(1, 2).reshape(E * m, d)  # a view in the decode layout
+        out = F.embedding_bag(rows, down_rows, per_sample_weights=g.reshape(T, k * m).to(down_rows.dtype), mode="sum")
+        return out.to(x.dtype)
 
 
 #: Training (a gradient is needed) runs every expert masked when top_k ≥ E / GRAD_DENSE_RATIO
@@ -775,7 +818,9 @@ class MoeFFN(nn.Module):
             key = torch.softmax(scores.detach().double(), dim=-1) + self.router_bias.double()
         if self._groups is not None and k > 1:  # top-1 is the best of its group anyway
             key = _one_per_group(key.detach(), self._groups.to(key.device))
-        top = torch.topk(key, k, dim=-1).indices  # [T, k], best first: the recorder's readers rank by it (k ≤ E is small)
+        # [T, k]; best first only when recorded (the recorder's readers rank by it): unsorted top-k of
+        # 24 of 56 experts for 512 tokens takes 0.27 ms against 0.45 ms
+        top = torch.topk(key, k, dim=-1, sorted=self.recorder is not None).indices
         self._record(top, lead)
         y = y + self.experts(xt, top, self._routing_weights(scores, top), act_gate)
         if self.compensated:  # Σ_{e∉top} μ_e as (Σ_e μ_e) − Σ_{e∈top} μ_e: k + 1 additions per token
@@ -1496,11 +1541,12 @@ class MoelabForCausalLM(MoelabPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Any,
     ):
+        if past_key_values is not None:  # transformers >= 5.2x calls it ``cache`` (passed in kwargs)
+            kwargs["past_key_values"] = past_key_values
         return self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             labels=labels,
             use_cache=use_cache,
