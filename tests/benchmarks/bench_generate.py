@@ -134,6 +134,8 @@ def main() -> None:
     ap.add_argument("--model-cache", type=Path, default=ROOT / ".moelab" / "test-data", help="MOELAB_DATA_DIR holding the default model")
     ap.add_argument("--work", type=Path, default=None, help="keep the profile and conversions here (default: a temporary dir)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--devices", nargs="+", choices=("cpu", "cuda"), default=None,
+                    help="default: cpu, and cuda when a CUDA device is present")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     started, load_before = time.perf_counter(), os.getloadavg()
@@ -159,7 +161,7 @@ def main() -> None:
     dense_dir = cache_default_model(args.model_cache)  # the dequantised checkpoint the conversions start from
     tokenizer = AutoTokenizer.from_pretrained(dense_dir)
     prompt, short = bench_text(tokenizer, args.prompt_tokens), bench_text(tokenizer, args.short_tokens)
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    devices = args.devices or ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     record: dict[str, object] = {
         "model": "default", "sparsity": args.sparsity, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "short_tokens": args.short_tokens, "repeats": args.repeats, "threads": args.threads, "torch": torch.__version__,

@@ -168,9 +168,9 @@ class MoeExperts(nn.Module):
     calls, no host synchronisation), ``sorted`` (same sort, processed in cache-sized chunks of
     whole experts, grouped_mm inside a chunk, or one GEMM chain per expert where grouped_mm cannot
     run, e.g. when a gradient is needed: torch 2.13 has no CPU backward for it; one host read of
-    the expert counts per layer), ``gather`` (the selected experts' gate/up blocks gathered with
-    ``index_select`` into one GEMM, the down projection an ``embedding_bag`` over the selected
-    neurons' rows: the decode path) and ``auto`` (CPU: gather for at most ``GATHER_MAX_TOKENS``
+    the expert counts per layer), ``gather`` (the decode path: on CPU the selected experts'
+    gate/up blocks gathered into one GEMM and the down projection an ``embedding_bag`` over the
+    selected neurons' rows; on accelerators each pair's weights gathered, batched matmuls) and ``auto`` (CPU: gather for at most ``GATHER_MAX_TOKENS``
     tokens whose experts' blocks fit in ``GATHER_MAX_BYTES``, else grouped_mm when all pairs'
     activations fit in ``CHUNK_BYTES``, else sorted; accelerators: gather for at most
     ``GATHER_MAX_PAIRS`` pairs, else grouped_mm; sorted when grouped_mm cannot run). When a gradient is needed, ``sorted`` and ``auto`` train through ``_masked_dense`` (every
@@ -453,40 +453,59 @@ class MoeExperts(nn.Module):
         return x.new_zeros(T, self.d_model).index_add(0, tok, out.to(x.dtype))
 
     def _gather(self, x, w, top, weights, gate_act):
-        """Decode path: only the selected experts' weights are read.
+        """Decode path: only the selected experts' weights are read (``_gather_rows`` on CPU,
+        ``_gather_pairs`` on accelerators)."""
+        if x.device.type == "cpu":
+            return self._gather_rows(x, w, top, weights, gate_act)
+        return self._gather_pairs(x, w, top, weights, gate_act)
 
-        Gate/up: the selected experts' ``gate_up_proj`` blocks gathered with ``index_select`` and
-        multiplied in one GEMM: for one token its k experts; on CPU for a few tokens the union of
-        their experts (``unique``) against every token (``resolve_impl`` keeps the extra
-        multiply-adds small); on accelerators for several tokens one block per (token, expert)
-        pair and a batched matmul (no host synchronisation). Down: an ``embedding_bag`` over the
-        selected neurons' rows of ``down_proj``'s ``[E·m, d_model]`` storage (the decode layout),
-        each row weighted by its neuron's activation (times the routing weight): every selected
-        row is read once and nothing is copied. Default model's layer, one token, 24 of 56
-        experts of 24 neurons, 2 CPU threads: 175 µs against grouped_mm's 410 µs."""
+    def _gather_rows(self, x, w, top, weights, gate_act):
+        """CPU decode: the gate/up blocks of the experts the tokens selected (for several tokens
+        their union, ``unique``; ``resolve_impl`` keeps the extra multiply-adds small) gathered
+        with ``index_select`` into one GEMM against every token; the down projection an
+        ``embedding_bag`` over the selected neurons' rows of ``down_proj``'s ``[E·m, d_model]``
+        storage (the decode layout), each row weighted by its neuron's activation (times the
+        routing weight), so every selected row is read once and nothing is copied. Default
+        model's layer, one token, 24 of 56 experts of 24 neurons, 2 threads: 175 µs against
+        grouped_mm's 410 µs. (On CUDA a one-bag embedding_bag runs on few blocks: 8B-shaped
+        layer, one token, 10× slower than ``_gather_pairs``.)"""
         wgu, wd = w
         T, k = top.shape
         E, m, d = self.num_experts, self.expert_size, self.d_model
         blocks = wgu if gate_act is None else wgu[:, m:]  # gate and up rows, or up rows only
         n = blocks.shape[1]
-        if T == 1 or x.device.type == "cpu":
-            experts, inv = (top.reshape(-1), None) if T == 1 else torch.unique(top, return_inverse=True)
-            h = F.linear(x, blocks.index_select(0, experts).reshape(-1, d)).view(T, -1, n)
-            if inv is not None:
-                h = h.gather(1, inv.unsqueeze(-1).expand(T, k, n))
-        else:
-            xs = x.unsqueeze(1).expand(T, k, d).reshape(T * k, d, 1)
-            h = torch.bmm(blocks.index_select(0, top.reshape(-1)), xs).view(T, k, n)
+        experts, inv = (top.reshape(-1), None) if T == 1 else torch.unique(top, return_inverse=True)
+        h = F.linear(x, blocks.index_select(0, experts).reshape(-1, d)).view(T, -1, n)
+        if inv is not None:
+            h = h.gather(1, inv.unsqueeze(-1).expand(T, k, n))
         if gate_act is None:
             g = self._glu(h)
         else:
             g = gate_act.view(T, E, m).gather(1, top.unsqueeze(-1).expand(T, k, m)) * h
         if weights is not None:
             g = g * weights.unsqueeze(-1).to(g.dtype)
-        rows = (top.unsqueeze(-1) * m + torch.arange(m, device=top.device)).reshape(T, k * m)
+        rows = (top.unsqueeze(-1) * m + torch.arange(m)).reshape(T, k * m)
         down_rows = wd.transpose(1, 2).reshape(E * m, d)  # a view in the decode layout
         out = F.embedding_bag(rows, down_rows, per_sample_weights=g.reshape(T, k * m).to(down_rows.dtype), mode="sum")
         return out.to(x.dtype)
+
+    def _gather_pairs(self, x, w, top, weights, gate_act):
+        """Accelerator decode: each (token, expert) pair multiplies by its own expert's weights,
+        gathered with ``index_select``, in two batched matmuls: no host synchronisation."""
+        wgu, wd = w
+        T, k = top.shape
+        E, m, d = self.num_experts, self.expert_size, self.d_model
+        flat = top.reshape(-1)
+        xs = x.unsqueeze(1).expand(T, k, d).reshape(T * k, d, 1)
+        if gate_act is None:
+            g = self._glu(torch.bmm(wgu.index_select(0, flat), xs).squeeze(-1))
+        else:
+            a = gate_act.view(T, E, m).gather(1, top.unsqueeze(-1).expand(T, k, m)).reshape(T * k, m)
+            g = a * torch.bmm(wgu[:, m:].index_select(0, flat), xs).squeeze(-1)
+        out = torch.bmm(wd.index_select(0, flat), g.unsqueeze(-1)).view(T, k, d)
+        if weights is not None:
+            out = out * weights.unsqueeze(-1).to(out.dtype)
+        return out.sum(dim=1)
 
 
 #: Training (a gradient is needed) runs every expert masked when top_k ≥ E / GRAD_DENSE_RATIO
