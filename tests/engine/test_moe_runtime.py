@@ -513,6 +513,9 @@ def test_export_round_trip_on_tiny_models(family, tiny_model, data_dir, tmp_path
 
     loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     assert type(loaded).__name__ == "MoelabForCausalLM"
+    for mod in loaded.moe_modules().values():  # saved contiguous, loaded back into the decode layouts
+        assert modeling_moelab._decode_layout_of(mod.experts.down_proj)
+        assert modeling_moelab._decode_layout_of(mod.experts.gate_up_proj) == (mod.router != "gate_mass")
     with torch.no_grad():
         again = loaded(input_ids=ids, attention_mask=mask).logits
     assert torch.equal(again, logits)
