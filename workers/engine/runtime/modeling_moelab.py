@@ -103,12 +103,12 @@ _DISPATCH_TO_IMPL = {"auto": "auto", "loop": "loop", "padded": "auto"}
 GATHER_MAX_PAIRS = 64
 
 # "auto" on CPU: the gather path for up to this many tokens whose experts' gate/up blocks (the union,
-# at most min(E, T·k) of them) take at most GATHER_MAX_BYTES (copied once, they stay in cache): a
-# decode step of small experts. torch 2.13's CPU grouped_mm walks every group with a host read and
-# one GEMM call each, ~400 µs for a default-model layer against gather's ~175 µs; with large experts
-# (8B-shaped: 176 MB for one token) the copy would cost more than the GEMMs, and grouped_mm runs.
-# Past 8 tokens the union's extra multiply-adds lose to grouped_mm at 16 × 96
-# (tests/benchmarks/bench_moe_ffn.py).
+# at most min(E, T·k) of them) take at most GATHER_MAX_BYTES: a decode step of small experts. torch
+# 2.13's CPU grouped_mm walks every group with a host read and one GEMM call each, ~400 µs for a
+# default-model layer (``_gather_rows`` has the gather numbers). Large experts (8B-shaped: 176 MB for
+# one token) keep grouped_mm, measured at 1.7× dense there; the gate-mass router's gather copies the
+# blocks, which would cost more than those GEMMs. Past 8 tokens the union's extra multiply-adds lose
+# to grouped_mm at 16 × 96 (tests/benchmarks/bench_moe_ffn.py).
 GATHER_MAX_TOKENS = 8
 GATHER_MAX_BYTES = 8 << 20
 
@@ -173,12 +173,13 @@ class MoeExperts(nn.Module):
     calls, no host synchronisation), ``sorted`` (same sort, processed in cache-sized chunks of
     whole experts, grouped_mm inside a chunk, or one GEMM chain per expert where grouped_mm cannot
     run, e.g. when a gradient is needed: torch 2.13 has no CPU backward for it; one host read of
-    the expert counts per layer), ``gather`` (the decode path: on CPU the selected experts'
-    gate/up blocks gathered into one GEMM and the down projection an ``embedding_bag`` over the
-    selected neurons' rows; on accelerators each pair's weights gathered, batched matmuls) and ``auto`` (CPU: gather for at most ``GATHER_MAX_TOKENS``
+    the expert counts per layer), ``gather`` (the decode path: on CPU ``embedding_bag`` sums over
+    the selected experts' stored rows, ``_gather_rows``; on accelerators each pair's weights
+    gathered and batch-multiplied) and ``auto`` (CPU: gather for at most ``GATHER_MAX_TOKENS``
     tokens whose experts' blocks fit in ``GATHER_MAX_BYTES``, else grouped_mm when all pairs'
     activations fit in ``CHUNK_BYTES``, else sorted; accelerators: gather for at most
-    ``GATHER_MAX_PAIRS`` pairs, else grouped_mm; sorted when grouped_mm cannot run). When a gradient is needed, ``sorted`` and ``auto`` train through ``_masked_dense`` (every
+    ``GATHER_MAX_PAIRS`` pairs, else grouped_mm; sorted when grouped_mm cannot run). When a
+    gradient is needed, ``sorted`` and ``auto`` train through ``_masked_dense`` (every
     expert, unselected ones weighted 0, when top_k ≥ E / ``GRAD_DENSE_RATIO``) or ``_segments``.
     """
 
@@ -470,15 +471,18 @@ class MoeExperts(nn.Module):
         return self._gather_pairs(x, w, top, weights, gate_act)
 
     def _gather_rows(self, x, w, top, weights, gate_act):
-        """CPU decode: the gate/up blocks of the experts the tokens selected (for several tokens
-        their union, ``unique``; ``resolve_impl`` keeps the extra multiply-adds small) gathered
-        with ``index_select`` into one GEMM against every token; the down projection an
+        """CPU decode, reading only the selected experts' weights and copying none of them.
+        Gate/up: with column-major ``gate_up_proj`` (``[E, d_model, 2m]`` storage) one
+        ``embedding_bag`` per (token, expert) pair, the weighted sum of the expert's ``d_model``
+        rows of 2m numbers with the token's inputs as weights; otherwise (gate-mass router) the
+        selected blocks (for several tokens their union, ``unique``; ``resolve_impl`` keeps the
+        extra multiply-adds small) gathered with ``index_select`` into one GEMM. Down: an
         ``embedding_bag`` over the selected neurons' rows of ``down_proj``'s ``[E·m, d_model]``
-        storage (the decode layout), each row weighted by its neuron's activation (times the
-        routing weight), so every selected row is read once and nothing is copied. Default
-        model's layer, one token, 24 of 56 experts of 24 neurons, 2 threads: 175 µs against
-        grouped_mm's 410 µs. (On CUDA a one-bag embedding_bag runs on few blocks: 8B-shaped
-        layer, one token, 10× slower than ``_gather_pairs``.)"""
+        storage, each row weighted by its neuron's activation (times the routing weight).
+        Default model's layer, one token, 24 of 56 experts of 24 neurons, 2 threads: grouped_mm
+        410 µs, index_select + GEMM + embedding_bag ~180 µs, of which gate/up 162 µs, 77 µs as
+        an embedding_bag. (On an H100 a one-bag embedding_bag runs on few blocks: 8B-shaped layer,
+        one token, 0.11× dense against ``_gather_pairs``' 0.52×.)"""
         wgu, wd = w
         T, k = top.shape
         E, m, d = self.num_experts, self.expert_size, self.d_model
