@@ -268,6 +268,18 @@ def test_fast_kernels_equal_the_reference_loop(router, combine):
         torch.testing.assert_close(ref, reference_moe(every, x)[0].float(), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("router", ALL_ROUTERS)
+def test_accelerator_decode_path_equals_the_loop_on_cpu(router, monkeypatch):
+    """``_gather_pairs`` (what ``gather`` runs on accelerators) checked where CI runs: both storage
+    layouts of gate_up_proj (gate_mass keeps row-major), weighted and unweighted."""
+    for combine in ("sum", "weighted"):
+        mod = kernel_moe(router, combine)
+        x = torch.randn(5, 32, generator=torch.Generator().manual_seed(2))
+        ref = run_impl(mod, x, "loop")
+        monkeypatch.setattr(mod.experts, "_gather", mod.experts._gather_pairs)
+        torch.testing.assert_close(run_impl(mod, x, "gather"), ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("combine", COMBINES)
 @pytest.mark.parametrize("router", ALL_ROUTERS)
@@ -381,6 +393,9 @@ def test_auto_kernel_choice_on_cpu(monkeypatch):
     assert pick(1, needs_grad=True) == pick(5, needs_grad=True) == "sorted"
     assert pick(100_000) == "sorted"  # 100k pairs' activations exceed CHUNK_BYTES
     monkeypatch.setattr(modeling_moelab, "GATHER_MAX_BYTES", 3 * 2 * 4 * 32 * 4 - 1)  # < three experts' blocks
+    assert pick(1) == "gather"  # one token, column-major blocks: nothing is copied, whatever their size
+    assert pick(2) == grouped
+    experts = kernel_moe("gate_mass", "sum").experts  # row-major: the gather copies the blocks
     assert pick(1) == grouped
 
 

@@ -102,13 +102,14 @@ _DISPATCH_TO_IMPL = {"auto": "auto", "loop": "loop", "padded": "auto"}
 # offsets on the host.
 GATHER_MAX_PAIRS = 64
 
-# "auto" on CPU: the gather path for up to this many tokens whose experts' gate/up blocks (the union,
-# at most min(E, T·k) of them) take at most GATHER_MAX_BYTES: a decode step of small experts. torch
-# 2.13's CPU grouped_mm walks every group with a host read and one GEMM call each, ~400 µs for a
-# default-model layer (``_gather_rows`` has the gather numbers). Large experts (8B-shaped: 176 MB for
-# one token) keep grouped_mm, measured at 1.7× dense there; the gate-mass router's gather copies the
-# blocks, which would cost more than those GEMMs. Past 8 tokens the union's extra multiply-adds lose
-# to grouped_mm at 16 × 96 (tests/benchmarks/bench_moe_ffn.py).
+# "auto" on CPU: the gather path for one token when ``gate_up_proj`` is column-major (nothing is copied:
+# 8B-shaped layer, 24 of 56 experts of 224 neurons, 7.5 ms against grouped_mm's 14 ms), and for up to
+# GATHER_MAX_TOKENS tokens whose experts' gate/up blocks (the union, at most min(E, T·k) of them) take
+# at most GATHER_MAX_BYTES, so that the blocks a token re-reads, or the gate-mass router copies, stay in
+# cache: a decode step of small experts. torch 2.13's CPU grouped_mm walks every group with a host read
+# and one GEMM call each, ~400 µs for a default-model layer (``_gather_rows`` has the gather numbers).
+# Past 8 tokens the union's extra multiply-adds lose to grouped_mm at 16 × 96; 8 tokens of 8B-shaped
+# 64 × 224 experts take 51 ms gathered against 44 ms (tests/benchmarks/bench_moe_ffn.py).
 GATHER_MAX_TOKENS = 8
 GATHER_MAX_BYTES = 8 << 20
 
@@ -228,7 +229,9 @@ class MoeExperts(nn.Module):
                 return "gather"
             return "grouped_mm" if not needs_grad and self._grouped_ok(x, wgu, wd) else "sorted"
         block_bytes = 2 * self.expert_size * self.d_model * wgu.element_size()
-        if not needs_grad and x.shape[0] <= GATHER_MAX_TOKENS and min(self.num_experts, pairs) * block_bytes <= GATHER_MAX_BYTES:
+        if not needs_grad and x.shape[0] <= GATHER_MAX_TOKENS and (
+                (x.shape[0] == 1 and _decode_layout_of(wgu))  # one token, column-major blocks: nothing is copied
+                or min(self.num_experts, pairs) * block_bytes <= GATHER_MAX_BYTES):
             return "gather"
         row_bytes = (2 * self.d_model + 3 * self.expert_size) * x.element_size()
         if not needs_grad and self._grouped_ok(x, wgu, wd) and pairs * row_bytes <= CHUNK_BYTES:
@@ -511,18 +514,26 @@ class MoeExperts(nn.Module):
 
     def _gather_pairs(self, x, w, top, weights, gate_act):
         """Accelerator decode: each (token, expert) pair multiplies by its own expert's weights,
-        gathered with ``index_select``, in two batched matmuls: no host synchronisation."""
+        gathered with ``index_select`` in their storage order (a plain copy of each block, no
+        transposition), in two batched matmuls: no host synchronisation."""
         wgu, wd = w
         T, k = top.shape
         E, m, d = self.num_experts, self.expert_size, self.d_model
         flat = top.reshape(-1)
-        xs = x.unsqueeze(1).expand(T, k, d).reshape(T * k, d, 1)
+        blocks = wgu if gate_act is None else wgu[:, m:]
+        xs = x.unsqueeze(1).expand(T, k, d).reshape(T * k, 1, d)
+        if _decode_layout_of(wgu):  # stored [E, d, n]: x [1, d] @ block [d, n]
+            h = torch.bmm(xs, blocks.transpose(1, 2).index_select(0, flat)).squeeze(1)
+        else:  # stored [E, n, d]
+            h = torch.bmm(blocks.index_select(0, flat), xs.transpose(1, 2)).squeeze(-1)
         if gate_act is None:
-            g = self._glu(torch.bmm(wgu.index_select(0, flat), xs).squeeze(-1))
+            g = self._glu(h)
         else:
-            a = gate_act.view(T, E, m).gather(1, top.unsqueeze(-1).expand(T, k, m)).reshape(T * k, m)
-            g = a * torch.bmm(wgu[:, m:].index_select(0, flat), xs).squeeze(-1)
-        out = torch.bmm(wd.index_select(0, flat), g.unsqueeze(-1)).view(T, k, d)
+            g = gate_act.view(T, E, m).gather(1, top.unsqueeze(-1).expand(T, k, m)).reshape(T * k, m) * h
+        if _decode_layout_of(wd):  # stored [E, m, d]: g [1, m] @ block [m, d]
+            out = torch.bmm(g.unsqueeze(1), wd.transpose(1, 2).index_select(0, flat)).view(T, k, d)
+        else:
+            out = torch.bmm(wd.index_select(0, flat), g.unsqueeze(-1)).view(T, k, d)
         if weights is not None:
             out = out * weights.unsqueeze(-1).to(out.dtype)
         return out.sum(dim=1)
