@@ -2,7 +2,7 @@
 conversion directory, a prefill of ``--prompt-tokens`` tokens and a greedy decode of ``--new-tokens``.
 
     python tests/benchmarks/bench_generate.py [--profile runs/p1] [--sparsity 0.5] [--experts 64 16]
-        [--prompt-tokens 512] [--new-tokens 64] [--repeats 3] [--threads 2]
+        [--prompt-tokens 512] [--new-tokens 64] [--repeats 3] [--threads 2] [--devices cpu cuda] [--work DIR]
 
 The conversions are real ones of the default model (``moelab convert --method cmoe``: 1/8 of the
 experts shared, the rest routed by CMoE's representative neurons, top-k set by ``--sparsity``; the

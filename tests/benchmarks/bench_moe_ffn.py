@@ -2,7 +2,8 @@
 fast experts kernels (issue 12), and whole-model prefill tokens/s.
 
     python tests/benchmarks/bench_moe_ffn.py [--repeats 9] [--tokens 512] [--layer 15]
-        [--big-repeats 3] [--skip-big] [--skip-whole-model] [--threads 2]
+        [--big-repeats 3] [--skip-big] [--skip-whole-model] [--threads 2] [--devices cpu cuda]
+        [--dtype float32|bfloat16]
 
 Everything runs in one process with ``torch.set_num_threads(--threads)`` (2: the cores of the
 target machine), under ``inference_mode``; on a CUDA machine the same cases run on the GPU too.
