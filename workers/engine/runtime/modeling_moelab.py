@@ -167,6 +167,7 @@ class MoeExperts(nn.Module):
     CMoE Eq. 11). ``gate_act`` (the gate-mass router) gives ``act(x W_gate)`` of every routed
     neuron, already computed to score the experts; only the up projection is then computed.
     ``top_k_index=None`` runs every expert on every token (``top_k_weights`` then ``[T, E]``).
+    A row of ``top_k_index`` names distinct experts, as top-k gives them.
 
     ``experts_impl`` selects the kernel, as transformers' ``experts_implementation`` does:
     ``loop`` (reference: one matmul chain per expert on its tokens, found with ``nonzero``),
