@@ -491,7 +491,7 @@ class MoeExperts(nn.Module):
         T, k = top.shape
         E, m, d = self.num_experts, self.expert_size, self.d_model
         if gate_act is None and _decode_layout_of(wgu):  # column-major blocks: one bag per (token, expert)
-            rows = (top.reshape(-1, 1) * d + torch.arange(d)).reshape(T * k, d)
+            rows = _block_rows(top, d).view(T * k, d)
             inputs = x.unsqueeze(1).expand(T, k, d).reshape(T * k, d).to(wgu.dtype)
             h = F.embedding_bag(rows, wgu.transpose(1, 2).reshape(E * d, 2 * m), per_sample_weights=inputs,
                                 mode="sum").view(T, k, 2 * m).to(x.dtype)
@@ -501,14 +501,14 @@ class MoeExperts(nn.Module):
             experts, inv = (top.reshape(-1), None) if T == 1 else torch.unique(top, return_inverse=True)
             h = F.linear(x, blocks.index_select(0, experts).reshape(-1, d)).view(T, -1, n)
             if inv is not None:
-                h = h.gather(1, inv.unsqueeze(-1).expand(T, k, n))
+                h = _selected(h, inv)
         if gate_act is None:
             g = self._glu(h)
         else:
-            g = gate_act.view(T, E, m).gather(1, top.unsqueeze(-1).expand(T, k, m)) * h
+            g = _selected(gate_act.view(T, E, m), top) * h
         if weights is not None:
             g = g * weights.unsqueeze(-1).to(g.dtype)
-        rows = (top.unsqueeze(-1) * m + torch.arange(m)).reshape(T, k * m)
+        rows = _block_rows(top, m).view(T, k * m)
         down_rows = wd.transpose(1, 2).reshape(E * m, d)  # a view in the decode layout
         out = F.embedding_bag(rows, down_rows, per_sample_weights=g.reshape(T, k * m).to(down_rows.dtype), mode="sum")
         return out.to(x.dtype)
@@ -530,7 +530,7 @@ class MoeExperts(nn.Module):
         if gate_act is None:
             g = self._glu(h)
         else:
-            g = gate_act.view(T, E, m).gather(1, top.unsqueeze(-1).expand(T, k, m)).reshape(T * k, m) * h
+            g = _selected(gate_act.view(T, E, m), top).reshape(T * k, m) * h
         if _decode_layout_of(wd):  # stored [E, m, d]: g [1, m] @ block [m, d]
             out = torch.bmm(g.unsqueeze(1), wd.transpose(1, 2).index_select(0, flat)).view(T, k, d)
         else:
@@ -538,6 +538,17 @@ class MoeExperts(nn.Module):
         if weights is not None:
             out = out * weights.unsqueeze(-1).to(out.dtype)
         return out.sum(dim=1)
+
+
+def _selected(per_expert: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """``per_expert [T, E, n]`` at each token's selected experts ``top [T, k]``: ``[T, k, n]``."""
+    return per_expert.gather(1, top.unsqueeze(-1).expand(*top.shape, per_expert.shape[-1]))
+
+
+def _block_rows(top: torch.Tensor, n: int) -> torch.Tensor:
+    """Row indices ``[T, k, n]`` of each selected expert's block of ``n`` rows in a ``[E·n, ·]``
+    view of a stacked weight (expert e holds rows ``e·n … e·n + n − 1``)."""
+    return top.unsqueeze(-1) * n + torch.arange(n, device=top.device)
 
 
 #: Training (a gradient is needed) runs every expert masked when top_k ≥ E / GRAD_DENSE_RATIO
