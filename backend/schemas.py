@@ -16,10 +16,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from workers.engine.core.params import ParamSpec
+from workers.engine.core.params import DeclaredParams, ParamSpec
 from workers.engine.data.builtin import BUILTIN_SETS
 from workers.engine.methods import REGISTRY, Method
+from workers.engine.profiling.settings import ProfileSettings
 from workers.engine.sizes import parse_size
+from workers.engine.training.params import FinetuneMode, FinetuneParams
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 ResourceStatus = Literal["queued", "running", "ready", "failed", "cancelled"]
@@ -197,22 +199,44 @@ class SamplePage(BaseModel):
     items: list[SampleOut]
 
 
+# --------------------------------------------------------------------------- declared parameters
+
+
+def _field_annotation(spec: ParamSpec) -> Any:
+    kind: Any = Literal[spec.choices] if spec.choices else {"int": int, "float": float, "str": str, "bool": bool}[spec.type]  # type: ignore[valid-type]
+    return kind | None if spec.optional else kind
+
+
+def _description(spec: ParamSpec) -> str:
+    return f"{spec.help} ({spec.paper})" if spec.paper else spec.help
+
+
+def declared_model(params: type[DeclaredParams], name: str, *, base: type[BaseModel] = _In, doc: str | None = None,
+                   validators: dict[str, Any] | None = None) -> type[BaseModel]:
+    """A request body generated from a parameter declaration (``workers.engine.core.params``): one
+    field per parameter that is not ``internal``, with the engine's name, type, default, bounds and
+    help, so the CLI, the API and the engine cannot drift apart. ``base`` holds the request's own
+    fields and validators; a parameter it defines itself (a request default that differs, string
+    lengths) keeps that definition."""
+    fields: dict[str, Any] = {
+        spec.name: (_field_annotation(spec), Field(spec.default, description=_description(spec), ge=spec.ge, gt=spec.gt,
+                                                   le=spec.le, lt=spec.lt, allow_inf_nan=False if spec.type == "float" else None))
+        for spec in params.exposed_specs() if spec.name not in base.model_fields
+    }
+    return create_model(name, __base__=base, __doc__=doc if doc is not None else base.__doc__, __validators__=validators,
+                        **fields)
+
+
 # --------------------------------------------------------------------------- profiles
 
 
-class ProfileCreate(_In):
+class _ProfileRequest(_In):
+    """``POST /profiles``: the model, the calibration set, how much of it and the memory budget; the
+    profiler's settings (``workers.engine.profiling.settings.ProfileSettings``) are generated."""
+
     model_id: str
     calibration_set_id: str
     samples: int | None = Field(None, ge=1, le=100000, description="task-balanced subsample of the set; all when unset")
-    max_tokens: int = Field(256, ge=2, le=32768, description="tokens per sample (truncation)")
-    batch_tokens: int = Field(2048, ge=2, le=1_000_000, description="padded tokens per forward batch (≥ max_tokens)")
-    atopk_k: int = Field(10, ge=1, le=4096, description="CMoE K_a (CM Eq. 4)")
-    atopk_normalized: bool = False
-    feature_tokens: int = Field(16384, ge=1, le=1_000_000, description="tokens whose ATopK markers are kept")
-    top_tokens: int = Field(8, ge=0, le=256, description="top-activating tokens kept per neuron (|h|, CM Eq. 1) for its card; 0: none")
-    group_by: Literal["auto", "task", "domain", "sample"] = Field("auto", description="what the CV (EW Eq. 3) is computed across")
-    second_moment: bool = Field(True, description="store XᵀX per layer (MIDAS)")
-    seed: int = Field(0, ge=0)
     max_memory: str | None = Field(
         None, max_length=32, examples=["2GiB", "512MB"],
         description="memory budget: a model whose weights exceed it is profiled one decoder layer at a time "
@@ -220,8 +244,8 @@ class ProfileCreate(_In):
     )
 
     @model_validator(mode="after")
-    def _batch_holds_a_sample(self) -> ProfileCreate:
-        if self.batch_tokens < self.max_tokens:
+    def _batch_holds_a_sample(self) -> _ProfileRequest:
+        if self.batch_tokens < self.max_tokens:  # generated fields (ProfileCreate)
             raise ValueError(
                 f"batch_tokens ({self.batch_tokens}) must be ≥ max_tokens ({self.max_tokens}): "
                 "a batch has to hold at least one whole sample"
@@ -229,6 +253,9 @@ class ProfileCreate(_In):
         if self.max_memory is not None:
             parse_size(self.max_memory)  # its ValueError says how to write a size
         return self
+
+
+ProfileCreate = declared_model(ProfileSettings, "ProfileCreate", base=_ProfileRequest)
 
 
 class ProfileOut(BaseModel):
@@ -251,32 +278,18 @@ class ProfileList(BaseModel):
 # --------------------------------------------------------------------------- allocation and conversions
 
 
-def _field_annotation(spec: ParamSpec) -> Any:
-    kind: Any = Literal[spec.choices] if spec.choices else {"int": int, "float": float, "str": str, "bool": bool}[spec.type]  # type: ignore[valid-type]
-    return kind | None if spec.optional else kind
-
-
-def _description(spec: ParamSpec) -> str:
-    return f"{spec.help} ({spec.paper})" if spec.paper else spec.help
-
-
 def method_params_model(method: Method) -> type[BaseModel]:
     """The request body block of one method, generated from its parameter dataclass: the same
     names, types, defaults, bounds and help as the engine, the CLI and ``GET /methods``. Rules that
     relate several fields are the engine's own ``check()`` (a 422 with its message)."""
-    fields: dict[str, Any] = {
-        spec.name: (_field_annotation(spec), Field(spec.default, description=_description(spec), ge=spec.ge, gt=spec.gt,
-                                                   le=spec.le, lt=spec.lt, allow_inf_nan=False if spec.type == "float" else None))
-        for spec in method.params.specs()
-    }
 
     def engine_check(self: BaseModel) -> BaseModel:
         method.params(**self.model_dump()).check()  # ConversionError is a ValueError: 422
         return self
 
     title = "".join(part.capitalize() for part in method.name.split("_"))
-    return create_model(f"{title}Params", __base__=_In, __doc__=f"{method.title} ({method.paper}): {method.summary}",
-                        __validators__={"engine_check": model_validator(mode="after")(engine_check)}, **fields)
+    return declared_model(method.params, f"{title}Params", doc=f"{method.title} ({method.paper}): {method.summary}",
+                          validators={"engine_check": model_validator(mode="after")(engine_check)})
 
 
 #: One generated parameters model per registered method.
@@ -440,14 +453,12 @@ class EvaluationList(BaseModel):
 
 # --------------------------------------------------------------------------- recovery fine-tuning
 
-FinetuneMode = Literal[tuple(name for name, m in REGISTRY.items() if m.recovery is not None)]  # type: ignore[valid-type]
+class _FinetuneRequest(_In):
+    """Recovery fine-tuning of a ready conversion; the hyper-parameters are generated from
+    ``workers.engine.training.params.FinetuneParams`` (names, defaults, bounds).
 
-
-class FinetuneCreate(_In):
-    """Recovery fine-tuning of a ready conversion (``workers.engine.training.finetune.FinetuneParams``).
-
-    Bounds here catch typos; the engine's ``validate`` makes the checks that need several
-    fields or the conversion (answered 422 with its message).
+    The engine's ``validate`` makes the checks that need several fields or the conversion
+    (answered 422 with its message).
     """
 
     conversion_id: str
@@ -455,18 +466,6 @@ class FinetuneCreate(_In):
         None, description="what is trained and how; default: the conversion's method (expertweaver → expertweaver, cmoe → cmoe, "
         "midas → midas, dense2moe → dense2moe)",
     )
-    steps: int = Field(60, ge=1, le=100_000, description="optimizer steps")
-    batch_size: int = Field(4, ge=1, le=1024, description="sequences per step")
-    seq_len: int = Field(256, ge=8, le=32768, description="tokens per sequence")
-    lr: float = Field(5e-4, gt=0, le=1, description="learning rate of the LoRA adapters (CM §4 uses 5.95e-5 on 7B models)")
-    router_lr: float = Field(1e-3, gt=0, le=1, description="learning rate of the router: scale u (cmoe, CM §4: 1e-3) or router weights")
-    lora_rank: int = Field(8, ge=0, le=4096, description="LoRA rank r (CM §4: 8); 0: no adapters (expertweaver trains its routers only)")
-    lora_alpha: float = Field(32.0, gt=0, le=1e6, description="LoRA alpha (CM §4: 32)")
-    lb_coef: float = Field(0.01, ge=0, le=100, description="λ of the load-balancing loss L_NTP + λ·L_LB (EW Eq. 12); not used by cmoe")
-    bias_step: float = Field(1e-3, ge=0, le=1, description="γ: per-step update of the routing bias b (CM §3.3, AF Eq. 9; cmoe only)")
-    checkpoint_every: int = Field(20, ge=1, le=100_000, description="steps between checkpoints (a cancelled run resumes from the latest)")
-    warmup: float = Field(0.1, ge=0, lt=1, description="share of the steps with a linear learning-rate warm-up")
-    router_first: float = Field(0.0, ge=0, lt=1, description="share of the steps that train the routers only, before the adapters start")
     source: str = Field(
         "builtin:mixed", min_length=1, max_length=200,
         description="training text: builtin:NAME (its calibration split) or the id of a stored calibration set",
@@ -476,11 +475,9 @@ class FinetuneCreate(_In):
         description="held-out text for perplexity before / after / dense: builtin:NAME (its held-out split); default: source "
         "when it is a built-in, else builtin:mixed",
     )
-    eval_windows: int = Field(16, ge=1, le=4096, description="held-out windows for perplexity before / after / dense")
-    seed: int = Field(0, ge=0)
 
     @model_validator(mode="after")
-    def _known_builtin(self) -> FinetuneCreate:
+    def _known_builtin(self) -> _FinetuneRequest:
         for name in ("source", "eval_source"):
             value = getattr(self, name)
             if value is not None and value.startswith("builtin:") and value[len("builtin:"):] not in BUILTIN_SETS:
@@ -489,6 +486,9 @@ class FinetuneCreate(_In):
             raise ValueError(f"eval_source {self.eval_source!r}: perplexity needs a held-out split, which only built-in sets have; "
                              "use builtin:NAME")
         return self
+
+
+FinetuneCreate = declared_model(FinetuneParams, "FinetuneCreate", base=_FinetuneRequest)
 
 
 class FinetuneOut(BaseModel):

@@ -84,6 +84,59 @@ def main() -> None:
     """moelab: turn dense GLU language models into Mixture-of-Experts models, and see why."""
 
 
+# --------------------------------------------------------------------------- declared parameters
+
+
+def _param_option(spec: Any, *, type: Any, default: Any, help: str, aliases: list[str] | tuple[str, ...] = (),
+                  **extra: Any) -> Callable[..., Any]:
+    """The click option of one declared parameter (``workers.engine.core.params``): ``--name``
+    (plus its aliases), a bool as a ``--name/--no-name`` flag."""
+    if spec.type == "bool" and not spec.choices:
+        flags = [f"--{n}/--no-{n}" for n in (spec.name.replace("_", "-"), *(a.lstrip("-") for a in aliases))]
+        return click.option(*flags, spec.name, default=default, help=help, **extra)
+    return click.option(f"--{spec.name.replace('_', '-')}", *aliases, spec.name, type=type, default=default, help=help, **extra)
+
+
+def _click_type(spec: Any) -> Any:
+    """A declared parameter's choices, or its type within its declared bounds (gt/lt: open ends)."""
+    if spec.choices:
+        return click.Choice(list(spec.choices))
+    low = spec.ge if spec.ge is not None else spec.gt
+    high = spec.le if spec.le is not None else spec.lt
+    if spec.type in ("int", "float") and (low is not None or high is not None):
+        bounded = click.IntRange if spec.type == "int" else click.FloatRange
+        return bounded(low, high, min_open=spec.gt is not None, max_open=spec.lt is not None)
+    return {"int": int, "float": float, "str": str, "bool": bool}[spec.type]
+
+
+def _declared_options(params: Any, skip: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """One option per parameter of a declared class (``ProfileSettings``, ``FinetuneParams``) that is
+    neither ``internal`` nor in ``skip`` (a request-level option written by hand): its default,
+    bounds, help and paper reference are the declaration's, as in the API schema."""
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        for spec in reversed(params.exposed_specs()):
+            if spec.name not in skip:
+                help_text = f"{spec.help} ({spec.paper})" if spec.paper else spec.help
+                command = _param_option(spec, type=_click_type(spec), default=spec.default, help=help_text,
+                                        show_default=True)(command)
+        return command
+
+    return decorate
+
+
+def _profile_settings() -> Any:
+    from workers.engine.profiling.settings import ProfileSettings
+
+    return ProfileSettings
+
+
+def _finetune_params() -> Any:
+    from workers.engine.training.params import FinetuneParams
+
+    return FinetuneParams
+
+
 # --------------------------------------------------------------------------- profile
 
 
@@ -91,16 +144,8 @@ def main() -> None:
 @click.option("--model", "model_spec", default="default", show_default=True, help="default | local dir | .gguf | HF id")
 @click.option("--calib", default="builtin:mixed", show_default=True, help="builtin:NAME | FILE.jsonl | FILE.txt | hf:NAME | saved set dir")
 @click.option("--samples", type=click.IntRange(min=1), default=240, show_default=True, help="samples drawn from the set")
-@click.option("--max-tokens", type=click.IntRange(min=2), default=256, show_default=True, help="tokens per sample (truncation)")
+@_declared_options(_profile_settings())
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="profile directory to write")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--batch-tokens", type=click.IntRange(min=2), default=2048, show_default=True, help="padded tokens per forward batch")
-@click.option("--atopk-k", type=click.IntRange(min=1), default=10, show_default=True, help="CMoE K_a (CM Eq. 4)")
-@click.option("--atopk-normalized", is_flag=True, help="CMoE's normalised h (unit X rows, unit W columns)")
-@click.option("--feature-tokens", type=click.IntRange(min=1), default=16384, show_default=True, help="tokens whose ATopK markers are kept for clustering")
-@click.option("--top-tokens", type=click.IntRange(min=0), default=8, show_default=True, help="top-activating tokens kept per neuron (|h|, CM Eq. 1) for neuron pages; 0: none")
-@click.option("--group-by", type=click.Choice(["auto", "task", "domain", "sample"]), default="auto", show_default=True, help="what the CV is computed across")
-@click.option("--no-second-moment", is_flag=True, help="skip XᵀX (MIDAS needs it)")
 @click.option("--device", default=None, help="auto | cpu | cuda (default: MOELAB_DEVICE or auto)")
 @click.option("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
 @click.option("--max-memory", default=None, metavar="SIZE", help="memory budget, e.g. 2GiB or 512MB: a larger model is profiled one decoder layer at a time (default: MOELAB_MAX_MEMORY; unset: load it whole)")
@@ -108,21 +153,16 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="print the manifest as JSON")
 @click.option("--quiet", is_flag=True, help="no progress bars")
 def profile(
-    model_spec: str, calib: str, samples: int, max_tokens: int, out: Path, seed: int, batch_tokens: int,
-    atopk_k: int, atopk_normalized: bool, feature_tokens: int, top_tokens: int, group_by: str, no_second_moment: bool,
-    device: str | None, dtype: str | None, max_memory: str | None, trust_remote_code: bool, as_json: bool, quiet: bool,
+    model_spec: str, calib: str, samples: int, out: Path, device: str | None, dtype: str | None, max_memory: str | None,
+    trust_remote_code: bool, as_json: bool, quiet: bool, **given: Any,
 ) -> None:
     """Profile a model's FFN activations over a calibration set (one streaming pass)."""
-    from workers.engine.profiling.profiler import ProfileSettings
+    from workers.engine.profiling.settings import ProfileSettings
     from workers.engine.runs import run_profile
 
     cfg = get_settings()
     _quiet_transformers()
-    settings = ProfileSettings(
-        max_tokens=max_tokens, batch_tokens=max(batch_tokens, max_tokens), atopk_k=atopk_k,
-        atopk_normalized=atopk_normalized, feature_tokens=feature_tokens, group_by=group_by,
-        second_moment=not no_second_moment, seed=seed, top_tokens=top_tokens,
-    )
+    settings = ProfileSettings(**{**given, "batch_tokens": max(given["batch_tokens"], given["max_tokens"])})
     with _progress(quiet) as progress:
         stored = run_profile(
             model_spec, calib, out, settings, samples=samples, data_dir=cfg.data_dir, device=device or cfg.device,
@@ -174,7 +214,7 @@ def _method_param_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
     by_name: dict[str, list[tuple[str, Any]]] = {}
     for method in REGISTRY.values():
-        for spec in method.params.specs():
+        for spec in method.params.exposed_specs():
             by_name.setdefault(spec.name, []).append((method.name, spec))
     for name, uses in reversed(list(by_name.items())):
         spec = uses[0][1]
@@ -183,8 +223,8 @@ def _method_param_options(command: Callable[..., Any]) -> Callable[..., Any]:
         defaults = ", ".join(f"{m} {s.default}" for m, s in uses)
         papers = sorted({s.paper for _, s in uses if s.paper})
         help_text = f"{spec.help}{' (' + '; '.join(papers) + ')' if papers else ''} [default: {defaults}]"
-        flags = [f"--{name.replace('_', '-')}", *(f"--{a}" for a in {a for _, s in uses for a in s.aliases})]
-        command = click.option(*flags, name, type=kind, default=None, help=help_text)(command)
+        aliases = [f"--{a}" for a in {a for _, s in uses for a in s.aliases}]
+        command = _param_option(spec, type=kind, default=None, help=help_text, aliases=aliases)(command)
     return command
 
 
@@ -301,27 +341,11 @@ def methods(as_json: bool) -> None:
 @click.option("--mode", type=click.Choice(_recovery_modes()), default=None,
               help="default: the conversion's method (CM §3.3 gate scale + bias + LoRA; EW Eqs. 11-12 softmax router + "
                    "load balancing; MIDAS gate + LoRA; Dense2MoE router)")
-@click.option("--steps", type=click.IntRange(min=1), default=60, show_default=True)
-@click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
-@click.option("--lr", type=float, default=5e-4, show_default=True, help="LoRA / expert learning rate")
-@click.option("--router-lr", type=float, default=1e-3, show_default=True)
-@click.option("--lora-rank", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--lb-coef", type=float, default=0.01, show_default=True, help="λ of EW Eq. 12")
-@click.option("--bias-step", type=float, default=1e-3, show_default=True, help="γ of CM §3.3")
-@click.option("--checkpoint-every", type=click.IntRange(min=1), default=20, show_default=True)
-@click.option("--warmup", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
-              help="share of the steps with a linear learning-rate warm-up")
-@click.option("--router-first", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
-              help="share of the steps that train the routers only, before the adapters start")
-@click.option("--source", default="builtin:mixed", show_default=True, help="training text (its calibration split)")
-@click.option("--seed", type=int, default=0, show_default=True)
+@_declared_options(_finetune_params(), skip=("mode",))
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="work dir; an interrupted run resumes from its last checkpoint")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--quiet", is_flag=True)
-def finetune(conversion_dir: Path, mode: str | None, steps: int, batch_size: int, seq_len: int, lr: float, router_lr: float,
-             lora_rank: int, lb_coef: float, bias_step: float, checkpoint_every: int, warmup: float, router_first: float,
-             source: str, seed: int, out: Path, as_json: bool, quiet: bool) -> None:
+def finetune(conversion_dir: Path, mode: str | None, out: Path, as_json: bool, quiet: bool, **given: Any) -> None:
     """Recovery fine-tuning of a converted model; the fine-tuned model is exported to OUT/model."""
     from workers.engine.training.finetune import FinetuneError, FinetuneParams, run_finetune
     from workers.engine.methods import method_of
@@ -335,9 +359,7 @@ def finetune(conversion_dir: Path, mode: str | None, steps: int, batch_size: int
             if method not in _recovery_modes():
                 raise click.UsageError(f"{method} conversions have no recovery mode yet; pass --mode explicitly")
             mode = method
-        params = FinetuneParams(mode=mode, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, router_lr=router_lr,
-                                lora_rank=lora_rank, lb_coef=lb_coef, bias_step=bias_step, checkpoint_every=checkpoint_every,
-                                warmup=warmup, router_first=router_first, source=source, seed=seed)
+        params = FinetuneParams(mode=mode, **given)
         params.validate()
         summary = run_finetune(conversion_dir, params, out, data_dir=cfg.data_dir, device=cfg.device, progress=progress)
     if as_json:
@@ -393,8 +415,9 @@ def evaluate(conversion_dir: Path, windows: int, seq_len: int, source: str, no_b
     for name, r in report["results"].items():
         rec = r.get("reconstruction_error")
         cv = [v for v in r.get("routing", {}).get("load_cv", {}).values() if v == v]
+        tps = "stored" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.0f}"  # a reused dense score
         click.echo(
-            f"  {name:<11} {r['perplexity']:11.2f}  {r.get('perplexity_ratio', 1):7.2f}  {r['tokens_per_s']:8.0f}  "
+            f"  {name:<11} {r['perplexity']:11.2f}  {r.get('perplexity_ratio', 1):7.2f}  {tps:>8}  "
             f"{(sum(rec) / len(rec)) if rec else 0:15.3f}  {(sum(cv) / len(cv)) if cv else float('nan'):12.3f}"
         )
 

@@ -44,6 +44,110 @@ def test_every_parameter_reaches_the_cli_and_the_api_with_its_default(name):
     assert params_from_dict({"method": name, **METHOD_PARAMS[name]().model_dump()}) == method.params()
 
 
+# ---------------------------------------------------------------------------- profile and fine-tuning settings
+
+#: Spec bound -> JSON-schema keyword, and whether click's range leaves that end open.
+_JSON_BOUNDS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "lt": "exclusiveMaximum"}
+#: Request-level defaults that differ from the engine's on purpose: a fine-tune's mode defaults to
+#: the conversion's method (the engine's default is one mode).
+_REQUEST_DEFAULTS = {"mode": None}
+
+
+def _declared(kind: str) -> tuple[Any, Any, click.Command]:
+    """(declared class, API request model, CLI command) of ``profile`` or ``finetune``."""
+    from backend.schemas import FinetuneCreate, ProfileCreate
+    from moelab import cli
+    from workers.engine.profiling.settings import ProfileSettings
+    from workers.engine.training.params import FinetuneParams
+
+    return {"profile": (ProfileSettings, ProfileCreate, cli.profile), "finetune": (FinetuneParams, FinetuneCreate, cli.finetune)}[kind]
+
+
+def _api_mismatches(spec: Any, prop: dict[str, Any]) -> list[str]:
+    """How the JSON schema of one request field differs from the declaration (empty: it agrees)."""
+    variants = [v for v in prop.get("anyOf", [prop]) if v.get("type") != "null"]
+    problems = []
+    if prop.get("default") != _REQUEST_DEFAULTS.get(spec.name, spec.default):
+        problems.append(f"default {prop.get('default')!r}")
+    for attr, key in _JSON_BOUNDS.items():
+        if [v.get(key) for v in variants] != [getattr(spec, attr)] * len(variants):
+            problems.append(f"{key} {[v.get(key) for v in variants]} (declared {attr}={getattr(spec, attr)})")
+    if spec.choices and [set(v.get("enum", ())) for v in variants] != [set(spec.choices)]:
+        problems.append(f"choices {variants}")
+    if spec.optional != ("anyOf" in prop) and spec.name not in _REQUEST_DEFAULTS:
+        problems.append("optional" if "anyOf" in prop else "required")
+    return problems
+
+
+def _cli_mismatches(spec: Any, opt: click.Option) -> list[str]:
+    """How one CLI option differs from the declaration (empty: it agrees)."""
+    dashed = spec.name.replace("_", "-")
+    problems = []
+    if f"--{dashed}" not in opt.opts:
+        problems.append(f"spelled {opt.opts}")
+    if opt.default != _REQUEST_DEFAULTS.get(spec.name, spec.default):
+        problems.append(f"default {opt.default!r}")
+    if spec.type == "bool":
+        if not opt.is_flag or f"--no-{dashed}" not in opt.secondary_opts:
+            problems.append(f"not a --{dashed}/--no-{dashed} flag")
+    elif spec.choices:
+        if set(getattr(opt.type, "choices", ())) != set(spec.choices):
+            problems.append(f"choices {getattr(opt.type, 'choices', None)}")
+    else:
+        low = spec.ge if spec.ge is not None else spec.gt
+        high = spec.le if spec.le is not None else spec.lt
+        declared = (low, high, spec.gt is not None, spec.lt is not None)
+        given = tuple(getattr(opt.type, a, None) for a in ("min", "max")) + tuple(
+            bool(getattr(opt.type, a, False)) for a in ("min_open", "max_open"))
+        if given != declared:
+            problems.append(f"range {opt.type} (declared {spec.ge=}, {spec.gt=}, {spec.le=}, {spec.lt=})")
+    return problems
+
+
+@pytest.mark.parametrize("kind", ["profile", "finetune"])
+def test_every_declared_setting_reaches_the_cli_and_the_api_with_its_default_and_bounds(kind):
+    """``ProfileSettings`` and ``FinetuneParams`` are declared once: each exposed field is a field
+    of the request body and an option of the command, with the declaration's default and bounds
+    (click's ranges included); internal fields are in neither."""
+    declared, request, command = _declared(kind)
+    props = request.model_json_schema()["properties"]
+    options = {p.name: p for p in command.params if isinstance(p, click.Option)}
+    exposed = declared.exposed_specs()
+    assert exposed and {s.name for s in declared.specs()} - {s.name for s in exposed} == (
+        {"hist_bins", "cv_eps"} if kind == "profile" else set())
+    for spec in declared.specs():
+        if spec.internal:
+            assert spec.name not in props and spec.name not in options, spec.name
+            continue
+        assert not _api_mismatches(spec, props[spec.name]), (spec.name, _api_mismatches(spec, props[spec.name]))
+        assert not _cli_mismatches(spec, options[spec.name]), (spec.name, _cli_mismatches(spec, options[spec.name]))
+
+
+def test_the_api_and_cli_defaults_are_the_engines():
+    from backend.schemas import FinetuneCreate, ProfileCreate
+    from workers.engine.profiling.settings import ProfileSettings
+    from workers.engine.training.params import FinetuneParams
+
+    body = ProfileCreate(model_id="m", calibration_set_id="c").model_dump(exclude={"model_id", "calibration_set_id", "samples", "max_memory"})
+    assert ProfileSettings(**body) == ProfileSettings()
+    body = FinetuneCreate(conversion_id="c", mode="cmoe").model_dump(exclude={"conversion_id"})
+    assert FinetuneParams(**body) == FinetuneParams()
+
+
+def test_the_setting_checkers_see_a_drift():
+    """The comparison above can fail: an option or a field with other bounds or another default is reported."""
+    from workers.engine.training.params import FinetuneParams
+
+    rank = next(s for s in FinetuneParams.specs() if s.name == "lora_rank")
+    assert _cli_mismatches(rank, click.Option(["--lora-rank"], type=click.IntRange(min=0, max=4096), default=8)) == []
+    assert _cli_mismatches(rank, click.Option(["--lora-rank"], type=click.IntRange(min=1), default=8))
+    assert _cli_mismatches(rank, click.Option(["--lora-rank"], type=int, default=8))
+    assert _cli_mismatches(rank, click.Option(["--lora-rank"], type=click.IntRange(min=0, max=4096), default=4))
+    assert _api_mismatches(rank, {"default": 8, "minimum": 0, "maximum": 4096}) == []
+    assert _api_mismatches(rank, {"default": 8, "minimum": 1, "maximum": 4096})
+    assert _api_mismatches(rank, {"default": 8, "minimum": 0})
+
+
 def test_methods_are_listed_by_the_cli_and_the_api(tmp_path):
     from fastapi.testclient import TestClient
 

@@ -82,7 +82,7 @@ def _describe_on_meta(source: str, s: Any, trust: bool) -> dict[str, Any] | None
 
 
 def _describe_moe(source: str, device: str, trust: bool, dense_error: Exception) -> dict[str, Any]:
-    from workers.engine.core.dense import ConversionError
+    from workers.engine.core.params import ConversionError
     from workers.engine.profiling.moe_experts import load_moe_model, sparse_moe_layers
 
     try:
@@ -242,6 +242,7 @@ def evaluate(ctx: JobContext) -> Outcome:
             "mean_reconstruction_error": _mean(r.get("reconstruction_error")),
             "mean_load_cv": _mean((r.get("routing") or {}).get("load_cv", {}).values()),
             "multiple_choice_accuracy": (r.get("multiple_choice") or {}).get("mean_accuracy"),
+            "reused": "reused" in r,  # the dense model's stored score on the same windows (evaluation.reference_scores)
         }
         for name, r in report["results"].items()
     }

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, File, Form, Query, Response, UploadFile
+from pydantic import Field
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -60,9 +61,15 @@ KIND = "calibration-sets"
 _READERS = {".jsonl": read_jsonl, ".json": read_jsonl, ".txt": read_txt}
 
 
-@router.get("/builtins", response_model=list[BuiltinSetOut], summary="Built-in offline sets")
-def builtins() -> list[BuiltinSetOut]:
-    return [BuiltinSetOut(name=n, description=d, spec=f"builtin:{n}") for n, d in BUILTIN_SETS.items()]
+class BuiltinSetStatus(BuiltinSetOut):
+    installed: bool = Field(True, description="whether this server can build it now (bigbench needs `moelab data install bigbench`)")
+
+
+@router.get("/builtins", response_model=list[BuiltinSetStatus], summary="Built-in offline sets, and whether each is installed")
+def builtins(settings: SettingsDep) -> list[BuiltinSetStatus]:
+    return [BuiltinSetStatus(name=n, description=d, spec=f"builtin:{n}",
+                             installed=n != "bigbench" or bigbench_installed(settings.data_dir))
+            for n, d in BUILTIN_SETS.items()]
 
 
 @router.post("", response_model=CalibrationSetOut, status_code=202, responses={403: {}, 409: {}, 422: {}},

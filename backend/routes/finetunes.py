@@ -47,6 +47,20 @@ def default_mode(conversion: Conversion) -> str:
     return method
 
 
+def check_mode(mode: str, conversion: Conversion, store: ArtifactStore) -> None:
+    """422 when ``mode`` cannot train this conversion's layers (their kinds and combines, read from
+    its ``config.json``; ``Recovery.refusal``), before anything is queued."""
+    from workers.engine.methods import REGISTRY
+
+    try:
+        config = json.loads((store.path("conversions", conversion.id) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # not readable here: the job's own check says it
+    problem = REGISTRY[mode].recovery.refusal(mode, config.get("moe_layers") or [])  # type: ignore[union-attr]
+    if problem:
+        raise ApiError(422, f"mode: {problem}")
+
+
 def engine_source(source: str, store: ArtifactStore) -> str:
     """The API's ``source`` (builtin:NAME or a calibration-set id) as the engine reads it."""
     return source if source.startswith("builtin:") else str(store.path("calibration-sets", source))
@@ -81,6 +95,7 @@ def create_finetune(body: FinetuneCreate, session: SessionDep, queue: QueueDep, 
         require_ready(cset, "calibration set")
     params = body.model_dump(exclude={"conversion_id"})
     params["mode"] = body.mode or default_mode(conversion)
+    check_mode(params["mode"], conversion, store)
     check_params(params, store)
     row = Finetune(id=new_id("ft"), conversion_id=conversion.id, params=params)
     session.add(row)

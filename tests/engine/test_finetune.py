@@ -437,3 +437,45 @@ def test_checkpoints_keep_the_last_two_and_restore_by_name(tmp_path):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(CheckpointError, match="do not match"):
         restore(ckpt, {"weight": fresh.weight}, fresh_opt, fresh_names)
+
+
+def test_gate_mass_scores_read_the_lora_adapted_gates():
+    """peft applies adapters on stacked expert parameters only inside the wrapper's forward; the
+    gate-mass router scores experts from the gate rows too, and must read the same adapted rows
+    (an EW or CMoE gate_mass conversion fine-tuned with LoRA failed with an AttributeError)."""
+    from peft import LoraConfig, get_peft_model
+
+    class Block(torch.nn.Module):
+        def __init__(self, mlp):
+            super().__init__()
+            self.mlp = mlp
+
+        def forward(self, x):
+            return self.mlp(x)
+
+    mod = random_moe("gate_mass")
+    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(3))
+    wrapped = get_peft_model(Block(mod), LoraConfig(r=2, lora_alpha=2, target_modules=[],
+                                                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(4))
+    picks = []
+    mod.recorder = lambda idx: picks.append(idx.sort(-1).values)
+    out = wrapped(x)
+    merged = wrapped.merge_and_unload().mlp  # the same adapters folded into the weights
+    assert torch.allclose(merged(x), out, atol=1e-5)
+    assert torch.equal(picks[0], picks[1]), "routing by the adapted gate rows, as the merged model routes"
+
+
+def test_ew_recovery_drops_the_skipped_expert_means():
+    """``--recipe best`` compensates skipped experts under the sum combine; EW Eq. 11's weighted
+    combine has no such term (check_compensation refuses that pairing), so the switch drops it."""
+    comp = MoeFFN.from_dense(*(torch.randn(48, 32), torch.randn(48, 32), torch.randn(32, 48)), "silu", torch.arange(8),
+                             torch.arange(8, 48).reshape(8, 5), top_k=3, router="centroid",
+                             skip_mean=torch.randn(8, 32))
+    assert comp.compensated and comp.spec["skip_mean"] is True
+    new = to_softmax_router(comp, 1.0)
+    assert not new.compensated and "skip_mean" not in new.state_dict() and "skip_mean" not in new.spec
+    assert (new.router, new.combine) == ("softmax", "weighted")

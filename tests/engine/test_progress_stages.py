@@ -44,6 +44,11 @@ def test_step_and_within():
 
 
 def test_evaluation_reports_real_stages_in_order(conversion, data_dir):
+    import shutil
+
+    from workers.engine.evaluation import reference_scores
+
+    shutil.rmtree(data_dir / reference_scores.DIR, ignore_errors=True)  # the dense model is scored, not reused
     rec = Recorder()
     report = run_evaluation(conversion, data_dir=data_dir, n_windows=2, seq_len=16, progress=Progress(callback=rec),
                             write=False, mc_per_task=0)
@@ -59,6 +64,21 @@ def test_evaluation_reports_real_stages_in_order(conversion, data_dir):
         last[stage] = (current, total)
     assert all(c == t for c, t in last.values()), last  # every stage reaches its end
     assert "cluster experts" not in rec.stages()
+
+    # A second evaluation on the same text reuses the dense model's perplexity instead of running it.
+    again = Recorder()
+    second = run_evaluation(conversion, data_dir=data_dir, n_windows=2, seq_len=16, progress=Progress(callback=again),
+                            write=False, mc_per_task=0, baselines=False)
+    assert "evaluate dense" not in again.stages() and "evaluate converted" in again.stages()
+    dense, first = second["results"]["dense"], report["results"]["dense"]
+    assert dense["perplexity"] == first["perplexity"] and dense["tokens_per_s"] is None and "reused" in dense
+    assert second["results"]["converted"]["perplexity"] == pytest.approx(report["results"]["converted"]["perplexity"], rel=1e-6)
+    assert second["results"]["converted"]["perplexity_ratio"] == pytest.approx(report["results"]["converted"]["perplexity_ratio"], rel=1e-6)
+    # Other text: the dense model runs again.
+    third = Recorder()
+    run_evaluation(conversion, data_dir=data_dir, n_windows=3, seq_len=16, progress=Progress(callback=third),
+                   write=False, mc_per_task=0, baselines=False)
+    assert "evaluate dense" in third.stages()
 
 
 def test_finetune_reports_loading_and_setup_before_training(conversion, data_dir, tmp_path):

@@ -17,6 +17,7 @@ from .atomic import write_json_atomic
 from .data.calibration import load_calibration
 from .core.params import ConversionError
 from .data.builtin import bigbench_installed
+from .evaluation import reference_scores
 from .evaluation.metrics import bigbench_choice_items, evaluate_models, evaluate_variants, heldout_windows
 from .methods import REGISTRY, ConversionInputs, Method, get_method, method_of
 from .models import ModelAdapter, load_model
@@ -195,22 +196,26 @@ def run_evaluation(
     items = _choice_items(data_dir, mc_per_task, progress)
     if method.baselines is not None:  # layers swap into the dense model: baselines in the same pass
         adapter = loader(record["model"]["source"], data_dir=data_dir, device=device, dtype="float32", progress=progress)
-        tokenizer = adapter.tokenizer
+        tokenizer, dense = adapter.tokenizer, adapter.model
         variants: dict[str, Any] = {"dense": None, "converted": converted.to(adapter.device).moe_modules()}
         if baselines:
             t1 = time.perf_counter()
             with progress.step("build baselines"):  # their clustering reports as 'baselines: cluster experts i/L'
-                variants.update(method.baselines(adapter, record, progress.within("baselines")))
+                variants.update(method.baselines(adapter, record, progress.within("baselines"), data_dir))
             timings["baselines_build_s"] = time.perf_counter() - t1
         with progress.step("read held-out text"):
             windows = heldout_windows(tokenizer, data_dir, seq_len=seq_len, n_windows=n_windows, source=source)
-        results = evaluate_variants(adapter, variants, windows, progress=progress, choice_items=items)
+        key, known = _known_dense(record, dense, windows, items, data_dir)
+        results = evaluate_variants(adapter, variants, windows, progress=progress, choice_items=items, known=known)
     else:
         dense, tokenizer = _reference_model(method, record, data_dir=data_dir, device=device, progress=progress, loader=loader)
         converted = converted.to(next(dense.parameters()).device)
         with progress.step("read held-out text"):
             windows = heldout_windows(tokenizer, data_dir, seq_len=seq_len, n_windows=n_windows, source=source)
-        results = evaluate_models({"dense": dense, "converted": converted}, tokenizer, windows, progress=progress, choice_items=items)
+        key, known = _known_dense(record, dense, windows, items, data_dir)
+        results = evaluate_models({"dense": dense, "converted": converted}, tokenizer, windows, progress=progress,
+                                  choice_items=items, known=known)
+    reference_scores.save(data_dir, key, results["dense"])
     if method.extra_evaluation is not None:
         extra = method.extra_evaluation(converted, tokenizer, record, data_dir=data_dir, n_windows=n_windows,
                                         seq_len=seq_len, progress=progress)
@@ -299,6 +304,16 @@ def _reference_model(method: Method, record: dict[str, Any], *, data_dir: Path, 
             return method.reference(record, device=device, data_dir=data_dir)
     adapter = loader(record["model"]["source"], data_dir=data_dir, device=device, dtype="float32", progress=progress)
     return adapter.model, adapter.tokenizer
+
+
+def _known_dense(record: dict[str, Any], dense: Any, windows: Any, items: Any, data_dir: Path,
+                 ) -> tuple[str, dict[str, dict[str, Any]]]:
+    """The key of the dense model's scores on ``windows`` and, when an earlier evaluation stored
+    them, ``{"dense": entry}`` (``evaluation.reference_scores``)."""
+    protocol = {"batch_size": 8, "choice_items": [[i.task, i.prompt, i.choices, i.answer] for i in items or ()]}
+    key = reference_scores.fingerprint(record.get("model", {}), dense, windows, protocol)
+    entry = reference_scores.load(data_dir, key)
+    return key, ({"dense": entry} if entry else {})
 
 
 def _choice_items(data_dir: Path, mc_per_task: int, progress: Progress = NO_PROGRESS) -> Any:

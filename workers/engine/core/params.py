@@ -1,7 +1,7 @@
-"""Method parameters declared once: a frozen dataclass whose fields carry their help text, paper
-reference and bounds. The CLI options, the API schema, ``moelab methods`` and the designer's
-panels are all generated from these declarations (``describe``), so a parameter added to a
-method appears everywhere without a second edit.
+"""Parameters declared once: a dataclass whose fields carry their help text, paper reference and
+bounds (``param``). The CLI options, the API schema, ``moelab methods`` and the designer's panels
+are all generated from these declarations, so a parameter added to a method, to the profiler's
+settings or to the fine-tuning appears everywhere without a second edit.
 
 Stored dicts (``conversion.json`` → ``params``, job rows) are ``{"method": NAME, **fields}``;
 ``from_dict`` refuses unknown keys, because a typo must not silently fall back to a default.
@@ -26,13 +26,17 @@ class ConversionError(ValueError):
 
 
 def param(default: Any, help: str, *, paper: str | None = None, ge: float | None = None, gt: float | None = None,
-          le: float | None = None, lt: float | None = None, aliases: tuple[str, ...] = (), advanced: bool = False) -> Any:
-    """A method parameter: its default, one line of help, the paper equation it reads and its bounds.
+          le: float | None = None, lt: float | None = None, aliases: tuple[str, ...] = (), advanced: bool = False,
+          internal: bool = False) -> Any:
+    """A parameter: its default, one line of help, the paper equation it reads and its bounds.
 
     ``aliases``: extra CLI spellings kept for existing scripts (``--experts`` for ``n_experts``).
     ``advanced``: hidden behind "more" in the designer (still in the CLI and the API).
+    ``internal``: checked like the others, but neither a CLI option nor an API field (an engine
+    constant that is recorded with the results, e.g. the profiler's histogram bins).
     """
-    meta = {"help": help, "paper": paper, "ge": ge, "gt": gt, "le": le, "lt": lt, "aliases": aliases, "advanced": advanced}
+    meta = {"help": help, "paper": paper, "ge": ge, "gt": gt, "le": le, "lt": lt, "aliases": aliases, "advanced": advanced,
+            "internal": internal}
     return field(default=default, metadata=meta)
 
 
@@ -53,9 +57,13 @@ class ParamSpec:
     lt: float | None = None
     aliases: tuple[str, ...] = ()
     advanced: bool = False
+    internal: bool = False
 
     def to_dict(self) -> dict[str, Any]:
+        """How an interface lists the parameter (``moelab methods``, ``GET /methods``); internal
+        parameters are never listed, so the flag is not part of it."""
         d = asdict(self)
+        del d["internal"]
         d["choices"] = list(self.choices) if self.choices is not None else None
         d["aliases"] = list(self.aliases)
         return d
@@ -99,12 +107,13 @@ def _spec_type(hint: Any) -> tuple[str, bool, tuple[Any, ...] | None]:
     return name, optional, None
 
 
-@dataclass(frozen=True)
-class MethodParams:
-    """Base of every method's parameters. Subclasses set ``method`` and may add ``_check`` for rules
-    that relate several fields (bounds of single fields come from their ``param`` declaration)."""
+class DeclaredParams:
+    """Base of every parameter dataclass declared with ``param``: the specs every interface is
+    generated from, and the check of each field against its own declaration (type, choices,
+    bounds). Subclasses name the ``error`` they raise and may add ``_check`` for rules that relate
+    several fields. Not a dataclass itself: a subclass may be frozen (``MethodParams``) or not."""
 
-    method: ClassVar[str] = ""
+    error: ClassVar[type[Exception]] = ValueError
 
     @classmethod
     @functools.cache  # read on every check() and preview (each slider move): parse the annotations once
@@ -120,16 +129,37 @@ class MethodParams:
             out.append(ParamSpec(name=f.name, type=kind, default=default, optional=optional, choices=choices, **meta))
         return tuple(out)
 
+    @classmethod
+    def exposed_specs(cls) -> tuple[ParamSpec, ...]:
+        """The parameters the CLI and the API offer (every one not declared ``internal``)."""
+        return tuple(s for s in cls.specs() if not s.internal)
+
     def check(self) -> None:
-        """Raise ConversionError naming the parameter to fix (context-free rules only)."""
+        """Raise ``error`` naming the parameter to fix: each field against its declaration, then ``_check``."""
         for spec in self.specs():
             problem = spec.check(getattr(self, spec.name))
             if problem:
-                raise ConversionError(f"{self.method}: {problem}")
+                raise self.error(self._problem(problem))
         self._check()
 
+    def _problem(self, problem: str) -> str:
+        """The message of a field's problem (a subclass may say whose parameter it is)."""
+        return problem
+
     def _check(self) -> None:
-        """Rules that relate several fields; overridden by methods that have them."""
+        """Rules that relate several fields; overridden by the classes that have them."""
+
+
+@dataclass(frozen=True)
+class MethodParams(DeclaredParams):
+    """Base of every method's parameters. Subclasses set ``method`` and may add ``_check`` for rules
+    that relate several fields (bounds of single fields come from their ``param`` declaration)."""
+
+    method: ClassVar[str] = ""
+    error: ClassVar[type[Exception]] = ConversionError
+
+    def _problem(self, problem: str) -> str:
+        return f"{self.method}: {problem}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, **asdict(self)}

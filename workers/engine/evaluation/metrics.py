@@ -229,13 +229,16 @@ def _add_ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]
 def evaluate_variants(
     adapter: ModelAdapter, variants: dict[str, dict[int, nn.Module] | None], windows: torch.Tensor,
     batch_size: int = 8, reconstruction: bool = True, progress: Progress = NO_PROGRESS,
-    choice_items: list["ChoiceItem"] | None = None,
+    choice_items: list["ChoiceItem"] | None = None, known: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Perplexity, tokens/s, reconstruction error, routing load and (when ``choice_items`` are
     given) multiple-choice accuracy of every variant, in one run. A variant is a set of MLP
-    replacements swapped into the loaded dense model (None: the dense model itself)."""
-    results: dict[str, dict[str, Any]] = {}
+    replacements swapped into the loaded dense model (None: the dense model itself). ``known``:
+    entries already scored on these windows (``reference_scores``), not run again."""
+    results: dict[str, dict[str, Any]] = dict(known or {})
     for name, modules in variants.items():
+        if name in results:
+            continue
         with swapped_mlps(adapter, modules):
             results[name] = _score(
                 adapter.model, adapter.tokenizer, dict(modules or {}), windows, batch_size, progress,
@@ -251,14 +254,16 @@ def evaluate_variants(
 def evaluate_models(
     models: dict[str, nn.Module], tokenizer: Any, windows: torch.Tensor, batch_size: int = 8,
     progress: Progress = NO_PROGRESS, choice_items: list["ChoiceItem"] | None = None,
+    known: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Like ``evaluate_variants`` for whole models that cannot be swapped into one dense model
     (Dense2MoE drops layers, MIDAS replaces every FFN by low-rank experts, hierarchical starts
     from an MoE): the same windows, perplexity, speed, routing and accuracy for each."""
-    results = {
-        name: _score(model, tokenizer, routed_modules(model), windows, batch_size, progress, f"evaluate {name}", choice_items)
-        for name, model in models.items()
-    }
+    results: dict[str, dict[str, Any]] = dict(known or {})
+    for name, model in models.items():
+        if name not in results:
+            results[name] = _score(model, tokenizer, routed_modules(model), windows, batch_size, progress,
+                                   f"evaluate {name}", choice_items)
     return _add_ratios(results)
 
 

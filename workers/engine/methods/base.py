@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 from ..core.params import MethodParams
 
@@ -52,6 +52,8 @@ class Recovery:
     parameters that train (None: every one); ``balance_bias``: the CM §3.3 bias b of ``scaled``
     layers follows the expert loads after each step (False: b stays 0); ``prepare(moe, modules,
     batch)`` makes the layers trainable in place and returns ``(modules, notes, structure_changed)``.
+    ``accepts(spec)``: why one layer of ``layer_kind`` (its JSON spec) cannot start this training,
+    or None (e.g. a combine the mode does not extend).
     """
 
     paper: str
@@ -61,6 +63,23 @@ class Recovery:
     router_params: tuple[str, ...] | None = None
     balance_bias: bool = True
     prepare: Callable[..., tuple[dict[int, Any], dict[str, Any], bool]] | None = None
+    accepts: Callable[[dict[str, Any]], str | None] | None = None
+
+    def refusal(self, mode: str, specs: Sequence[dict[str, Any] | None]) -> str | None:
+        """Why mode ``mode`` cannot fine-tune a conversion whose decoder layers have ``specs``
+        (``config.json``'s ``moe_layers``; None: a dense layer), or None. JSON only, no torch:
+        the API refuses a combination up front instead of failing the job later."""
+        layers = [(i, s) for i, s in enumerate(specs) if s]
+        kinds = sorted({str(s.get("kind", "")) for _, s in layers}) or ["none"]
+        mine = [(i, s) for i, s in layers if s.get("kind") == self.layer_kind]
+        if not mine:
+            return (f"mode {mode!r} trains layers of kind {self.layer_kind!r}, but this conversion has layer kinds {kinds}: "
+                    "use the mode of the conversion's method")
+        if self.accepts is not None:
+            bad = [(i, why) for i, s in mine if (why := self.accepts(s))]
+            if bad:
+                return f"mode {mode!r} cannot train layers {[i for i, _ in bad]}: {bad[0][1]}"
+        return None
 
 
 @dataclass(frozen=True)
@@ -71,7 +90,7 @@ class Method:
     becomes ``conversion.json`` (``params``, ``summary``, ``layers``, ``timings``).
     ``validate(params, profiles)``: checks that need the inputs, made before a model is loaded.
     ``preview(profile, params)``: a numpy-only plan for the designer (None: the method has none).
-    ``baselines(adapter, record, progress)``: extra variants (layer index -> module) scored against
+    ``baselines(adapter, record, progress, data_dir)``: extra variants (layer index -> module) scored against
     the dense model in the same evaluation; only for methods whose layers swap into the dense model.
     ``reference(record, inputs)``: the ``(model, tokenizer)`` a conversion is compared with; None:
     the profiled dense model. ``extra_evaluation(converted, tokenizer, record, **kw)``: more

@@ -32,9 +32,11 @@ from .base import ConversionInputs, Method, Recovery
 class CMoEParams(MethodParams):
     method: ClassVar[str] = "cmoe"
 
-    n_experts: int = param(64, "experts per layer (E of S·A·E), shared included", paper="CM §3.1", ge=1, aliases=("experts",))
-    shared: int = param(1, "shared experts, always active (S of S·A·E)", paper="CM Eq. 5", ge=0)
-    active: int = param(1, "routed experts active per token (A of S·A·E)", paper="CM §3.1", ge=0)
+    # Defaults: the paper's S3A3E8 (CM §4.1, Table 3: 6 of 8 experts run, 75% activation), the
+    # configuration that sits beside ExpertWeaver's default 25% sparsity; S1A1E8 is its 25% one.
+    n_experts: int = param(8, "experts per layer (E of S·A·E), shared included", paper="CM §3.1", ge=1, aliases=("experts",))
+    shared: int = param(3, "shared experts, always active (S of S·A·E)", paper="CM Eq. 5", ge=0)
+    active: int = param(3, "routed experts active per token (A of S·A·E)", paper="CM §3.1", ge=0)
     router: Literal["representative", "gate_mass", "ridge"] = param(
         "representative", "representative: one neuron per expert (CM Eqs. 17-19); gate_mass: L1 mass of each expert's "
         "gate activations; ridge: linear scores fitted in closed form to each expert's output mass (moelab's)",
@@ -118,7 +120,7 @@ def build(inputs: ConversionInputs, params: CMoEParams, progress: Any) -> tuple[
     return build_partition(inputs, params, plan_for, layer_builder, progress)
 
 
-def baselines(adapter: Any, record: dict[str, Any], progress: Any) -> dict[str, Any]:
+def baselines(adapter: Any, record: dict[str, Any], progress: Any, data_dir: Any = None) -> dict[str, Any]:
     """AbsTopK-GLU at the same active fraction (EW Eq. 2); S·A·E is already uniform."""
     from ..core.slicing import abstopk_modules
 
@@ -127,16 +129,18 @@ def baselines(adapter: Any, record: dict[str, Any], progress: Any) -> dict[str, 
 
 def prepare_recovery(moe: Any, modules: dict[int, Any], batch: Any) -> tuple[dict[int, Any], dict[str, Any], bool]:
     """CM §3.3: the training-free sum combine gains a gate scale u and a balancing bias b (u = b = 0)."""
-    from ..training.finetune import FinetuneError
-
-    bad = sorted(i for i, m in modules.items() if m.combine not in ("sum", "scaled"))
-    if bad:
-        raise FinetuneError(f"cmoe fine-tuning extends the training-free 'sum' combine; layers {bad} combine "
-                            f"{modules[bad[0]].combine!r}: use mode expertweaver or dense2moe for those")
     for mod in modules.values():
         if mod.n_routed > 0:
             mod.use_scaled_combine()
     return modules, {}, False
+
+
+def accepts_recovery(spec: dict[str, Any]) -> str | None:
+    """CM §3.3 extends the training-free sum combine (or a layer it already made ``scaled``)."""
+    if spec.get("combine") in ("sum", "scaled"):
+        return None
+    return (f"cmoe fine-tuning extends the training-free 'sum' combine (CM §3.3), these combine {spec.get('combine')!r}: "
+            "use mode expertweaver or dense2moe for those")
 
 
 METHOD = Method(
@@ -152,6 +156,7 @@ METHOD = Method(
     preview=preview,
     # CM §4: u trains, not the router weights; b balances the load instead of EW's λ (AF §4.3).
     recovery=Recovery(paper="CM §3.3: gate scale u + balancing bias b, LoRA", load_balance=False,
-                      router_params=("router_scale",), prepare=prepare_recovery),
+                      router_params=("router_scale",), prepare=prepare_recovery,
+                      accepts=accepts_recovery),
     baselines=baselines,
 )

@@ -165,9 +165,13 @@ def uniform_params(params: ExpertWeaverParams, alphas: Sequence[float]) -> Exper
     return replace(params, alpha_min=mean_alpha, alpha_max=mean_alpha)
 
 
-def baselines(adapter: Any, record: dict[str, Any], progress: Any) -> dict[str, Any]:
-    """AbsTopK-GLU at the same active fraction (EW Eq. 2) and the same conversion with a uniform α."""
-    from ..core.slicing import abstopk_modules, build_modules, partition_layers
+def baselines(adapter: Any, record: dict[str, Any], progress: Any, data_dir: Any = None) -> dict[str, Any]:
+    """AbsTopK-GLU at the same active fraction (EW Eq. 2) and the same conversion with a uniform α.
+
+    The uniform variant is built exactly as the conversion was (``partition_modules``): a ridge
+    router, a budget plan or the skipped-expert compensation is fitted on the profile's calibration
+    tokens again, so every recipe, ``best`` included, has its baseline."""
+    from ..core.slicing import abstopk_modules, partition_modules
     from ..profiling.store import StoredProfile
 
     params = ExpertWeaverParams.from_dict(record["params"])
@@ -175,8 +179,9 @@ def baselines(adapter: Any, record: dict[str, Any], progress: Any) -> dict[str, 
     uniform = uniform_params(params, [row["alpha"] for row in record["layers"]])
     if uniform != params:
         profile = StoredProfile.open(record["profile"])
-        experts = partition_layers(adapter, profile, plan_for(profile, uniform), layer_builder(profile, uniform), progress)
-        out["uniform"] = build_modules(adapter, experts, uniform.combine)
+        *_, modules, _ = partition_modules(adapter, profile, uniform, plan_for(profile, uniform),
+                                           layer_builder(profile, uniform), progress, data_dir)
+        out["uniform"] = modules
     return out
 
 
@@ -187,14 +192,9 @@ def prepare_recovery(moe: Any, modules: dict[int, Any], batch: Any) -> tuple[dic
     """EW Eq. 11: every training-free layer becomes a softmax router (initialised from its centroids,
     scaled so the logits start with std ``EW_INIT_LOGIT_STD``) with a weighted combine."""
     from ..runtime.modeling_moelab import convert_in_place
-    from ..training.finetune import FinetuneError, centroid_logit_std, to_softmax_router
+    from ..training.finetune import centroid_logit_std, to_softmax_router
 
-    switch = {i: m for i, m in modules.items() if not (m.router == "softmax" and m.combine == "weighted")}
-    bad = sorted(i for i, m in switch.items() if m.combine != "sum")
-    if bad:
-        raise FinetuneError(f"expertweaver fine-tuning starts from the training-free 'sum' combine (EW Eq. 10); "
-                            f"layers {bad} combine {modules[bad[0]].combine!r}")
-    switch = {i: m for i, m in switch.items() if m.n_routed > 0}
+    switch = {i: m for i, m in modules.items() if not (m.router == "softmax" and m.combine == "weighted") and m.n_routed > 0}
     if not switch:
         return modules, {}, False
     std = centroid_logit_std(moe, switch, batch)
@@ -202,6 +202,14 @@ def prepare_recovery(moe: Any, modules: dict[int, Any], batch: Any) -> tuple[dic
     new = {i: to_softmax_router(m, betas[i]) for i, m in switch.items()}
     convert_in_place(moe.model, new)
     return {**modules, **new}, {"router_init_beta": {str(i): b for i, b in betas.items()}}, True
+
+
+def accepts_recovery(spec: dict[str, Any]) -> str | None:
+    """EW Eq. 11 starts from the training-free sum combine (Eq. 10), or an Eq. 11 layer already."""
+    if spec.get("combine") == "sum" or (spec.get("router") == "softmax" and spec.get("combine") == "weighted"):
+        return None
+    return (f"expertweaver fine-tuning starts from the training-free 'sum' combine (EW Eq. 10), these combine "
+            f"{spec.get('combine')!r}: use mode cmoe or dense2moe, or convert with combine 'sum'")
 
 
 METHOD = Method(
@@ -216,7 +224,7 @@ METHOD = Method(
     validate=validate_partition,
     preview=preview,
     recovery=Recovery(paper="EW Eqs. 11-12: softmax router + load balancing, LoRA", lora="optional",
-                      prepare=prepare_recovery),
+                      prepare=prepare_recovery, accepts=accepts_recovery),
     baselines=baselines,
     # tests/benchmarks/bench_frontier.py: the best training-free conversion measured at every cost
     recipes={"best": {"router": "ridge", "alpha_basis": "active", "plan": "budget", "compensation": "skipped_mean"}},

@@ -71,15 +71,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Sequence
 
 import numpy as np
 
-from ..core.lowrank import (LowRank, Whitening, as_float64, balanced_factors, data_error, rank_for_ratio, whitened_lowrank,
-                             whitening)
 from ..core.params import ConversionError, MethodParams, param
 from .base import ConversionInputs, Method, Recovery
 from ..progress import NO_PROGRESS, Progress
+
+if TYPE_CHECKING:  # core.lowrank is torch: imported where a conversion runs, never by the API's registry
+    import torch
+
+    from ..core.lowrank import LowRank, Whitening
 
 DownChoice = Literal["surrogate", "plain"]
 #: Manifest fields that must agree between the profiles of one MIDAS conversion.
@@ -129,6 +132,8 @@ class MidasParams(MethodParams):
 def expert_rank(out_features: int, in_features: int, keep_ratio: float) -> int:
     """The factor rank of a matrix that keeps ``keep_ratio`` of its parameters (module doc);
     ``keep_ratio = 1`` gives the exact full rank."""
+    from ..core.lowrank import rank_for_ratio
+
     if keep_ratio >= 1.0:
         return min(out_features, in_features)
     return rank_for_ratio(out_features, in_features, keep_ratio)
@@ -272,6 +277,8 @@ def _factorise_set(
     """One set's factors on the device of ``w`` (float64 tensors there)."""
     import torch
 
+    from ..core.lowrank import LowRank, balanced_factors, whitened_lowrank, whitening
+
     white = whitening(xtx, device=w["gate"].device)
     gate = whitened_lowrank(w["gate"], white, rank)  # MI Eq. 2
     up = whitened_lowrank(w["up"], white, rank)
@@ -298,6 +305,7 @@ def convert_midas(
     and holds every layer's ``ffn_residual_ratio``."""
     import torch
 
+    from ..core.lowrank import as_float64, data_error
     from ..runtime.export import build_moe_model
     from ..runtime.modeling_moelab import LowRankMoeFFN
     from ..runtime.param_count import parameter_counts

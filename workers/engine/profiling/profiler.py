@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,40 +52,8 @@ import torch.nn.functional as F
 from ..data.calibration import CalibrationSet
 from ..models import ModelAdapter
 from ..progress import NO_PROGRESS, Progress
-
-GroupBy = Literal["auto", "task", "domain", "sample"]
-
-
-@dataclass
-class ProfileSettings:
-    """Everything that changes a profile's numbers; stored verbatim in its manifest."""
-
-    max_tokens: int = 256
-    batch_tokens: int = 2048
-    atopk_k: int = 10  # K_a; CM §4 uses 10 ("counter-intuitive but works best")
-    atopk_normalized: bool = False
-    feature_tokens: int = 16384  # bound on tokens whose ATopK markers are kept
-    hist_bins: int = 201
-    group_by: GroupBy = "auto"
-    cv_eps: float = 1e-6
-    second_moment: bool = True
-    seed: int = 0
-    top_tokens: int = 8  # K top-activating tokens kept per neuron (|h|, CM Eq. 1); 0: none
-
-    def validate(self) -> None:
-        checks = [
-            (self.max_tokens >= 2, "max_tokens must be at least 2"),
-            (self.batch_tokens >= self.max_tokens, "batch_tokens must be ≥ max_tokens"),
-            (self.atopk_k >= 1, "atopk_k (K_a) must be ≥ 1"),
-            (self.feature_tokens >= 1, "feature_tokens must be ≥ 1"),
-            (self.hist_bins >= 2, "hist_bins must be ≥ 2"),
-            (self.cv_eps > 0, "cv_eps must be > 0"),
-            (self.top_tokens >= 0, "top_tokens must be ≥ 0 (0 keeps none)"),
-            (self.group_by in ("auto", "task", "domain", "sample"), "group_by: auto|task|domain|sample"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+# Declared in a module without torch (the API generates its request body from them), used and re-exported here.
+from .settings import GroupBy, ProfileError, ProfileSettings
 
 
 @dataclass
@@ -125,10 +93,6 @@ class ProfileResult:
     token_ids: np.ndarray | None = None  # [n_tokens] int32, every sample's token ids back to back
     token_pieces: np.ndarray | None = None  # [n_tokens] str, the text each token decodes to
     token_repeated: np.ndarray | None = None  # [n_tokens] bool, ``repeated_prefix``
-
-
-class ProfileError(ValueError):
-    pass
 
 
 # --------------------------------------------------------------------------- helpers

@@ -851,8 +851,21 @@ class MoeFFN(nn.Module):
             return F.linear(x, self.router_weight, self.router_offset), None
         if self.router == "representative":
             return self.act_fn(F.linear(x, self.router_gate)) * F.linear(x, self.router_up), None
-        a = self.experts.gate_activations(x)
+        a = self._gate_activations(x)
         return a.abs().reshape(-1, self.n_routed, self.expert_size).sum(dim=-1), a
+
+    def _gate_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """``act(gate)`` of every routed neuron, ``[T, E*m]``. Under LoRA on the stacked experts, peft
+        wraps ``experts`` in one ``ParamWrapper`` per adapted parameter and applies the adapters only
+        inside the wrapper's forward: they are applied here the same way (its ``_activate_lora``), so
+        the gate-mass scores read the same adapted gate rows as the experts' products that reuse them."""
+        with contextlib.ExitStack() as adapted:
+            experts = self.experts
+            while hasattr(experts, "_activate_lora") and hasattr(experts, "base_layer"):
+                if not (experts.disable_adapters or experts.merged):
+                    adapted.enter_context(experts._activate_lora(experts.active_adapters))
+                experts = experts.base_layer
+            return experts.gate_activations(x)
 
     def _record(self, idx: torch.Tensor, lead: torch.Size) -> None:
         if self.recorder is not None:

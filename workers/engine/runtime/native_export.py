@@ -91,12 +91,27 @@ def _refuse(what: str) -> NativeExportError:
     return NativeExportError(f"{what}: {EXPORTABLE_ROUTE}")
 
 
+def _refuse_layer_kinds(specs: list[dict | None]) -> None:
+    """Layer kinds that no stock architecture has, whatever the source family or the router."""
+    why = {"lowrank_moe": "is a MIDAS low-rank MoE (factorised experts, renormalised top-k gate): no stock architecture "
+                          "stores low-rank experts",
+           "hierarchical": "is hierarchical (sub-experts inside every expert): no stock architecture nests experts",
+           "abstopk": "is an AbsTopK-GLU (per-neuron top-k), not an MoE layer"}
+    for i, s in enumerate(specs):
+        kind = (s or {}).get("kind", "moe") if s else "dense"
+        if kind in why:  # no other conversion setting would export it: the moelab format is the way out
+            raise NativeExportError(f"layer {i} {why[kind]}; use --format moelab (trust_remote_code=True), or convert "
+                                    "the dense model with expertweaver, cmoe or dense2moe for a native layout")
+
+
 def native_layout(moe: MoelabForCausalLM) -> dict[str, Any]:
     """The native target of ``moe`` and its MoE hyper-parameters, or ``NativeExportError``.
 
     Returns ``{"model_type", "moe_layers", "dense_layers", "num_experts", "expert_size",
     "top_k", "d_shared", "act", "norm_topk_prob"}``. Checks every condition the module docstring lists."""
     base = moe.config.base_config
+    specs = list(moe.config.moe_layers)
+    _refuse_layer_kinds(specs)  # what no architecture expresses comes first: no other change would export it
     family = getattr(base, "model_type", "?")
     target = SOURCE_TARGETS.get(family)
     if target is None:
@@ -108,7 +123,6 @@ def native_layout(moe: MoelabForCausalLM) -> dict[str, Any]:
         raise NativeExportError("the Qwen3 source uses sliding-window attention layers; use --format moelab")
     if getattr(base, "mlp_bias", False):
         raise NativeExportError("the source's MLPs have biases (mlp_bias): Qwen2-MoE experts have none; use --format moelab")
-    specs = list(moe.config.moe_layers)
     n_layers = len(decoder_layers(moe.model))
     specs += [{"kind": "dense"}] * (n_layers - len(specs))
     moe_layers, dense = [], []
@@ -117,13 +131,6 @@ def native_layout(moe: MoelabForCausalLM) -> dict[str, Any]:
         if kind == "dense":
             dense.append(i)
             continue
-        if kind == "lowrank_moe":
-            raise _refuse(f"layer {i} is a MIDAS low-rank MoE (factorised experts, renormalised top-k gate): "
-                          "no stock architecture stores low-rank experts")
-        if kind == "hierarchical":
-            raise _refuse(f"layer {i} is hierarchical (sub-experts inside every expert): no stock architecture nests experts")
-        if kind == "abstopk":
-            raise _refuse(f"layer {i} is an AbsTopK-GLU (per-neuron top-k), not an MoE layer")
         if kind != "moe":
             raise _refuse(f"layer {i} has kind {kind!r}")
         router, combine = s.get("router", "centroid"), s.get("combine", "sum")

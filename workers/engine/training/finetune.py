@@ -52,7 +52,7 @@ Choices where the papers leave room (each tested in tests/engine/test_finetune.p
 * **Eq. 12.** ``f_i`` = share of the layer's top-k selections that went to expert i (Σ f = 1),
   ``P_i`` = mean router probability over the batch's tokens; ``L_LB`` is averaged over layers.
 * **Schedule.** AdamW (β = 0.9, 0.95 as CM §4; no weight decay), linear warm-up over the first
-  5% of steps, cosine decay to 10%; gradient norm clipped at 1.
+  ``warmup`` share of the steps (10% by default), cosine decay to 10%; gradient norm clipped at 1.
 * **Data.** Training windows of ``seq_len`` tokens are cut from the calibration split of
   ``source`` (samples joined by EOS, as ``evaluation.heldout_windows`` does on the held-out
   split), shuffled per epoch with ``seed``; when the text runs out the next epoch reshuffles.
@@ -71,7 +71,7 @@ import json
 import math
 import resource
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +80,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.params import from_known_fields
-from ..methods import REGISTRY, Recovery
 from ..atomic import write_json_atomic
 from ..data.calibration import load_calibration
 from .checkpoint import CHECKPOINT_DIR, CheckpointError, latest_checkpoint, list_checkpoints, restore, save_checkpoint
@@ -91,9 +89,9 @@ from ..runtime.modeling_moelab import MoeFFN, MoelabForCausalLM, layer_spec, rea
 from ..models import load_model, resolve_device
 from ..runtime.param_count import parameter_counts
 from ..progress import NO_PROGRESS, Cancelled, Progress
+# Declared in a module without torch (the API generates its request body from them), used and re-exported here.
+from .params import MODES, FinetuneError, FinetuneParams
 
-#: Recovery modes: the registered methods that declare a ``Recovery`` (``methods.base``).
-MODES: tuple[str, ...] = tuple(name for name, m in REGISTRY.items() if m.recovery is not None)
 TRAIN_LOG = "train_log.json"
 SUMMARY_FILE = "finetune.json"
 MODEL_DIR = "model"
@@ -102,111 +100,9 @@ MODEL_DIR = "model"
 #: At most this many built-in samples (~500 tokens each) are tokenised for training; longer
 #: runs cycle through them in reshuffled epochs.
 _MAX_BUILTIN_SAMPLES = 4000
-#: Held-out text when the training source is not a built-in set (only built-ins have a held-out split).
-DEFAULT_EVAL_SOURCE = "builtin:mixed"
 _ATTENTION_PARTS = ("self_attn", "attention", "attn")
 #: Kinds of layer module that route tokens and can be trained here.
 ROUTED_KINDS = ("moe", "lowrank_moe")
-
-
-class FinetuneError(ValueError):
-    """The fine-tuning cannot run as asked; the message says what to change."""
-
-
-# --------------------------------------------------------------------------- parameters
-
-
-@dataclass(frozen=True)
-class FinetuneParams:
-    """Hyper-parameters of a recovery fine-tune (see the module docstring for each mode).
-
-    Defaults follow CM §4 where it gives a value (LoRA rank 8, alpha 32, router-scale lr 1e-3,
-    γ = 1e-3, Adam β = 0.9, 0.95). The LoRA lr is 5e-4, not CM's 5.95e-5: CM trains one epoch
-    over 2,048 samples, this run 60 steps of 4 × 256 tokens (61k tokens), about 9 s a step and
-    10 minutes in all for the default model on 2 CPU cores; cmoe then took the held-out
-    perplexity from 29.8 to 18.1 (dense 12.9, 8 windows). tests/benchmarks/bench_recovery.py
-    measures every mode.
-    """
-
-    mode: str = "cmoe"
-    steps: int = 60
-    batch_size: int = 4
-    seq_len: int = 256
-    lr: float = 5e-4  # LoRA (and expert) parameters
-    router_lr: float = 1e-3  # u (cmoe), router weights (expertweaver, midas), router weights and u (dense2moe)
-    lora_rank: int = 8
-    lora_alpha: float = 32.0
-    lb_coef: float = 0.01  # λ of EW Eq. 12; not used by cmoe (bias balancing instead)
-    bias_step: float = 1e-3  # γ of CM §3.3 / AF Eq. 9 (cmoe only)
-    checkpoint_every: int = 20
-    warmup: float = 0.1  # share of the steps with a linear learning-rate warm-up (every group)
-    router_first: float = 0.0  # share of the steps that train the routers only (adapters wait, lr 0)
-    source: str = "builtin:mixed"
-    eval_source: str | None = None  # built-in whose held-out split scores perplexity; None: see heldout_source
-    eval_windows: int = 16
-    seed: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "FinetuneParams":
-        return from_known_fields(cls, d, "fine-tuning", FinetuneError)
-
-    @property
-    def uses_lora(self) -> bool:
-        return self.recovery.lora != "off" and self.lora_rank > 0
-
-    @property
-    def lb_used(self) -> float:
-        """λ actually applied: CMoE balances with the bias b instead (AF §4.3)."""
-        return float(self.lb_coef) if self.recovery.load_balance else 0.0
-
-    @property
-    def recovery(self) -> Recovery:
-        """How this mode trains (the method's ``Recovery`` declaration)."""
-        rec = REGISTRY[self.mode].recovery if self.mode in REGISTRY else None
-        if rec is None:
-            raise FinetuneError(f"mode={self.mode!r}: use one of {', '.join(MODES)}")
-        return rec
-
-    def heldout_source(self) -> str:
-        """``eval_source``, else ``source`` when it is a built-in set, else builtin:mixed."""
-        if self.eval_source:
-            return self.eval_source
-        return self.source if self.source.startswith("builtin:") else DEFAULT_EVAL_SOURCE
-
-    def validate(self) -> None:
-        """Raise FinetuneError saying what to change."""
-        if self.mode not in MODES:
-            raise FinetuneError(f"mode={self.mode!r}: use one of {', '.join(MODES)}")
-        ints = {"steps": 1, "batch_size": 1, "seq_len": 8, "checkpoint_every": 1, "eval_windows": 1, "lora_rank": 0, "seed": 0}
-        for name, low in ints.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise FinetuneError(f"{name}={value!r}: use an integer ≥ {low}")
-        for name in ("lr", "router_lr", "lora_alpha"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise FinetuneError(f"{name}={value!r}: use a positive number")
-        for name in ("lb_coef", "bias_step"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise FinetuneError(f"{name}={value!r}: use a number ≥ 0 (0 switches it off)")
-        for name in ("warmup", "router_first"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 <= value < 1:
-                raise FinetuneError(f"{name}={value!r}: use a share of the steps in [0, 1)")
-        if self.recovery.lora == "required" and self.lora_rank == 0:
-            raise FinetuneError(f"mode {self.mode!r} trains LoRA adapters: use lora_rank ≥ 1")
-        if not isinstance(self.source, str) or not self.source.strip():
-            raise FinetuneError("source is empty: use builtin:NAME or a stored calibration set directory")
-        held = self.heldout_source()
-        if not held.startswith("builtin:"):
-            raise FinetuneError(
-                f"eval_source={held!r}: perplexity needs held-out text, which only built-in sets have; use "
-                "builtin:NAME (e.g. builtin:mixed)"
-            )
 
 
 # --------------------------------------------------------------------------- data
@@ -452,14 +348,20 @@ def _centroid(mod: MoeFFN) -> torch.Tensor:
 @torch.no_grad()
 def to_softmax_router(mod: MoeFFN, beta: float) -> MoeFFN:
     """EW Eq. 11 module from a training-free one: router ``softmax`` initialised to
-    ``β·W_centroid``, combine ``weighted``, routed down projections × N_e (see module docstring)."""
-    spec = {**mod.spec, "router": "softmax", "combine": "weighted"}
+    ``β·W_centroid``, combine ``weighted``, routed down projections × N_e (see module docstring).
+
+    A skipped-expert compensation (``skip_mean``, ``--recipe best``) is dropped: EW Eq. 11 has none,
+    and under the weighted combine an unweighted calibration mean is no longer what a skipped expert
+    would have added (``core.params.check_compensation`` refuses that pairing at conversion time).
+    Without it the fine-tuned layer is EW Eq. 11 exactly, which exports natively."""
+    spec = {k: v for k, v in mod.spec.items() if k != "skip_mean"}
+    spec.update(router="softmax", combine="weighted")
     with torch.device("meta"):
         new = type(mod)(spec)
     ref = mod.experts_gate
     new.to_empty(device=ref.device)
     new.to(ref.dtype)
-    state = {k: v for k, v in mod.state_dict().items() if not _is_router(k)}
+    state = {k: v for k, v in mod.state_dict().items() if not _is_router(k) and k != "skip_mean"}
     state["router_weight"] = _centroid(mod) * beta
     state["experts.down_proj"] = mod.experts_down.detach() * mod.n_routed
     new.load_state_dict(state, strict=True)
@@ -472,14 +374,10 @@ def apply_mode(moe: MoelabForCausalLM, params: FinetuneParams, batch: torch.Tens
     ``batch``: training windows, used by ``expertweaver`` to scale its router initialisation.
     """
     recovery = params.recovery
-    modules = routed_modules(moe)
-    kinds = sorted({_kind(m) for m in moe.moe_modules().values()}) or ["none"]
-    modules = {i: m for i, m in modules.items() if _kind(m) == recovery.layer_kind}
-    if not modules:
-        raise FinetuneError(
-            f"mode {params.mode!r} trains layers of kind {recovery.layer_kind!r}, but this conversion has layer kinds {kinds}: "
-            f"use the mode of the conversion's method"
-        )
+    problem = recovery.refusal(params.mode, [getattr(m, "spec", None) for m in moe.moe_modules().values()])
+    if problem:
+        raise FinetuneError(problem)
+    modules = {i: m for i, m in routed_modules(moe).items() if _kind(m) == recovery.layer_kind}
     changes = False
     notes: dict[str, Any] = {}
     if recovery.prepare is not None:
@@ -602,7 +500,7 @@ def merge_adapters(setup: TrainSetup) -> MoelabForCausalLM:
         _merge_lora(moe)
     specs = list(moe.config.moe_layers)
     for i, mod in setup.modules.items():
-        specs[i] = {**specs[i], **layer_spec(mod)}
+        specs[i] = layer_spec(mod)  # whole: a key the module dropped (EW Eq. 11 drops skip_mean) must go too
     moe.config.moe_layers = specs
     for p in moe.parameters():
         p.requires_grad_(False)
