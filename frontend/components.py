@@ -26,7 +26,7 @@ def figure_card(name: str, title: str = "", loading: bool = True) -> html.Div:
             dcc.Download(id={"type": "csv-dl", "name": name}),
         ]),
         dcc.Store(id={"type": "csv-data", "name": name}),
-        html.Div(id={"type": "note", "name": name}, className="note"),
+        html.Div(id={"type": "note", "name": name}, className="note subtitle"),
         dcc.Loading(graph, type="dot") if loading else graph,
     ])
 
@@ -44,16 +44,18 @@ def error_box(message: str | None) -> html.Div:
     return html.Div(message or "", className="error" if message else "", role="alert" if message else None)
 
 
-def progress(job: dict[str, Any] | None, name: str | None = None) -> html.Div:
+def progress(job: dict[str, Any] | None, name: str | None = None, title: str | None = None) -> html.Div:
     """A job's state, stage and progress bar, with its error in words; ``name``: what it works on
-    (shown before the job id), and how long it ran once finished."""
+    (shown before the job id), and how long it ran once finished. ``title`` replaces the whole
+    'kind name — id' head (a phrase that already says what the job is)."""
     if not job:
         return html.Div()
     p = job.get("progress") or {}
     frac = p.get("fraction")
     if job["state"] == "succeeded":
         frac = 1.0
-    label = f"{job['kind']} {with_id(name, job['id']) if name else job['id']}: {job['state']}"
+    head = title or f"{job['kind']} {with_id(name, job['id']) if name else job['id']}"
+    label = f"{head}: {job['state']}"
     if job["state"] in ("succeeded", "failed", "cancelled") and isinstance(job.get("run_s"), (int, float)):
         label += f" in {job['run_s']:.1f} s"
     if p.get("stage") and job["state"] == "running":
@@ -100,11 +102,46 @@ def options(items: list[dict[str, Any]], ready_only: bool = True, names: Names |
     return out
 
 
-def source_options(builtins: list[dict[str, Any]], sets: list[dict[str, Any]]) -> list[dict[str, str]]:
+BASELINES = "baselines (AbsTopK, uniform α) — slower"
+
+
+def baselines_choice(ident: str) -> html.Div:
+    """The evaluation launchers' 'baselines' box (``ident``), off by default (a quick look: dense and
+    converted only); ``wants_baselines`` reads its value for ``create_evaluation(baselines=…)``."""
+    return html.Div(dcc.Checklist(id=ident, options=[{"label": BASELINES, "value": "baselines"}], value=[], className="baselines"),
+                    title="also evaluate the AbsTopK-GLU and uniform-α baselines: two more models built and evaluated, several times slower")
+
+
+def wants_baselines(value: list[str] | None) -> bool:
+    return "baselines" in (value or [])
+
+
+def install_hint(name: str) -> str:
+    return f"not installed: install with `moelab data install {name}`"
+
+
+def builtin_options(builtins: list[dict[str, Any]], value: str = "name", describe: bool | None = None) -> list[dict[str, Any]]:
+    """Dropdown options of the server's built-in sets (``value``: the option's ``name`` or ``spec``;
+    ``describe``: what each holds after its name, by default with specs); one the server says is not
+    installed (``installed: false``, e.g. bigbench) is shown disabled with how to install it
+    (choosing it would only be refused)."""
+    describe = value == "spec" if describe is None else describe
+    out: list[dict[str, Any]] = []
+    for b in builtins:
+        shown = b["spec"] if value == "spec" else b["name"]
+        if b.get("installed", True):
+            label = f"{shown}: {b.get('description', '')}".rstrip(": ") if describe else shown
+            out.append({"label": label, "value": b[value]})
+        else:
+            out.append({"label": f"{shown} — {install_hint(b['name'])}", "value": b[value], "disabled": True})
+    return out
+
+
+def source_options(builtins: list[dict[str, Any]], sets: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Texts to evaluate on: every built-in set the server offers (``builtin:code`` … with what it
-    holds) and every ready calibration set (by name), as dropdown options."""
-    out = [{"label": f"{b['spec']}: {b.get('description', '')}".rstrip(": "), "value": b["spec"]} for b in builtins]
-    return out + options(sets)
+    holds; one not installed disabled, saying how to install it) and every ready calibration set
+    (by name), as dropdown options."""
+    return builtin_options(builtins, "spec") + options(sets)
 
 
 def builtin_source_options() -> list[dict[str, str]]:

@@ -34,6 +34,21 @@ def _layout(fig: go.Figure, title: str, note: str | None = None, **kw: Any) -> g
     return fig
 
 
+def without_note(fig: go.Figure) -> tuple[go.Figure, str]:
+    """A copy of ``fig`` titled by its title alone, and the note its title carried (``_layout``'s
+    ``<br><sup>…</sup>`` lines) as plain text: a page that shows the note as HTML under the card
+    title, where it wraps to the card's width (a plotly title never wraps: a long note is cut)."""
+    out = go.Figure(fig)
+    text = (out.layout.title.text or "") if out.layout.title else ""
+    if "<br><sup>" not in text:
+        return out, ""
+    title, note = text.split("<br><sup>", 1)
+    note = note.replace("</sup>", "").replace("<sup>", "").replace("<br>", "; ")
+    margin = out.layout.margin
+    out.update_layout(title={"text": title}, margin={"t": 50 if title else 30, "l": margin.l, "r": margin.r, "b": margin.b})
+    return out, note
+
+
 def message_figure(text: str) -> go.Figure:
     """An empty figure that says why it is empty (errors are shown in words)."""
     fig = go.Figure()
@@ -287,10 +302,30 @@ def allocation_plan(preview: dict[str, Any]) -> go.Figure:
         note += f"; CLAMPED layers {clamped} (Eq. 6 asked for more shared experts than the active budget)"
     if static:
         note += f"; STATIC layers {static} (no routed expert runs: a fixed prune)"
+    title = "Per-layer shared / routed plan (EW Fig. 7)"
+    if budget_plan(preview):
+        title = "Starting plan of the budget plan: per-layer top-k is fitted at conversion"
+        note += f"; the conversion keeps {budget_cap(preview)}"
     fig.update_layout(barmode="stack", yaxis={"title": "share of d_ffn", "range": [0, 1]},
                       yaxis2={"title": "r_ℓ", "overlaying": "y", "side": "right", "range": [0, 1]},
                       legend={"orientation": "h", "y": -0.2})
-    return _layout(fig, "Per-layer shared / routed plan (EW Fig. 7)", note, xaxis_title="layer")
+    return _layout(fig, title, note, xaxis_title="layer")
+
+
+def budget_plan(preview: dict[str, Any]) -> bool:
+    """Whether a preview is of a ``plan="budget"`` conversion: its per-layer top-k is chosen at
+    conversion time from calibration error (``core.fitting``), which a numpy preview cannot show."""
+    return (preview.get("params") or {}).get("plan") == "budget"
+
+
+def budget_cap(preview: dict[str, Any]) -> str:
+    """The budget plan's cap on the FFN cost in words (``core.fitting``): ExpertWeaver's
+    ``flops_budget`` 1 − sparsity, else (CMoE) the paper plan's own cost."""
+    params, summary = preview.get("params") or {}, preview.get("summary") or {}
+    if isinstance(params.get("sparsity"), (int, float)):
+        return f"ffn_flops_fraction ≤ {1 - params['sparsity']:.3g} (1 − sparsity)"
+    cost = summary.get("ffn_flops_fraction")
+    return f"ffn_flops_fraction ≤ {cost:.3f} (the paper plan's cost)" if isinstance(cost, (int, float)) else "the paper plan's cost"
 
 
 # --------------------------------------------------------------------------- routing (EW Fig. 8, MI Figs. 3–4)
@@ -471,10 +506,35 @@ def _bar_label(row: dict[str, Any]) -> str:
     return ppl if row["variant"] == "dense" or ratio is None else f"{ppl} ({ratio:#.3g}× dense)"
 
 
+def wrap_words(text: str, width: int) -> list[str]:
+    """``text`` cut at spaces into lines of at most ``width`` characters (a longer word stands alone)."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and len(lines[-1]) + 1 + len(word) <= width:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return lines or [""]
+
+
+#: Pixels of one line of tick label text and of one panel's plot area (compare_perplexity).
+TICK_LINE_PX, PANEL_PX = 15, 240
+
+
+def _category_label(row: dict[str, Any], width: int) -> str:
+    """A bar group's tick label: the conversion's name wrapped into short lines (horizontal, never
+    rotated into the next panel), its id below in small type."""
+    lines = wrap_words(row["conversion"], width) if row["conversion"] != row["conversion_id"] else []
+    return "<br>".join([*lines, f"<sub>{row['conversion_id']}</sub>"])
+
+
 def compare_perplexity(rows: list[dict[str, Any]]) -> go.Figure:
     """Perplexity per conversion and variant, one panel per held-out text and settings: bars are only
     ever side by side when measured on the same text with the same windows × tokens (rows from
-    :func:`perplexity_rows`). Each bar says its value and its ratio to dense."""
+    :func:`perplexity_rows`). Each bar says its value and its ratio to dense.
+
+    Tick labels are horizontal and wrapped; the space between panels (and below the last one) is
+    sized in pixels from their line count, so no label runs into the next panel."""
     from plotly.subplots import make_subplots
 
     if not rows:
@@ -482,7 +542,14 @@ def compare_perplexity(rows: list[dict[str, Any]]) -> go.Figure:
     texts = list(dict.fromkeys(r["text_key"] for r in rows))
     titles = [next(r["text"] for r in rows if r["text_key"] == t) for t in texts]
     variants = sorted({r["variant"] for r in rows}, key=lambda v: (VARIANT_ORDER.index(v) if v in VARIANT_ORDER else 99, v))
-    fig = make_subplots(rows=len(texts), cols=1, subplot_titles=titles, vertical_spacing=min(0.12, 0.5 / len(texts)))
+    n_conv = len({r["conversion_id"] for r in rows})
+    width = max(12, min(32, 64 // n_conv))  # characters per label line: narrower as more groups share the width
+    labels = {r["conversion_id"]: _category_label(r, width) for r in rows}
+    lines = max(label.count("<br>") + 1 for label in labels.values())
+    label_px = TICK_LINE_PX * lines + 12
+    gap_px = label_px + 40  # the tick labels, then the next panel's title
+    plot_px = len(texts) * PANEL_PX + (len(texts) - 1) * gap_px
+    fig = make_subplots(rows=len(texts), cols=1, subplot_titles=titles, vertical_spacing=gap_px / plot_px if len(texts) > 1 else 0)
     shown: set[str] = set()
     for i, t in enumerate(texts, start=1):
         mine = [r for r in rows if r["text_key"] == t]
@@ -492,11 +559,11 @@ def compare_perplexity(rows: list[dict[str, Any]]) -> go.Figure:
                 continue
             fig.add_trace(go.Bar(
                 name=v, legendgroup=v, showlegend=v not in shown, marker_color=VARIANT_COLOURS.get(v),
-                x=[f"{r['conversion']}<br><sub>{r['conversion_id']}</sub>" if r["conversion"] != r["conversion_id"] else r["conversion_id"]
-                   for r in sel],
+                x=[labels[r["conversion_id"]] for r in sel],
                 y=[r["perplexity"] for r in sel], text=[_bar_label(r) for r in sel], textposition="outside", cliponaxis=False,
-                customdata=[[r["text"], r["evaluation_id"]] for r in sel],
-                hovertemplate="%{x}<br>" + v + ": %{text}<br>%{customdata[0]}<br>evaluation %{customdata[1]}<extra></extra>",
+                customdata=[[r["text"], r["evaluation_id"], r["conversion"], r["conversion_id"]] for r in sel],
+                hovertemplate="%{customdata[2]} (%{customdata[3]})<br>" + v + ": %{text}<br>%{customdata[0]}<br>"
+                              "evaluation %{customdata[1]}<extra></extra>",
             ), row=i, col=1)
             shown.add(v)
         values = [r["perplexity"] for r in mine if r["perplexity"] > 0]
@@ -504,30 +571,86 @@ def compare_perplexity(rows: list[dict[str, Any]]) -> go.Figure:
         log = bool(values) and max(values) / min(values) > 20
         fig.update_yaxes(title_text="perplexity (log)" if log else "perplexity", type="log" if log else "linear",
                          rangemode="tozero", row=i, col=1)
-    fig.update_layout(barmode="group", height=140 + 320 * len(texts), legend={"orientation": "h", "y": -0.08})
+    fig.update_xaxes(tickangle=0, automargin=False, tickfont={"size": 11})
+    top, bottom = 110, label_px + 50  # the last panel's labels, then the legend
+    fig.update_layout(barmode="group", height=top + plot_px + bottom,
+                      legend={"orientation": "h", "x": 0, "y": -label_px / plot_px, "yanchor": "top"})
     _layout(fig, "Perplexity on held-out text: dense vs converted vs baselines",
             "one panel per text and windows × tokens (never compared across texts); bar labels: perplexity (× dense)")
-    return fig.update_layout(margin={"t": 110})  # room for the first panel's title under the note
+    return fig.update_layout(margin={"t": top, "b": bottom})  # room for the first panel's title under the note
+
+
+#: Columns of the quality-vs-cost CSV: exactly what each plotted point is.
+QUALITY_COST_COLUMNS = ("conversion_id", "conversion", "label", "calibration_set", "method", "recipe", "text", "evaluation_id",
+                        "ffn_flops_fraction", "perplexity_ratio")
+
+
+def quality_cost_points(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The points :func:`quality_vs_cost` draws (a cost or ratio not recorded is left out, not guessed),
+    as CSV rows with :data:`QUALITY_COST_COLUMNS`."""
+    return [{k: p.get(k) for k in QUALITY_COST_COLUMNS} for p in points
+            if p.get("ffn_flops_fraction") is not None and p.get("perplexity_ratio") is not None]
+
+
+#: One colour per held-out text in the quality-vs-cost chart (markers and their labels).
+TEXT_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
+
+#: Where a point's label may go, tried in this order: beside the point on the side facing the plot's
+#: middle (above, level, below), then the other side.
+_SLOTS = ("top", "middle", "bottom")
+
+
+def _text_positions(points: list[dict[str, Any]], mid: float, x_span: float, y_span: float) -> list[str]:
+    """Each point's label position (``textposition``): on the side facing the plot's middle, so it
+    never runs past the plot's edge, and in a slot no nearby point's label took (points at about
+    the same cost and ratio, of any text, get labels above, level with and below them)."""
+    out: list[str] = []
+    for i, p in enumerate(points):
+        x, y = p["ffn_flops_fraction"], math.log10(max(p["perplexity_ratio"], 1e-12))
+        facing = "left" if x > mid else "right"
+        near = {out[j] for j, q in enumerate(points[:i])
+                if abs(q["ffn_flops_fraction"] - x) <= 0.15 * x_span and abs(math.log10(max(q["perplexity_ratio"], 1e-12)) - y) <= 0.08 * y_span}
+        options = [f"{v} {h}" for h in (facing, "left" if facing == "right" else "right") for v in _SLOTS]
+        out.append(next((o for o in options if o not in near), options[0]))
+    return out
 
 
 def quality_vs_cost(points: list[dict[str, Any]]) -> go.Figure:
     """Perplexity over dense against FFN cost, one series per held-out text (ratios are only
-    comparable on the same text); points: {label, text, ffn_flops_fraction, perplexity_ratio}."""
-    points = [p for p in points if p.get("ffn_flops_fraction") is not None and p.get("perplexity_ratio") is not None]
+    comparable on the same text); points: {label, text, ffn_flops_fraction, perplexity_ratio} and,
+    for the hover, ``conversion`` (the full name) and ``conversion_id``.
+
+    Each label is drawn beside its point on the side facing the plot's middle, and both axes'
+    ranges are padded, so no label is cut at the plot's edge."""
+    points = quality_cost_points(points)
     if not points:
         return message_figure("no evaluated conversion with a recorded ffn_flops_fraction")
+    xs = [p["ffn_flops_fraction"] for p in points]
+    ys = [math.log10(p["perplexity_ratio"]) for p in points if p["perplexity_ratio"] > 0] or [0.0]
+    x_lo, x_hi = min(xs), max(xs)
+    x_pad = max(0.1 * (x_hi - x_lo), 0.05)
+    y_lo, y_hi = min([*ys, 0.0]), max([*ys, 0.0])  # dense (ratio 1) always in view
+    y_pad = max(0.15 * (y_hi - y_lo), 0.02)
+    points = sorted(points, key=lambda p: (p["text"], p["ffn_flops_fraction"]))
+    where = _text_positions(points, (x_lo + x_hi) / 2, x_hi - x_lo + 2 * x_pad, y_hi - y_lo + 3 * y_pad)
     texts = sorted({p["text"] for p in points})
     traces = []
-    for t in texts:
-        pts = sorted((p for p in points if p["text"] == t), key=lambda p: p["ffn_flops_fraction"])
+    for n, t in enumerate(texts):
+        mine = [i for i, p in enumerate(points) if p["text"] == t]
+        pts = [points[i] for i in mine]
+        colour = TEXT_COLOURS[n % len(TEXT_COLOURS)]  # a label in its text's colour: which text it was measured on
         traces.append(go.Scatter(
-            x=[p["ffn_flops_fraction"] for p in pts], y=[p["perplexity_ratio"] for p in pts], mode="markers+text",
-            text=[p["label"] for p in pts], textposition="top center", name=t,
-            hovertemplate="%{text}<br>cost %{x:.3f} of dense FFN<br>%{y:.2f}× dense perplexity<extra>" + t + "</extra>"))
+            x=[p["ffn_flops_fraction"] for p in pts], y=[p["perplexity_ratio"] for p in pts], mode="markers+text", marker_color=colour,
+            text=[p["label"] for p in pts], textposition=[where[i] for i in mine], textfont={"size": 11, "color": colour},
+            cliponaxis=False, name=t,
+            customdata=[[p.get("conversion") or p["label"], p.get("conversion_id") or ""] for p in pts],
+            hovertemplate="%{customdata[0]}<br>%{customdata[1]}<br>cost %{x:.3f} of dense FFN<br>%{y:.3f}× dense perplexity"
+                          "<extra>" + t + "</extra>"))
     fig = go.Figure(traces)
     fig.add_hline(y=1, line_dash="dot", line_color="gray")
     return _layout(fig, "Quality vs cost", "lower-left is better; compare points measured on the same text only",
                    xaxis_title="ffn_flops_fraction (FFN MACs/token ÷ dense, router included)",
+                   xaxis_range=[x_lo - x_pad, x_hi + x_pad], yaxis_range=[y_lo - y_pad, y_hi + 2 * y_pad],
                    yaxis_title="perplexity / dense", yaxis_type="log",
                    legend={"orientation": "h", "y": -0.25})  # long text names below, not eating the plot's width
 
@@ -551,7 +674,8 @@ def compare_active(plans: dict[str, list[dict[str, Any]]]) -> go.Figure:
     """Active fraction per layer of several conversions' plans."""
     fig = go.Figure([go.Scatter(x=[r["layer"] for r in rows], y=[r.get("active_fraction") for r in rows], mode="lines+markers", name=name)
                      for name, rows in plans.items()])
-    return _layout(fig, "Active share of FFN neurons per layer", None, xaxis_title="layer", yaxis_title="active fraction")
+    return _layout(fig, "Active share of FFN neurons per layer", None, xaxis_title="layer", yaxis_title="active fraction",
+                   legend={"orientation": "h", "y": -0.25})  # long conversion names below, not eating the plot's width
 
 
 # --------------------------------------------------------------------------- recovery fine-tuning
@@ -604,6 +728,35 @@ def finetune_loss(log: dict[str, Any]) -> go.Figure:
     for at in log.get("resumed_at") or []:  # where a re-run continued from a checkpoint
         fig.add_vline(x=at, line_dash="dash", line_color="gray", annotation_text=f"resumed at {at}")
     return fig
+
+
+# --------------------------------------------------------------------------- calibration sets
+
+
+def calibration_size_unit(stats: dict[str, Any]) -> str:
+    """'tokens' when the set's stored statistics count tokens for every task and domain, else
+    'characters' (a set is built without a tokenizer: it belongs to no model)."""
+    entries = [v for g in ("tasks", "domains") for v in (stats.get(g) or {}).values()]
+    return "tokens" if entries and all("tokens" in v for v in entries) else "characters"
+
+
+def calibration_sizes(stats: dict[str, Any]) -> go.Figure:
+    """A calibration set's size per task and per domain, in tokens where its statistics have them,
+    else in characters, as the title and the axis say."""
+    unit = calibration_size_unit(stats)
+    key = "tokens" if unit == "tokens" else "chars"
+    fig = go.Figure()
+    for group in ("tasks", "domains"):
+        entries = stats.get(group) or {}
+        if entries:
+            fig.add_bar(name=f"by {group[:-1]}", x=list(entries), y=[v[key] for v in entries.values()],
+                        customdata=[v.get("samples") for v in entries.values()],
+                        hovertemplate="%{x}<br>%{y:,} " + unit + " in %{customdata} samples<extra></extra>")
+    if not fig.data:
+        return message_figure("the set has no task or domain labels")
+    note = None if unit == "tokens" else "characters of text: a set is stored without a tokenizer, so tokens are counted per model"
+    return _layout(fig, f"{unit.capitalize()} by task and domain", note, yaxis_title=unit, barmode="group", xaxis_automargin=True,
+                   legend={"orientation": "h", "x": 1, "xanchor": "right", "y": 1.02, "yanchor": "bottom"})
 
 
 # --------------------------------------------------------------------------- CSV rows of each figure's data

@@ -113,3 +113,50 @@ def short_conversion(c: dict[str, Any]) -> str:
 def with_id(name: str, record_id: str) -> str:
     """The name first, the id second (still searchable in a dropdown)."""
     return f"{name} — {record_id}" if name and name != record_id else record_id
+
+
+def heldout_text(e: dict[str, Any]) -> str:
+    """What an evaluation read: its set's name (``params.label``) or ``builtin:NAME``."""
+    p = e.get("params") or {}
+    held = (e.get("summary") or {}).get("heldout") or {}
+    return p.get("label") or held.get("source") or p.get("source") or "?"
+
+
+def evaluation_name(e: dict[str, Any], conversion: str | None) -> str:
+    """'evaluation of SmolLM2 · mixed · expertweaver · … on builtin:mixed'."""
+    return f"evaluation of {conversion or e.get('conversion_id') or '?'} on {heldout_text(e)}"
+
+
+def _excerpt(text: str, limit: int = 32) -> str:
+    one = " ".join(text.split())
+    return one if len(one) <= limit else one[:limit - 1].rstrip() + "…"
+
+
+def probe_name(p: dict[str, Any], conversion: str | None) -> str:
+    """'routing probe of <conversion> on builtin:code sample 3' or '… on "def mean(values): …"'."""
+    params = p.get("params") or {}
+    kind = "generation" if params.get("kind") == "generate" else "routing"
+    on = (f"{params['sample_source']} sample {params.get('sample', 0)}" if params.get("sample_source")
+          else f"“{_excerpt(params['text'])}”" if params.get("text") else "")
+    return f"{kind} probe of {conversion or p.get('conversion_id') or '?'}" + (f" on {on}" if on else "")
+
+
+def finetune_name(f: dict[str, Any], conversion: str | None) -> str:
+    """'fine-tune of <conversion> (cmoe, 60 steps)'."""
+    params = f.get("params") or {}
+    bits = [b for b in (params.get("mode"), f"{params['steps']} steps" if params.get("steps") else None) if b]
+    return f"fine-tune of {conversion or f.get('conversion_id') or '?'}" + (f" ({', '.join(bits)})" if bits else "")
+
+
+#: what a job of each kind works on, for jobs whose resource is gone (job rows stay as history)
+JOB_RESOURCE = {"inspect_model": "model", "build_calibration": "calibration set", "profile": "profile", "conversion": "conversion",
+                "evaluation": "evaluation", "finetune": "fine-tune", "probe": "probe"}
+
+
+def job_subject(job: dict[str, Any], subjects: Mapping[str, str]) -> str:
+    """What a job is about, in words: ``subjects`` maps resource ids to phrases ('model SmolLM2-135M',
+    'evaluation of … on builtin:mixed'); a resource no longer stored is named by its kind, '(deleted)'."""
+    rid = job.get("resource_id") or ""
+    if rid in subjects:
+        return subjects[rid]
+    return f"{JOB_RESOURCE.get(job.get('kind', ''), job.get('kind', 'job'))} (deleted)"

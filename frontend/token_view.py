@@ -16,6 +16,42 @@ def expert_colour(expert: int) -> str:
     return PALETTE[expert % len(PALETTE)]
 
 
+def _rgb(colour: str) -> tuple[int, int, int]:
+    """'#1ca71c' or 'rgb(28, 167, 28)' → (28, 167, 28)."""
+    c = colour.strip()
+    if c.startswith("#"):
+        h = c[1:]
+        h = "".join(ch * 2 for ch in h) if len(h) == 3 else h[:6]
+        return int(h[0:2], 16), int(h[2:4], 16), int(h[4:6], 16)
+    parts = c[c.index("(") + 1:c.index(")")].split(",")
+    return int(float(parts[0])), int(float(parts[1])), int(float(parts[2]))
+
+
+def relative_luminance(colour: str) -> float:
+    """WCAG 2 relative luminance of an sRGB colour: 0 (black) … 1 (white)."""
+    def channel(v: int) -> float:
+        x = v / 255
+        return x / 12.92 if x <= 0.04045 else ((x + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (channel(v) for v in _rgb(colour))
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def contrast_ratio(a: str, b: str) -> float:
+    """WCAG 2 contrast ratio of two colours, 1 … 21 (text needs ≥ 4.5)."""
+    la, lb = sorted((relative_luminance(a), relative_luminance(b)), reverse=True)
+    return (la + 0.05) / (lb + 0.05)
+
+
+def text_colour(background: str) -> str:
+    """Black or white, whichever contrasts more with ``background`` (at least 4.58:1 for any colour)."""
+    return "#000000" if contrast_ratio(background, "#000000") >= contrast_ratio(background, "#ffffff") else "#ffffff"
+
+
+def _chip_style(colour: str) -> dict[str, str]:
+    return {"backgroundColor": colour, "color": text_colour(colour)}
+
+
 def routed_layers(result: dict[str, Any]) -> list[int]:
     return [lay["layer"] for lay in result.get("layers") or []]
 
@@ -40,7 +76,8 @@ def routed_tokens(result: dict[str, Any], layer: int, expert: int | None = None,
         spans.append(html.Span(
             piece, className="tok" + (" tok-hit" if hit else ""),
             title=f"token {t} {piece!r} → experts {', '.join(map(str, chosen))} (best first)",
-            style={"backgroundColor": colour}, **{"data-expert": str(chosen[0]) if chosen else ""},
+            style=_chip_style(colour) if colour != "transparent" else {"backgroundColor": colour},
+            **{"data-expert": str(chosen[0]) if chosen else ""},
         ))
     load = lay["load"]
     n = len(tokens)
@@ -51,7 +88,7 @@ def routed_tokens(result: dict[str, Any], layer: int, expert: int | None = None,
         head = (f"layer {layer}, expert {expert}: {load[expert] if expert < len(load) else 0} of {n} tokens routed to it "
                 f"({lay['n_routed']} routed experts, top-{lay['top_k']})")
     legend = [html.Span(f"{e}: {c}", className="chip", title=f"expert {e}: {c} of {n} tokens",
-                        style={"backgroundColor": expert_colour(e)}) for e, c in enumerate(load) if c]
+                        style=_chip_style(expert_colour(e))) for e, c in enumerate(load) if c]
     return html.Div([
         html.Div(title, className="probe-title") if title else None,
         html.Div(head, className="note"),

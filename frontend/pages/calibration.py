@@ -1,5 +1,5 @@
-"""Calibration sets: build from built-ins, upload a .jsonl/.txt file, preview samples, token
-counts by task and domain. A set being built is followed until its job ends, then it joins the
+"""Calibration sets: build from built-ins, upload a .jsonl/.txt file, preview samples, sizes by
+task and domain (characters: a set is stored without a tokenizer; tokens where its statistics have them). A set being built is followed until its job ends, then it joins the
 list and is shown (no reload). State in the URL: ?set=…&task=…"""
 
 from __future__ import annotations
@@ -7,12 +7,11 @@ from __future__ import annotations
 import base64
 
 import dash
-import plotly.graph_objects as go
 from dash import Input, Output, State, callback, dcc, html, no_update
 
 from frontend import figures as F
 from frontend.api_client import ApiError, api
-from frontend.components import error_box, figure_card, options, progress, to_search
+from frontend.components import builtin_options, error_box, figure_card, options, progress, to_search
 
 dash.register_page(__name__, path="/calibration", name="Calibration sets", order=1)
 
@@ -33,7 +32,7 @@ def layout(set: str | None = None, **_):  # noqa: A002  (the URL parameter's nam
         error_box(err),
         html.Div(className="card", children=[
             html.Div(className="controls", children=[
-                html.Div([html.Label("built-in"), dcc.Dropdown(id=f"{N}-builtin", options=[{"label": f"{b['name']}: {b['description']}", "value": b["name"]} for b in builtins],
+                html.Div([html.Label("built-in"), dcc.Dropdown(id=f"{N}-builtin", options=builtin_options(builtins, describe=True),
                                                               value=builtins[0]["name"] if builtins else None, style={"width": 420})]),
                 html.Div([html.Label("samples"), dcc.Input(id=f"{N}-samples", type="number", min=1, value=240, style={"width": 90})]),
                 html.Button("Build", id=f"{N}-build"),
@@ -47,20 +46,9 @@ def layout(set: str | None = None, **_):  # noqa: A002  (the URL parameter's nam
         ]),
         html.Div(id=f"{N}-error"),
         html.Div(id=f"{N}-stats", className="note"),
-        html.Div(className="row", children=[figure_card(f"{N}-tokens", "Tokens by task / domain")]),
+        html.Div(className="row", children=[figure_card(f"{N}-tokens", "Size by task / domain")]),
         html.Div(className="card", children=[html.Div("Samples (first 20)", className="card-title"), html.Div(id=f"{N}-samples-list")]),
     ])
-
-
-def token_figure(stats: dict) -> go.Figure:
-    fig = go.Figure()
-    for group in ("tasks", "domains"):
-        entries = stats.get(group) or {}
-        if entries:
-            key = "tokens" if all("tokens" in v for v in entries.values()) else "chars"
-            fig.add_bar(name=f"{group} ({key})", x=list(entries), y=[v[key] for v in entries.values()])
-    fig.update_layout(template=F.TEMPLATE, title="Size by task and domain", barmode="group")
-    return fig
 
 
 @callback(Output(f"{N}-tokens", "figure"), Output({"type": "csv-data", "name": f"{N}-tokens"}, "data"), Output(f"{N}-stats", "children"),
@@ -79,7 +67,7 @@ def _show(set_id):
     text = f"{stats.get('n_samples')} samples, {stats.get('n_chars')} characters" + (f", {stats['n_tokens']} tokens" if "n_tokens" in stats else "")
     samples = [html.Div(f"[{s['index']}] " + "".join(f"{k} {s[k]} · " for k in ("task", "domain") if s.get(k)) + s["text"], className="sample")
                for s in page["items"]]  # no 'task=None' for a set without tasks
-    return token_figure(stats), {"rows": rows, "filename": f"calibration_{set_id}"}, text, samples, None, search
+    return F.calibration_sizes(stats), {"rows": rows, "filename": f"calibration_{set_id}"}, text, samples, None, search
 
 
 @callback(Output(f"{N}-created", "children"), Output(f"{N}-set", "options"), Output(f"{N}-pending", "data"), Output(f"{N}-poll", "disabled"),

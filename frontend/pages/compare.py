@@ -7,13 +7,15 @@ router and scoring included, over the dense FFN's."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import dash
 from dash import Input, Output, callback, dcc, html
 
 from frontend import figures as F
 from frontend.api_client import ApiError, api
 from frontend.components import error_box, figure_card, named_options, page_names, to_search
-from frontend.names import fmt, fmt_pct, short_conversion, with_id
+from frontend.names import Names, fmt, fmt_pct, key_params, with_id
 
 dash.register_page(__name__, path="/compare", name="Compare conversions", order=6)
 
@@ -35,34 +37,77 @@ def layout(ids: str | None = None, **_):
             html.Div([html.Label("conversions"), dcc.Dropdown(id=f"{N}-ids", options=convs, value=chosen, multi=True, style={"width": 640})]),
         ]),
         html.Div(id=f"{N}-error"),
-        html.Div(id=f"{N}-table"),
-        html.Div(className="row", children=[figure_card(f"{N}-ppl", "Perplexity"), figure_card(f"{N}-cost", "Quality vs cost")]),
-        html.Div(className="row", children=[figure_card(f"{N}-active", "Active share per layer")]),
+        html.Div(id=f"{N}-table", className="table-scroll"),  # a wide table scrolls in its own box, not the page
+        html.Div(className="row", children=[figure_card(f"{N}-ppl", "Perplexity")]),  # full width: one panel per text
+        html.Div(className="row", children=[figure_card(f"{N}-cost", "Quality vs cost"), figure_card(f"{N}-active", "Active share per layer")]),
     ])
+
+
+def recipe_of(method: dict[str, Any] | None, params: dict[str, Any]) -> str | None:
+    """The designer recipe a conversion's parameters follow: a recipe whose every override the
+    parameters have ('best'), else 'paper' when none of the recipes' parameters differs from its
+    default, else None (its own mix). None also for a method without recipes beyond 'paper'."""
+    recipes = (method or {}).get("recipes") or {}
+    if len(recipes) < 2:
+        return None
+    for name, over in sorted(recipes.items(), key=lambda kv: -len(kv[1])):
+        if over and all(params.get(k) == v for k, v in over.items()):
+            return name
+    defaults = {p["name"]: p["default"] for p in method["params"]}
+    keys = {k for over in recipes.values() for k in over}
+    return "paper" if all(params.get(k, defaults.get(k)) == defaults.get(k) for k in keys) else None
+
+
+def calibration_of(c: dict[str, Any], names: Names) -> str:
+    """The name of the calibration set a conversion was built from (its profile's; a conversion of
+    an MoE model names its ``calibration`` parameter)."""
+    prof = names.profiles.get(c.get("profile_id") or "")
+    if prof:
+        return names.set(prof.get("calibration_set_id"))
+    cal = (c.get("params") or {}).get("calibration")
+    return names.set(cal) if cal else "?"
+
+
+def chart_label(c: dict[str, Any], names: Names, methods: dict[str, dict[str, Any]]) -> tuple[str, str | None]:
+    """A conversion's short name on charts, 'code · expertweaver best': calibration set, method and
+    recipe (or, for a method without recipes, its first key parameter), and the recipe itself."""
+    params = c.get("params") or {}
+    method = c.get("method") or params.get("method") or "expertweaver"
+    recipe = recipe_of(methods.get(method), params)
+    what = recipe if recipe else key_params(method, params).split(", ")[0]
+    if recipe is None and method in methods and len(methods[method].get("recipes") or {}) > 1:
+        what = "own recipe"
+    return f"{calibration_of(c, names)} · {method} {what}", recipe
 
 
 @callback(Output(f"{N}-table", "children"), Output(f"{N}-ppl", "figure"), Output(f"{N}-active", "figure"), Output(f"{N}-cost", "figure"),
           Output({"type": "csv-data", "name": f"{N}-ppl"}, "data"), Output({"type": "csv-data", "name": f"{N}-active"}, "data"),
+          Output({"type": "csv-data", "name": f"{N}-cost"}, "data"),
           Output(f"{N}-error", "children"), Output(f"{N}-url", "search"), Input(f"{N}-ids", "value"))
 def _update(ids):
     ids = ids or []
     search = to_search(ids=",".join(ids))
     if not ids:
         fig = F.message_figure("choose conversions to compare")
-        return None, fig, fig, fig, None, None, error_box("no conversion chosen"), search
+        return None, fig, fig, fig, None, None, None, error_box("no conversion chosen"), search
     try:
         convs = [api().conversion(i) for i in ids]
         evals = {i: api().evaluations(i) for i in ids}
         names = page_names()
     except ApiError as exc:
         fig = F.message_figure(str(exc))
-        return None, fig, fig, fig, None, None, error_box(str(exc)), search
+        return None, fig, fig, fig, None, None, None, error_box(str(exc)), search
+    try:
+        methods = {m["name"]: m for m in api().methods()}
+    except ApiError:  # recipes are a help for the labels, not the data
+        methods = {}
     keys = ["n_experts", "alpha_min", "alpha_max", "tau", "plan", "shared", "active"]
     header = html.Tr([html.Th(h) for h in ("conversion", "id", "status", "method", "router", HEADERS["sparsity"])]
                      + [html.Th(HEADERS.get(k, k)) for k in keys]
                      + [html.Th("active neuron fraction"), html.Th("FFN cost (ffn_flops_fraction)"), html.Th("load CV (mean)")])
     label = {c["id"]: names.conversion(c) for c in convs}
-    ppl_rows = F.perplexity_rows(convs, evals, label)
+    short = {c["id"]: chart_label(c, names, methods) for c in convs}
+    ppl_rows = F.perplexity_rows(convs, evals, {i: s[0] for i, s in short.items()})
     body, plans, cost_points = [], {}, []
     for c in convs:
         params = c["params"] or {}
@@ -76,18 +121,23 @@ def _update(ids):
             cv = d.get("load_cv") if d.get("load_cv") is not None else d.get("mean_load_cv")
             if load_cv is None and isinstance(cv, (int, float)):
                 load_cv = f"{cv:.3f} on {r['text']}"
-            cost_points.append({"label": short_conversion(c), "text": r["text"], "ffn_flops_fraction": s.get("ffn_flops_fraction"),
-                                "perplexity_ratio": r["ratio_to_dense"]})
+            cost_points.append({"conversion_id": c["id"], "conversion": label[c["id"]], "label": short[c["id"]][0],
+                                "calibration_set": calibration_of(c, names), "method": c.get("method"), "recipe": short[c["id"]][1],
+                                "text": r["text"], "evaluation_id": r["evaluation_id"],
+                                "ffn_flops_fraction": s.get("ffn_flops_fraction"), "perplexity_ratio": r["ratio_to_dense"]})
         body.append(html.Tr([html.Td(label[c["id"]]), html.Td(c["id"], className="note"), html.Td(c["status"]), html.Td(c.get("method")),
                              html.Td(params.get("router") or ""), html.Td(fmt_pct(params.get("sparsity")))]
                             + [html.Td(fmt(params.get(k))) for k in keys]
                             + [html.Td(fmt(s.get("active_fraction"), 3)),
                                html.Td(fmt(s.get("ffn_flops_fraction"), 3) if s.get("ffn_flops_fraction") is not None else "not recorded"),
                                html.Td(load_cv or "")]))
-        plans[with_id(label[c["id"]], c["id"])] = [{"layer": r.get("layer"), "active_fraction": r.get("active_fraction")} for r in (c.get("layers") or [])]
+        plans[with_id(short[c["id"]][0], c["id"])] = [{"layer": r.get("layer"), "active_fraction": r.get("active_fraction")}
+                                                      for r in (c.get("layers") or [])]
     ppl = F.compare_perplexity(ppl_rows)
     active_rows = [{"conversion": k, **r} for k, rows in plans.items() for r in rows]
     csv_rows = [{k: v for k, v in r.items() if k != "text_key"} for r in ppl_rows]
+    cost_rows = F.quality_cost_points(cost_points)  # exactly the points the chart draws
     return (html.Table([header, *body], className="list"), ppl, F.compare_active(plans), F.quality_vs_cost(cost_points),
             {"rows": csv_rows, "filename": "perplexity"} if csv_rows else None, {"rows": active_rows, "filename": "active_share"},
+            {"rows": cost_rows, "filename": "quality_vs_cost"} if cost_rows else None,
             error_box(None), search)

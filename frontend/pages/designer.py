@@ -8,6 +8,7 @@ State in the URL: ?profile=…&method=…&<parameter>=… (one key per parameter
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import dash
@@ -15,7 +16,7 @@ from dash import ALL, MATCH, Input, Output, State, callback, ctx, dcc, html, no_
 
 from frontend import figures as F
 from frontend.api_client import ApiError, api
-from frontend.components import builtin_source_options, error_box, figure_card, options, profile_picker, progress, to_search
+from frontend.components import baselines_choice, builtin_source_options, error_box, figure_card, options, profile_picker, progress, to_search, wants_baselines
 from frontend.names import fmt
 
 dash.register_page(__name__, path="/designer", name="Conversion designer", order=4)
@@ -48,41 +49,123 @@ def _label(spec: dict[str, Any]) -> html.Label:
     return html.Label(f"{spec['name']}{paper}", title=spec["help"])
 
 
-def param_control(method: str, spec: dict[str, Any], value: Any) -> html.Div:
-    """One control per parameter, chosen from its declaration: a dropdown for choices, a slider with
-    its value always shown for a bounded share, a number box otherwise (empty means "choose")."""
-    cid = {"type": PARAM, "method": method, "name": spec["name"]}
+def _nice(x: float) -> float:
+    """The 1-2-5 number at or below ``x`` (0.06 → 0.05, 0.3 → 0.2)."""
+    e = math.floor(math.log10(x))
+    return next(m * 10.0**e for m in (5, 2, 1) if m * 10.0**e <= x * (1 + 1e-9))
+
+
+def param_step(spec: dict[str, Any]) -> float | int:
+    """The step of a numeric control: 1 for an int; for a float, 0.05 on a bounded range of at most 2
+    (a share in [0, 1]; a twentieth of a narrower range), a hundredth of a wider one, else a tenth of
+    its default's size (τ 0.6: 0.05), rounded down to 1-2-5 (0.01 when the default is 0 or absent)."""
+    if spec["type"] == "int":
+        return 1
     lo = spec["ge"] if spec["ge"] is not None else spec["gt"]
     hi = spec["le"] if spec["le"] is not None else spec["lt"]
+    if lo is not None and hi is not None and hi > lo:
+        return min(0.05, _nice((hi - lo) / 20)) if hi - lo <= 2 else _nice((hi - lo) / 100)
+    default = spec.get("default")
+    return _nice(abs(default) / 10) if isinstance(default, (int, float)) and default else 0.01
+
+
+def param_bounds(spec: dict[str, Any]) -> tuple[float | None, float | None]:
+    """The control's inclusive ``min``/``max``: ``ge``/``le`` as they are, a strict ``gt``/``lt`` one
+    step inside (τ > 0 with step 0.05: min 0.05), so the stepper never lands on a refused value."""
+    step = param_step(spec)
+    lo = spec["ge"] if spec["ge"] is not None else (round(spec["gt"] + step, 6) if spec["gt"] is not None else None)
+    hi = spec["le"] if spec["le"] is not None else (round(spec["lt"] - step, 6) if spec["lt"] is not None else None)
+    return lo, hi
+
+
+def bound_text(spec: dict[str, Any]) -> str:
+    """The engine's bounds of a parameter in words: '> 0', '≥ 0 and ≤ 1'."""
+    parts = [f"{op} {fmt(spec[k])}" for k, op in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<")) if spec.get(k) is not None]
+    return " and ".join(parts)
+
+
+def param_problem(spec: dict[str, Any], value: Any) -> str | None:
+    """Why a control's value cannot be previewed or converted, in words (None: it can): a number
+    outside the engine's bounds (``ge``/``gt``/``le``/``lt``), or a required number left empty or
+    not accepted by the box (the browser hands over no value for one off its steps)."""
+    if spec["type"] not in ("int", "float") or spec["choices"]:
+        return None
+    bounds = bound_text(spec)
+    need = f"a{'n integer' if spec['type'] == 'int' else ' number'}" + (f" {bounds}" if bounds else "")
+    if value is None or value == "":
+        if spec["optional"]:
+            return None
+        step = param_step(spec)
+        return f"{spec['name']}: enter {need}" + (f", in steps of {fmt(step)}" if spec["type"] == "float" else "")
+    v = float(value)
+    if ((spec["ge"] is not None and v < spec["ge"]) or (spec["gt"] is not None and v <= spec["gt"])
+            or (spec["le"] is not None and v > spec["le"]) or (spec["lt"] is not None and v >= spec["lt"])):
+        return f"{spec['name']} = {fmt(value)} is out of bounds: it must be {bounds}"
+    return None
+
+
+def param_control(method: str, spec: dict[str, Any], value: Any) -> html.Div:
+    """One control per parameter, chosen from its declaration: a dropdown for choices, a slider with
+    its value always shown for a bounded share, a number box otherwise (empty means "choose"). The
+    step and bounds come from the declaration (:func:`param_step`, :func:`param_bounds`)."""
+    cid = {"type": PARAM, "method": method, "name": spec["name"]}
+    lo, hi = param_bounds(spec)
+    step = param_step(spec)
     if spec["choices"]:
         control = dcc.Dropdown(id=cid, options=spec["choices"], value=value, clearable=False, style={"width": 170})
     elif spec["type"] == "float" and lo is not None and hi is not None and hi - lo <= 2:
-        step = 0.05  # one keyboard step moves a share by 5 points, as the designer always did
-        lo_v, hi_v = lo + (step if spec["gt"] is not None else 0), hi - (step if spec["lt"] is not None else 0)
-        control = dcc.Slider(id=cid, min=round(lo_v, 4), max=round(hi_v, 4), step=step, value=value, updatemode="drag",
+        control = dcc.Slider(id=cid, min=lo, max=hi, step=step, value=value, updatemode="drag",
                              marks=None, tooltip={"always_visible": True, "placement": "bottom"})
     else:
-        control = dcc.Input(id=cid, type="number", value=value, step=1 if spec["type"] == "int" else "any",
-                            min=lo, max=hi, placeholder="empty: choose" if spec["optional"] else None,
-                            debounce=spec["type"] == "float")
-    hint = html.Div(spec["help"], className="hint")
+        control = dcc.Input(id=cid, type="number", value=value, step=step, min=lo, max=hi,
+                            placeholder="empty: choose" if spec["optional"] else None, debounce=spec["type"] == "float")
+    bounds = bound_text(spec)
+    hint = html.Div(spec["help"] + (f" ({bounds})" if bounds and not isinstance(control, dcc.Slider) else ""), className="hint")
     if isinstance(control, dcc.Slider):  # help above: the value tooltip sits below the slider
         return html.Div(className="slider", style={"paddingBottom": 28}, children=[_label(spec), hint, control])
     return html.Div(className="param", children=[_label(spec), control, hint])
 
 
+def initial_recipe(m: dict[str, Any], query: dict[str, Any]) -> str | None:
+    """The recipe a method's panel starts at: the URL's ``recipe`` when the method has it, else
+    'paper' (its defaults); None for a method without recipes to choose from."""
+    recipes = m.get("recipes") or {}
+    if len(recipes) < 2:
+        return None
+    wanted = query.get("recipe")
+    return wanted if wanted in recipes else ("paper" if "paper" in recipes else next(iter(recipes)))
+
+
+def initial_values(m: dict[str, Any], query: dict[str, Any]) -> dict[str, Any]:
+    """Every control's starting value: the recipe's (:func:`initial_recipe`), then the URL's own
+    value of each parameter on top (a link keeps exactly what it says)."""
+    recipe = initial_recipe(m, query)
+    values = recipe_values(m, recipe)[0] if recipe else {p["name"]: p["default"] for p in m["params"]}
+    return {p["name"]: _typed({**p, "default": values[p["name"]]}, query.get(p["name"])) for p in m["params"]}
+
+
+def recipe_text(recipe: str, diff: list[str], plan: Any) -> str:
+    """What a recipe changes from the paper's settings, in words."""
+    return f"{recipe}: " + ("; ".join(diff) if diff else "the paper's settings") + (
+        ". With plan 'budget', sparsity is of the FFN cost: ffn_flops_fraction ≤ 1 − sparsity." if plan == "budget" else "")
+
+
 def method_panel(m: dict[str, Any], query: dict[str, Any], shown: bool) -> html.Div:
-    """A method's parameters: the main ones, then the advanced ones folded under 'more'."""
-    main = [param_control(m["name"], p, _typed(p, query.get(p["name"]))) for p in m["params"] if not p["advanced"]]
-    more = [param_control(m["name"], p, _typed(p, query.get(p["name"]))) for p in m["params"] if p["advanced"]]
+    """A method's parameters: the main ones, then the advanced ones folded under 'more'; the recipe
+    choice starts at the URL's ``recipe`` or 'paper', its controls at that recipe's values."""
+    values = initial_values(m, query)
+    main = [param_control(m["name"], p, values[p["name"]]) for p in m["params"] if not p["advanced"]]
+    more = [param_control(m["name"], p, values[p["name"]]) for p in m["params"] if p["advanced"]]
     children = [html.Div(f"{m['title']} ({m['paper']}): {m['summary']}", className="note")]
     recipes = m.get("recipes") or {}
-    if len(recipes) > 1:  # "paper" (the defaults) and the measured "best"
+    recipe = initial_recipe(m, query)
+    if recipe:  # "paper" (the defaults) and the measured "best"
         children.append(html.Div(className="controls", children=[
             html.Div([html.Label("recipe", title="paper: the paper's settings; best: the best training-free conversion "
                                                  "measured (bench_frontier) at the same cost"),
-                      dcc.RadioItems(id={"type": RECIPE, "method": m["name"]}, options=list(recipes), value=None, inline=True)]),
-            html.Div(id={"type": RECIPE_DIFF, "method": m["name"]}, className="hint"),
+                      dcc.RadioItems(id={"type": RECIPE, "method": m["name"]}, options=list(recipes), value=recipe, inline=True)]),
+            html.Div(recipe_text(recipe, recipe_values(m, recipe)[1], values.get("plan")),
+                     id={"type": RECIPE_DIFF, "method": m["name"]}, className="hint recipe-diff"),
         ]))
     children.append(html.Div(main, className="controls"))
     if more:
@@ -121,11 +204,13 @@ def layout(profile: str | None = None, method: str = "expertweaver", **query: st
         dcc.Store(id=f"{N}-methods", data=methods),
         html.Div(id=f"{N}-error"),
         html.Div(id=f"{N}-summary", className="note"),
+        html.Div(id=f"{N}-banner", className="banner"),  # what the preview cannot show (a budget plan's fitted top-k)
         html.Div(className="row", children=[figure_card(f"{N}-plan", "Preview", loading=False)]),
         html.Div(className="controls", children=[
             html.Button("Convert", id=f"{N}-convert", className="primary"),
             html.Div([html.Label("evaluate on"), dcc.Dropdown(id=f"{N}-eval-source", options=builtin_source_options(), value="builtin:mixed",
                                                               clearable=False, style={"width": 380})]),
+            baselines_choice(f"{N}-eval-baselines"),
             html.Button(f"Evaluate result ({EVAL_WINDOWS} windows × {EVAL_TOKENS} tokens)", id=f"{N}-evaluate", disabled=True),
         ]),
         html.Div(id=f"{N}-job"),
@@ -155,9 +240,7 @@ def _recipe(recipe, ids, current, methods):
     values, diff = recipe_values(m, recipe)
     keep = {i["name"]: v for i, v in zip(ids, current) if i["name"] == "sparsity"}
     values.update(keep)
-    text = f"{recipe}: " + ("; ".join(diff) if diff else "the paper's settings") + (
-        ". With plan 'budget', sparsity is of the FFN cost: ffn_flops_fraction ≤ 1 − sparsity." if values.get("plan") == "budget" else "")
-    return [values[i["name"]] for i in ids], text
+    return [values[i["name"]] for i in ids], recipe_text(recipe, diff, values.get("plan"))
 
 
 def chosen_params(method: str, values: list[Any], ids: list[dict[str, Any]]) -> dict[str, Any]:
@@ -175,23 +258,47 @@ def _panels(method, methods):
             [{} if m["name"] == method else hide for m in methods or []])
 
 
+def budget_banner(preview: dict[str, Any]) -> str | None:
+    """What a preview of a ``plan="budget"`` conversion can and cannot show, in words (None for
+    other plans): the per-layer top-k is fitted on calibration tokens at conversion
+    (``core.fitting``), so the chart is the starting plan; the other parameters it was drawn with."""
+    if not F.budget_plan(preview):
+        return None
+    p = preview.get("params") or {}
+    used = ", ".join(f"{k} {p[k]}" for k in ("router", "alpha_basis", "compensation") if p.get(k) is not None)
+    return ("Budget plan: the per-layer top-k is fitted on calibration tokens at conversion, so this preview shows the "
+            f"starting plan (drawn with {used}) and the cost cap {F.budget_cap(preview)}; the converted model "
+            "records the per-layer top-k it chose.")
+
+
+def recipe_of_panel(method: str, recipes: list[Any], recipe_ids: list[dict[str, Any]]) -> str | None:
+    """The chosen method's recipe radio value (None: the method has none)."""
+    return next((v for v, i in zip(recipes or [], recipe_ids or []) if i["method"] == method), None)
+
+
 @callback(Output(f"{N}-plan", "figure"), Output({"type": "csv-data", "name": f"{N}-plan"}, "data"), Output(f"{N}-summary", "children"),
-          Output(f"{N}-error", "children"), Output(f"{N}-url", "search"),
+          Output(f"{N}-banner", "children"), Output(f"{N}-error", "children"), Output(f"{N}-url", "search"),
           Input(f"{N}-profile", "value"), Input(f"{N}-method", "value"), Input({"type": PARAM, "method": ALL, "name": ALL}, "value"),
-          State({"type": PARAM, "method": ALL, "name": ALL}, "id"), State(f"{N}-methods", "data"))
-def _preview(profile, method, values, ids, methods):
+          State({"type": PARAM, "method": ALL, "name": ALL}, "id"), State(f"{N}-methods", "data"),
+          State({"type": RECIPE, "method": ALL}, "value"), State({"type": RECIPE, "method": ALL}, "id"))
+def _preview(profile, method, values, ids, methods, recipes, recipe_ids):
     params = chosen_params(method, values, ids)
-    search = to_search(profile=profile, method=method, **params)
+    search = to_search(profile=profile, method=method, recipe=recipe_of_panel(method, recipes, recipe_ids), **params)
     m = next((m for m in methods or [] if m["name"] == method), None)
     if m is None or not m["preview"]:
         note = f"{m['title']}: {m['summary']}. No preview: it reads {m['needs'].replace('_', ' ')}." if m else ""
-        return F.message_figure("no preview for this method"), None, note, error_box(None), search
+        return F.message_figure("no preview for this method"), None, note, None, error_box(None), search
     if not profile:
-        return F.message_figure("choose a ready profile"), None, "", error_box("no profile chosen: create one on the Workspace page"), search
+        return (F.message_figure("choose a ready profile"), None, "", None, error_box("no profile chosen: create one on the Workspace page"),
+                search)
+    problems = params_problems(m, method, values, ids)
+    if problems:  # said before the API is asked: the bound, not a blank chart
+        text = "; ".join(problems)
+        return F.message_figure(text), None, "", None, error_box(text), search
     try:
         preview = api().method_preview(profile, method, **params)
     except ApiError as exc:
-        return F.message_figure(str(exc)), None, "", error_box(str(exc)), search
+        return F.message_figure(str(exc)), None, "", None, error_box(str(exc)), search
     s = preview["summary"]
     if preview.get("fusion"):
         f = preview["fusion"]
@@ -199,18 +306,28 @@ def _preview(profile, method, values, ids, methods):
         text = (f"fuse layers {s['removed_layers']} into layer {s['fused_layer']} (S_L {f['s_layer']:.3f}, MLP-input distance "
                 f"{1 - f['s_mlp']:.3f} {test}): {s['layers_before']} → {s['layers_after']} layers, "
                 f"{s['n_experts']} experts, top-{s['top_k']}.")
-        return F.message_figure(text), {"kind": "fusion", "data": preview, "filename": "fusion"}, text, error_box(None), search
-    text = [f"active {s['active_fraction']:.1%} of FFN neurons (neuron sparsity {s['sparsity']:.1%}), mean α {s['mean_alpha']:.2f}."]
+        return F.message_figure(text), {"kind": "fusion", "data": preview, "filename": "fusion"}, text, None, error_box(None), search
+    budget = budget_banner(preview)
+    start = "starting plan: " if budget else ""
+    text = [f"{start}active {s['active_fraction']:.1%} of FFN neurons (neuron sparsity {s['sparsity']:.1%}), mean α {s['mean_alpha']:.2f}."]
     if s.get("ffn_flops_fraction") is not None:
         text.append(f" FFN cost {s['ffn_flops_fraction']:.3f} of dense (ffn_flops_fraction: multiply-adds per token, router included).")
-    if s.get("plan_note"):
+    if s.get("plan_note") and not budget:
         text.append(html.Span(" " + s["plan_note"] + ".", className="aggregated"))
     if s.get("clamped_layers"):
         text.append(html.Span(f" Clamped layers {s['clamped_layers']}: Eq. 6 asked for more shared experts than the active budget; "
                               "lower α_max, raise τ or use α basis 'active'.", className="aggregated"))
     if s.get("static_layers"):
         text.append(html.Span(f" Static layers {s['static_layers']}: no routed expert runs there (a fixed prune).", className="aggregated"))
-    return F.allocation_plan(preview), {"kind": "allocation", "data": preview, "filename": "allocation_plan"}, text, error_box(None), search
+    return (F.allocation_plan(preview), {"kind": "allocation", "data": preview, "filename": "allocation_plan"}, text, budget,
+            error_box(None), search)
+
+
+def params_problems(m: dict[str, Any], method: str, values: list[Any], ids: list[dict[str, Any]]) -> list[str]:
+    """Every control of ``method`` whose value the engine would refuse (:func:`param_problem`)."""
+    specs = {p["name"]: p for p in m["params"]}
+    return [msg for v, i in zip(values, ids) if i["method"] == method and i["name"] in specs
+            if (msg := param_problem(specs[i["name"]], v))]
 
 
 @callback(Output(f"{N}-job-id", "data"), Output(f"{N}-conversion-id", "data"), Output(f"{N}-poll", "disabled"),
@@ -219,15 +336,21 @@ def _preview(profile, method, values, ids, methods):
           State(f"{N}-conversion-id", "data"), State(f"{N}-profile", "value"), State(f"{N}-method", "value"),
           State({"type": PARAM, "method": ALL, "name": ALL}, "value"), State({"type": PARAM, "method": ALL, "name": ALL}, "id"),
           State(f"{N}-extra_profiles", "value"), State(f"{N}-moe_model", "value"), State(f"{N}-calibration", "value"),
-          State(f"{N}-methods", "data"), State(f"{N}-eval-source", "value"), prevent_initial_call=True)
-def _launch(_c, _e, conversion_id, profile, method, values, ids, extra_profiles, moe_model, calibration, methods, eval_source):
+          State(f"{N}-methods", "data"), State(f"{N}-eval-source", "value"), State(f"{N}-eval-baselines", "value"),
+          prevent_initial_call=True)
+def _launch(_c, _e, conversion_id, profile, method, values, ids, extra_profiles, moe_model, calibration, methods, eval_source,
+            eval_baselines):
     try:
         if ctx.triggered_id == f"{N}-evaluate":
             if not conversion_id:
                 return no_update, no_update, True, error_box("convert first")
-            created = api().create_evaluation(conversion_id, source=eval_source or "builtin:mixed", n_windows=EVAL_WINDOWS, seq_len=EVAL_TOKENS)
+            created = api().create_evaluation(conversion_id, source=eval_source or "builtin:mixed", n_windows=EVAL_WINDOWS,
+                                              seq_len=EVAL_TOKENS, baselines=wants_baselines(eval_baselines))
             return created["job_id"], conversion_id, False, progress(created.get("job"))
-        needs = next((m["needs"] for m in methods or [] if m["name"] == method), "profile")
+        m = next((m for m in methods or [] if m["name"] == method), None)
+        needs = m["needs"] if m else "profile"
+        if m and (problems := params_problems(m, method, values, ids)):
+            return no_update, no_update, True, error_box("; ".join(problems))
         body: dict[str, Any] = {"method": method, method: chosen_params(method, values, ids)}
         if needs == "moe_model":
             body.update(model_id=moe_model, calibration=calibration)
@@ -247,6 +370,8 @@ def _launch(_c, _e, conversion_id, profile, method, values, ids, extra_profiles,
           Output(f"{N}-evaluate", "disabled"),
           Input(f"{N}-poll", "n_intervals"), State(f"{N}-job-id", "data"), State(f"{N}-conversion-id", "data"), prevent_initial_call=True)
 def _poll(_n, job_id, conversion_id):
+    """The followed job's progress; once it ends, the result card. 'Evaluate result' is enabled
+    whenever the conversion is ready and no job runs, a failed evaluation included (to retry)."""
     if not job_id:
         return no_update, True, no_update, True
     try:
@@ -254,39 +379,106 @@ def _poll(_n, job_id, conversion_id):
     except ApiError as exc:
         return error_box(str(exc)), True, no_update, True
     done = job["state"] in ("succeeded", "failed", "cancelled")
-    result = no_update
-    if done and conversion_id:
-        result = _result(conversion_id)
-    return progress(job), done, result, not (done and job["state"] == "succeeded" and conversion_id)
+    if not (done and conversion_id):
+        return progress(job), done, no_update, True
+    card, ready = _result(conversion_id, job)
+    return progress(job), True, card, not ready
 
 
-def _result(conversion_id: str) -> html.Div:
-    """Plan summary, timings, and — once evaluated — perplexity vs baselines and per-layer reconstruction error."""
+#: A timing's or a measure's unit by the end of its key (the engine's naming: ``total_s``, ``peak_rss_mib``, ``max_memory_bytes``).
+UNITS = {"_s": "s", "_seconds": "s", "_mib": "MiB", "_gib": "GiB", "_mb": "MB", "_bytes": "bytes"}
+
+
+def fmt_measure(key: str, value: Any) -> str:
+    """One timing or memory figure with its own unit: 'total 6.24 s', 'peak rss 1,667.7 MiB',
+    'max memory 2.00 GiB', 'seconds per layer 0.10 s' (never a memory figure in seconds)."""
+    suffix = next((s for s in sorted(UNITS, key=len, reverse=True) if key.endswith(s)), None)
+    name = (key[: -len(suffix)] if suffix else key).replace("_", " ")
+    if key.startswith("seconds"):
+        suffix, name = "_s", key.replace("_", " ")
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return f"{name} {fmt(value)}"
+    unit = UNITS.get(suffix or "")
+    if unit == "s":
+        return f"{name} {value:.2f} s"
+    if unit == "bytes":
+        for size, u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+            if abs(value) >= size:
+                return f"{name} {value / size:,.2f} {u}"
+        return f"{name} {value:,.0f} bytes"
+    if unit:
+        return f"{name} {value:,.1f} {unit}"
+    return f"{name} {fmt(value)}"
+
+
+def layer_span(layers: list[int]) -> str:
+    """[0, 1, 2, 5] → 'layers 0–2, 5'; [3] → 'layer 3'."""
+    layers = sorted(set(layers))
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    parts = [f"{r[0]}–{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs]
+    return ("layer " if len(layers) == 1 else "layers ") + ", ".join(parts)
+
+
+def collapse_notes(notes: list[dict[str, Any]]) -> list[str]:
+    """Per-layer notes, one line per distinct text saying which layers it applies to (30 identical
+    'budget plan' lines become 'layers 0–29 (30 layers): budget plan: …')."""
+    by_text: dict[str, list[int]] = {}
+    for n in notes:
+        by_text.setdefault(n["note"], []).append(n["layer"])
+    return [f"{layer_span(layers)}" + (f" ({len(set(layers))} layers)" if len(set(layers)) > 1 else "") + f": {text}"
+            for text, layers in by_text.items()]
+
+
+def _result(conversion_id: str, job: dict[str, Any] | None = None) -> tuple[html.Div, bool]:
+    """The result card and whether the conversion is ready (can be evaluated): plan summary, timings,
+    what the last job's failure was in words, and — once evaluated — perplexity vs baselines and
+    per-layer reconstruction error."""
     try:
         conv = api().conversion(conversion_id)
         evals = [e for e in api().evaluations(conversion_id) if e["status"] == "ready"]
         report = api().evaluation_report(evals[0]["id"]) if evals else None
     except ApiError as exc:
-        return error_box(str(exc))
+        return error_box(str(exc)), False
+    ready = conv["status"] == "ready"
     s = conv.get("summary") or {}
     children = [html.H3(f"Conversion {conversion_id}: {conv['status']}"),
-                html.Div(", ".join(f"{k}: {fmt(v)}" for k, v in s.items() if not isinstance(v, (dict, list))), className="note"),
-                dcc.Link("open in routing explorer", href=f"/routing?conversion={conversion_id}"), html.Span(" · "),
-                dcc.Link("compare", href=f"/compare?ids={conversion_id}"), html.Span(" · "),
-                dcc.Link("token routing", href=f"/tokens?a={conversion_id}"), html.Span(" · "),
-                dcc.Link("playground", href=f"/playground?conversion={conversion_id}")]
-    for note in s.get("notes") or []:
-        children.append(html.Div(f"layer {note['layer']}: {note['note']}", className="aggregated"))
+                html.Div(", ".join(f"{k}: {fmt(v)}" for k, v in s.items() if not isinstance(v, (dict, list))), className="note")]
+    if ready:
+        children += [dcc.Link("open in routing explorer", href=f"/routing?conversion={conversion_id}"), html.Span(" · "),
+                     dcc.Link("compare", href=f"/compare?ids={conversion_id}"), html.Span(" · "),
+                     dcc.Link("token routing", href=f"/tokens?a={conversion_id}"), html.Span(" · "),
+                     dcc.Link("playground", href=f"/playground?conversion={conversion_id}")]
+    for line in collapse_notes(s.get("notes") or []):
+        children.append(html.Div(line, className="aggregated note-line"))
+    if (conv.get("params") or {}).get("plan") == "budget" and conv.get("layers"):
+        ks = ", ".join(str(r.get("top_k")) for r in conv["layers"])
+        children.append(html.Div(f"budget plan's top-k per layer (layers 0–{len(conv['layers']) - 1}): {ks}", className="note"))
     timings = (conv.get("job") or {}).get("timings") or s.get("timings")
     if isinstance(timings, dict):
-        children.append(html.Div("timings: " + ", ".join(f"{k} {v:.2f} s" if isinstance(v, (int, float)) else f"{k} {v}"
-                                                          for k, v in timings.items()), className="note"))
+        children.append(html.Div("timings: " + ", ".join(fmt_measure(k, v) for k, v in timings.items()), className="note timings"))
+    conv_job = conv.get("job") or {}
+    if not ready:
+        why = conv_job.get("error") or (job or {}).get("error") or "no reason recorded"
+        children.append(html.Div(f"The conversion {conv['status']}: {why}. Change the parameters and press Convert again; "
+                                 "there is nothing to evaluate.", className="error"))
+        return html.Div(children, className="card", id=f"{N}-result-card"), False
+    failed = job if job and job.get("kind") == "evaluation" and job["state"] in ("failed", "cancelled") else None
+    if failed:
+        children.append(html.Div(f"Evaluation job {failed['id']} {failed['state']}: {failed.get('error') or 'no reason recorded'}. "
+                                 "Press 'Evaluate result' to try again, or choose another text to evaluate on.",
+                                 className="error", id=f"{N}-eval-failed"))
     if not evals:
-        children.append(html.Div("Not evaluated yet: press 'Evaluate result' for perplexity vs dense and baselines.", className="note"))
-        return html.Div(children, className="card", id=f"{N}-result-card")
+        if not failed:
+            children.append(html.Div("Not evaluated yet: press 'Evaluate result' for perplexity vs dense (and the baselines when ticked).", className="note"))
+        return html.Div(children, className="card", id=f"{N}-result-card"), True
     rows = F.perplexity_rows([conv], {conversion_id: evals[:1]})  # the newest evaluation, labelled with its text and size
     children.append(html.Div(className="row", children=[
         dcc.Graph(id=f"{N}-ppl", figure=F.compare_perplexity(rows)),
         dcc.Graph(id=f"{N}-recon", figure=F.reconstruction_error(report or {})),
     ]))
-    return html.Div(children, className="card", id=f"{N}-result-card")
+    return html.Div(children, className="card", id=f"{N}-result-card"), True

@@ -86,7 +86,7 @@ def layout(conversion: str | None = None, finetune: str | None = None, **_):
         if conversion is None and ready:
             conversion = ready[0]["id"]
         runs, err = _run_options(conversion), None
-        sources = [b["spec"] for b in api().builtin_sets()]
+        sources = [b["spec"] for b in api().builtin_sets() if b.get("installed", True)]  # bigbench only once installed
     except ApiError as exc:
         ready, runs, sources, err, names = [], [], ["builtin:mixed"], str(exc), Names()
     methods = {c["id"]: c["method"] for c in ready}

@@ -21,6 +21,12 @@ N = "nx"
 #: that neuron) up to this many neurons; wider layers are averaged and a click picks the column's first.
 MAP_COLUMNS = 4096
 
+#: The index boxes hold their largest value whole: layers up to 3 digits, neurons up to 6 (d_ffn of
+#: today's largest dense models has 5). Dash 4 draws a number box as a container of the text field and
+#: its − / + buttons (32 px each, the field's padding 2 × 8 px, a 1 px border): the width is the
+#: container's, so the digits get what the buttons leave (the default left "116" of 1160).
+LAYER_WIDTH, NEURON_WIDTH = "calc(3ch + 92px)", "calc(6ch + 92px)"
+
 
 def layout(profile: str | None = None, layer: str = "0", order: str = "cv", tau: str = "0.6", normalize: str = "none",
            neuron: str = "0", **_):
@@ -31,7 +37,8 @@ def layout(profile: str | None = None, layer: str = "0", order: str = "cv", tau:
         error_box(err),
         html.Div(className="controls", children=[
             picker,
-            html.Div([html.Label("layer"), dcc.Input(id=f"{N}-layer", type="number", min=0, step=1, value=int(num(layer, 0)), debounce=True)]),
+            html.Div([html.Label("layer"), dcc.Input(id=f"{N}-layer", type="number", min=0, step=1, value=int(num(layer, 0)), debounce=True,
+                                                     className="index-input", style={"width": LAYER_WIDTH})]),
             html.Div([html.Label("neuron order"), dcc.Dropdown(id=f"{N}-order", options=["cv", "task", "index"], value=order, clearable=False, style={"width": 120})]),
             html.Div([html.Label("normalise"), dcc.Dropdown(id=f"{N}-normalize", options=["none", "neuron", "zscore"], value=normalize, clearable=False, style={"width": 120})]),
             html.Div(className="slider", children=[html.Label("τ (EW Eq. 4)"), dcc.Slider(id=f"{N}-tau", min=0.05, max=3, step=0.05, value=num(tau, 0.6),
@@ -44,7 +51,8 @@ def layout(profile: str | None = None, layer: str = "0", order: str = "cv", tau:
             html.Div(className="card-head", children=[
                 html.Span(id=f"{N}-card-title", className="card-title"),
                 html.Div(className="controls", children=[html.Div([html.Label("neuron"), dcc.Input(
-                    id=f"{N}-neuron-index", type="number", min=0, step=1, value=int(num(neuron, 0)), debounce=True)])]),
+                    id=f"{N}-neuron-index", type="number", min=0, step=1, value=int(num(neuron, 0)), debounce=True,
+                    className="index-input", style={"width": NEURON_WIDTH})])]),
             ]),
             html.Div(id=f"{N}-card-stats", className="note"), html.Div(id=f"{N}-card-error"),
             html.Div(className="row", children=[figure_card(f"{N}-neuron", "Mean activation of the neuron per task (or sample)"),
@@ -63,6 +71,16 @@ def _store(kind, data, name):
 
 def _csv(name: str) -> Output:
     return Output({"type": "csv-data", "name": f"{N}-{name}"}, "data")
+
+
+def _note(name: str) -> Output:
+    """The card's subtitle line: a figure's note shown as HTML, which wraps (a plotly title is cut)."""
+    return Output({"type": "note", "name": f"{N}-{name}"}, "children")
+
+
+def _split(fig) -> tuple:
+    """(the figure titled by its title alone, its note for the card's subtitle line)."""
+    return F.without_note(fig)
 
 
 NO_PROFILE = "choose a ready profile (Workspace → Profile)"
@@ -91,31 +109,33 @@ def _url(profile, layer, order, normalize, tau, neuron):
 
 
 @callback(Output(f"{N}-cv-layers", "figure"), Output(f"{N}-tasksim", "figure"), _csv("cv-layers"), _csv("tasksim"), Output(f"{N}-error", "children"),
-          Input(f"{N}-profile", "value"), Input(f"{N}-tau", "value"))
+          _note("cv-layers"), _note("tasksim"), Input(f"{N}-profile", "value"), Input(f"{N}-tau", "value"))
 def _profile_charts(profile, tau):
     """CV by layer (EW Fig. 2, with τ) and the similarity of the CV's groups: the whole profile."""
     if not profile:
         blank = F.message_figure(NO_PROFILE)
-        return blank, blank, None, None, error_box("no profile chosen: create one on the Workspace page")
+        return blank, blank, None, None, error_box("no profile chosen: create one on the Workspace page"), "", ""
     try:
         summary = api().cv_summary(profile, tau=tau)
         sim = api().task_similarity(profile)
         basis, _ = _basis(profile)
     except ApiError as exc:
         fig = F.message_figure(str(exc))
-        return fig, fig, None, None, error_box(str(exc))
-    return (F.cv_by_layer(summary), F.task_similarity(sim, basis), _store("cv-summary", summary, "cv_by_layer"),
-            _store("task-similarity", sim, "task_similarity"), error_box(None))
+        return fig, fig, None, None, error_box(str(exc)), "", ""
+    (cv_fig, cv_note), (sim_fig, sim_note) = _split(F.cv_by_layer(summary)), _split(F.task_similarity(sim, basis))
+    return (cv_fig, sim_fig, _store("cv-summary", summary, "cv_by_layer"),
+            _store("task-similarity", sim, "task_similarity"), error_box(None), cv_note, sim_note)
 
 
 @callback(Output(f"{N}-cv-hist", "figure"), Output(f"{N}-rates", "figure"), Output(f"{N}-hvals", "figure"),
           _csv("cv-hist"), _csv("rates"), _csv("hvals"), Output(f"{N}-layer-error", "children"),
+          _note("cv-hist"), _note("rates"), _note("hvals"),
           Input(f"{N}-profile", "value"), Input(f"{N}-layer", "value"), Input(f"{N}-tau", "value"))
 def _layer_charts(profile, layer, tau):
     """The layer's CV histogram (τ drawn), activation rates and h values."""
     if not profile:
         blank = F.message_figure(NO_PROFILE)
-        return blank, blank, blank, None, None, None, None
+        return blank, blank, blank, None, None, None, None, "", "", ""
     layer = int(layer or 0)
     try:
         basis, n_layers = _basis(profile)
@@ -124,10 +144,11 @@ def _layer_charts(profile, layer, tau):
         stats = api().neuron_stats(profile, layer=layer)
     except ApiError as exc:
         fig = F.message_figure(str(exc))
-        return fig, fig, fig, None, None, None, error_box(str(exc))
-    return (F.cv_histogram(hist, layer, tau=float(tau) if tau is not None else None, basis=basis), F.activation_rate_histogram(stats),
-            F.h_value_histogram(stats), _store("cv-histogram", hist, "cv_histogram"), _store("rates", stats, f"activation_rate_layer{layer}"),
-            _store("h-values", stats, f"h_values_layer{layer}"), error_box(None))
+        return fig, fig, fig, None, None, None, error_box(str(exc)), "", "", ""
+    figs = [_split(f) for f in (F.cv_histogram(hist, layer, tau=float(tau) if tau is not None else None, basis=basis),
+                                F.activation_rate_histogram(stats), F.h_value_histogram(stats))]
+    return (*[f for f, _ in figs], _store("cv-histogram", hist, "cv_histogram"), _store("rates", stats, f"activation_rate_layer{layer}"),
+            _store("h-values", stats, f"h_values_layer{layer}"), error_box(None), *[n for _, n in figs])
 
 
 @callback(Output(f"{N}-act", "figure"), _csv("act"), Output({"type": "note", "name": f"{N}-act"}, "children"), Output(f"{N}-tiles", "data"),
@@ -143,8 +164,9 @@ def _activation_map(profile, layer, order, normalize):
         tiles = api().activations(profile, layer=layer, order=order, normalize=normalize, max_cols=MAP_COLUMNS)
     except ApiError as exc:
         return F.message_figure(str(exc)), None, "", None
+    fig, _said = _split(F.activation_heatmap(tiles, basis))  # the note once, as the card's subtitle
     note = html.Span(f"Aggregated server-side: {tiles['note']}", className="aggregated") if tiles["aggregated"] else tiles["note"]
-    return F.activation_heatmap(tiles, basis), _store("activations", tiles, f"activations_layer{layer}"), note, {**tiles, "basis": basis}
+    return fig, _store("activations", tiles, f"activations_layer{layer}"), note, {**tiles, "basis": basis}
 
 
 @callback(Output(f"{N}-neuron-index", "value"), Input(f"{N}-act", "clickData"), State(f"{N}-tiles", "data"), prevent_initial_call=True)

@@ -10,7 +10,8 @@ from dash import Input, Output, State, callback, dcc, html, no_update
 
 from frontend import figures as F
 from frontend.api_client import ApiError, api
-from frontend.components import builtin_source_options, error_box, figure_card, named_options, progress, to_search
+from frontend.components import (baselines_choice, builtin_source_options, error_box, figure_card, named_options, progress, to_search,
+                                 wants_baselines)
 from frontend.names import with_id
 
 dash.register_page(__name__, path="/routing", name="Routing explorer", order=5)
@@ -52,6 +53,7 @@ def layout(conversion: str | None = None, a: str | None = None, b: str | None = 
         ]),
         html.Div(className="controls", children=[
             html.Div([html.Label("evaluate on another set"), dcc.Dropdown(id=f"{N}-source", options=sources, value="builtin:mixed", style={"width": 420})]),
+            baselines_choice(f"{N}-baselines"),
             html.Button(f"Evaluate ({EVAL_WINDOWS} windows × {EVAL_TOKENS} tokens)", id=f"{N}-evaluate"),
             html.Div(id=f"{N}-job", style={"minWidth": "300px"}),
             dcc.Store(id=f"{N}-job-id"), dcc.Interval(id=f"{N}-poll", interval=1000, disabled=True),
@@ -103,12 +105,14 @@ def _update(conversion, a, b, variant):
 
 
 @callback(Output(f"{N}-job-id", "data"), Output(f"{N}-poll", "disabled"), Output(f"{N}-job", "children", allow_duplicate=True),
-          Input(f"{N}-evaluate", "n_clicks"), State(f"{N}-conversion", "value"), State(f"{N}-source", "value"), prevent_initial_call=True)
-def _evaluate(_n, conversion, source):
+          Input(f"{N}-evaluate", "n_clicks"), State(f"{N}-conversion", "value"), State(f"{N}-source", "value"),
+          State(f"{N}-baselines", "value"), prevent_initial_call=True)
+def _evaluate(_n, conversion, source, baselines):
     if not conversion or not source:
         return no_update, True, error_box("choose a conversion and a set")
     try:
-        created = api().create_evaluation(conversion, source=source, n_windows=EVAL_WINDOWS, seq_len=EVAL_TOKENS)
+        created = api().create_evaluation(conversion, source=source, n_windows=EVAL_WINDOWS, seq_len=EVAL_TOKENS,
+                                          baselines=wants_baselines(baselines))
     except ApiError as exc:
         return no_update, True, error_box(f"could not start: {exc}")
     return created["job_id"], False, progress(created.get("job"))

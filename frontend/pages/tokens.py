@@ -3,7 +3,9 @@ expert it is routed to, layer by layer, for one conversion or two side by side (
 sets' conversions, or the paper recipe against the best one). Each conversion's routing is a
 short probe job on the worker (the API runs no model). Choosing an expert shows that expert's
 view: only the tokens routed to it are coloured.
-State in the URL: ?a=…&b=…&pa=…&pb=…&layer=…&expert=… (conversions, their probes, the view)."""
+State in the URL: ?a=…&b=…&pa=…&pb=…&source=…&sample=…&layer=…&expert=… (conversions, their probes, the
+held-out sample they read, the view); a shared URL opens with its controls set from these (and the
+probe's own text when it routed a typed text)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ N = "tk"
 TERMINAL = ("succeeded", "failed", "cancelled")
 TEXT = "type a text (routing reads its first 512 tokens)"
 SAMPLE_SETS = ("code", "prose", "literature", "chat", "code_problems", "math", "mixed")
+DEFAULT_TEXT = "def mean(values):\n    return sum(values) / len(values)  # the average"
 
 
 def _int(value: Any) -> int | None:
@@ -31,11 +34,44 @@ def _int(value: Any) -> int | None:
         return None
 
 
+def _probe(probe_id: str | None) -> dict[str, Any] | None:
+    if not probe_id:
+        return None
+    try:
+        return api().probe(probe_id)
+    except ApiError:
+        return None
+
+
+def initial_controls(query: dict[str, Any], probe_a: dict[str, Any] | None, probe_b: dict[str, Any] | None,
+                     default_a: str | None = None) -> dict[str, Any]:
+    """The controls' values for a URL (a shared link opens with the controls it was made with):
+    the URL's own values first, then what its probes were run on (their conversions, text or
+    held-out sample), then the defaults."""
+    params = (probe_a or {}).get("params") or {}
+    sources = {f"builtin:{n}" for n in SAMPLE_SETS}
+    source = query.get("source") or params.get("sample_source") or "text"
+    sample = _int(query.get("sample"))
+    if sample is None:
+        sample = _int(params.get("sample")) or 0
+    return {
+        "a": query.get("a") or (probe_a or {}).get("conversion_id") or default_a,
+        "b": query.get("b") or (probe_b or {}).get("conversion_id"),
+        "source": source if source in sources else "text",
+        "sample": sample,
+        "text": query.get("text") or params.get("text") or DEFAULT_TEXT,
+        "layer": _int(query.get("layer")),
+        "expert": _int(query.get("expert")),
+    }
+
+
 def layout(a: str | None = None, b: str | None = None, pa: str | None = None, pb: str | None = None,
-           layer: str | None = None, expert: str | None = None, **_):
+           layer: str | None = None, expert: str | None = None, source: str | None = None, sample: str | None = None,
+           text: str | None = None, **_):
     convs, err = options_or_error("conversions")
-    if a is None and convs:
-        a = convs[0]["value"]
+    probe_a, probe_b = _probe(pa), _probe(pb)
+    init = initial_controls({"a": a, "b": b, "layer": layer, "expert": expert, "source": source, "sample": sample, "text": text},
+                            probe_a, probe_b, convs[0]["value"] if convs else None)
     sources = [{"label": TEXT, "value": "text"}] + [{"label": f"held-out sample of builtin:{n}", "value": f"builtin:{n}"}
                                                      for n in SAMPLE_SETS]
     probes = {"a": pa, "b": pb} if pa else None
@@ -46,22 +82,23 @@ def layout(a: str | None = None, b: str | None = None, pa: str | None = None, pb
                "two conversions side by side on the same text.", className="note"),
         error_box(err),
         html.Div(className="controls", children=[
-            html.Div([html.Label("conversion A"), dcc.Dropdown(id=f"{N}-a", options=convs, value=a, clearable=False, style={"width": 480})]),
-            html.Div([html.Label("conversion B (optional)"), dcc.Dropdown(id=f"{N}-b", options=convs, value=b, style={"width": 480})]),
+            html.Div([html.Label("conversion A"), dcc.Dropdown(id=f"{N}-a", options=convs, value=init["a"], clearable=False, style={"width": 480})]),
+            html.Div([html.Label("conversion B (optional)"), dcc.Dropdown(id=f"{N}-b", options=convs, value=init["b"], style={"width": 480})]),
         ]),
         html.Div(className="controls", children=[
-            html.Div([html.Label("text"), dcc.Dropdown(id=f"{N}-source", options=sources, value="text", clearable=False, style={"width": 330})]),
-            html.Div([html.Label("sample (0–47)"), dcc.Input(id=f"{N}-sample", type="number", min=0, max=47, step=1, value=0, style={"width": 90})]),
+            html.Div([html.Label("text"), dcc.Dropdown(id=f"{N}-source", options=sources, value=init["source"], clearable=False, style={"width": 330})]),
+            html.Div([html.Label("sample (0–47)"), dcc.Input(id=f"{N}-sample", type="number", min=0, max=47, step=1, value=init["sample"],
+                                                         style={"width": 90})]),
             html.Button("Route tokens", id=f"{N}-run", className="primary"),
         ]),
-        dcc.Textarea(id=f"{N}-text", value="def mean(values):\n    return sum(values) / len(values)  # the average",
-                     style={"width": "100%", "height": 90}),
+        dcc.Textarea(id=f"{N}-text", value=init["text"], style={"width": "100%", "height": 90}),
         html.Div(id=f"{N}-jobs"),
         dcc.Store(id=f"{N}-probes", data=probes), dcc.Store(id=f"{N}-ready", data=probes),
         dcc.Interval(id=f"{N}-poll", interval=1000, disabled=True),
         html.Div(className="controls", children=[
-            html.Div([html.Label("layer"), dcc.Dropdown(id=f"{N}-layer", options=[], value=_int(layer), clearable=False, style={"width": 120})]),
-            html.Div([html.Label("expert (blank: all)"), dcc.Input(id=f"{N}-expert", type="number", min=0, step=1, value=_int(expert),
+            html.Div([html.Label("layer"), dcc.Dropdown(id=f"{N}-layer", options=[init["layer"]] if init["layer"] is not None else [],
+                                                        value=init["layer"], clearable=False, style={"width": 120})]),
+            html.Div([html.Label("expert (blank: all)"), dcc.Input(id=f"{N}-expert", type="number", min=0, step=1, value=init["expert"],
                                                                debounce=True, style={"width": 90})]),
         ]),
         html.Div(id=f"{N}-view", className="row"),
@@ -127,6 +164,10 @@ def _view(probes, layer, expert, a, b):
         except ApiError as exc:
             cards.append(error_box(f"conversion {side.upper()}: {exc}"))
             continue
+        params = probe.get("params") or {}
+        if side == "a" and params.get("sample_source"):  # the URL says which held-out sample (a typed text is in the probe)
+            search = to_search(a=a, b=b, pa=probes.get("a"), pb=probes.get("b"), source=params["sample_source"],
+                               sample=params.get("sample", 0), layer=layer, expert=expert)
         title = f"{side.upper()}: {probe['conversion_id']} ({result.get('method')}, {len(result['tokens'])} tokens)"
         children = [routed_tokens(result, layer, _int(expert), title=title)]
         if _int(expert) is not None:  # the expert's card: its neurons, linked to the neuron explorer

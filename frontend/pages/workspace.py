@@ -1,6 +1,8 @@
-"""Workspace: models, calibration sets, profiles, conversions and jobs with live progress, states,
-durations and errors; buttons to create each, delete it (refused in words while something uses it,
-then offered with everything that does, after a confirm), retry a failed job and download a
+"""Workspace: models, calibration sets, profiles, conversions, evaluations and jobs with live
+progress, states, durations and errors, each job named by what it works on; buttons to create each
+(a profile with the groups its CV is taken across, an evaluation with or without baselines), delete
+it (the confirm says what goes; refused in words next to its row while something uses it, then
+offered with everything that does, the confirm naming each), retry a failed job and download a
 converted model; a getting-started path (model → set → profile → designer) until there is a profile."""
 
 from __future__ import annotations
@@ -9,13 +11,21 @@ import dash
 from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
 
 from frontend.api_client import ApiError, api
-from frontend.components import error_box, options, progress
+from frontend import figures as F
+from frontend.components import baselines_choice, builtin_options, error_box, options, progress, source_options, wants_baselines
 from frontend.downloads import download_url
-from frontend.names import Names, fmt, fmt_pct
+from frontend.names import (Names, evaluation_name, finetune_name, fmt, fmt_pct, heldout_text, job_subject, probe_name,
+                            with_id)
 
 dash.register_page(__name__, path="/", name="Workspace", order=0)
 
 N = "ws"
+
+
+#: what the CV (EW Eq. 3) of a profile is taken across (``ProfileCreate.group_by``)
+GROUP_BY = [{"label": "auto", "value": "auto"}, {"label": "tasks", "value": "task"}, {"label": "domains", "value": "domain"},
+            {"label": "samples", "value": "sample"}]
+AUTO_NOTE = "auto: the set's tasks when it has at least 2 distinct tasks, else each sample"
 
 
 def layout(**_):
@@ -27,7 +37,7 @@ def layout(**_):
             html.Div(className="controls", children=[
                 html.Div([html.Label("model source ('default', org/name or a server path)"), dcc.Input(id=f"{N}-model-source", value="default", style={"width": 300})]),
                 html.Button("Add model", id=f"{N}-add-model"),
-                html.Div([html.Label("built-in calibration set"), dcc.Dropdown(id=f"{N}-builtin", options=["mixed"], value="mixed", clearable=False, style={"width": 180})]),
+                html.Div([html.Label("built-in calibration set"), dcc.Dropdown(id=f"{N}-builtin", options=["mixed"], value="mixed", clearable=False, style={"width": 420})]),
                 html.Div([html.Label("samples"), dcc.Input(id=f"{N}-samples", type="number", value=240, min=1, style={"width": 90})]),
                 html.Button("Build set", id=f"{N}-add-set"),
             ]),
@@ -35,14 +45,25 @@ def layout(**_):
                 html.Div([html.Label("model"), dcc.Dropdown(id=f"{N}-model", style={"width": 300})]),
                 html.Div([html.Label("calibration set"), dcc.Dropdown(id=f"{N}-set", style={"width": 300})]),
                 html.Div([html.Label("max tokens / sample"), dcc.Input(id=f"{N}-max-tokens", type="number", value=256, min=2, style={"width": 90})]),
+                html.Div([html.Label("CV across"), dcc.Dropdown(id=f"{N}-group-by", options=GROUP_BY, value="auto", clearable=False, style={"width": 130})]),
                 html.Button("Profile", id=f"{N}-add-profile"),
                 dcc.Link("Design a conversion →", href="/designer"),
+            ]),
+            html.Div(AUTO_NOTE, id=f"{N}-group-note", className="note"),
+            html.Div(className="controls", children=[
+                html.Div([html.Label("conversion to evaluate"), dcc.Dropdown(id=f"{N}-eval-conversion", style={"width": 420})]),
+                html.Div([html.Label("held-out text"), dcc.Dropdown(id=f"{N}-eval-source", options=["builtin:mixed"], value="builtin:mixed", clearable=False, style={"width": 300})]),
+                html.Div([html.Label("windows"), dcc.Input(id=f"{N}-eval-windows", type="number", value=8, min=1, style={"width": 80})]),
+                html.Div([html.Label("tokens / window"), dcc.Input(id=f"{N}-eval-seq-len", type="number", value=128, min=8, style={"width": 90})]),
+                baselines_choice(f"{N}-eval-baselines"),
+                html.Button("Evaluate", id=f"{N}-add-eval"),
             ]),
             html.Div(id=f"{N}-created"),
             html.Div(id=f"{N}-cancelled"),
             html.Div(id=f"{N}-deleted"),
         ]),
         dcc.Store(id=f"{N}-pending-delete"),
+        dcc.Store(id=f"{N}-refusal"),  # a refused delete: said next to its row in the lists
         dcc.ConfirmDialog(id=f"{N}-confirm"),
         html.Div(id=f"{N}-start"),
         html.Div(id=f"{N}-lists"),
@@ -50,12 +71,25 @@ def layout(**_):
     ])
 
 
-def _table(title: str, items: list[dict], cols: list[tuple[str, callable]], link=None) -> html.Div:
+def _table(title: str, items: list[dict], cols: list[tuple[str, callable]], kind: str | None = None,
+           refusal: dict | None = None) -> html.Div:
+    """A card with one row per item; a refused delete of one of them (``refusal`` of this ``kind``)
+    is said in a row right under it, with the offer to delete it together with its dependants."""
     rows = [html.Tr([html.Th(c) for c, _ in cols])]
     for it in items:
         rows.append(html.Tr([html.Td(f(it)) for _, f in cols]))
+        if refusal and kind and refusal.get("kind") == kind and refusal.get("id") == it["id"]:
+            rows.append(html.Tr(html.Td(_refusal_box(refusal), colSpan=len(cols)), className="row-msg"))
     return html.Div(className="card", children=[html.Div(f"{title} ({len(items)})", className="card-title"),
                                                 html.Table(rows, className="list") if items else html.Div("none yet", className="note")])
+
+
+def _refusal_box(refusal: dict) -> html.Div:
+    children = [error_box(refusal["text"])]
+    if refusal.get("cascade"):
+        children.append(html.Button("Delete it with everything that depends on it",
+                                    id={"type": "ws-cascade", "kind": refusal["kind"], "id": refusal["id"]}, className="small"))
+    return html.Div(children, className="refusal")
 
 
 #: the getting-started path: (step, what to do, done when this list is non-empty)
@@ -90,14 +124,20 @@ def _clicked() -> dict | None:
     return ctx.triggered_id if isinstance(ctx.triggered_id, dict) else None
 
 
-def _job_row(job: dict, names: dict[str, str] | None = None) -> html.Div:
-    name = (names or {}).get(job.get("resource_id") or "")
+def job_title(job: dict, subjects: dict[str, str]) -> str:
+    """'evaluation of <conversion> on builtin:mixed — ev-1 (job job-2)': what the job works on first."""
+    rid = job.get("resource_id")
+    return f"{with_id(job_subject(job, subjects), rid) if rid else job_subject(job, subjects)} (job {job['id']})"
+
+
+def _job_row(job: dict, subjects: dict[str, str] | None = None) -> html.Div:
+    title = job_title(job, subjects or {})
     if job["state"] in ("failed", "cancelled"):
-        return html.Div([progress(job, name), html.Button("Retry", id={"type": "ws-retry", "job": job["id"], "at": "jobs"}, className="small",
-                                                          title="re-run this job (a new job for the same resource)")])
+        return html.Div([progress(job, title=title), html.Button("Retry", id={"type": "ws-retry", "job": job["id"], "at": "jobs"}, className="small",
+                                                                 title="re-run this job (a new job for the same resource)")])
     if job["state"] not in ("queued", "running"):
-        return progress(job, name)
-    return html.Div([progress(job, name), html.Button("Cancel", id={"type": "ws-cancel", "job": job["id"]}, className="small")])
+        return progress(job, title=title)
+    return html.Div([progress(job, title=title), html.Button("Cancel", id={"type": "ws-cancel", "job": job["id"]}, className="small")])
 
 
 @callback(Output(f"{N}-cancelled", "children"), Input({"type": "ws-cancel", "job": ALL}, "n_clicks"),
@@ -122,42 +162,147 @@ def _delete_button(kind: str, it: dict) -> html.Button:
                        title="delete (refused while something uses it; then offered with everything that does)")
 
 
+#: a resource kind (API path) → (its name in words, what deleting it removes besides its record)
+KINDS = {"models": ("model", "the record only: the model's own files stay where they are"),
+         "calibration-sets": ("calibration set", "its stored samples"),
+         "profiles": ("profile", "its activation statistics"),
+         "conversions": ("conversion", "its converted model files"),
+         "evaluations": ("evaluation", "its report"),
+         "finetunes": ("fine-tune", "its checkpoints and training log"),
+         "probes": ("probe", "its result")}
+
+
+def direct_dependants(kind: str, ident: str, lists: dict[str, list[dict]]) -> list[tuple[str, str]]:
+    """The resources that read ``kind``/``ident`` directly, as the API's delete sees them
+    (``moelab.store.deletion.dependants``): a model ← its profiles and conversions; a calibration
+    set ← profiles over it and conversions, evaluations and fine-tunes that name it as their text;
+    a profile ← conversions made from it (also as an extra profile); a conversion ← its
+    evaluations, fine-tunes and probes; the rest ← nothing."""
+    def where(k: str, test) -> list[tuple[str, str]]:
+        return [(k, r["id"]) for r in lists.get(k) or [] if test(r)]
+
+    def params(r: dict) -> dict:
+        return r.get("params") or {}
+
+    out: list[tuple[str, str]] = []
+    if kind == "models":
+        out += where("profiles", lambda r: r.get("model_id") == ident) + where("conversions", lambda r: r.get("model_id") == ident)
+    elif kind == "calibration-sets":
+        out += where("profiles", lambda r: r.get("calibration_set_id") == ident)
+        out += where("conversions", lambda r: params(r).get("calibration") == ident)
+        out += where("evaluations", lambda r: params(r).get("source") == ident)
+        out += where("finetunes", lambda r: params(r).get("source") == ident)
+    elif kind == "profiles":
+        out += where("conversions", lambda r: r.get("profile_id") == ident or ident in (params(r).get("extra_profile_ids") or []))
+    elif kind == "conversions":
+        for k in ("evaluations", "finetunes", "probes"):
+            out += where(k, lambda r: r.get("conversion_id") == ident)
+    return [d for d in dict.fromkeys(out) if d != (kind, ident)]
+
+
+def dependants(kind: str, ident: str, lists: dict[str, list[dict]]) -> list[tuple[str, str]]:
+    """Everything that depends on ``kind``/``ident``, transitively (what a cascade delete takes too),
+    nearest first."""
+    seen: list[tuple[str, str]] = []
+    todo = [(kind, ident)]
+    while todo:
+        for dep in direct_dependants(*todo.pop(0), lists):
+            if dep not in seen and dep != (kind, ident):
+                seen.append(dep)
+                todo.append(dep)
+    return seen
+
+
+def subjects(lists: dict[str, list[dict]]) -> dict[str, str]:
+    """Every stored resource's id → what it is, in words: 'model SmolLM2-135M', 'profile SmolLM2 ·
+    mixed · 256 tokens/sample', 'evaluation of <conversion> on builtin:mixed', 'routing probe of …'."""
+    names = Names.from_lists(lists.get("models") or [], lists.get("calibration-sets") or [], lists.get("profiles") or [])
+    convs = {v["id"]: names.conversion(v) for v in lists.get("conversions") or []}
+    out = {m["id"]: f"model {m.get('name') or m['id']}" for m in lists.get("models") or []}
+    out |= {s["id"]: f"calibration set {s.get('name') or s['id']}" for s in lists.get("calibration-sets") or []}
+    out |= {p["id"]: f"profile {names.profile(p)}" for p in lists.get("profiles") or []}
+    out |= {i: f"conversion {n}" for i, n in convs.items()}
+    out |= {e["id"]: evaluation_name(e, convs.get(e.get("conversion_id"))) for e in lists.get("evaluations") or []}
+    out |= {p["id"]: probe_name(p, convs.get(p.get("conversion_id"))) for p in lists.get("probes") or []}
+    out |= {f["id"]: finetune_name(f, convs.get(f.get("conversion_id"))) for f in lists.get("finetunes") or []}
+    return out
+
+
+def delete_message(kind: str, ident: str, cascade: bool, lists: dict[str, list[dict]]) -> str:
+    """The confirm's words: what is deleted (the resource by name and what goes with it) and, for a
+    cascade, every dependant by name; a plain delete of something in use says the server refuses it."""
+    said = subjects(lists)
+    word, removes = KINDS.get(kind, (kind, ""))
+
+    def name(k: str, i: str) -> str:
+        return with_id(said.get(i) or f"{KINDS.get(k, (k,))[0]} {i}", i)
+
+    what = name(kind, ident)
+    deps = dependants(kind, ident, lists)
+    listed = "\n".join(f"  • {name(k, i)}" for k, i in deps[:20]) + (f"\n  … and {len(deps) - 20} more" if len(deps) > 20 else "")
+    if cascade:
+        head = (f"Delete {what} together with the {len(deps)} resource{'s' if len(deps) != 1 else ''} that depend on it?\n{listed}"
+                if deps else f"Delete {what}? Nothing depends on it any more.")
+        tail = "Their queued or running jobs are cancelled first; their stored files go with them"
+    else:
+        head = f"Delete {what} ({removes})?"
+        if deps:
+            direct = len(direct_dependants(kind, ident, lists))
+            count = (f"{direct} resource{'s' if direct != 1 else ''}" if direct == len(deps)
+                     else f"{direct} resource{'s' if direct != 1 else ''} ({len(deps)} counting what depends on those)")
+            head += (f"\nIt is used by {count}:\n{listed}\n"
+                     "The server refuses to delete it alone; you will then be offered to delete them too.")
+        else:
+            head += " Nothing depends on it."
+        tail = f"A queued or running job of this {word} is cancelled first"
+    return f"{head}\n{tail}. This cannot be undone."
+
+
+def _lists(c) -> dict[str, list[dict]]:
+    """Every resource list the workspace shows or names (one API call each)."""
+    return {"models": c.models(), "calibration-sets": c.calibration_sets(), "profiles": c.profiles(), "conversions": c.conversions(),
+            "evaluations": c.evaluations(), "probes": c.probes(), "finetunes": c.finetunes()}
+
+
 @callback(Output(f"{N}-pending-delete", "data"), Output(f"{N}-confirm", "message"), Output(f"{N}-confirm", "displayed"),
           Input({"type": "ws-del", "kind": ALL, "id": ALL}, "n_clicks"), Input({"type": "ws-cascade", "kind": ALL, "id": ALL}, "n_clicks"),
           prevent_initial_call=True)
 def _ask_delete(_dels, _cascades):
-    """Every delete is confirmed first; the cascade's confirm says it takes the dependants too."""
+    """Every delete is confirmed first, the confirm saying what goes (the cascade's: every dependant)."""
     clicked = _clicked()
     if clicked is None:
         return no_update, no_update, no_update
     cascade = clicked["type"] == "ws-cascade"
-    what = f"{clicked['kind'][:-1].replace('-', ' ')} {clicked['id']}"
-    message = (f"Delete {what} together with everything that depends on it? This cannot be undone." if cascade
-               else f"Delete {what}? This cannot be undone.")
+    try:
+        lists = _lists(api())
+    except ApiError:
+        lists = {}
+    message = delete_message(clicked["kind"], clicked["id"], cascade, lists)
     return {"kind": clicked["kind"], "id": clicked["id"], "cascade": cascade}, message, True
 
 
-@callback(Output(f"{N}-deleted", "children"), Input(f"{N}-confirm", "submit_n_clicks"), State(f"{N}-pending-delete", "data"),
-          prevent_initial_call=True)
+@callback(Output(f"{N}-deleted", "children"), Output(f"{N}-refusal", "data"), Input(f"{N}-confirm", "submit_n_clicks"),
+          State(f"{N}-pending-delete", "data"), prevent_initial_call=True)
 def _delete(_ok, pending):
+    """Deleted: said at the top (the row is gone). Refused: said next to the row (``ws-refusal``),
+    with the offer of the cascade when something depends on it."""
     if not pending:
-        return no_update
+        return no_update, no_update
     kind, ident, cascade = pending["kind"], pending["id"], pending["cascade"]
     try:
         out = api().delete(kind, ident, cascade=cascade)
     except ApiError as exc:
         if exc.status == 409 and not cascade and "cascade" in str(exc):  # used by others: say by whom, offer the cascade
             used_by = str(exc).split("; delete those first", 1)[0]  # the API's next words are about ?cascade=true: the button says it here
-            return html.Div([error_box(f"not deleted: {used_by}. Delete those first, or delete it together with everything that depends on it:"),
-                             html.Button("Delete it with everything that depends on it",
-                                         id={"type": "ws-cascade", "kind": kind, "id": ident}, className="small")])
-        return error_box(f"could not delete {ident}: {exc}")
+            text = f"not deleted: {used_by}. Delete those first, or delete it together with everything that depends on it:"
+            return None, {"kind": kind, "id": ident, "text": text, "cascade": True}
+        return None, {"kind": kind, "id": ident, "text": f"could not delete {ident}: {exc}", "cascade": False}
     gone = out.get("deleted") or []
     others = [d["id"] for d in gone if d["id"] != ident]
     text = f"deleted {ident}" + (f" and {len(others)} that depended on it ({', '.join(others)})" if others else "")
     if out.get("cancelled_jobs"):
         text += f"; cancelled job(s) {', '.join(out['cancelled_jobs'])}"
-    return html.Div(text, className="note")
+    return html.Div(text, className="note"), None
 
 
 def _status(it: dict):
@@ -183,63 +328,159 @@ def _conversion_actions(v: dict) -> html.Span:
                       _delete_button("conversions", v)])
 
 
+def ppl(value) -> str:
+    """A perplexity as read: 25.12, 1,234 (a tiny or broken model's 52,070, not 5.207e+04)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return ""
+    return f"{value:.2f}" if abs(value) < 1000 else f"{value:,.0f}"
+
+
+def _ratio(value) -> str:
+    return f"{value:.3g}×" if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
+
+
+def evaluation_cells(e: dict, conversion: dict | None) -> dict[str, str]:
+    """An evaluation's row in words: held-out text, windows × tokens per window (what was read),
+    dense and converted perplexity, their ratio, the conversion's FFN cost (its ``ffn_flops_fraction``)."""
+    held = F.heldout_of(e)
+    variants = (e.get("summary") or {}).get("variants") or {}
+    dense = (variants.get("dense") or {}).get("perplexity")
+    conv = variants.get("converted") or {}
+    ratio = conv.get("perplexity_ratio")
+    if ratio is None and isinstance(dense, (int, float)) and dense and isinstance(conv.get("perplexity"), (int, float)):
+        ratio = conv["perplexity"] / dense
+    extra = [v for v in variants if v not in ("dense", "converted")]
+    return {"held-out text": heldout_text(e), "windows × seq_len": f"{fmt(held['windows'])} × {fmt(held['seq_len'])}",
+            "dense ppl": ppl(dense), "converted ppl": ppl(conv.get("perplexity")), "ratio": _ratio(ratio),
+            "ffn cost": fmt(((conversion or {}).get("summary") or {}).get("ffn_flops_fraction"), 3),
+            "baselines": ", ".join(extra) if extra else ("yes" if (e.get("params") or {}).get("baselines") else "no")}
+
+
+def _evaluation_table(evals: list[dict], convs: dict[str, dict], conv_names: dict[str, str], refusal: dict | None) -> html.Div:
+    def cell(key: str):
+        return lambda e: evaluation_cells(e, convs.get(e.get("conversion_id")))[key]
+
+    def conversion(e: dict):
+        cid = e.get("conversion_id")
+        return html.Span([conv_names.get(cid, cid), " ", html.Span(cid, className="note")])
+
+    def actions(e: dict):
+        cid = e.get("conversion_id")
+        links = [dcc.Link("compare", href=f"/compare?ids={cid}", title="this conversion's perplexity and cost next to others"), " · ",
+                 dcc.Link("routing", href=f"/routing?conversion={cid}&a={e['id']}"), " "] if e["status"] == "ready" else []
+        return html.Span([*links, _delete_button("evaluations", e)])
+
+    cols = [("conversion", conversion), ("id", lambda e: html.Span(e["id"], className="note")), ("held-out text", cell("held-out text")),
+            ("windows × seq_len", cell("windows × seq_len")), ("dense ppl", cell("dense ppl")), ("converted ppl", cell("converted ppl")),
+            ("ratio", cell("ratio")), ("ffn cost", cell("ffn cost")), ("baselines", cell("baselines")), ("status", _status),
+            ("open", actions)]
+    return _table("Evaluations", evals, cols, "evaluations", refusal)
+
+
+def cv_note(group_by: str | None, stats: dict | None) -> str:
+    """One line under 'CV across': what auto picks, and for the chosen set what each choice gives."""
+    if not stats:
+        return AUTO_NOTE
+    tasks, domains = len(stats.get("tasks") or {}), len(stats.get("domains") or {})
+    auto = "its tasks" if tasks >= 2 else "each sample"
+    line = f"{AUTO_NOTE} — this set has {tasks} task{'s' if tasks != 1 else ''} and {domains} domain{'s' if domains != 1 else ''}, so auto takes {auto}"
+    need = {"task": tasks, "domain": domains}.get(group_by or "auto")
+    if need is not None and need < 2:
+        line += f"; '{group_by}s' needs at least 2 distinct {group_by}s (the API will refuse it)"
+    return line
+
+
+@callback(Output(f"{N}-group-note", "children"), Input(f"{N}-set", "value"), Input(f"{N}-group-by", "value"))
+def _group_note(cset, group_by):
+    stats = None
+    if cset:
+        try:
+            stats = api().calibration_set(cset).get("stats")
+        except ApiError:
+            stats = None
+    return cv_note(group_by, stats)
+
+
 @callback(Output(f"{N}-lists", "children"), Output(f"{N}-health", "children"), Output(f"{N}-model", "options"),
           Output(f"{N}-set", "options"), Output(f"{N}-builtin", "options"), Output(f"{N}-start", "children"),
+          Output(f"{N}-eval-conversion", "options"), Output(f"{N}-eval-source", "options"),
           Input(f"{N}-poll", "n_intervals"), Input(f"{N}-created", "children"), Input(f"{N}-deleted", "children"),
-          Input(f"{N}-cancelled", "children"))
-def _refresh(_n, _created, _deleted, _job_action):
+          Input(f"{N}-cancelled", "children"), Input(f"{N}-refusal", "data"))
+def _refresh(_n, _created, _deleted, _job_action, refusal):
     c = api()
     try:
         health = c.health()
-        models, sets, profiles, convs, jobs = c.models(), c.calibration_sets(), c.profiles(), c.conversions(), c.jobs(limit=20)
-        builtins = [b["name"] for b in c.builtin_sets()]
+        lists = _lists(c)
+        jobs = c.jobs(limit=20)
+        builtins = c.builtin_sets()
     except ApiError as exc:
-        return error_box(str(exc)), "", [], [], ["mixed"], None
+        return error_box(str(exc)), "", [], [], ["mixed"], None, [], [{"label": "builtin:mixed", "value": "builtin:mixed"}]
+    models, sets, profiles, convs, evals = (lists[k] for k in ("models", "calibration-sets", "profiles", "conversions", "evaluations"))
     names = Names.from_lists(models, sets, profiles)
-    named = {**{m["id"]: m["name"] for m in models}, **{s["id"]: s["name"] for s in sets},
-             **{p["id"]: names.profile(p) for p in profiles}, **{v["id"]: names.conversion(v) for v in convs}}  # what each job works on
-    lists = [
-        _table("Models", models, [("id", lambda m: m["id"]), ("name", lambda m: m["name"]), ("status", _status),
-                                  ("layers", lambda m: str((m.get("info") or {}).get("n_layers", ""))),
-                                  ("", lambda m: _delete_button("models", m))]),
-        _table("Calibration sets", sets, [("id", lambda s: dcc.Link(s["id"], href=f"/calibration?set={s['id']}")), ("name", lambda s: s["name"]),
-                                          ("status", _status), ("samples", lambda s: str((s.get("stats") or {}).get("n_samples", ""))),
-                                          ("", lambda s: _delete_button("calibration-sets", s))]),
-        _table("Profiles", profiles, [("profile", names.profile), ("id", lambda p: html.Span(p["id"], className="note")),
-                                      ("CV across", lambda p: str((p.get("summary") or {}).get("cv_basis") or "")),
-                                      ("status", _status),
-                                      ("open", lambda p: html.Span([dcc.Link("neurons", href=f"/neurons?profile={p['id']}"), " · ",
-                                                                    dcc.Link("layers", href=f"/layers?profile={p['id']}"), " · ",
-                                                                    dcc.Link("design", href=f"/designer?profile={p['id']}")]) if p["status"] == "ready" else ""),
-                                      ("", lambda p: _delete_button("profiles", p))]),
-        _table("Conversions", convs, [("conversion", names.conversion), ("id", lambda v: html.Span(v["id"], className="note")),
-                                      ("method", lambda v: v.get("method") or ""), ("router", lambda v: (v.get("params") or {}).get("router") or ""),
-                                      ("sparsity (parameter)", lambda v: fmt_pct((v.get("params") or {}).get("sparsity"))),
-                                      ("ffn_flops_fraction", lambda v: fmt((v.get("summary") or {}).get("ffn_flops_fraction"), 3)),
-                                      ("status", _status), ("open", _conversion_actions)]),
-        html.Div(className="card", children=[html.Div("Recent jobs", className="card-title")] + [_job_row(j, named) for j in jobs]),
+    conv_names = {v["id"]: names.conversion(v) for v in convs}
+    said = subjects(lists)  # what each job works on, in words
+
+    def table(title, kind, items, cols):
+        return _table(title, items, cols, kind, refusal)
+
+    lists_shown = [
+        table("Models", "models", models, [("id", lambda m: m["id"]), ("name", lambda m: m["name"]), ("status", _status),
+                                           ("layers", lambda m: str((m.get("info") or {}).get("n_layers", ""))),
+                                           ("", lambda m: _delete_button("models", m))]),
+        table("Calibration sets", "calibration-sets", sets,
+              [("id", lambda s: dcc.Link(s["id"], href=f"/calibration?set={s['id']}")), ("name", lambda s: s["name"]),
+               ("status", _status), ("samples", lambda s: str((s.get("stats") or {}).get("n_samples", ""))),
+               ("", lambda s: _delete_button("calibration-sets", s))]),
+        table("Profiles", "profiles", profiles,
+              [("profile", names.profile), ("id", lambda p: html.Span(p["id"], className="note")),
+               ("CV across", lambda p: str((p.get("summary") or {}).get("cv_basis") or (p.get("params") or {}).get("group_by") or "")),
+               ("status", _status),
+               ("open", lambda p: html.Span([dcc.Link("neurons", href=f"/neurons?profile={p['id']}"), " · ",
+                                             dcc.Link("layers", href=f"/layers?profile={p['id']}"), " · ",
+                                             dcc.Link("design", href=f"/designer?profile={p['id']}")]) if p["status"] == "ready" else ""),
+               ("", lambda p: _delete_button("profiles", p))]),
+        table("Conversions", "conversions", convs,
+              [("conversion", names.conversion), ("id", lambda v: html.Span(v["id"], className="note")),
+               ("method", lambda v: v.get("method") or ""), ("router", lambda v: (v.get("params") or {}).get("router") or ""),
+               ("sparsity (parameter)", lambda v: fmt_pct((v.get("params") or {}).get("sparsity"))),
+               ("ffn_flops_fraction", lambda v: fmt((v.get("summary") or {}).get("ffn_flops_fraction"), 3)),
+               ("status", _status), ("open", _conversion_actions)]),
+        _evaluation_table(evals, {v["id"]: v for v in convs}, conv_names, refusal),
+        html.Div(className="card", id=f"{N}-jobs", children=[html.Div("Recent jobs", className="card-title")] + [_job_row(j, said) for j in jobs]),
     ]
+    shown = {r["id"] for k in ("models", "calibration-sets", "profiles", "conversions", "evaluations") for r in lists[k]}
+    if refusal and refusal.get("id") not in shown:  # its row is gone meanwhile: say it above the lists
+        lists_shown.insert(0, html.Div(_refusal_box({**refusal, "cascade": False}), className="card"))
     text = (f"API {c.base_url}: {health['status']}; workers: {', '.join(health['workers']) or 'none (jobs will wait)'}; "
             f"jobs: {fmt(health['jobs'])}")
-    return lists, text, options(models), options(sets), builtins, getting_started(models, sets, profiles, convs)
+    return (lists_shown, text, options(models), options(sets), builtin_options(builtins), getting_started(models, sets, profiles, convs),
+            options(convs, names=names), source_options(builtins, sets))
 
 
 @callback(Output(f"{N}-created", "children"), Input(f"{N}-add-model", "n_clicks"), Input(f"{N}-add-set", "n_clicks"),
-          Input(f"{N}-add-profile", "n_clicks"), State(f"{N}-model-source", "value"), State(f"{N}-builtin", "value"),
-          State(f"{N}-samples", "value"), State(f"{N}-model", "value"), State(f"{N}-set", "value"), State(f"{N}-max-tokens", "value"),
-          prevent_initial_call=True)
-def _create(_m, _s, _p, source, builtin, samples, model, cset, max_tokens):
+          Input(f"{N}-add-profile", "n_clicks"), Input(f"{N}-add-eval", "n_clicks"), State(f"{N}-model-source", "value"),
+          State(f"{N}-builtin", "value"), State(f"{N}-samples", "value"), State(f"{N}-model", "value"), State(f"{N}-set", "value"),
+          State(f"{N}-max-tokens", "value"), State(f"{N}-group-by", "value"), State(f"{N}-eval-conversion", "value"),
+          State(f"{N}-eval-source", "value"), State(f"{N}-eval-windows", "value"), State(f"{N}-eval-seq-len", "value"),
+          State(f"{N}-eval-baselines", "value"), prevent_initial_call=True)
+def _create(_m, _s, _p, _e, source, builtin, samples, model, cset, max_tokens, group_by, conversion, eval_source, windows, seq_len,
+            baselines):
     c = api()
     try:
         if ctx.triggered_id == f"{N}-add-model":
             created = c.create_model(source or "default")
         elif ctx.triggered_id == f"{N}-add-set":
             created = c.create_builtin_set(builtin, int(samples or 240))
+        elif ctx.triggered_id == f"{N}-add-eval":
+            if not conversion or not eval_source:
+                return error_box("choose a ready conversion and a held-out text first")
+            created = c.create_evaluation(conversion, source=eval_source, n_windows=int(windows or 8), seq_len=int(seq_len or 128),
+                                          baselines=wants_baselines(baselines))
         else:
             if not model or not cset:
                 return error_box("choose a ready model and calibration set first")
             mt = int(max_tokens or 256)
-            created = c.create_profile(model, cset, max_tokens=mt, batch_tokens=max(2048, mt))
+            created = c.create_profile(model, cset, max_tokens=mt, batch_tokens=max(2048, mt), group_by=group_by or "auto")
     except ApiError as exc:
         return error_box(f"could not create: {exc}")
     return html.Div(f"created {created['id']} (job {created.get('job_id')})", className="note")

@@ -1,6 +1,9 @@
 """The workspace as a home: the getting-started path (pure), and in a real browser against a live
-API and worker with a tiny model — delete refused with the dependants named, then the cascade after
-a confirm; Retry re-runs a failed job; a converted model downloads as a zip holding config.json.
+API and worker with a tiny model — delete confirmed with what goes, refused next to its row with the
+dependants named, then the cascade after a confirm naming each; Retry re-runs a failed job; a
+converted model downloads as a zip holding config.json; every job named by what it works on; the
+evaluations listed with their numbers; a profile's CV basis and an evaluation's baselines chosen in
+the form; built-in sets the server has not installed offered disabled, with how to install them.
 And what was missing: a new calibration set joins the list without a reload, the fine-tune form
 shows a run's settings after a reload, evaluation offers every built-in set."""
 
@@ -9,13 +12,17 @@ from __future__ import annotations
 import shutil
 import time
 import zipfile
+from pathlib import Path
 
 import pytest
 
 import frontend.app  # noqa: F401  (instantiates the Dash app: the page modules register with it)
-from frontend.components import source_options
+from frontend.components import BASELINES, builtin_options, source_options
+from frontend.names import Names, fmt
 from frontend.pages.finetune import form_values
-from frontend.pages.workspace import getting_started
+from frontend.pages.workspace import (AUTO_NOTE, cv_note, delete_message, dependants, evaluation_cells, getting_started, job_title,
+                                      ppl, subjects)
+from workers.engine.data.builtin import bigbench_installed
 
 from .conftest import ARTIFACTS, wait_job
 
@@ -67,19 +74,29 @@ def test_delete_refused_names_dependants_then_cascade(page, live, api, profile_i
     said = _accept_dialogs(page)
     page.goto(f"{live['ui']}/")
     page.click(_id(type="ws-del", kind="calibration-sets", id=s["id"]))
-    page.wait_for_selector("#ws-deleted >> text=not deleted")
-    text = page.inner_text("#ws-deleted")
+    row = page.locator("tr", has=page.locator(_id(type="ws-del", kind="calibration-sets", id=s["id"])))
+    refusal = row.locator("xpath=following-sibling::tr[1]")  # the refusal: in the row right under the one deleted
+    refusal.locator("text=not deleted").wait_for()
+    text = refusal.inner_text()
+    assert "row-msg" in refusal.get_attribute("class")
     assert f"calibration set {s['id']} is used by profile {p['id']}" in text, text  # the dependant by name
     assert "?cascade" not in text and "Delete it with everything that depends on it" in text  # words, not the API's query syntax
-    assert said == [f"Delete calibration set {s['id']}? This cannot be undone."]
+    assert "not deleted" not in page.inner_text("#ws-deleted")  # not at the top of the page, far from the row
+    names = Names.from_lists(api.get("/models").json()["items"], api.get("/calibration-sets").json()["items"])
+    profile_name = "profile " + names.profile(api.get(f"/profiles/{p['id']}").json())
+    assert said[0].startswith(f"Delete calibration set prose — {s['id']} (its stored samples)?"), said  # what goes, by name
+    assert f"It is used by 1 resource:\n  • {profile_name} — {p['id']}\n" in said[0], said
+    assert "The server refuses to delete it alone" in said[0] and said[0].endswith("This cannot be undone.")
     page.screenshot(path=str(ARTIFACTS / "workspace-delete-refused.png"), full_page=True)
     assert api.get(f"/calibration-sets/{s['id']}").status_code == 200
 
     page.click(_id(type="ws-cascade", kind="calibration-sets", id=s["id"]))
     page.wait_for_selector(f"#ws-deleted >> text=deleted {s['id']} and 1 that depended on it")
-    assert "together with everything that depends on it" in said[-1]
+    assert said[-1].startswith(f"Delete calibration set prose — {s['id']} together with the 1 resource that depend"), said[-1]
+    assert f"\n  • {profile_name} — {p['id']}\n" in said[-1]  # each dependant by name
     assert api.get(f"/calibration-sets/{s['id']}").status_code == 404 and api.get(f"/profiles/{p['id']}").status_code == 404
     page.wait_for_selector(_id(type="ws-del", kind="profiles", id=p["id"]), state="detached")  # the lists redrawn without it
+    assert page.locator("tr.row-msg").count() == 0
 
 
 @pytest.mark.slow
@@ -178,3 +195,200 @@ def test_finetune_form_shows_the_runs_settings_after_reload(page, live, api, con
     page.wait_for_selector("#ft-steps")
     assert page.input_value("#ft-batch_size") == "2"
     page.wait_for_selector("#ft-job >> text=succeeded", timeout=120_000)  # let the short run end before the next test
+
+
+# ----------------------------------------------------------------------------- names, confirms, rows (pure)
+
+LISTS = {
+    "models": [{"id": "mod-1", "name": "tiny", "status": "ready"}],
+    "calibration-sets": [{"id": "cal-1", "name": "prose", "status": "ready"}, {"id": "cal-2", "name": "mine", "status": "ready"}],
+    "profiles": [{"id": "pr-1", "model_id": "mod-1", "calibration_set_id": "cal-1", "params": {"max_tokens": 16}, "status": "ready"}],
+    "conversions": [{"id": "conv-1", "profile_id": "pr-1", "model_id": "mod-1", "method": "expertweaver", "status": "ready",
+                     "params": {"method": "expertweaver", "n_experts": 4}, "summary": {"ffn_flops_fraction": 0.61234}},
+                    {"id": "conv-2", "profile_id": None, "model_id": "mod-1", "method": "hierarchical", "status": "ready",
+                     "params": {"method": "hierarchical", "calibration": "cal-2", "n_experts": 8, "shared": 1, "active": 2}}],
+    "evaluations": [{"id": "ev-1", "conversion_id": "conv-1", "status": "ready",
+                     "params": {"source": "builtin:mixed", "label": "builtin:mixed", "n_windows": 8, "seq_len": 128, "baselines": False},
+                     "summary": {"heldout": {"source": "builtin:mixed", "windows": 6, "seq_len": 128},
+                                 "variants": {"dense": {"perplexity": 20.0}, "converted": {"perplexity": 25.123456, "perplexity_ratio": 1.2561728}}}},
+                    {"id": "ev-2", "conversion_id": "conv-1", "status": "queued", "params": {"source": "cal-2", "label": "mine"}}],
+    "probes": [{"id": "pb-1", "conversion_id": "conv-1", "params": {"kind": "routing", "sample_source": "builtin:code", "sample": 3}},
+               {"id": "pb-2", "conversion_id": "conv-1", "params": {"kind": "generate", "text": "Once upon a time"}}],
+    "finetunes": [{"id": "ft-1", "conversion_id": "conv-1", "params": {"mode": "expertweaver", "steps": 7, "source": "cal-2"}}],
+}
+CONV1 = "tiny · prose · expertweaver · 4 experts"
+
+
+def test_every_job_is_named_by_what_it_works_on():
+    said = subjects(LISTS)
+    assert said["ev-1"] == f"evaluation of {CONV1} on builtin:mixed" and said["ev-2"] == f"evaluation of {CONV1} on mine"
+    assert said["pb-1"] == f"routing probe of {CONV1} on builtin:code sample 3"
+    assert said["pb-2"] == f"generation probe of {CONV1} on “Once upon a time”"
+    assert said["ft-1"] == f"fine-tune of {CONV1} (expertweaver, 7 steps)"
+    assert (said["mod-1"], said["cal-1"], said["pr-1"]) == ("model tiny", "calibration set prose", "profile tiny · prose · 16 tokens/sample")
+    job = {"id": "job-9", "kind": "evaluation", "resource_id": "ev-1"}
+    assert job_title(job, said) == f"evaluation of {CONV1} on builtin:mixed — ev-1 (job job-9)"
+    assert job_title({"id": "job-8", "kind": "probe", "resource_id": "pb-gone"}, said) == "probe (deleted) — pb-gone (job job-8)"
+
+
+def test_delete_confirm_says_what_goes_as_the_api_deletes():
+    # the API's dependants: set ← profiles, conversions naming it (calibration), evaluations and fine-tunes reading it
+    assert dependants("calibration-sets", "cal-2", LISTS) == [("conversions", "conv-2"), ("evaluations", "ev-2"), ("finetunes", "ft-1")]
+    assert dependants("calibration-sets", "cal-1", LISTS) == [("profiles", "pr-1"), ("conversions", "conv-1"), ("evaluations", "ev-1"),
+                                                              ("evaluations", "ev-2"), ("finetunes", "ft-1"), ("probes", "pb-1"),
+                                                              ("probes", "pb-2")]
+    assert dependants("evaluations", "ev-1", LISTS) == []
+    plain = delete_message("profiles", "pr-1", False, LISTS)
+    assert plain.startswith("Delete profile tiny · prose · 16 tokens/sample — pr-1 (its activation statistics)?\n"
+                            "It is used by 1 resource (6 counting what depends on those):\n"
+                            f"  • conversion {CONV1} — conv-1\n"), plain
+    assert "The server refuses to delete it alone" in plain and plain.endswith("This cannot be undone.")
+    cascade = delete_message("profiles", "pr-1", True, LISTS)
+    assert cascade.startswith("Delete profile tiny · prose · 16 tokens/sample — pr-1 together with the 6 resources that depend on it?\n")
+    assert f"  • evaluation of {CONV1} on builtin:mixed — ev-1\n" in cascade and f"  • routing probe of {CONV1} on builtin:code sample 3 — pb-1" in cascade
+    alone = delete_message("evaluations", "ev-1", False, LISTS)
+    assert alone.startswith(f"Delete evaluation of {CONV1} on builtin:mixed — ev-1 (its report)? Nothing depends on it.\n")
+    assert "the model's own files stay" in delete_message("models", "mod-1", False, LISTS)
+
+
+def test_evaluation_row_says_text_size_perplexities_and_cost():
+    cells = evaluation_cells(LISTS["evaluations"][0], LISTS["conversions"][0])
+    assert cells == {"held-out text": "builtin:mixed", "windows × seq_len": "6 × 128", "dense ppl": "20.00", "converted ppl": "25.12",
+                     "ratio": "1.26×", "ffn cost": "0.612", "baselines": "no"}
+    queued = evaluation_cells(LISTS["evaluations"][1], LISTS["conversions"][0])
+    assert (queued["held-out text"], queued["dense ppl"], queued["ratio"]) == ("mine", "", "")
+    assert (ppl(52070.4), ppl(999.994), ppl(None)) == ("52,070", "999.99", "")  # not 5.207e+04
+
+
+def test_cv_across_note_says_what_auto_picks():
+    assert cv_note("auto", None) == AUTO_NOTE == "auto: the set's tasks when it has at least 2 distinct tasks, else each sample"
+    two = {"tasks": {"code": {}, "math": {}}, "domains": {"os": {}}}
+    assert cv_note("auto", two).endswith("this set has 2 tasks and 1 domain, so auto takes its tasks")
+    assert "'domains' needs at least 2 distinct domains" in cv_note("domain", two)
+    assert cv_note("auto", {"tasks": {"x": {}}, "domains": {}}).endswith("so auto takes each sample")
+
+
+def test_builtin_sets_not_installed_are_offered_disabled_with_how_to_install():
+    builtins = [{"name": "mixed", "spec": "builtin:mixed", "description": "all", "installed": True},
+                {"name": "bigbench", "spec": "builtin:bigbench", "description": "BIG-bench", "installed": False},
+                {"name": "code", "spec": "builtin:code", "description": "stdlib"}]  # an API without the flag: installed
+    assert builtin_options(builtins) == [{"label": "mixed", "value": "mixed"},
+                                         {"label": "bigbench — not installed: install with `moelab data install bigbench`",
+                                          "value": "bigbench", "disabled": True},
+                                         {"label": "code", "value": "code"}]
+    assert builtin_options(builtins, describe=True)[0]["label"] == "mixed: all"
+    opts = source_options(builtins, [])
+    assert [o.get("disabled", False) for o in opts] == [False, True, False] and opts[1]["value"] == "builtin:bigbench"
+
+
+# ----------------------------------------------------------------------------- in the browser
+
+
+def _choose(page, dropdown: str, value: str) -> None:
+    page.click(f"#{dropdown}")
+    page.click(f".dash-dropdown-content .dash-dropdown-option:has(input[value='{value}'])")
+
+
+def _row(page, kind: str, ident: str):
+    return page.locator("tr", has=page.locator(_id(type="ws-del", kind=kind, id=ident)))
+
+
+@pytest.mark.slow
+def test_profile_from_the_workspace_with_cv_across_domains(page, live, api, profile_id):
+    prof = api.get(f"/profiles/{profile_id}").json()
+    page.goto(f"{live['ui']}/")
+    assert page.inner_text(f"#ws-group-by").strip().startswith("auto")  # the default
+    page.wait_for_selector(f"#ws-group-note >> text={AUTO_NOTE}")
+    _choose(page, "ws-model", prof["model_id"])
+    _choose(page, "ws-set", prof["calibration_set_id"])
+    stats = api.get(f"/calibration-sets/{prof['calibration_set_id']}").json()["stats"]
+    assert len(stats["tasks"]) >= 2 and len(stats["domains"]) >= 2, stats
+    page.wait_for_function("t => document.querySelector('#ws-group-note').innerText === t", arg=cv_note("auto", stats))
+    assert "so auto takes its tasks" in page.inner_text("#ws-group-note")
+    _choose(page, "ws-group-by", "domain")
+    page.fill("#ws-max-tokens", "16")
+    page.click("#ws-add-profile")
+    page.wait_for_selector("#ws-created >> text=created pr-")
+    new = page.inner_text("#ws-created").split()[1]
+    made = api.get(f"/profiles/{new}").json()
+    assert made["params"]["group_by"] == "domain", made["params"]
+    wait_job(api, made["job_id"])
+    assert api.get(f"/profiles/{new}").json()["summary"]["cv_basis"] == "domain"
+    _row(page, "profiles", new).locator("text=domain").wait_for()  # the CV-across column says so
+    assert page.errors == [], page.errors
+
+
+@pytest.mark.slow
+def test_evaluation_from_the_workspace_quick_then_named_and_listed(page, live, api, conversion):
+    page.goto(f"{live['ui']}/")
+    box = page.locator("#ws-eval-baselines input[type=checkbox]")
+    assert BASELINES in page.inner_text("#ws-eval-baselines") and not box.is_checked()  # off: a quick look
+    _choose(page, "ws-eval-conversion", conversion)
+    assert "builtin:mixed" in page.inner_text("#ws-eval-source")  # the default held-out text
+    page.fill("#ws-eval-windows", "2")
+    page.fill("#ws-eval-seq-len", "32")
+    page.click("#ws-add-eval")
+    page.wait_for_selector("#ws-created >> text=created ev-")
+    ev_id = page.inner_text("#ws-created").split()[1]
+    ev = api.get(f"/evaluations/{ev_id}").json()
+    assert ev["params"]["baselines"] is False and ev["params"]["source"] == "builtin:mixed", ev["params"]
+    assert (ev["params"]["n_windows"], ev["params"]["seq_len"]) == (2, 32)
+    wait_job(api, ev["job_id"])
+    pb = api.post("/probes", json={"conversion_id": conversion, "kind": "routing", "sample_source": "builtin:code", "sample": 3}).json()
+    wait_job(api, pb["job_id"])
+
+    lists = {k: api.get(f"/{k}").json()["items"] for k in ("models", "calibration-sets", "profiles", "conversions")}
+    conv = next(c for c in lists["conversions"] if c["id"] == conversion)
+    name = Names.from_lists(lists["models"], lists["calibration-sets"], lists["profiles"]).conversion(conv)
+    ev = api.get(f"/evaluations/{ev_id}").json()
+    variants, held = ev["summary"]["variants"], ev["summary"]["heldout"]
+    row = _row(page, "evaluations", ev_id)
+    row.locator("text=ready (").wait_for()
+    cells = row.locator("td").all_inner_texts()
+    assert cells[0].startswith(name) and cells[1] == ev_id, cells
+    assert cells[2:9] == ["builtin:mixed", f"{held['windows']} × {held['seq_len']}", ppl(variants["dense"]["perplexity"]),
+                          ppl(variants["converted"]["perplexity"]), f"{variants['converted']['perplexity_ratio']:.3g}×",
+                          fmt(conv["summary"]["ffn_flops_fraction"], 3), "no"], cells
+    assert cells[9].startswith("ready (")
+    assert row.locator(f"a[href='/compare?ids={conversion}']").count() == 1
+    headers = page.locator("table.list", has=row).locator("th").all_inner_texts()
+    assert headers[:10] == ["conversion", "id", "held-out text", "windows × seq_len", "dense ppl", "converted ppl", "ratio", "ffn cost",
+                            "baselines", "status"], headers
+
+    jobs = page.locator("#ws-jobs")
+    jobs.locator(f"text=evaluation of {name} on builtin:mixed — {ev_id} (job {ev['job_id']}): succeeded").wait_for()
+    jobs.locator(f"text=routing probe of {name} on builtin:code sample 3 — {pb['id']} (job {pb['job_id']}): succeeded").wait_for()
+    page.screenshot(path=str(ARTIFACTS / "workspace-evaluations.png"), full_page=True)
+    assert page.errors == [], page.errors
+
+
+@pytest.mark.slow
+def test_evaluation_from_the_routing_page_without_baselines(page, live, api, conversion):
+    page.goto(f"{live['ui']}/routing?conversion={conversion}")
+    assert not page.locator("#rx-baselines input[type=checkbox]").is_checked()
+    before = {e["id"] for e in api.get("/evaluations", params={"conversion_id": conversion}).json()["items"]}
+    page.click("#rx-evaluate")
+    page.wait_for_selector("#rx-job >> text=succeeded", timeout=180_000)
+    new = [e for e in api.get("/evaluations", params={"conversion_id": conversion}).json()["items"] if e["id"] not in before]
+    assert len(new) == 1 and new[0]["params"]["baselines"] is False, new
+    assert set(new[0]["summary"]["variants"]) == {"dense", "converted"}  # no baselines built
+
+
+@pytest.mark.slow
+def test_builtin_sets_say_whether_installed(page, live, api, service_config):
+    builtins = {b["name"]: b for b in api.get("/calibration-sets/builtins").json()}
+    assert all(b["installed"] is True for n, b in builtins.items() if n != "bigbench")
+    installed = bigbench_installed(Path(service_config["data_dir"]))
+    assert builtins["bigbench"]["installed"] is installed
+    page.goto(f"{live['ui']}/")
+    page.wait_for_selector("#ws-lists >> text=Models")
+    page.click("#ws-builtin")
+    option = page.locator(".dash-dropdown-content .dash-dropdown-option:has(input[value='bigbench'])")
+    text = option.inner_text()
+    if installed:
+        assert "not installed" not in text
+    else:
+        assert "install with `moelab data install bigbench`" in text, text
+        assert option.locator("input").is_disabled()
+        option.click(force=True)  # choosing it does nothing: the set stays what it was
+        assert "bigbench" not in page.inner_text("#ws-builtin")
