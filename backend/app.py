@@ -12,6 +12,8 @@ While it runs, a background loop fails running jobs whose worker stopped heartbe
 from __future__ import annotations
 
 import asyncio
+import json
+import secrets
 
 import anyio.to_thread
 import logging
@@ -20,6 +22,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from moelab.settings import Settings, get_settings
 from moelab.store import liveness
@@ -28,12 +31,13 @@ from moelab.store.broker import broker_url, make_celery
 from moelab.store import jobs
 
 from . import errors
-from moelab.store.artifacts import ArtifactStore
+from moelab.store.artifacts import ArtifactStore, artifacts_label
 from moelab.store.db import Database
 from .limits import BodySizeLimit
 from .queue import JobQueue
 from .routes import api_router
 from .routes.artifacts import DownloadSlots
+from .deletion import DeleteGuard
 
 log = logging.getLogger("moelab.api")
 
@@ -47,7 +51,9 @@ Creating a profile, conversion or evaluation returns **202** with a job; follow 
 Charts are read from stored artifacts (no model work in a request). Errors are
 `{"detail": "what was wrong and what to do"}`. When the server sets `MOELAB_API_TOKEN`, every
 request except `GET /api/v1/health` and these docs needs `Authorization: Bearer <token>` (reads too).
-`DELETE` on a resource removes it (409 naming its dependants; `?cascade=true` removes them too).
+`DELETE` on a resource removes it (409 naming its dependants; `?cascade=true` removes them too); a `DELETE`
+of what another request is deleting answers **202** at once. A full disk is **507** Insufficient Storage
+(a job fails with `error_type` `storage`); `GET /api/v1/health` reports free space.
 """
 
 
@@ -76,6 +82,72 @@ async def _reaper(app: FastAPI) -> None:
         await asyncio.sleep(settings.reaper_interval_s)
 
 
+async def _answer(send: Send, status: int, detail: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """A JSON error sent straight from a middleware, before the request body is read (the
+    connection is closed after it: the unread body must not be taken for the next request)."""
+    body = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close"), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+#: paths under /api/v1 open without the token (probes, load balancers)
+OPEN_PATHS = frozenset({"/api/v1/health"})
+
+
+class TokenGate:
+    """With ``MOELAB_API_TOKEN`` set, a request under ``/api/v1`` (but ``/health``) without the right
+    token is answered 401 from its headers alone: its body (an upload of 49 MB) is never read.
+    The routes' ``require_token`` dependency checks the same again (defence in depth)."""
+
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        token = self.settings.token()
+        path = scope.get("path", "")
+        if (token is None or scope["type"] != "http" or not path.startswith("/api/v1/") or path in OPEN_PATHS
+                or scope.get("method") == "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"").decode("latin-1").strip()
+        scheme, _, credentials = auth.partition(" ")
+        given = credentials.strip() if scheme.lower() == "bearer" and credentials.strip() else headers.get(b"x-api-token", b"").decode("latin-1")
+        challenge = [(b"www-authenticate", b"Bearer")]
+        if not given:
+            await _answer(send, 401, "this server requires an API token: send 'Authorization: Bearer <MOELAB_API_TOKEN>' "
+                                     "(or 'X-API-Token: <token>') with every request", challenge)
+            return
+        if not secrets.compare_digest(given.encode(), token.encode()):
+            await _answer(send, 401, "wrong API token: send the server's MOELAB_API_TOKEN as 'Authorization: Bearer <token>'",
+                          challenge)
+            return
+        await self.app(scope, receive, send)
+
+
+class UploadSpaceCheck:
+    """An upload (a multipart body) whose declared ``Content-Length`` exceeds the free space of the
+    artifacts' disk is refused 507 before its body is read: it could not be stored anyway."""
+
+    def __init__(self, app: ASGIApp, store: ArtifactStore) -> None:
+        self.app, self.store = app, store
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") in ("POST", "PUT"):
+            headers = dict(scope.get("headers") or [])
+            declared = headers.get(b"content-length", b"")
+            if declared.isdigit() and headers.get(b"content-type", b"").startswith(b"multipart/"):
+                free = self.store.free_bytes()
+                if free is not None and int(declared) > free:
+                    detail = self.store.no_space_message(int(declared), "this upload")
+                    log.error("%s %s refused: %s", scope.get("method"), scope.get("path"), detail)
+                    await _answer(send, 507, detail)
+                    return
+        await self.app(scope, receive, send)
+
+
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     anyio.to_thread.current_default_thread_limiter().total_tokens = app.state.settings.api_threads
@@ -102,11 +174,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.db = Database(settings.resolved_database_url())
-    app.state.store = ArtifactStore(settings.resolved_artifacts_dir())
+    app.state.store = ArtifactStore(settings.resolved_artifacts_dir(), label=artifacts_label(settings))
     app.state.queue = JobQueue(make_celery(settings))
     app.state.redis = liveness.client_for(broker_url(settings))
     app.state.download_slots = DownloadSlots(settings.max_concurrent_downloads)
+    # a DELETE of what another request is deleting answers at once (this process, and others sharing the Redis)
+    app.state.queue.delete_guard = DeleteGuard(app.state.redis, settings.redis_prefix)
+    # the last added runs first: the token, then free space, then the size limit, all before the body is read
     app.add_middleware(BodySizeLimit, limit_bytes=int(settings.max_upload_mb * 1e6))
+    app.add_middleware(UploadSpaceCheck, store=app.state.store)
+    app.add_middleware(TokenGate, settings=settings)
     errors.install(app)
     app.include_router(api_router())
     return app

@@ -6,11 +6,21 @@ at once, a running one is asked to stop and awaited (a worker stops within
 ``MOELAB_CANCEL_POLL_S`` plus one engine step) for up to ``WAIT_S``, so no worker keeps writing
 into a resource that no longer exists. Only then are the rows deleted (one transaction) and the
 artifacts removed (atomically, each).
+
+A DELETE of a resource that another request is deleting at that moment does not wait on the first
+one (eight clients deleting the same evaluation would hold eight API threads for up to ``WAIT_S``):
+it answers 202 at once, saying the resource is being deleted (``DeleteGuard``: this process's set,
+and a Redis key that API processes sharing the broker see).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -25,10 +35,68 @@ from .errors import ApiError, not_found
 from .queue import JobQueue
 from .schemas import DeletedRef, DeleteOut
 
+log = logging.getLogger("moelab.api")
+
 #: how long a DELETE waits for the running jobs it cancelled to stop before answering 409
 WAIT_S = 15.0
 _LISTING = {"models": "models", "calibration_sets": "calibration-sets", "profiles": "profiles",
             "conversions": "conversions", "evaluations": "evaluations", "finetunes": "finetunes", "probes": "probes"}
+
+
+class DeleteGuard:
+    """Which resources a DELETE is working on now: in this process (a set under a lock) and, when a
+    Redis client is given, across API processes (``SET NX`` with an expiry, so a killed process's
+    claim lapses). A broker that does not answer only loses the cross-process part."""
+
+    def __init__(self, redis: Any = None, prefix: str = "moelab:", ttl_s: float = WAIT_S + 60) -> None:
+        self.redis, self.prefix, self.ttl_ms = redis, prefix, int(ttl_s * 1000)
+        self._lock = threading.Lock()
+        self._busy: dict[tuple[str, str], float] = {}
+
+    def _key(self, resource_type: str, ident: str) -> str:
+        return f"{self.prefix}deleting:{resource_type}:{ident}"
+
+    @contextmanager
+    def hold(self, resource_type: str, ident: str, what: str) -> Iterator[None]:
+        """Hold ``resource_type``/``ident`` for the block; ``ApiError(202)`` if someone else holds it."""
+        item = (resource_type, ident)
+        with self._lock:
+            started = self._busy.get(item)
+            if started is None:
+                self._busy[item] = time.monotonic()
+        if started is not None:
+            raise _being_deleted(what, ident, resource_type, time.monotonic() - started)
+        claimed = False
+        try:
+            if self.redis is not None:
+                try:
+                    claimed = bool(self.redis.set(self._key(*item), str(time.time()), nx=True, px=self.ttl_ms))
+                    if not claimed:
+                        raise _being_deleted(what, ident, resource_type, None)
+                except ApiError:
+                    raise
+                except Exception as exc:  # the broker is down: this process's guard still holds
+                    log.debug("delete guard without Redis: %s", exc)
+            yield
+        finally:
+            with self._lock:
+                self._busy.pop(item, None)
+            if claimed:
+                try:
+                    self.redis.delete(self._key(*item))
+                except Exception:  # it expires on its own
+                    pass
+
+
+def _being_deleted(what: str, ident: str, resource_type: str, since_s: float | None) -> ApiError:
+    ago = f" (started {since_s:.0f} s ago)" if since_s is not None else ""
+    return ApiError(202, f"{what} {ident} is being deleted by another request{ago}; it is gone once "
+                         f"GET /api/v1/{_LISTING[resource_type]}/{ident} answers 404 (a few seconds; up to {WAIT_S:.0f} s "
+                         "while its running job stops)")
+
+
+#: used when the app configured none (a queue built outside ``create_app``)
+_LOCAL_GUARD = DeleteGuard()
 
 
 def _names(nodes: list[Node], limit: int = 20) -> str:
@@ -70,6 +138,17 @@ def delete_resource(session: Session, queue: JobQueue, store: ArtifactStore, res
                     cascade: bool, wait_s: float = WAIT_S) -> DeleteOut:
     table, what, _kind = RESOURCES[resource_type]
     if session.get(table, ident) is None:
+        raise not_found(what, ident, _LISTING[resource_type])
+    guard: DeleteGuard = getattr(queue, "delete_guard", None) or _LOCAL_GUARD
+    with guard.hold(resource_type, ident, what):
+        return _delete(session, queue, store, resource_type, ident, cascade, wait_s)
+
+
+def _delete(session: Session, queue: JobQueue, store: ArtifactStore, resource_type: str, ident: str,
+            cascade: bool, wait_s: float) -> DeleteOut:
+    table, what, _kind = RESOURCES[resource_type]
+    session.commit()  # end the read so far: a DELETE that just finished under the guard is seen
+    if session.get(table, ident, populate_existing=True) is None:
         raise not_found(what, ident, _LISTING[resource_type])
     root = Node(resource_type, ident)
     if not cascade:

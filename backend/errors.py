@@ -13,8 +13,11 @@ from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from moelab.store.artifacts import InsufficientStorage, is_disk_full
+from workers.engine.atomic import free_bytes, human_bytes
 
 log = logging.getLogger("moelab.api")
 
@@ -57,6 +60,33 @@ def describe_validation(errors: list[dict[str, Any]]) -> str:
     return "; ".join(lines)
 
 
+def storage_detail(request: Request, exc: BaseException) -> str:
+    """What a full disk met by a request tells the client: which place (by its setting, never an
+    absolute path), how much is free there, and what to do."""
+    state = request.app.state
+    if isinstance(exc, DBAPIError):  # the job/metadata store's file system, not the artifacts'
+        url = state.settings.resolved_database_url()
+        free = free_bytes(url.removeprefix("sqlite:///").rsplit("/", 1)[0] or "/") if url.startswith("sqlite:///") else None
+        where = "the database (MOELAB_DATABASE_URL)" if state.settings.database_url else "MOELAB_DATA_DIR (the database)"
+        return (f"no space left under {where}: {human_bytes(free)} free; free space there (DELETE unused conversions, "
+                "fine-tunes or profiles) or move it to a larger disk, then repeat the request")
+    return state.store.storage_error(exc).message
+
+
+def _storage_response(request: Request, exc: BaseException) -> JSONResponse:
+    detail = storage_detail(request, exc)
+    log.error("%s %s: %s (%s)", request.method, request.url.path, detail, exc if not isinstance(exc, InsufficientStorage) else "refused up front")
+    return JSONResponse({"detail": detail}, status_code=507)
+
+
+def _internal(request: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return JSONResponse(
+        {"detail": f"internal error ({type(exc).__name__}); this is a bug in moelab, the server log has the traceback"},
+        status_code=500,
+    )
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -69,7 +99,15 @@ def install(app: FastAPI) -> None:
         return JSONResponse({"detail": describe_validation(errors), "errors": jsonable_encoder(clean)}, status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.__cause__ is not None and is_disk_full(exc.__cause__):
+            # FastAPI reports a body it could not spool (multipart parts go to the temporary dir) as a 400
+            import tempfile
+
+            detail = (f"no space left in the server's temporary dir (TMPDIR), where uploads are spooled: "
+                      f"{human_bytes(free_bytes(tempfile.gettempdir()))} free; free space there, then repeat the request")
+            log.error("%s %s: %s", request.method, request.url.path, detail)
+            return JSONResponse({"detail": detail}, status_code=507)
         detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404 and detail == "Not Found":
             detail = "no such endpoint; see /docs for the API"
@@ -87,8 +125,26 @@ def install(app: FastAPI) -> None:
             status_code=409,
         )
 
+    @app.exception_handler(OSError)
+    async def _os_error(request: Request, exc: OSError) -> JSONResponse:
+        # a full disk or quota (ENOSPC/EDQUOT) anywhere in the request is 507 Insufficient Storage: the
+        # operator's to fix, not a bug; any other OSError stays the 500 it was
+        if is_disk_full(exc):
+            return _storage_response(request, exc)
+        return _internal(request, exc)
+
+    @app.exception_handler(DBAPIError)
+    async def _database_error(request: Request, exc: DBAPIError) -> JSONResponse:
+        if isinstance(exc, IntegrityError):
+            return await _conflict(request, exc)
+        if is_disk_full(exc):  # SQLite: "database or disk is full"
+            return _storage_response(request, exc)
+        return _internal(request, exc)
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        if is_disk_full(exc):  # a library's wrapper of ENOSPC (torch, safetensors, Arrow)
+            return _storage_response(request, exc)
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse(
             {"detail": f"internal error ({type(exc).__name__}); this is a bug in moelab, the server log has the traceback"},

@@ -64,7 +64,7 @@ class JobOut(BaseModel):
     progress: ProgressOut
     cancel_requested: bool
     error: str | None = Field(None, description="why it failed or was cancelled, and what to do")
-    error_type: str | None = Field(None, description="invalid_input | worker_lost | worker_shutdown | cancelled | out_of_memory | internal")
+    error_type: str | None = Field(None, description="invalid_input | worker_lost | worker_shutdown | cancelled | out_of_memory | storage (no space left: an operator error) | internal")
     worker: str | None = None
     retry_of: str | None = Field(None, description="the job this one re-runs")
     created_at: datetime
@@ -418,8 +418,9 @@ class EvaluationCreate(_In):
         "builtin:mixed", min_length=1, max_length=200,
         description="held-out text: builtin:NAME (its held-out split) or the id of a stored calibration set",
     )
-    n_windows: int = Field(32, ge=1, le=4096, description="non-overlapping token windows")
-    seq_len: int = Field(256, ge=8, le=32768, description="tokens per window")
+    n_windows: int = Field(32, ge=1, le=4096, description="non-overlapping token windows; n_windows × seq_len is at most "
+                           "MOELAB_MAX_EVAL_TOKENS (422 beyond)")
+    seq_len: int = Field(256, ge=8, le=32768, description="tokens per window; at most the model's max_position_embeddings")
     baselines: bool = Field(True, description="also evaluate AbsTopK-GLU and the uniform allocation")
     multiple_choice_per_task: int = Field(
         50, ge=0, le=10000, description="BIG-bench multiple-choice items per task when that set is installed (0: skip)"
@@ -655,6 +656,13 @@ class ArtifactList(BaseModel):
 # --------------------------------------------------------------------------- health
 
 
+class HealthDiskOut(BaseModel):
+    free_bytes: int | None = Field(description="free bytes on its file system (None: could not be read)")
+    total_bytes: int | None = None
+    state: Literal["ok", "low", "unknown"] = Field(
+        description="low: under 1 GB or 5 % of the disk free (the smaller), jobs and uploads may fail with 507/storage")
+
+
 class HealthOut(BaseModel):
     status: Literal["ok", "degraded"]
     version: str
@@ -662,6 +670,10 @@ class HealthOut(BaseModel):
     broker: str
     workers: list[str] = Field(description="workers that sent a heartbeat recently")
     jobs: dict[str, int] = Field(description="queued and running job counts")
+    disk: dict[str, HealthDiskOut] = Field(
+        default_factory=dict, description="free space of the artifacts dir ('artifacts') and of MOELAB_DATA_DIR ('data')")
+    disk_state: Literal["ok", "low", "unknown"] = Field("ok", description="the worst state in disk")
+    warnings: list[str] = Field(default_factory=list, description="what an operator should look at (low disk space)")
 
 
 # --------------------------------------------------------------------------- charts (chart-ready JSON)

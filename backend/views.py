@@ -51,10 +51,19 @@ def _common(row: Any) -> dict[str, Any]:
     }
 
 
+def shown_source(row: Model) -> str:
+    """The model's source as the user gave it (``params.given``), not the server path the worker loads."""
+    return str((row.params or {}).get("given") or row.source)
+
+
 def model_out(row: Model) -> ModelOut:
     c = _common(row)
     c.pop("params")
-    return ModelOut(**c, name=row.name, source=row.source, kind=row.kind, trust_remote_code=row.trust_remote_code, info=row.summary)
+    source = shown_source(row)
+    info = row.summary
+    if isinstance(info, dict) and "source" in info:  # the worker's description names what it loaded
+        info = {**info, "source": source}
+    return ModelOut(**c, name=row.name, source=source, kind=row.kind, trust_remote_code=row.trust_remote_code, info=info)
 
 
 def calibration_out(row: CalibrationSet) -> CalibrationSetOut:

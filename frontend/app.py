@@ -1,7 +1,10 @@
-"""The moelab web UI: a Dash multi-page app (``python -m frontend.app``).
+"""The moelab web UI: a Dash multi-page app, served by waitress (``python -m frontend.app``, or
+``waitress-serve --port 8050 frontend.app:server``; ``moelab serve`` runs the latter).
 
 It talks to the API over HTTP only (``frontend.api_client``); settings come from
-``moelab.settings`` (MOELAB_API_URL, MOELAB_HOST, MOELAB_FRONTEND_PORT).
+``moelab.settings`` (MOELAB_API_URL, MOELAB_HOST, MOELAB_FRONTEND_PORT). With MOELAB_API_TOKEN
+set, every route asks for the token too (``frontend.auth``): a login page and a session cookie,
+or the API's bearer header.
 """
 
 from __future__ import annotations
@@ -24,11 +27,16 @@ def create_app() -> Dash:
     from frontend import components  # noqa: F401  (registers the shared CSV callback)
     from frontend import downloads
 
+    from frontend import auth
+
+    token = get_settings().token()
+    auth.install(app.server, token)  # before any other route: one guard for every door
     downloads.register(app.server)
 
+    logout = [html.A("Log out", href="/logout", className="nav logout", id="logout")] if token else []
     app.layout = html.Div([
         html.Header([html.Span("moelab", className="brand")]
-                    + [dcc.Link(name, href=path, className="nav") for name, path in NAV]),
+                    + [dcc.Link(name, href=path, className="nav") for name, path in NAV] + logout),
         html.Main(dash.page_container),
     ])
     return app
@@ -37,6 +45,16 @@ def create_app() -> Dash:
 app = create_app()
 server = app.server
 
-if __name__ == "__main__":
+#: waitress threads: a zip download relayed from the API holds one for its whole length
+THREADS = 8
+
+
+def main() -> None:
+    from waitress import serve
+
     s = get_settings()
-    app.run(host=s.host, port=s.frontend_port, debug=False)
+    serve(server, host=s.host, port=s.frontend_port, threads=THREADS, ident="moelab")
+
+
+if __name__ == "__main__":
+    main()

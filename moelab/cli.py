@@ -405,6 +405,7 @@ def evaluate(conversion_dir: Path, windows: int, seq_len: int, source: str, no_b
         report = run_evaluation(
             conversion_dir, data_dir=cfg.data_dir, n_windows=windows, seq_len=seq_len,
             baselines=not no_baselines, source=source, device=cfg.device, progress=progress,
+            max_tokens=cfg.max_eval_tokens,  # windows × seq-len beyond MOELAB_MAX_EVAL_TOKENS: refused before any model loads
         )
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -549,17 +550,21 @@ def inspect_model(spec: str, trust_remote_code: bool, quiet: bool) -> None:
 @click.option("--no-frontend", is_flag=True, help="do not start the Dash frontend")
 @click.option("--workers", type=click.IntRange(1, 64), default=None,
               help="worker processes (default: MOELAB_WORKERS or 1); a conversion shares its layers with the idle ones")
-def serve(host: str | None, port: int | None, no_worker: bool, no_frontend: bool, workers: int | None) -> None:
+@click.option("--insecure", is_flag=True,
+              help="serve beyond loopback without MOELAB_API_TOKEN (also MOELAB_INSECURE=1): only when something else guards the ports")
+def serve(host: str | None, port: int | None, no_worker: bool, no_frontend: bool, workers: int | None, insecure: bool) -> None:
     """Run everything: Redis (private, unless MOELAB_REDIS_URL is set), the API, a worker, the UI.
 
     A child that dies is restarted with back-off while the others keep running (a dead worker's
-    job is failed at once, with the cause). Ctrl-C stops every child process cleanly.
+    job is failed at once, with the cause). Ctrl-C stops every child process cleanly, and they
+    end with it even when it is killed. With MOELAB_API_TOKEN set the UI asks for the token too
+    (a login page); without it, a --host beyond loopback is refused unless --insecure.
     """
     from .serve import serve as run_service
 
     cfg = get_settings()
     overrides = {k: v for k, v in (("host", host), ("port", port), ("workers", workers)) if v is not None}
-    sys.exit(run_service(cfg.model_copy(update=overrides), worker=not no_worker, frontend=not no_frontend))
+    sys.exit(run_service(cfg.model_copy(update=overrides), worker=not no_worker, frontend=not no_frontend, insecure=insecure))
 
 
 if __name__ == "__main__":  # pragma: no cover

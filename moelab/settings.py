@@ -69,6 +69,13 @@ class Settings(BaseSettings):
         "is 40): with the GIL, fewer threads serve many clients in arrival order instead of all of them slowly"
     )
     max_upload_mb: float = Field(50.0, gt=0, description="largest request body (uploads) the API accepts, in MB")
+    insecure: bool = Field(
+        False, description="let `moelab serve` bind beyond loopback without MOELAB_API_TOKEN (something else guards the "
+        "ports); `--insecure` does the same for one run")
+    max_eval_tokens: int = Field(
+        262144, ge=1, description="held-out tokens one evaluation may read (windows × seq_len); larger requests get 422 "
+        "(`moelab evaluate` refuses them too): raise it on a machine that evaluates that much in reasonable time",
+    )
     allow_trust_remote_code: bool = Field(False, description="let API users register models that need their own code")
 
     # ---------------------------------------------------------------- service: jobs

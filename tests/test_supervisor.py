@@ -78,3 +78,37 @@ def test_exit_causes_read_as_a_person_would_say_them():
     assert exit_cause(-11) == "was killed by SIGSEGV" and "native code" in death_hint(-11)
     assert exit_cause(75) == "exited with code 75" and "MOELAB_JOB_TIME_LIMIT_S" in death_hint(75)
     assert exit_cause(1) == "exited with code 1" and "log" in death_hint(1)
+
+
+def test_serve_refuses_to_bind_beyond_loopback_without_a_token_unless_told(tmp_path, monkeypatch):
+    from moelab.serve import exposure_refusal, is_loopback
+
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.5", "::1", "[::1]", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "", "192.168.1.4", "myhost.example"))
+
+    def settings(**kw) -> Settings:
+        return Settings(_env_file=None, data_dir=tmp_path, **kw)
+
+    assert exposure_refusal(settings(host="127.0.0.1"), insecure=False) is None
+    assert exposure_refusal(settings(host="0.0.0.0", api_token="t0ken"), insecure=False) is None
+    assert exposure_refusal(settings(host="0.0.0.0"), insecure=True) is None
+    refusal = exposure_refusal(settings(host="0.0.0.0"), insecure=False)
+    assert refusal and "MOELAB_API_TOKEN" in refusal and "--insecure" in refusal
+    assert exposure_refusal(settings(host="10.1.2.3", api_token=""), insecure=False)  # an empty token is none
+    monkeypatch.delenv("MOELAB_INSECURE", raising=False)
+    assert settings().insecure is False
+    monkeypatch.setenv("MOELAB_INSECURE", "1")
+    assert settings().insecure is True
+
+
+def test_children_are_armed_to_die_with_the_supervisor(tmp_path):
+    """Each child has SIGTERM as its parent-death signal (field 'PDeathSig' is not in /proc; read it back
+    with prctl(PR_GET_PDEATHSIG) from inside the child)."""
+    sup, _said = _supervisor(tmp_path)
+    code = ("import ctypes, signal, sys; v = ctypes.c_int(); ctypes.CDLL(None).prctl(2, ctypes.byref(v)); "
+            "sys.exit(0 if v.value == signal.SIGTERM else 1)")
+    child = sup.spawn("probe", [sys.executable, "-c", code])
+    try:
+        assert child.proc.wait(30) == 0
+    finally:
+        sup.stop()

@@ -24,11 +24,14 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from pathlib import Path
+
 from moelab.store import jobs
-from moelab.store.artifacts import ArtifactStore
-from moelab.store.db import RESOURCE_TABLES, Database, Job
+from moelab.store.artifacts import ArtifactStore, InsufficientStorage, artifacts_label, is_disk_full
+from moelab.store.db import RESOURCE_TABLES, Conversion, Database, Job, Model, Profile
 from moelab.settings import Settings, get_settings
 from workers.cancelwatch import CancelWatch
+from workers.engine.atomic import free_bytes, human_bytes
 from workers.engine.progress import Cancelled, Progress
 
 log = logging.getLogger("moelab.worker")
@@ -46,7 +49,8 @@ def database() -> Database:
 
 @lru_cache(maxsize=1)
 def store() -> ArtifactStore:
-    s = ArtifactStore(get_settings().resolved_artifacts_dir())
+    settings = get_settings()
+    s = ArtifactStore(settings.resolved_artifacts_dir(), label=artifacts_label(settings))
     s.ensure()
     return s
 
@@ -172,10 +176,38 @@ class JobProgress:
         return self._cancel
 
 
-def classify(exc: BaseException, stage: str | None, job_id: str) -> tuple[str, str, str]:
+def _full_place(exc: BaseException, store: ArtifactStore | None, data_dir: Path | None) -> tuple[str, Path] | None:
+    """(setting, path) of the full place when the failed write was under the data dir but not under
+    the artifacts dir (None: the artifacts dir, or not known)."""
+    name = getattr(exc, "filename", None)
+    if not name or data_dir is None:
+        return None
+    try:
+        path, data = Path(name).resolve(), Path(data_dir).resolve()
+        if store is not None and Path(store.root).resolve() in (path, *path.parents):
+            return None
+        if data in (path, *path.parents):
+            return "MOELAB_DATA_DIR", data
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def classify(exc: BaseException, stage: str | None, job_id: str, store: ArtifactStore | None = None,
+             data_dir: Path | None = None) -> tuple[str, str, str]:
     """(state, error_type, message) for an exception that ended a job."""
     where = f" during {stage!r}" if stage else ""
     retry = f"POST /api/v1/jobs/{job_id}/retry"
+    if is_disk_full(exc):  # an operator's matter (a full disk or quota), not a bug: say where and how much is free
+        then = f"re-run it with {retry}"
+        place = _full_place(exc, store, data_dir)
+        if place is not None:  # not the artifacts' disk: the data dir's (model cache, database)
+            free = human_bytes(free_bytes(place[1]))
+            return jobs.FAILED, "storage", (f"no space left under {place[0]}{where}: {free} free; free space there or move it "
+                                            f"to a larger disk, then {then}")
+        if store is not None:
+            return jobs.FAILED, "storage", store.storage_error(exc, where, then).message
+        return jobs.FAILED, "storage", f"no space left on the artifacts' disk{where}; free space there, then {then}"
     if isinstance(exc, Cancelled):
         if SHUTDOWN.is_set():
             return jobs.FAILED, "worker_shutdown", f"the worker shut down{where}; start a worker and re-run the job with {retry}"
@@ -189,6 +221,43 @@ def classify(exc: BaseException, stage: str | None, job_id: str) -> tuple[str, s
     if isinstance(exc, OSError):
         return jobs.FAILED, "io", f"file system error{where}: {exc}; check free disk space and permissions of the artifacts dir"
     return jobs.FAILED, "internal", f"{type(exc).__name__}{where}: {exc} (a bug in moelab; the worker log has the traceback)"
+
+
+def estimated_bytes(ctx: JobContext) -> tuple[int, str] | None:
+    """About how many bytes the job will write, where that is cheap to know (None otherwise):
+    a conversion exports roughly its model's weight bytes."""
+    if ctx.resource_type != "conversions":
+        return None
+    try:
+        with ctx.db.session() as session:
+            conv = session.get(Conversion, ctx.resource_id)
+            model_id = conv.model_id if conv is not None else None
+            if conv is not None and model_id is None and conv.profile_id is not None:
+                profile = session.get(Profile, conv.profile_id)
+                model_id = profile.model_id if profile is not None else None
+            model = session.get(Model, model_id) if model_id else None
+            total = ((model.summary or {}).get("memory") or {}).get("total_bytes") if model is not None else None
+    except Exception:  # an estimate only: never a reason to fail the job
+        log.debug("size estimate of job %s skipped", ctx.job_id, exc_info=True)
+        return None
+    if not isinstance(total, int) or total <= 0:
+        return None
+    return total, "this conversion's export (about its model's weight bytes)"
+
+
+def _finish_failed(db: Database, job_id: str, state: str, message: str, kind: str, timings: dict[str, Any]) -> None:
+    """Record a job's end; a database that is briefly unwritable (its disk full too) is retried, and
+    a failure to record is logged, never raised: the worker lives on (the reaper ends the job)."""
+    for attempt in range(3):
+        try:
+            with db.session() as session:
+                jobs.finish(session, job_id, state, error=message, error_type=kind, timings=timings)
+            return
+        except Exception:
+            if attempt == 2:
+                log.exception("job %s ended (%s: %s) but that could not be recorded", job_id, kind, message)
+                return
+            time.sleep(0.5 * (attempt + 1))
 
 
 def _cancel_flag(db: Database, job_id: str) -> bool:
@@ -222,6 +291,9 @@ def run_job(job_id: str, worker: str, body: Callable[[JobContext], Outcome]) -> 
     t0 = time.perf_counter()
     try:
         ctx.progress.update("starting", 0, 1)
+        need = estimated_bytes(ctx)
+        if need is not None:  # refuse up front rather than fill the disk and fail at the end
+            ctx.store.require_free(need[0], need[1])
         outcome = body(ctx)
         watch.disarm()  # a cancel delivered here still counts: the except below records it
     except BaseException as exc:  # noqa: BLE001 - every ending is recorded, then non-Exceptions re-raised
@@ -229,7 +301,7 @@ def run_job(job_id: str, worker: str, body: Callable[[JobContext], Outcome]) -> 
             watch.disarm()
         except Cancelled:  # the watch's interruption, arriving late: exc already ends the job
             pass
-        state, kind, message = classify(exc, tracker.stage, job_id)
+        state, kind, message = classify(exc, tracker.stage, job_id, ctx.store, settings.data_dir)
         if tracker.timed_out and isinstance(exc, Cancelled):
             state, kind, message = jobs.FAILED, "time_limit", (
                 f"the job ran past its time limit of {settings.job_time_limit_s:g} s (MOELAB_JOB_TIME_LIMIT_S) during "
@@ -238,10 +310,11 @@ def run_job(job_id: str, worker: str, body: Callable[[JobContext], Outcome]) -> 
             )
         if kind in ("internal", "io"):
             log.exception("job %s failed", job_id)
+        elif kind == "storage":
+            log.error("job %s failed: %s", job_id, message)
         else:
             log.info("job %s %s: %s", job_id, state, message)
-        with db.session() as session:
-            jobs.finish(session, job_id, state, error=message, error_type=kind, timings={"run_s": time.perf_counter() - t0})
+        _finish_failed(db, job_id, state, message, kind, {"run_s": time.perf_counter() - t0})
         if not isinstance(exc, Exception):
             raise
         return state

@@ -48,20 +48,65 @@ def inspect_model(ctx: JobContext) -> Outcome:
 
     model = ctx.resource()
     s = ctx.settings
-    if s.max_memory:
-        described = _describe_on_meta(model.source, s, _trust(ctx, model))
-        if described is not None:
-            return Outcome(summary=described)
+    roots = s.resolved_data_roots()
+    with _public_errors(roots):
+        ref = _checked_model_source(model.source, roots)
+        if s.max_memory:
+            described = _describe_on_meta(_load_location(ref), s, _trust(ctx, model))
+            if described is not None:
+                return Outcome(summary={**described, "source": model.source})
+        try:
+            with model_cache.job_models(give_back=True):
+                adapter = model_cache.cached_load_model(
+                    ref.value, data_dir=s.data_dir, device=s.device, dtype=s.dtype,
+                    trust_remote_code=_trust(ctx, model), progress=ctx.progress, allowed_roots=roots,
+                )
+                info = {"kind": "dense", **adapter.describe(), "memory": footprint(adapter).to_dict()}
+        except ModelError as dense_error:  # not a dense GLU model: an MoE one is fine for hierarchical conversion
+            info = _describe_moe(_load_location(ref), s.device, _trust(ctx, model), dense_error)
+    return Outcome(summary={**info, "source": model.source} if "source" in info else info)
+
+
+def _checked_model_source(source: str, roots: list[Path]) -> Any:
+    """The row's model source, checked again by the data-root rule before anything is read: the
+    row may predate the rule or have been edited; a Hub id is never looked up in the working directory."""
+    from moelab.store.dataroots import resolve_model_source
+
+    return resolve_model_source(source, roots)
+
+
+def _load_location(ref: Any) -> str:
+    """Where loaders that resolve a name themselves (the meta-device and MoE ones) may read ``ref``:
+    a checked real path, ``default``, or a Hub id's snapshot (fetched from the Hub, never the working directory)."""
+    if ref.kind != "hub":
+        return ref.value
+    from workers.engine.models import hub_snapshot
+
+    return str(hub_snapshot(ref.value))
+
+
+@contextlib.contextmanager
+def _public_errors(roots: list[Path]) -> Any:
+    """Job errors are shown by the API: server paths outside the data roots in an error's text (a
+    library naming its cache or the working directory) are replaced before it is recorded."""
+    from moelab.store.dataroots import redact_paths
+
     try:
-        with model_cache.job_models(give_back=True):
-            adapter = model_cache.cached_load_model(
-                model.source, data_dir=s.data_dir, device=s.device, dtype=s.dtype,
-                trust_remote_code=_trust(ctx, model), progress=ctx.progress,
-            )
-            info = {"kind": "dense", **adapter.describe(), "memory": footprint(adapter).to_dict()}
-    except ModelError as dense_error:  # not a dense GLU model: an MoE one is fine for hierarchical conversion
-        info = _describe_moe(model.source, s.device, _trust(ctx, model), dense_error)
-    return Outcome(summary=info)
+        yield
+    except ValueError as exc:
+        text = redact_paths(str(exc), roots)
+        if text == str(exc):
+            raise
+        try:
+            replaced = type(exc)(text)
+        except Exception:
+            replaced = ValueError(text)
+        raise replaced from None
+    except OSError as exc:
+        text = redact_paths(str(exc), roots)
+        if text == str(exc):
+            raise
+        raise OSError(text) from None
 
 
 def _describe_on_meta(source: str, s: Any, trust: bool) -> dict[str, Any] | None:
@@ -112,12 +157,16 @@ def build_calibration(ctx: JobContext) -> Outcome:
     else:
         from moelab.store.dataroots import check_hub_name_is_not_local, resolve_dataset
 
-        # checked again here: the row may predate the rule, and the worker is what reads the disk
-        ref = resolve_dataset(p["dataset"], ctx.settings.resolved_data_roots())
-        if ref.kind == "hub":
-            check_hub_name_is_not_local(ref.value)
-        cset = load_hf_dataset(ref.value, split=p["split"], text_field=p["text_field"], task_field=p["task_field"],
-                               domain_field=p["domain_field"], config=p.get("config"))
+        # checked again here: the row may predate the rule, and the worker is what reads the disk;
+        # the loader checks every data file it will open too (allowed_roots), symlinks resolved
+        roots = ctx.settings.resolved_data_roots()
+        with _public_errors(roots):
+            ref = resolve_dataset(p["dataset"], roots)
+            if ref.kind == "hub":
+                check_hub_name_is_not_local(ref.value)
+            cset = load_hf_dataset(ref.value, split=p["split"], text_field=p["text_field"], task_field=p["task_field"],
+                                   domain_field=p["domain_field"], config=p.get("config"), allowed_roots=roots)
+        cset.source = f"hf:{p['dataset'].strip()}@{p['split']}"  # the user's string, not the resolved server path
         if p.get("samples"):
             cset = cset.subsample(p["samples"], p["seed"])
     ctx.progress.update("save", 0, 1)
@@ -230,7 +279,7 @@ def evaluate(ctx: JobContext) -> Outcome:
             ctx.store.path("conversions", row.conversion_id), data_dir=ctx.settings.data_dir, n_windows=p["n_windows"],
             seq_len=p["seq_len"], baselines=p["baselines"], source=source, device=ctx.settings.device,
             progress=ctx.progress, write=False, mc_per_task=p.get("multiple_choice_per_task", 50),
-            loader=model_cache.cached_load_model,
+            loader=model_cache.cached_load_model, max_tokens=ctx.settings.max_eval_tokens,
         )
     report["heldout"]["source"] = p["source"]  # the id or builtin name, not a server path
     with atomic_directory(ctx.store.path("evaluations", row.id)) as tmp:
@@ -448,6 +497,17 @@ def _on_ready(sender: Any = None, **_: Any) -> None:
     if orphans:
         log.warning("failed %d job(s) left running by a previous run of %s: %s", len(orphans), name, ", ".join(orphans))
     threading.Thread(target=_presence, args=(name,), name="presence", daemon=True).start()
+
+
+@signals.worker_init.connect
+def _restrict_model_sources(**_: Any) -> None:
+    """Every model this worker loads (any job, any loader path through ``load_model``) is checked
+    against the data roots: a Hub id never resolves against the working directory, a path must lie
+    inside MOELAB_DATA_ROOTS, whatever a row or a stored record says."""
+    from moelab.settings import get_settings
+    from workers.engine.models import restrict_sources
+
+    restrict_sources(get_settings().resolved_data_roots())
 
 
 @signals.worker_shutting_down.connect

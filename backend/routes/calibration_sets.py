@@ -28,7 +28,7 @@ from workers.engine.data.calibration import (
 )
 
 from moelab.store.artifacts import ArtifactStore
-from moelab.store.dataroots import DataRootError, resolve_dataset
+from moelab.store.dataroots import DataRootError, http_status, resolve_dataset
 from moelab.store.db import CalibrationSet as CalibrationRow
 from ..deps import (
     CascadeQ,
@@ -83,13 +83,15 @@ def create_set(body: CalibrationCreate, session: SessionDep, queue: QueueDep, se
     else:
         try:
             ref = resolve_dataset(body.dataset, settings.resolved_data_roots())
-        except DataRootError as exc:
-            raise ApiError(403 if "outside" in str(exc) else 422, str(exc)) from exc
-        name = Path(ref.value).name if ref.kind == "local" else ref.value.split("/")[-1]
+        except DataRootError as exc:  # by type: OutsideDataRoots is 403, any other refusal 422
+            raise ApiError(http_status(exc), str(exc)) from exc
+        given = body.dataset.strip()
+        name = Path(given).name if ref.kind == "local" else ref.value.split("/")[-1]
         origin = "hf"
     params = body.model_dump()
     if origin == "hf":
-        params["dataset"] = ref.value  # the resolved path: the worker reads exactly what was checked
+        # the user's own string (what the API shows); the worker resolves and checks it again before reading
+        params["dataset"] = given
     row = CalibrationRow(id=new_id("cal"), name=name, origin=origin, params=params)
     session.add(row)
     launch(session, queue, row, "calibration_sets", "build_calibration")

@@ -1,25 +1,37 @@
 """Chart-ready JSON read from stored artifacts with numpy (``backend.charts``): no model work.
 
 Profiles are opened with the engine's lazy reader and kept in a small cache keyed by the
-manifest's mtime, so the CV arrays behind an allocation-preview slider are read once.
+manifest's stamp (mtime, inode, size), so the CV arrays behind an allocation-preview slider are
+read once. The profile charts and method previews the UI asks for on every slider move are also
+kept as encoded JSON bodies (``PayloadCache``), keyed by (profile id, manifest stamp, endpoint,
+parsed query values): a repeated request costs the profile row's lookup and readiness check (done
+on every request, so a deleted or re-running profile is answered 404/409 as before) and a
+``stat`` of the manifest, no numpy, pydantic or JSON work. A profile's files are published
+atomically with the manifest written last, so a re-run (or any rewrite) gives the manifest a new
+stamp and every body cached under the old one is never served again; a deleted profile directory
+is refused 409 before the cache is looked at.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import weakref
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query, Request
+import numpy as np
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from pydantic_core import to_json
 from sqlalchemy import select
 
 from workers.engine.core.params import ConversionError
-from moelab.store.jsonsafe import jsonable
+from moelab.store.jsonsafe import finite_list, jsonable
 from workers.engine.methods import REGISTRY
 
 from .. import charts
@@ -42,8 +54,12 @@ from ..schemas import (
 router = APIRouter(tags=["charts"])
 
 
+#: what identifies one published version of a profile's files: its manifest's (mtime_ns, inode, size)
+Stamp = tuple[int, int, int]
+
+
 @lru_cache(maxsize=8)
-def _open(path: str, stamp: float) -> Any:
+def _open(path: str, stamp: Stamp) -> Any:
     from workers.engine.profiling.store import StoredProfile  # imported on first use only
 
     return StoredProfile.open(Path(path))
@@ -70,14 +86,103 @@ def _cv_stats(profile: Any) -> charts.CVStats:
     return _derived(profile, ("cv-stats",), lambda: charts.cv_stats(profile.cv_by_layer()))
 
 
-def stored_profile(session, store, profile_id: str) -> Any:
+class PayloadCache:
+    """A bounded LRU of encoded JSON bodies (thread-safe: sync routes run in the thread pool).
+
+    At most ``max_entries`` bodies and ``max_bytes`` in all; a body over ``max_item_bytes`` (a
+    full-resolution activation map) is not kept. One per API process."""
+
+    def __init__(self, max_entries: int = 512, max_bytes: int = 32 << 20, max_item_bytes: int = 2 << 20) -> None:
+        self.max_entries, self.max_bytes, self.max_item_bytes = max_entries, max_bytes, max_item_bytes
+        self._items: OrderedDict[Hashable, bytes] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, key: Hashable) -> bytes | None:
+        with self._lock:
+            body = self._items.get(key)
+            if body is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return body
+
+    def put(self, key: Hashable, body: bytes) -> None:
+        if len(body) > self.max_item_bytes:
+            return
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._bytes -= len(old)
+            self._items[key] = body
+            self._bytes += len(body)
+            while len(self._items) > self.max_entries or self._bytes > self.max_bytes:
+                _, dropped = self._items.popitem(last=False)
+                self._bytes -= len(dropped)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+
+#: encoded chart and preview bodies of this process, keyed by (endpoint, profile id, manifest stamp, query values)
+PAYLOADS = PayloadCache()
+
+
+def _manifest_stamp(manifest: Path) -> Stamp | None:
+    try:
+        st = manifest.stat()
+    except OSError:  # gone (deleted, or being replaced)
+        return None
+    return (st.st_mtime_ns, st.st_ino, st.st_size)
+
+
+def _ready_profile(session, store, profile_id: str) -> tuple[Any, Stamp]:
+    """The opened profile and its manifest stamp: 404 for an unknown id, 409 unless its job succeeded
+    and its files are there. Checked on every request, cached bodies or not."""
     row = lookup(session, Profile, profile_id, "profile", "profiles")
     require_ready(row, "profile")
     path = store.path("profiles", row.id)
-    manifest = path / "manifest.json"
-    if not manifest.is_file():
+    stamp = _manifest_stamp(path / "manifest.json")
+    if stamp is None:
         raise ApiError(409, f"profile {profile_id} has no stored result; re-run its job")
-    return _open(str(path), manifest.stat().st_mtime)
+    return _open(str(path), stamp), stamp
+
+
+def stored_profile(session, store, profile_id: str) -> Any:
+    return _ready_profile(session, store, profile_id)[0]
+
+
+def _json(body: bytes) -> Response:
+    return Response(body, media_type="application/json")
+
+
+def _cached_body(key: tuple[Any, ...], profile: Any, stamp: Stamp, encode: Callable[[], bytes]) -> Response:
+    """``encode()``'s body for ``key`` (which holds the profile id and ``stamp``), from ``PAYLOADS`` when
+    there. A body is kept only if the manifest still has ``stamp`` once it is built, so a profile
+    replaced while it was computed is never cached under the old stamp."""
+    body = PAYLOADS.get(key)
+    if body is None:
+        body = encode()
+        if _manifest_stamp(Path(profile.path) / "manifest.json") == stamp:
+            PAYLOADS.put(key, body)
+    return _json(body)
+
+
+def _encode(model: BaseModel) -> bytes:
+    """The body FastAPI would send for ``model`` as its ``response_model``, encoded once (FastAPI
+    dumps a returned model, validates the dump again, then encodes it)."""
+    return model.__pydantic_serializer__.to_json(model, by_alias=True)
 
 
 def _layer(profile: Any, layer: int) -> int:
@@ -102,11 +207,10 @@ def cv_histogram(
     clip_quantile: Annotated[float, Query(gt=0.5, le=1.0, allow_inf_nan=False, description="upper range = this quantile of all CVs")] = 0.99,
     scale: Annotated[Literal["log", "linear"], Query(description="log: geometric bins from the smallest positive CV "
                                                                  "(CV is heavy-tailed); linear: equal widths from 0")] = "log",
-) -> CVHistogram:
-    profile = stored_profile(session, store, profile_id)
-    out = _derived(profile, ("cv-histogram", bins, clip_quantile, scale),
-                   lambda: charts.cv_histograms(profile.cv_by_layer(), bins, clip_quantile, scale))
-    return CVHistogram(profile_id=profile_id, **out)
+) -> Response:
+    profile, stamp = _ready_profile(session, store, profile_id)
+    return _cached_body(("cv-histogram", profile_id, stamp, bins, clip_quantile, scale), profile, stamp, lambda: _encode(
+        CVHistogram(profile_id=profile_id, **charts.cv_histograms(profile.cv_by_layer(), bins, clip_quantile, scale))))
 
 
 @router.get("/profiles/{profile_id}/charts/cv-summary", response_model=CVSummary, tags=["profiles"],
@@ -114,9 +218,10 @@ def cv_histogram(
 def cv_summary(
     profile_id: str, session: SessionDep, store: StoreDep,
     tau: Annotated[float | None, Query(gt=0, allow_inf_nan=False, description="EW Eq. 4 threshold")] = None,
-) -> CVSummary:
-    profile = stored_profile(session, store, profile_id)
-    return CVSummary(profile_id=profile_id, **charts.cv_summary(_cv_stats(profile), tau))
+) -> Response:
+    profile, stamp = _ready_profile(session, store, profile_id)
+    return _cached_body(("cv-summary", profile_id, stamp, tau), profile, stamp, lambda: _encode(
+        CVSummary(profile_id=profile_id, **charts.cv_summary(_cv_stats(profile), tau))))
 
 
 @router.get("/profiles/{profile_id}/charts/activations", response_model=ActivationTiles, tags=["profiles"],
@@ -128,8 +233,8 @@ def activations(
     normalize: Annotated[charts.Normalize, Query()] = "none",
     max_rows: Annotated[int, Query(ge=1, le=2000)] = 256,
     max_cols: Annotated[int, Query(ge=8, le=4096)] = 512,
-) -> ActivationTiles:
-    profile = stored_profile(session, store, profile_id)
+) -> Response:
+    profile, stamp = _ready_profile(session, store, profile_id)
     _layer(profile, layer)
 
     def tiles() -> dict[str, Any]:
@@ -142,8 +247,8 @@ def activations(
             labels = [f"{g}#{i}" for i, g in zip(samples["sample"].tolist(), samples["group"].astype(str).tolist(), strict=True)]
         return charts.activation_tiles(values, labels, cv, order=order, normalize=normalize, max_rows=max_rows, max_cols=max_cols)
 
-    out = _derived(profile, ("activations", layer, rows, order, normalize, max_rows, max_cols), tiles)
-    return ActivationTiles(profile_id=profile_id, layer=layer, row_kind=rows, **out)
+    return _cached_body(("activations", profile_id, stamp, layer, rows, order, normalize, max_rows, max_cols), profile, stamp,
+                        lambda: _encode(ActivationTiles(profile_id=profile_id, layer=layer, row_kind=rows, **tiles())))
 
 
 @router.get("/profiles/{profile_id}/charts/neuron-stats", response_model=NeuronStats, tags=["profiles"],
@@ -151,12 +256,12 @@ def activations(
 def neuron_stats(
     profile_id: str, session: SessionDep, store: StoreDep, layer: LayerQ = 0,
     bins: Annotated[int, Query(ge=2, le=500, description="activation-rate bins")] = 50,
-) -> NeuronStats:
-    profile = stored_profile(session, store, profile_id)
+) -> Response:
+    profile, stamp = _ready_profile(session, store, profile_id)
     _layer(profile, layer)
-    out = _derived(profile, ("neuron-stats", layer, bins),
-                   lambda: charts.neuron_stats(profile.column_by_layer("rate")[layer], *profile.h_histogram(layer), bins=bins))
-    return NeuronStats(profile_id=profile_id, layer=layer, **out)
+    return _cached_body(("neuron-stats", profile_id, stamp, layer, bins), profile, stamp, lambda: _encode(NeuronStats(
+        profile_id=profile_id, layer=layer,
+        **charts.neuron_stats(profile.column_by_layer("rate")[layer], *profile.h_histogram(layer), bins=bins))))
 
 
 @router.get("/profiles/{profile_id}/neurons/{layer}/{neuron}", response_model=NeuronCard, tags=["profiles"],
@@ -231,9 +336,26 @@ def layer_similarity_payload(profile_id: str, profile: Any, query: Any) -> Layer
     return LayerSimilarity(profile_id=profile_id, delta=params.delta, params=params.to_dict(), fusion_error=error, **out)
 
 
-def _preview(profile_id: str, method_name: str, query: dict[str, str], session, store) -> MethodPreview:
+def _json_fallback(value: Any) -> Any:
+    """What ``jsonable`` makes of the numpy values pydantic's encoder does not know (NaN/inf → null there)."""
+    if isinstance(value, np.ndarray):
+        return finite_list(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _preview_body(profile_id: str, method_name: str, out: dict[str, Any]) -> bytes:
+    """``MethodPreview(profile_id=…, method=…, **jsonable(out))`` as FastAPI would encode it, in one pass
+    of pydantic's encoder: numpy values as ``jsonable`` makes them, NaN/inf as null."""
+    payload = {"profile_id": profile_id, "method": method_name, "params": out["params"], "layers": out.get("layers"),
+               "fusion": out.get("fusion"), "summary": out["summary"]}
+    return to_json(payload, fallback=_json_fallback, inf_nan_mode="null")
+
+
+def _preview(profile_id: str, method_name: str, query: dict[str, str], session, store) -> Response:
     """Parse ``query`` with the method's generated parameters model (422 on unknown or bad values),
-    then run the method's numpy-only preview on the stored profile."""
+    then run the method's numpy-only preview on the stored profile (its body cached per parameters)."""
     method = REGISTRY.get(method_name)
     if method is None:
         raise ApiError(404, f"no method {method_name!r}; list them with GET /api/v1/methods")
@@ -243,17 +365,21 @@ def _preview(profile_id: str, method_name: str, query: dict[str, str], session, 
         given = METHOD_PARAMS[method_name].model_validate(query)
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]) from exc
-    profile = stored_profile(session, store, profile_id)
-    try:
-        out = method.preview(profile, method.params(**given.model_dump()))
-    except ConversionError as exc:
-        raise ApiError(422, f"{method_name}: {exc}") from exc
-    return MethodPreview(profile_id=profile_id, method=method_name, **jsonable(out))
+    profile, stamp = _ready_profile(session, store, profile_id)
+
+    def encode() -> bytes:
+        try:
+            out = method.preview(profile, method.params(**given.model_dump()))
+        except ConversionError as exc:
+            raise ApiError(422, f"{method_name}: {exc}") from exc
+        return _preview_body(profile_id, method_name, out)
+
+    return _cached_body(("preview", profile_id, stamp, method_name, given.model_dump_json()), profile, stamp, encode)
 
 
 @router.get("/profiles/{profile_id}/preview/{method}", response_model=MethodPreview, tags=["profiles"],
             summary="What a conversion with these parameters would build, from the stored statistics (numpy only)")
-def method_preview(profile_id: str, method: str, request: Request, session: SessionDep, store: StoreDep) -> MethodPreview:
+def method_preview(profile_id: str, method: str, request: Request, session: SessionDep, store: StoreDep) -> Response:
     """Query parameters: the method's parameters (GET /api/v1/methods lists them; absent ones take their default)."""
     return _preview(profile_id, method, dict(request.query_params), session, store)
 
@@ -261,7 +387,7 @@ def method_preview(profile_id: str, method: str, request: Request, session: Sess
 @router.get("/profiles/{profile_id}/allocation-preview", response_model=MethodPreview, tags=["profiles"],
             summary="Per-layer expert plan of ExpertWeaver (α_min/α_max/τ/N_e/sparsity) or CMoE (S·A·E) (< 1 ms)")
 def allocation_preview(profile_id: str, request: Request, session: SessionDep, store: StoreDep,
-                       method: Literal["expertweaver", "cmoe"] = "expertweaver") -> MethodPreview:
+                       method: Literal["expertweaver", "cmoe"] = "expertweaver") -> Response:
     """The partition methods' preview at their historical address: ``method`` plus that method's parameters."""
     query = {k: v for k, v in request.query_params.items() if k != "method"}
     return _preview(profile_id, method, query, session, store)

@@ -14,6 +14,7 @@ from moelab.store.db import CalibrationSet, Conversion, Model, Profile
 from ..deps import CascadeQ, QueueDep, SessionDep, StoreDep, launch, lookup, require_ready
 from ..deletion import delete_resource
 from ..errors import ApiError
+from ..limits import profile_duplicates_problem
 from moelab.store.jobs import new_id
 from ..schemas import DeleteOut, ConversionCreate, ConversionList, ConversionOut, ExpertNeurons, ExpertOut
 from ..views import conversion_out
@@ -37,6 +38,9 @@ def create_conversion(body: ConversionCreate, session: SessionDep, queue: QueueD
         params["calibration"] = _calibration_spec(session, body.calibration)
         model_id = model.id
     else:
+        problem = profile_duplicates_problem(body.profile_id, list(body.extra_profile_ids))
+        if problem:
+            raise ApiError(422, f"{method.name}: {problem}")
         profiles = [lookup(session, Profile, pid, "profile", "profiles") for pid in [body.profile_id, *body.extra_profile_ids]]
         for p in profiles:
             require_ready(p, "profile")

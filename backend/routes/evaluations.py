@@ -11,6 +11,7 @@ from moelab.store.db import CalibrationSet, Conversion, Evaluation
 from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, launch, lookup, require_ready
 from ..deletion import delete_resource
 from ..errors import ApiError
+from ..limits import conversion_config, eval_tokens_problem, seq_len_problem
 from moelab.store.jobs import new_id
 from ..schemas import DeleteOut, EvaluationCreate, EvaluationList, EvaluationOut
 from ..views import evaluation_out
@@ -20,9 +21,19 @@ router = APIRouter(prefix="/evaluations", tags=["evaluations"])
 
 @router.post("", response_model=EvaluationOut, status_code=202, responses={404: {}, 409: {}, 422: {}},
              summary="Evaluate a conversion against the dense model (queued job)")
-def create_evaluation(body: EvaluationCreate, session: SessionDep, queue: QueueDep, settings: SettingsDep) -> EvaluationOut:
+def create_evaluation(body: EvaluationCreate, session: SessionDep, queue: QueueDep, settings: SettingsDep,
+                      store: StoreDep) -> EvaluationOut:
+    # 422 when the held-out tokens (n_windows × seq_len) exceed MOELAB_MAX_EVAL_TOKENS or seq_len exceeds the
+    # model's max_position_embeddings (read from the conversion's config.json, no torch)
+    problem = eval_tokens_problem(body.n_windows, body.seq_len, settings.max_eval_tokens)
+    if problem:
+        raise ApiError(422, problem)
     conversion = lookup(session, Conversion, body.conversion_id, "conversion", "conversions")
     require_ready(conversion, "conversion")
+    problem = seq_len_problem(body.seq_len, conversion_config(store.path("conversions", conversion.id)),
+                              what=f"the model of conversion {conversion.id}")
+    if problem:
+        raise ApiError(422, problem)
     label = body.source
     if body.source == "builtin:bigbench" and not bigbench_installed(settings.data_dir):
         raise ApiError(409, "builtin:bigbench is not installed on this server; run `moelab data install bigbench` there first")

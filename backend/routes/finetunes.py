@@ -22,6 +22,7 @@ from moelab.store.db import CalibrationSet, Conversion, Finetune
 from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, launch, lookup, require_ready
 from ..deletion import delete_resource
 from ..errors import ApiError
+from ..limits import conversion_config, eval_tokens_problem, lora_rank_problem, seq_len_problem
 from moelab.store.jobs import new_id
 from ..schemas import DeleteOut, FinetuneCreate, FinetuneList, FinetuneMode, FinetuneOut, TrainLog, TrainStep
 from ..views import finetune_out
@@ -80,6 +81,18 @@ def check_params(params: dict[str, Any], store: ArtifactStore) -> None:
         raise ApiError(422, f"fine-tuning: {exc}") from exc
 
 
+def check_limits(body: Any, conversion: Conversion, store: ArtifactStore, max_eval_tokens: int) -> None:
+    """422 when the fine-tune asks for more than the conversion's model can use: a LoRA rank above its d_model,
+    sequences longer than its max_position_embeddings (both from its ``config.json``), or held-out windows
+    beyond MOELAB_MAX_EVAL_TOKENS."""
+    config = conversion_config(store.path("conversions", conversion.id))
+    what = f"the model of conversion {conversion.id}"
+    for problem in (lora_rank_problem(body.lora_rank, config, what=what), seq_len_problem(body.seq_len, config, what=what),
+                    eval_tokens_problem(body.eval_windows, body.seq_len, max_eval_tokens, windows_name="eval_windows")):
+        if problem:
+            raise ApiError(422, problem)
+
+
 @router.post("", response_model=FinetuneOut, status_code=202, responses={404: {}, 409: {}, 422: {}},
              summary="Fine-tune a conversion to recover quality (queued job)")
 def create_finetune(body: FinetuneCreate, session: SessionDep, queue: QueueDep, store: StoreDep, settings: SettingsDep) -> FinetuneOut:
@@ -97,6 +110,7 @@ def create_finetune(body: FinetuneCreate, session: SessionDep, queue: QueueDep, 
     params["mode"] = body.mode or default_mode(conversion)
     check_mode(params["mode"], conversion, store)
     check_params(params, store)
+    check_limits(body, conversion, store, settings.max_eval_tokens)
     row = Finetune(id=new_id("ft"), conversion_id=conversion.id, params=params)
     session.add(row)
     launch(session, queue, row, "finetunes", "finetune")

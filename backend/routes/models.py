@@ -6,12 +6,12 @@ Registering queues a light ``cpu`` job that loads the model once and stores
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from fastapi import APIRouter, Response
 from sqlalchemy import select
 
+from moelab.store.dataroots import DataRootError, http_status, resolve_model_source
 from moelab.store.db import Model
 from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, launch, lookup
 from ..deletion import delete_resource
@@ -22,41 +22,20 @@ from ..views import model_out
 
 router = APIRouter(prefix="/models", tags=["models"])
 
-_HF_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
-
-
 def classify_source(source: str, roots: list[Path]) -> tuple[str, str]:
     """``(kind, normalised source)``; raises 422 saying which forms are accepted (403 for a path outside ``roots``).
 
-    A local path must lie, symlinks resolved, inside one of ``roots`` (``Settings.resolved_data_roots``:
-    DATA_DIR/uploads and MOELAB_DATA_ROOTS), checked before anything about it is looked at, so the API
-    neither loads nor reveals the existence of files elsewhere on the server. Relative paths are
-    refused: the API's working directory is not the user's.
+    The rule is ``moelab.store.dataroots.resolve_model_source``: ``default``, a Hugging Face id (never
+    looked up in the API's or worker's working directory), or an absolute / ``~`` path whose real path
+    (symlinks resolved), and every file under it, lies inside one of ``roots``
+    (``Settings.resolved_data_roots``: DATA_DIR/uploads and MOELAB_DATA_ROOTS). The outside check comes
+    before anything about the path is looked at, so the API neither loads nor reveals files elsewhere.
     """
-    source = source.strip()
-    if source == "default":
-        return "default", source
-    if source.startswith(("/", "./", "../", "~")) or source.endswith(".gguf") or "\\" in source or "\x00" in source:
-        if not source.startswith("/"):
-            raise ApiError(422, f"source: {source!r} is a relative path; give the absolute path of a model directory "
-                                "inside a directory listed in MOELAB_DATA_ROOTS")
-        path = Path(source).resolve()
-        if not any(path == root or root in path.parents for root in roots):
-            listed = ", ".join(str(r) for r in roots) or "none"
-            raise ApiError(403, f"source: {source!r} is outside the directories this server loads from ({listed}); "
-                                "put the model under one of them or add its directory to MOELAB_DATA_ROOTS on the server")
-        if not path.exists():
-            raise ApiError(422, f"source: local path {source!r} does not exist on the server; give an existing model directory or .gguf file")
-        if path.is_file() and path.suffix != ".gguf":
-            raise ApiError(422, f"source: {source!r} is a file but not a .gguf model; give a model directory (with config.json) or a .gguf file")
-        if path.is_dir() and not (path / "config.json").is_file():
-            raise ApiError(422, f"source: directory {source!r} has no config.json; save the model with save_pretrained first")
-        return "local", str(path)
-    if not _HF_ID.match(source) or ".." in source:
-        raise ApiError(
-            422, f"source: {source!r} is neither 'default', an existing local path, nor a Hugging Face id such as 'HuggingFaceTB/SmolLM2-135M'"
-        )
-    return "hf", source
+    try:
+        ref = resolve_model_source(source, roots)
+    except DataRootError as exc:
+        raise ApiError(http_status(exc), str(exc)) from exc
+    return ("hf" if ref.kind == "hub" else ref.kind), ref.value  # the API's kind for a Hub id is "hf"
 
 
 @router.post(
@@ -77,8 +56,11 @@ def register_model(body: ModelCreate, response: Response, session: SessionDep, q
     if existing is not None and (existing.job is None or existing.job.state not in ("failed", "cancelled")):
         response.status_code = 200
         return model_out(existing)
-    name = body.name or ("SmolLM2-135M-Instruct" if kind == "default" else Path(source).name or source)
-    row = Model(id=new_id("mod"), name=name, source=source, kind=kind, trust_remote_code=body.trust_remote_code, params={})
+    given = body.source.strip()
+    name = body.name or ("SmolLM2-135M-Instruct" if kind == "default" else Path(given).name or given)
+    # ``source`` is what the worker loads (checked again there); ``params.given`` what the API shows
+    row = Model(id=new_id("mod"), name=name, source=source, kind=kind, trust_remote_code=body.trust_remote_code,
+                params={"given": given} if given != source else {})
     session.add(row)
     launch(session, queue, row, "models", "inspect_model")
     return model_out(row)

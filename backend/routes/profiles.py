@@ -9,6 +9,7 @@ from moelab.store.db import CalibrationSet, Model, Profile
 from ..deps import CascadeQ, QueueDep, SessionDep, StoreDep, launch, lookup, require_ready
 from ..deletion import delete_resource
 from ..errors import ApiError
+from ..limits import atopk_problem
 from moelab.store.jobs import new_id
 from workers.engine.sizes import format_size, parse_size
 from ..schemas import DeleteOut, ProfileCreate, ProfileList, ProfileOut
@@ -28,6 +29,9 @@ def create_profile(body: ProfileCreate, session: SessionDep, queue: QueueDep) ->
     if (model.summary or {}).get("kind") == "moe":
         raise ApiError(422, f"model {model.id} is a Mixture-of-Experts model: profiling reads dense GLU layers; "
                             "convert it with method 'hierarchical' (it profiles its experts itself)")
+    problem = atopk_problem(body.atopk_k, (model.summary or {}).get("d_ffn"), what=f"model {model.id}")
+    if problem:
+        raise ApiError(422, problem)
     n = (cset.summary or {}).get("n_samples")
     if body.samples is not None and n is not None and body.samples > n:
         raise ApiError(422, f"samples: the set {cset.id} has {n} samples, cannot draw {body.samples}; ask for at most {n}")

@@ -17,6 +17,7 @@ never half of one, and a re-run replaces it in one rename.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -29,6 +30,9 @@ from pathlib import Path
 from workers.engine.atomic import (
     TMP_MARK,
     atomic_directory,
+    free_bytes,
+    human_bytes,
+    is_disk_full,
     remove_stale_temporaries,
     temporary_sibling,
     write_json_atomic,
@@ -42,6 +46,31 @@ class ArtifactMissing(FileNotFoundError):
     """No such artifact or file; the message says which."""
 
 
+class InsufficientStorage(OSError):
+    """The artifacts' file system is full (or would be by the step about to run): an operator's
+    matter, not a bug. The API answers it 507, a job fails with ``error_type`` ``storage``. The
+    message names the place by its setting, never by an absolute path."""
+
+    def __init__(self, message: str, needed: int | None = None, what: str | None = None) -> None:
+        super().__init__(errno.ENOSPC, message)
+        self.message, self.needed, self.what = message, needed, what
+
+    def __str__(self) -> str:
+        return self.message
+
+
+#: health turns to a warning below this many free bytes (or this fraction of the disk, the smaller)
+LOW_SPACE_BYTES = 1_000_000_000
+LOW_SPACE_FRACTION = 0.05
+
+
+def artifacts_label(settings: object) -> str:
+    """How messages name the artifacts dir: by the setting that places it, never an absolute path."""
+    if getattr(settings, "artifacts_dir", None) is None:
+        return "MOELAB_DATA_DIR/artifacts"
+    return "the artifacts dir (MOELAB_ARTIFACTS_DIR)"
+
+
 @dataclass(frozen=True)
 class FileEntry:
     path: str  # relative to the artifact directory, "/"-separated
@@ -50,8 +79,35 @@ class FileEntry:
 
 
 class ArtifactStore:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, label: str = "the artifacts dir") -> None:
         self.root = Path(root)
+        self.label = label  # how messages name ``root`` (its setting), see ``artifacts_label``
+
+    # ------------------------------------------------------------------ free space
+
+    def free_bytes(self) -> int | None:
+        return free_bytes(self.root)
+
+    def no_space_message(self, needed: int | None = None, what: str | None = None, where: str = "",
+                         then: str = "repeat the request") -> str:
+        """``no space left under <label>[ where]: 1.5 MB free[; <what> needs ~540 MB]; <what to do>``."""
+        free = self.free_bytes()
+        need = f"; {what or 'this step'} needs ~{human_bytes(needed)}" if needed else ""
+        return (f"no space left under {self.label}{where}: {human_bytes(free)} free{need}; free space there (DELETE "
+                f"unused conversions, fine-tunes or profiles) or move it to a larger disk, then {then}")
+
+    def storage_error(self, exc: BaseException | None = None, where: str = "", then: str = "repeat the request") -> InsufficientStorage:
+        """The error to report for a full disk (``exc``: the one hit, or an up-front refusal), with free space as of now."""
+        needed = getattr(exc, "needed", None) if isinstance(exc, InsufficientStorage) else None
+        what = getattr(exc, "what", None) if isinstance(exc, InsufficientStorage) else None
+        return InsufficientStorage(self.no_space_message(needed, what, where, then), needed, what)
+
+    def require_free(self, needed: int, what: str = "this step") -> None:
+        """Refuse up front (``InsufficientStorage``) a step that will write about ``needed`` bytes
+        when the artifacts' file system has less free. Unknown free space is not a refusal."""
+        free = self.free_bytes()
+        if free is not None and needed > free:
+            raise InsufficientStorage(self.no_space_message(needed, what), needed, what)
 
     def ensure(self) -> None:
         for kind in KINDS:
@@ -185,4 +241,5 @@ class _Sink:
         return out
 
 
-__all__ = ["ArtifactStore", "ArtifactMissing", "FileEntry", "KINDS", "atomic_directory", "write_json_atomic"]
+__all__ = ["ArtifactStore", "ArtifactMissing", "FileEntry", "InsufficientStorage", "KINDS", "artifacts_label", "atomic_directory",
+           "is_disk_full", "write_json_atomic"]

@@ -279,3 +279,43 @@ def test_a_resource_deleted_under_a_create_request_answers_409(client, settings,
     r = client.post("/api/v1/profiles", json={"model_id": model_id, "calibration_set_id": cal, **SMALL_PROFILE})
     assert r.status_code == 409 and "deleted or created meanwhile" in r.json()["detail"], r.text
     assert {t: _rows(settings, t) for t in rows} == rows
+
+
+def test_concurrent_deletes_of_one_resource_do_not_wait_on_the_first(client, settings, monkeypatch):
+    """Eight DELETEs of one resource at once: one deletes it (waiting, here, as on a running job
+    that must stop first), the other seven answer 202 "being deleted" at once instead of holding
+    seven more API threads for the whole wait; afterwards it is gone (404)."""
+    from backend import deletion
+
+    cal = _upload(client, f"racing-{uuid.uuid4().hex[:8]}")
+    release, entered = threading.Event(), threading.Event()
+    real_wait = deletion._wait_ended
+
+    def slow_wait(session, job_ids, wait_s):  # the first DELETE holds on until the others have answered
+        entered.set()
+        release.wait(20)
+        return real_wait(session, job_ids, wait_s)
+
+    monkeypatch.setattr(deletion, "_wait_ended", slow_wait)
+
+    def delete(_: int) -> tuple[int, str, float]:
+        t0 = time.monotonic()
+        r = client.delete(f"/api/v1/calibration-sets/{cal}")
+        return r.status_code, r.json().get("detail", ""), time.monotonic() - t0
+
+    with ThreadPoolExecutor(8) as pool:
+        first = pool.submit(delete, 0)
+        assert entered.wait(10), "the first DELETE never reached its wait"
+        others = [pool.submit(delete, i) for i in range(1, 8)]
+        answers = [f.result(timeout=10) for f in others]  # they must not wait on the first
+        assert not first.done()  # ... which is still deleting
+        release.set()
+        code, _, _ = first.result(timeout=30)
+    assert code == 200
+    assert [a[0] for a in answers] == [202] * 7, answers
+    assert all(took < 3 for _, _, took in answers), answers
+    assert all(f"calibration set {cal} is being deleted by another request" in d and f"/calibration-sets/{cal}" in d
+               for _, d, _ in answers), answers
+    assert client.get(f"/api/v1/calibration-sets/{cal}").status_code == 404
+    assert client.delete(f"/api/v1/calibration-sets/{cal}").status_code == 404  # the guard is released
+    assert not [n for n in _artifacts(settings, "calibration-sets") if cal in n]

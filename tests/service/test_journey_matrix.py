@@ -1,6 +1,7 @@
 """Every path a user can take, through the service: each method × recipe × router it offers goes
-convert → evaluate *with baselines* → compare data → fine-tune (every mode) → export (the API's
-zip and the CLI's native format) → reload and generate, against the real API, Redis and worker.
+convert → evaluate *with baselines* → compare data → fine-tune (its own mode, the modes that refuse
+it, and on a few rows the other modes that train it) → export (the API's zip and the CLI's native
+format) → reload and generate, against the real API, Redis and worker.
 
 A combination that cannot work must be refused up front (HTTP 422 / a CLI error) with a message
 that says what to change: the matrix states which ones and asserts the message. It registers a
@@ -52,10 +53,10 @@ ROWS: dict[str, tuple[str, dict[str, Any], dict[str, str | None]]] = {
     "expertweaver · paper · gate_mass": ("expertweaver", {"n_experts": 8, "router": "gate_mass"}, {"expertweaver": None, "midas": KIND_LOWRANK}),
     "expertweaver · paper · ridge": ("expertweaver", {"n_experts": 8, "router": "ridge"}, {"expertweaver": None, "midas": KIND_LOWRANK}),
     "expertweaver · best": ("expertweaver", {"n_experts": 8, **_best("expertweaver")}, {"expertweaver": None, "cmoe": None, "midas": KIND_LOWRANK}),
-    "cmoe · paper · representative": ("cmoe", {}, {"cmoe": None, "expertweaver": None, "midas": KIND_LOWRANK}),
+    "cmoe · paper · representative": ("cmoe", {}, {"cmoe": None, "midas": KIND_LOWRANK}),
     "cmoe · paper · gate_mass": ("cmoe", {"router": "gate_mass"}, {"cmoe": None, "midas": KIND_LOWRANK}),
     "cmoe · paper · ridge": ("cmoe", {"router": "ridge"}, {"cmoe": None, "midas": KIND_LOWRANK}),
-    "dense2moe · paper (sum)": ("dense2moe", {"layer": 0, "n_fused": 1}, {"dense2moe": None, "cmoe": None, "midas": KIND_LOWRANK}),
+    "dense2moe · paper (sum)": ("dense2moe", {"layer": 0, "n_fused": 1}, {"dense2moe": None, "midas": KIND_LOWRANK}),
     "dense2moe · weighted": ("dense2moe", {"layer": 0, "n_fused": 1, "combine": "weighted"},
                              {"dense2moe": None, "expertweaver": None, "cmoe": "cmoe fine-tuning extends the training-free 'sum' combine",
                               "midas": KIND_LOWRANK}),

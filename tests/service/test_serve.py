@@ -137,3 +137,58 @@ def test_serve_uses_the_given_redis_and_binds_loopback(tmp_path, redis_url):
         proc.kill()
         raise
     _stop(proc, port, log, children)
+
+
+def test_serve_refuses_to_bind_beyond_loopback_without_a_token(tmp_path):
+    proc, _port, log = _serve(tmp_path, ["--host", "0.0.0.0", "--no-worker"])  # _serve clears MOELAB_API_TOKEN
+    try:
+        code = proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    out = log.read_text(errors="replace")
+    assert code != 0, out
+    assert "refusing to serve the API and UI on '0.0.0.0' (beyond loopback) without MOELAB_API_TOKEN" in out, out
+    assert "--insecure" in out and "started" not in out  # nothing was started
+
+
+def test_serve_insecure_binds_beyond_loopback(tmp_path, redis_url):
+    proc, port, log = _serve(tmp_path, ["--host", "0.0.0.0", "--insecure", "--no-worker", "--no-frontend"], MOELAB_REDIS_URL=redis_url)
+    try:
+        _wait_up(proc, port, log, need_worker=False)
+        children = _descendants(proc.pid)
+        assert any(f"--host 0.0.0.0 --port {port}" in c for c in children.values()), children
+    except BaseException:
+        proc.kill()
+        raise
+    _stop(proc, port, log, children)
+
+
+def test_a_killed_serve_takes_every_child_with_it(tmp_path):
+    """SIGKILL leaves serve no chance to stop anything: the children's parent-death signal does it."""
+    proc, port, log = _serve(tmp_path, [])  # private Redis, the API, a worker and the UI (waitress)
+    try:
+        _wait_up(proc, port, log, need_worker=True)
+        deadline = time.monotonic() + 60
+        while not any("waitress" in c and "frontend.app:server" in c for c in _descendants(proc.pid).values()):
+            assert time.monotonic() < deadline, f"no frontend child:\n{log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        children = _descendants(proc.pid)
+        cmds = list(children.values())
+        for kind in ("redis-server", "uvicorn", "celery", "waitress"):
+            assert any(kind in c for c in cmds), (kind, cmds)
+    except BaseException:
+        proc.kill()
+        raise
+    proc.kill()
+    proc.wait(10)
+    killed = time.monotonic()
+    while any(_alive(pid) for pid in children) and time.monotonic() - killed < 5:
+        time.sleep(0.1)
+    left = {pid: cmd for pid, cmd in children.items() if _alive(pid)}
+    for pid in left:  # leave no stray processes behind for the next test
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"still running 5 s after moelab serve was killed: {left}"

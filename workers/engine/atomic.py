@@ -9,6 +9,7 @@ never the conversion another worker is writing at that moment.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -22,6 +23,50 @@ from pathlib import Path
 from typing import Any, Iterator
 
 TMP_MARK = ".tmp-"
+
+#: the errors a full file system (or an exhausted quota) raises
+DISK_FULL_ERRNOS = frozenset(e for e in (getattr(errno, "ENOSPC", None), getattr(errno, "EDQUOT", None)) if e is not None)
+#: how libraries that wrap the OSError (SQLite, torch's stream writer, safetensors, Arrow) say the same
+_DISK_FULL_TEXT = ("no space left on device", "disk quota exceeded", "database or disk is full", "not enough space on the disk")
+
+
+def is_disk_full(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an exception it was raised from, or during) is a full disk or quota:
+    an ``OSError`` with ENOSPC/EDQUOT, or a library's wrapper of one that only keeps its text."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            return True
+        text = str(exc).lower()
+        if any(t in text for t in _DISK_FULL_TEXT):
+            return True
+        orig = getattr(exc, "orig", None)  # SQLAlchemy's DBAPIError keeps the driver's error here
+        if isinstance(orig, BaseException) and is_disk_full(orig):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes for an unprivileged writer on the file system of ``path`` (its nearest existing
+    ancestor), or None when it cannot be read."""
+    path = Path(path)
+    for candidate in (path, *path.parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return None
+
+
+def human_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "unknown"
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} bytes"
 
 
 #: this host, as it appears in temporaries' names (process ids only mean something on their host)
@@ -40,11 +85,15 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_sibling(path, "file")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk (or anything else) leaves no partial temporary behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -64,14 +113,21 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-    except BaseException:
+    except BaseException:  # a failed write (a full disk included) leaves nothing: the temporary goes
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     old = None
-    if final.exists():
-        old = temporary_sibling(final, "old")
-        os.replace(final, old)
-    os.replace(tmp, final)
+    try:
+        if final.exists():
+            old = temporary_sibling(final, "old")
+            os.replace(final, old)
+        os.replace(tmp, final)
+    except BaseException:
+        if old is not None and not final.exists():
+            os.replace(old, final)  # put the previous artifact back
+            old = None
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

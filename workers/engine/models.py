@@ -18,10 +18,12 @@ data dir, so later loads take seconds.
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -275,6 +277,93 @@ def _load_pretrained(location: str | Path, gguf_file: str | None, dtype: torch.d
     return model, tokenizer
 
 
+#: Set by a service worker (``restrict_sources``): every ``load_model`` in this process then checks
+#: its source against these roots, as if called with ``allowed_roots``. None: the CLI's local rules.
+_SERVICE_ROOTS: tuple[Path, ...] | None = None
+
+
+def restrict_sources(roots: Sequence[Path] | None) -> None:
+    """Make every later ``load_model`` in this process default to ``allowed_roots=roots`` (None: lift it)."""
+    global _SERVICE_ROOTS
+    _SERVICE_ROOTS = None if roots is None else tuple(Path(r) for r in roots)
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """A Hub model's files, from the Hub (or its local cache) only: never the working directory.
+
+    transformers' own ``from_pretrained(name)`` first tries ``name`` as a directory relative to the
+    working directory; a service must not, so a Hub id is fetched here and loaded from the snapshot."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, ignore_patterns=["*.msgpack", "*.h5", "*.ot", "*.onnx", "onnx/*",
+                                                                "*.tflite", "*.gguf", "original/*"]))
+    except Exception as exc:  # the hub raises many types; all mean "not available"
+        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+        raise ModelError(
+            f"could not load model {repo_id!r} from the Hugging Face Hub ({type(exc).__name__}: {first}); the Hub "
+            "may be unreachable from this server. Register 'default', or save the model with save_pretrained into a "
+            "directory listed in MOELAB_DATA_ROOTS and register its absolute path"
+        ) from exc
+
+
+#: A Hugging Face Hub id: ``name`` or ``org/name`` of ``[A-Za-z0-9._-]``, no leading dot or dash (and no ``..``).
+HUB_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,95}(/[A-Za-z0-9_][A-Za-z0-9_.\-]{0,95})?$")
+
+
+def _inside(path: str | Path, roots: Sequence[Path]) -> bool:
+    real = Path(os.path.realpath(path))
+    return any(real == r or r in real.parents for r in (Path(os.path.realpath(root)) for root in roots))
+
+
+def _strict_location(spec: str, roots: Sequence[Path]) -> tuple[Path, str | None, str]:
+    """``(location, gguf_file, source to record)`` of a service-side source: a Hub id (fetched from
+    the Hub, never looked up in the working directory), or an absolute path whose real path, and
+    that of every file under it, lies inside ``roots`` (the service's data roots). The service
+    checks the same rule with its own messages (``moelab.store.dataroots``) before queueing."""
+    if "\x00" in spec:
+        raise ModelError("model source contains a NUL byte; give a Hub id or an absolute path inside MOELAB_DATA_ROOTS")
+    text = spec.strip()
+    if HUB_ID.match(text) and ".." not in text and not text.lower().endswith(".gguf"):
+        return hub_snapshot(text), None, text
+    path = Path(text).expanduser() if text.startswith("~") else Path(text)
+    if not path.is_absolute():
+        raise ModelError(f"model source {text!r} is a relative path; give an absolute path inside MOELAB_DATA_ROOTS")
+    if not _inside(path, roots):
+        raise ModelError(f"model source {text!r} is outside the directories this server loads from; "
+                         "list its directory in MOELAB_DATA_ROOTS (API and workers)")
+    real = Path(os.path.realpath(path))
+    files = [real, *real.parent.glob("*.json")] if real.is_file() else []
+    if real.is_dir():
+        seen: set[str] = set()
+        for top, dirs, names in os.walk(real, followlinks=True):  # symlinked directories' contents too
+            if os.path.realpath(top) in seen:
+                dirs[:] = []
+                continue
+            seen.add(os.path.realpath(top))
+            files += [Path(top) / n for n in (*dirs, *names)]
+    for f in files:
+        if not _inside(f, roots):
+            raise ModelError(f"model source {text!r}: {f.name} links outside the directories this server loads from")
+    if real.is_file():
+        if real.suffix.lower() != ".gguf":
+            raise ModelError(f"model source {text!r} is a file but not a .gguf model")
+        return real.parent, real.name, str(real)
+    if not (real / "config.json").is_file():
+        raise ModelError(f"model source {text!r}: a local model directory needs a config.json (a Hugging Face save)")
+    return real, None, str(real)
+
+
+def service_location(spec: str) -> tuple[Path, str | None] | None:
+    """Under ``restrict_sources``: ``(location, gguf file name)`` of ``spec`` by the service's rule
+    (``_strict_location``), for loaders other than ``load_model`` (layer streaming, MoE models);
+    None where the CLI's local rules apply (no roots set, or the default model)."""
+    if _SERVICE_ROOTS is None or spec == DEFAULT_MODEL:
+        return None
+    location, gguf_file, _ = _strict_location(spec, _SERVICE_ROOTS)
+    return location, gguf_file
+
+
 def load_model(
     spec: str = DEFAULT_MODEL,
     *,
@@ -283,21 +372,31 @@ def load_model(
     dtype: str = "auto",
     trust_remote_code: bool = False,
     progress: Progress = NO_PROGRESS,
+    allowed_roots: Sequence[Path] | None = None,
 ) -> ModelAdapter:
     """Load ``spec`` (``default`` | local dir | local ``.gguf`` file | Hugging Face id).
 
     ``trust_remote_code`` stays off unless the caller turns it on: a model repository's own
     Python would otherwise run in our process.
+
+    ``allowed_roots`` (a service; default: what ``restrict_sources`` set, else None): a Hub-shaped
+    ``spec`` is loaded from the Hub only, never from the working directory, and a path must be
+    absolute with its real path (and every file under it) inside these roots. Without it (the CLI,
+    run by the user on their own machine) a relative local path is fine.
     """
     t0 = time.perf_counter()
     progress.update("load model", 0, 1)  # at once: resolving the device can import CUDA, and the job's stage was 'starting'
+    roots = allowed_roots if allowed_roots is not None else _SERVICE_ROOTS
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     gguf_file = None
+    checked: str | None = None  # the source as checked against ``roots``
     extra: dict[str, Any] = {}
     if spec == DEFAULT_MODEL:
         location: str | Path = cache_default_model(data_dir, progress)
         extra = {"name": DEFAULT_MODEL_NAME, "weights": "Q4_1 GGUF dequantised to float32"}
+    elif roots is not None:
+        location, gguf_file, checked = _strict_location(spec, roots)
     elif spec.endswith(".gguf") and Path(spec).is_file():
         location, gguf_file = Path(spec).parent, Path(spec).name
     elif Path(spec).exists():
@@ -328,7 +427,10 @@ def load_model(
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     model.to(dev).eval()
     # A local path is recorded absolute: later jobs (conversion, evaluation) reload it from anywhere.
-    source = spec if spec == DEFAULT_MODEL or not Path(spec).exists() else str(Path(spec).resolve())
+    if checked is not None:  # a Hub id stays the id (never a working-directory path); a path is its checked real path
+        source = checked
+    else:
+        source = spec if spec == DEFAULT_MODEL or not Path(spec).exists() else str(Path(spec).resolve())
     adapter = adapt(model, tokenizer, source=source)
     adapter.extra.update(extra)
     adapter.load_seconds = time.perf_counter() - t0

@@ -181,13 +181,17 @@ def read_conversion(conversion_dir: Path) -> dict[str, Any]:
 def run_evaluation(
     conversion_dir: Path, *, data_dir: Path, n_windows: int = 32, seq_len: int = 256, baselines: bool = True,
     source: str = "builtin:mixed", device: str = "auto", progress: Progress = NO_PROGRESS, write: bool = True,
-    mc_per_task: int = 50, loader: ModelLoader = load_model,
+    mc_per_task: int = 50, loader: ModelLoader = load_model, max_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Perplexity dense vs converted (vs the method's baselines, e.g. AbsTopK for EW/CMoE) in one run,
     plus reconstruction and routing; BIG-bench multiple-choice accuracy too when that set is installed
-    (``moelab data install bigbench``); plus the method's own extra numbers (MIDAS: load CV per set)."""
+    (``moelab data install bigbench``); plus the method's own extra numbers (MIDAS: load CV per set).
+
+    ``max_tokens``: the most held-out tokens (``n_windows × seq_len``) this run may read (the caller's
+    MOELAB_MAX_EVAL_TOKENS); a ``seq_len`` beyond the model's ``max_position_embeddings`` is refused too."""
     t0 = time.perf_counter()
     record = read_conversion(conversion_dir)
+    check_evaluation_limits(conversion_dir, n_windows=n_windows, seq_len=seq_len, max_tokens=max_tokens)
     method = get_method(method_of(record["params"]))
     with progress.step("load converted model"):  # stages all the way: a watcher never sees 'starting' for a minute
         converted = load_exported(conversion_dir)
@@ -237,6 +241,25 @@ def run_evaluation(
 
         write_model_card(Path(conversion_dir), record, converted, "moelab", out)
     return out
+
+
+def check_evaluation_limits(conversion_dir: Path, *, n_windows: int, seq_len: int, max_tokens: int | None = None) -> None:
+    """ValueError when an evaluation would read more than ``max_tokens`` held-out tokens or windows longer than
+    the model's ``max_position_embeddings`` (its ``config.json``), before any model is loaded."""
+    if max_tokens is not None and n_windows * seq_len > max_tokens:
+        raise ValueError(f"windows × seq_len = {n_windows} × {seq_len} = {n_windows * seq_len} tokens exceeds the limit of "
+                         f"{max_tokens} tokens per evaluation (MOELAB_MAX_EVAL_TOKENS); use at most "
+                         f"{max(1, max_tokens // seq_len)} windows of {seq_len} tokens")
+    try:
+        config = json.loads((Path(conversion_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    base = config.get("base_config") if isinstance(config.get("base_config"), dict) else config
+    if isinstance(base.get("text_config"), dict):
+        base = {**base, **base["text_config"]}
+    positions = base.get("max_position_embeddings")
+    if isinstance(positions, int) and seq_len > positions:
+        raise ValueError(f"seq_len {seq_len} exceeds the model's max_position_embeddings ({positions}); use seq_len ≤ {positions}")
 
 
 PROBE_KINDS = ("routing", "generate")

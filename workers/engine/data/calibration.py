@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import pandas as pd
 import pyarrow as pa
@@ -482,6 +483,7 @@ def load_hf_dataset(
     config: str | None = None,
     limit: int | None = None,
     trust_remote_code: bool = False,
+    allowed_roots: Sequence[Path] | None = None,
 ) -> CalibrationSet:
     """A calibration set from the ``datasets`` library.
 
@@ -493,10 +495,16 @@ def load_hf_dataset(
 
     ``task_field``/``domain_field`` are used when the columns exist. ``trust_remote_code`` is
     forwarded only to ``datasets`` versions that still run dataset scripts (newer ones never do).
+
+    ``allowed_roots`` (a service): a local source must be an absolute path whose real path, and that
+    of every data file the loader will open (symlinks resolved), lies inside these roots
+    (``moelab.store.dataroots``); otherwise ``DataRootError`` / ``OutsideDataRoots`` and nothing is read.
     """
     import datasets  # heavy import, only when this source is used
 
     ref = name_or_path
+    if allowed_roots is not None:
+        name_or_path = _checked_local(name_or_path, allowed_roots)  # the real path: what was checked is what is read
     path = Path(name_or_path).expanduser()
     looks_local = name_or_path.startswith(("/", ".", "~")) or path.suffix.lower() in _DATA_FILE_BUILDERS
     if looks_local and not path.exists():
@@ -534,6 +542,9 @@ def load_hf_dataset(
                     kwargs["delimiter"] = "\t"
                 ds = datasets.load_dataset(builder, data_files={split: str(path)}, split=sel, **kwargs)
                 name = path.stem
+            elif path.is_dir() and allowed_roots is not None:
+                ds = _load_checked_dir(datasets, path, config, sel, allowed_roots, ref, kwargs)
+                name = path.name
             elif path.is_dir():
                 ds = datasets.load_dataset(str(path), config, split=sel, **kwargs)
                 name = path.name
@@ -577,7 +588,74 @@ def load_hf_dataset(
         samples.append(Sample(t, None if k is None else str(k) or None, None if d is None else str(d) or None))
     if not samples:
         raise CalibrationError(f"{ref}: split {split!r} has no non-empty {text_field!r} values")
-    return CalibrationSet(name=name, samples=samples, source=f"hf:{name_or_path}@{split}")
+    return CalibrationSet(name=name, samples=samples, source=f"hf:{ref}@{split}")
+
+
+class CalibrationOutsideRoots(PermissionError, CalibrationError):
+    """A service-side source whose real path, or that of a file it names, is outside the data roots."""
+
+
+def _inside_roots(path: str | Path, roots: Sequence[Path]) -> bool:
+    real = Path(os.path.realpath(path))
+    return any(real == r or r in real.parents for r in (Path(os.path.realpath(root)) for root in roots))
+
+
+def _checked_local(name_or_path: str, roots: Sequence[Path]) -> str:
+    """For a service (``allowed_roots``): a local ``hf`` source's real path, after checking that it,
+    every file under it and every file its ``save_to_disk`` markers name lie inside ``roots``. A Hub
+    name is returned as is (the service checks its form before queueing). The API checks the same
+    rule with its own messages (``moelab.store.dataroots``); this is the check at the read itself."""
+    if "\x00" in name_or_path:
+        raise CalibrationError("dataset path contains a NUL byte; remove it")
+    text = name_or_path.strip()
+    if not text.startswith(("/", ".", "~")) and "\\" not in text and ".." not in text and text.count("/") <= 1 \
+            and not text.lower().endswith(tuple(_DATA_FILE_BUILDERS)):
+        return text  # a Hub name
+    if not text.startswith("/"):
+        raise CalibrationError(f"{text!r} is a relative path; give an absolute path inside MOELAB_DATA_ROOTS")
+    if not _inside_roots(text, roots):
+        raise CalibrationOutsideRoots(f"{text!r} is outside the directories this server reads data from; "
+                                      "list its directory in MOELAB_DATA_ROOTS (API and workers)")
+    real = Path(os.path.realpath(text))
+    if real.is_dir():
+        seen: set[str] = set()
+        for top, dirs, names in os.walk(real, followlinks=True):
+            if os.path.realpath(top) in seen:
+                dirs[:] = []
+                continue
+            seen.add(os.path.realpath(top))
+            for n in (*dirs, *names):
+                entry = Path(top) / n
+                refs = [entry]
+                if n in ("state.json", "dataset_dict.json") and entry.is_file():
+                    try:
+                        meta = json.loads(entry.read_text(encoding="utf-8"))
+                    except (OSError, ValueError):
+                        meta = {}
+                    refs += [Path(top) / d["filename"] for d in meta.get("_data_files", []) or []
+                             if isinstance(d, dict) and isinstance(d.get("filename"), str)]
+                    refs += [Path(top) / sp for sp in meta.get("splits", []) or [] if isinstance(sp, str)]
+                for r in refs:
+                    if not _inside_roots(r, roots):
+                        raise CalibrationOutsideRoots(
+                            f"{text!r}: {entry.relative_to(real)} refers to a file outside the directories this server "
+                            "reads data from; copy the data into the directory instead of linking it")
+    return str(real)
+
+
+def _load_checked_dir(datasets: Any, path: Path, config: str | None, sel: str, roots: Sequence[Path], ref: str,
+                      kwargs: dict[str, Any]) -> Any:
+    """``load_dataset`` of a data directory, with every data file the builder resolved (from file
+    names or a README's ``configs``) checked against ``roots`` before any is opened."""
+    builder = datasets.load_dataset_builder(str(path), config, **kwargs)
+    data_files = getattr(builder.config, "data_files", None) or {}
+    for f in (f for split_files in data_files.values() for f in split_files):
+        text = str(f).removeprefix("file://")
+        if "://" in text or not _inside_roots(path / text, roots):  # an absolute ``text`` replaces ``path``
+            raise CalibrationOutsideRoots(f"{ref}: data file {Path(text).name} resolves outside the directories this "
+                                          "server reads data from; move it into MOELAB_DATA_ROOTS")
+    builder.download_and_prepare()
+    return builder.as_dataset(split=sel)
 
 
 # --------------------------------------------------------------------------------------------

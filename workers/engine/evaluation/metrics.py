@@ -65,6 +65,17 @@ def swapped_mlps(adapter: ModelAdapter, modules: dict[int, nn.Module] | None) ->
             adapter.layers[i].block.mlp = mod
 
 
+#: Most tokens in one forward of an evaluation (perplexity, reconstruction, multiple choice): a batch of long
+#: windows holds fewer of them, so one step stays a few seconds and a cancel is seen between steps
+#: (``progress.update``) instead of after minutes (8 windows × 32768 tokens sat 220 s in one forward).
+BATCH_TOKENS = 2048
+
+
+def window_batch(batch_size: int, seq_len: int, max_tokens: int = BATCH_TOKENS) -> int:
+    """Windows per forward: ``batch_size``, fewer when that many ``seq_len`` windows exceed ``max_tokens`` (≥ 1)."""
+    return max(1, min(batch_size, max_tokens // max(1, seq_len)))
+
+
 @torch.inference_mode()
 def perplexity(
     model: nn.Module, windows: torch.Tensor, batch_size: int = 8, progress: Progress = NO_PROGRESS,
@@ -77,6 +88,7 @@ def perplexity(
     device = next(model.parameters()).device
     nll, count = 0.0, 0
     t0 = time.perf_counter()
+    batch_size = window_batch(batch_size, windows.shape[-1])
     n_batches = math.ceil(len(windows) / batch_size)
     for b in range(n_batches):
         if before_batch is not None:
@@ -112,6 +124,7 @@ def reconstruction_errors(
                     err[name][i] += float((modules[i](args[0]).float() - dense).pow(2).sum())
 
         hooks.append(lay.mlp.register_forward_hook(hook))
+    batch_size = window_batch(batch_size, windows.shape[-1])
     n_batches = math.ceil(len(windows) / batch_size)
     try:
         for b in range(n_batches):
@@ -330,8 +343,17 @@ def multiple_choice_accuracy(model: nn.Module, tokenizer: Any, items: list[Choic
             cont = tokenizer(" " + choice, add_special_tokens=False)["input_ids"]
             pairs.append((i, j, (prompt + cont)[-1024:], min(len(prompt), 1024 - len(cont))))
     scores = np.full((len(items), max((len(it.choices) for it in items), default=0)), -np.inf)
-    for b in range(0, len(pairs), batch_size):
-        chunk = pairs[b : b + batch_size]
+    # batches of at most batch_size pairs and BATCH_TOKENS padded tokens (one long pair alone), in order
+    chunks: list[list[Any]] = []
+    for pair in pairs:
+        last = chunks[-1] if chunks else None
+        if last is not None and len(last) < batch_size and \
+                (len(last) + 1) * max(len(pair[2]), *(len(p[2]) for p in last)) <= BATCH_TOKENS:
+            last.append(pair)
+        else:
+            chunks.append([pair])
+    done = 0
+    for chunk in chunks:
         width = max(len(p[2]) for p in chunk)
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)
         mask = torch.zeros(len(chunk), width, dtype=torch.long)
@@ -346,7 +368,8 @@ def multiple_choice_accuracy(model: nn.Module, tokenizer: Any, items: list[Choic
         mean_lp = (tok_lp * sel).sum(1) / sel.sum(1).clamp_min(1)
         for r, (i, j, _, _) in enumerate(chunk):
             scores[i, j] = float(mean_lp[r])
-        progress.update(stage, min(b + batch_size, len(pairs)), len(pairs))  # choices scored
+        done += len(chunk)
+        progress.update(stage, done, len(pairs))  # choices scored
     correct = scores.argmax(1) == np.array([it.answer for it in items])
     per_task = {}
     for name in sorted({it.task for it in items}):

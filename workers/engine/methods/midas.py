@@ -410,6 +410,13 @@ def _mean_off_diag(layers: list[dict[str, Any]], key: str) -> float:
 
 
 def validate(params: MidasParams, profiles: list[Any]) -> None:
+    from pathlib import Path
+
+    paths = [Path(p.path).resolve() for p in profiles if getattr(p, "path", None) is not None]
+    repeated = sorted({str(p) for p in paths if paths.count(p) > 1})
+    if repeated:
+        raise ConversionError(f"profile {', '.join(repeated)} given more than once: MIDAS builds one expert per calibration "
+                              "set, so every profile must be a different one (one --profile per set)")
     params.validate(len(profiles))
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..core.params import ConversionError
 from ..data.calibration import CalibrationSet
-from ..models import resolve_device, resolve_dtype
+from ..models import resolve_device, resolve_dtype, service_location
 from ..progress import NO_PROGRESS, Progress
 from ..runtime.modeling_moelab import decoder_layers
 from ..runtime.param_count import parameter_counts
@@ -96,7 +96,8 @@ def load_moe_model(
     id. (``models.load_model`` only adapts dense GLU models.)"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    location = Path(source)
+    checked = service_location(str(source))  # a service worker: never the working directory, only inside the data roots
+    location = checked[0] if checked is not None else Path(source)
     if location.exists() and not (location / "config.json").is_file():
         raise ConversionError(f"{source}: a local model directory needs a config.json (a Hugging Face save)")
     where = str(location) if location.exists() else str(source)

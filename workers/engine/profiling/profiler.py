@@ -130,6 +130,14 @@ def _index_dtype(d_ffn: int) -> torch.dtype:
     return torch.int16 if d_ffn <= torch.iinfo(torch.int16).max else torch.int32
 
 
+def check_atopk(s: ProfileSettings, d_ffn: list[int]) -> None:
+    """ATopK's K_a marks K neurons per token: more than the narrowest layer has is refused
+    (``ProfileError``), not clamped, so the manifest's ``atopk_k`` is what every layer used."""
+    if d_ffn and s.atopk_k > min(d_ffn):
+        raise ProfileError(f"atopk_k {s.atopk_k} exceeds d_ffn ({min(d_ffn)}, the narrowest FFN layer of the model): a token "
+                           f"cannot mark more neurons than a layer has; use atopk_k ≤ {min(d_ffn)}")
+
+
 class _LayerAccumulator:
     """Running sums for one layer; the hooks feed it masked, flattened tensors."""
 
@@ -143,7 +151,8 @@ class _LayerAccumulator:
         self.xtx = (
             torch.zeros(d_model, d_model, dtype=torch.float64, device=device) if s.second_moment else None
         )
-        self.k = min(s.atopk_k, d_ffn)
+        check_atopk(s, [d_ffn])
+        self.k = s.atopk_k
         self.bins = s.hist_bins
         self.index_dtype = _index_dtype(d_ffn)
         # Running top-K of |h| per neuron: score (|h|, -inf for a repeated prefix), signed h, token index.
@@ -387,6 +396,7 @@ def profile_model(
     progress: Progress = NO_PROGRESS,
 ) -> ProfileResult:
     """Run the calibration set through the model once and return every statistic."""
+    check_atopk(settings or ProfileSettings(), [lay.d_ffn for lay in adapter.layers])  # before anything is tokenised
     s, p, timings = start_pass(adapter.tokenizer, cset, settings)
 
     n_layers, d_model = adapter.n_layers, adapter.d_model

@@ -42,7 +42,7 @@ from torch import nn
 
 from ..atomic import temporary_sibling
 from ..data.calibration import CalibrationSet
-from ..models import DEFAULT_MODEL, ModelAdapter, ModelError, adapt, cache_default_model, resolve_device, resolve_dtype
+from ..models import DEFAULT_MODEL, ModelAdapter, ModelError, adapt, cache_default_model, resolve_device, resolve_dtype, service_location
 from ..progress import NO_PROGRESS, Progress
 from ..sizes import format_size, parse_size  # noqa: F401  (parse_size: re-exported for callers)
 from .profiler import (
@@ -134,6 +134,11 @@ def weights_location(spec: str, data_dir: Path) -> Path:
     """The directory holding ``spec``'s config and safetensors (the default model: its cache)."""
     if spec == DEFAULT_MODEL:
         return cache_default_model(data_dir)
+    checked = service_location(spec)  # a service worker: never the working directory, only inside the data roots
+    if checked is not None:
+        if checked[1] is not None:
+            raise ModelError(f"{spec}: a GGUF file cannot be streamed layer by layer; save it as safetensors first")
+        return checked[0]
     path = Path(spec)
     if path.is_file() and path.suffix == ".gguf":
         raise ModelError(f"{spec}: a GGUF file cannot be streamed layer by layer; save it as safetensors first")

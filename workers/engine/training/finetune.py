@@ -545,6 +545,12 @@ def _optimizer(setup: TrainSetup, params: FinetuneParams) -> torch.optim.Optimiz
     return torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0)
 
 
+#: Most tokens in one forward/backward of a training step (larger steps are split into micro-batches).
+STEP_TOKENS = 2048
+#: Most tokens of the first batch that a mode's set-up reads (expertweaver scales its router initialisation on them).
+SETUP_TOKENS = 2048
+
+
 def run_finetune(
     conversion_dir: Path,
     params: FinetuneParams,
@@ -565,6 +571,11 @@ def run_finetune(
     t0 = time.perf_counter()
     params.validate()
     conversion_dir, out = Path(conversion_dir), Path(out)
+    try:
+        model_config = json.loads((conversion_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        model_config = None  # loading the conversion says what is missing
+    params.validate_for(model_config)
     out.mkdir(parents=True, exist_ok=True)
     ckpt_root = out / CHECKPOINT_DIR
     ckpt = latest_checkpoint(ckpt_root)
@@ -596,6 +607,7 @@ def run_finetune(
 
     torch.manual_seed(params.seed)
     first = torch.as_tensor(train_win[window_indices(0, params.batch_size, len(train_win), params.seed)]).to(dev)
+    first = first[: max(1, SETUP_TOKENS // params.seq_len)]  # the set-up's forward is bounded like a training one
     with progress.step(f"set up {params.mode} training"):
         setup = apply_mode(moe, params, first)
     if "perplexity_start" not in log:
@@ -639,10 +651,25 @@ def run_finetune(
                 group["lr"] = group["base_lr"] * lr_factor(step, params.steps, params.warmup, start)
             factor = lr_factor(step, params.steps, params.warmup)
             tap.reset()
-            ntp = setup.model(input_ids=x, labels=x, use_cache=False).loss
-            aux = tap.aux_loss()
-            loss = ntp + params.lb_used * aux if aux is not None and params.lb_used > 0 else ntp
-            loss.backward()
+            # A step of batch_size × seq_len tokens runs as micro-batches of at most STEP_TOKENS tokens (gradients
+            # accumulated, each weighted by its share of the windows): one forward/backward is bounded, and a cancel
+            # is seen between them (progress.update), not only after a step of unbounded size.
+            per = max(1, min(len(x), STEP_TOKENS // params.seq_len))
+            ntp_sum, aux_sum, loss_sum = 0.0, None, 0.0
+            for first in range(0, len(x), per):
+                if first:
+                    progress.update("train", step, params.steps)
+                xb = x[first:first + per]
+                weight = len(xb) / len(x)
+                ntp_b = setup.model(input_ids=xb, labels=xb, use_cache=False).loss
+                aux_b = torch.stack(tap.terms).mean() if tap.terms else None
+                tap.terms.clear()
+                loss_b = ntp_b + params.lb_used * aux_b if aux_b is not None and params.lb_used > 0 else ntp_b
+                (loss_b * weight if weight != 1 else loss_b).backward()
+                ntp_sum += weight * float(ntp_b.detach())
+                loss_sum += weight * float(loss_b.detach())
+                if aux_b is not None:
+                    aux_sum = (aux_sum or 0.0) + weight * float(aux_b.detach())
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -652,8 +679,8 @@ def run_finetune(
             step += 1
             elapsed += time.perf_counter() - t_step
             log["steps"].append({
-                "step": step, "loss": float(loss.detach()), "ntp_loss": float(ntp.detach()),
-                "aux_loss": None if aux is None else float(aux.detach()), "load_cv": tap.mean_load_cv(),
+                "step": step, "loss": loss_sum, "ntp_loss": ntp_sum,
+                "aux_loss": aux_sum, "load_cv": tap.mean_load_cv(),
                 "lr": params.lr * factor if setup.groups.get("adapters") else params.router_lr * factor,
                 "tokens": step * params.batch_size * params.seq_len, "elapsed_s": elapsed,
             })

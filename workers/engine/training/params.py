@@ -111,3 +111,22 @@ class FinetuneParams(DeclaredParams):
 
     #: The name the runs, the routes and the CLI call: every field against its declaration, then ``_check``.
     validate = DeclaredParams.check
+
+    def validate_for(self, config: dict[str, Any] | None) -> None:
+        """The rules that need the conversion's model (its ``config.json``, read as JSON: no torch): a LoRA rank
+        above d_model only adds memory (rank 4096 on d_model 576 reached 12.7 GB), and sequences longer than
+        ``max_position_embeddings`` leave the positions the model was trained on."""
+        if not isinstance(config, dict):
+            return
+        base = config.get("base_config") if isinstance(config.get("base_config"), dict) else config
+        if isinstance(base.get("text_config"), dict):
+            base = {**base, **base["text_config"]}
+        d_model = base.get("hidden_size") or next(
+            (e.get("d_model") for e in config.get("moe_layers") or [] if isinstance(e, dict) and e.get("d_model")), None)
+        if isinstance(d_model, int) and self.lora_rank > d_model:
+            raise FinetuneError(f"lora_rank {self.lora_rank} exceeds d_model ({d_model}) of the conversion's model: a rank "
+                                f"above d_model adds parameters and memory but no expressiveness; use lora_rank ≤ {d_model}")
+        positions = base.get("max_position_embeddings")
+        if isinstance(positions, int) and self.seq_len > positions:
+            raise FinetuneError(f"seq_len {self.seq_len} exceeds the conversion's model's max_position_embeddings "
+                                f"({positions}); use seq_len ≤ {positions}")
