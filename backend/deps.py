@@ -7,7 +7,8 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, Query, Request, Security
+from fastapi import Depends, Query, Request, Response, Security
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
@@ -67,6 +68,15 @@ async def require_token(request: Request, credentials: HTTPAuthorizationCredenti
     if not secrets.compare_digest(given.encode(), token.encode()):
         raise ApiError(401, "wrong API token: send the server's MOELAB_API_TOKEN as 'Authorization: Bearer <token>'",
                        headers=challenge)
+
+
+def encoded(model: BaseModel) -> Response:
+    """``model`` as the JSON body FastAPI would send for it as the route's ``response_model``, encoded
+    here, in the thread that built it. Returned from a plain ``def`` route, this saves FastAPI's second
+    trip through the thread pool: it validates a returned model there again (after dumping it) before
+    encoding it, and under 50 concurrent clients that second wait behind the busy threads doubled the
+    latency of every such GET. The route keeps ``response_model`` for the OpenAPI schema."""
+    return Response(model.__pydantic_serializer__.to_json(model, by_alias=True), media_type="application/json")
 
 
 CascadeQ = Annotated[bool, Query(description="also delete everything that depends on it (otherwise such a resource is "

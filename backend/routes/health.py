@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import shutil
+from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from sqlalchemy import func, select
 
 from moelab.store import liveness
@@ -14,13 +15,16 @@ from moelab.store.artifacts import LOW_SPACE_BYTES, LOW_SPACE_FRACTION
 from workers.engine.atomic import human_bytes
 
 from moelab.store.db import Job
-from ..deps import SessionDep
+from ..deps import SessionDep, encoded
 from ..schemas import HealthDiskOut, HealthOut
 
 router = APIRouter(tags=["health"])
 
 
+@lru_cache(maxsize=1)
 def _version() -> str:
+    """The installed moelab version, read once per process (the metadata lookup scans the installed
+    distributions: ~1.5 ms, a third of a health check's time)."""
     try:
         return version("moelab")
     except PackageNotFoundError:  # pragma: no cover - running from a source tree
@@ -50,7 +54,7 @@ def disk_report(settings, store) -> tuple[dict[str, HealthDiskOut], list[str]]:
 
 
 @router.get("/health", response_model=HealthOut, summary="Is the service up; are the database, broker and workers?")
-def health(request: Request, session: SessionDep) -> HealthOut:
+def health(request: Request, session: SessionDep) -> Response:
     state = request.app.state
     database = broker = "ok"
     workers: list[str] = []
@@ -72,5 +76,5 @@ def health(request: Request, session: SessionDep) -> HealthOut:
     disk, warnings = disk_report(state.settings, state.store)
     states = {d.state for d in disk.values()}
     disk_state = "low" if "low" in states else "unknown" if "unknown" in states else "ok"
-    return HealthOut(status=status, version=_version(), database=database, broker=broker, workers=workers, jobs=counts,
-                     disk=disk, disk_state=disk_state, warnings=warnings)
+    return encoded(HealthOut(status=status, version=_version(), database=database, broker=broker, workers=workers, jobs=counts,
+                             disk=disk, disk_state=disk_state, warnings=warnings))  # encoded here: no second thread-pool trip

@@ -9,7 +9,7 @@ from sqlalchemy import func, select
 
 from moelab.store import jobs
 from moelab.store.db import RESOURCE_TABLES, Job
-from ..deps import QueueDep, SessionDep, launch, lookup
+from ..deps import QueueDep, SessionDep, encoded, launch, lookup
 from ..errors import ApiError
 from ..schemas import JobKind, JobList, JobOut, JobState
 from ..views import job_out
@@ -27,7 +27,7 @@ def list_jobs(
     state: JobState | None = None, kind: JobKind | None = None,
     resource_id: Annotated[str | None, Query(max_length=40)] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 100, offset: Annotated[int, Query(ge=0)] = 0,
-) -> JobList:
+) -> Response:
     _reap(request, session)
     query = select(Job)
     if state:
@@ -38,16 +38,16 @@ def list_jobs(
         query = query.where(Job.resource_id == resource_id)
     total = session.execute(select(func.count()).select_from(query.subquery())).scalar_one()
     rows = session.execute(query.order_by(Job.created_at.desc()).limit(limit).offset(offset)).scalars().all()
-    return JobList(items=[job_out(j) for j in rows], total=total)
+    return encoded(JobList(items=[job_out(j) for j in rows], total=total))  # encoded here: no second thread-pool trip
 
 
 @router.get("/{job_id}", response_model=JobOut, summary="State, progress {stage,current,total}, timings, error")
-def get_job(job_id: str, request: Request, session: SessionDep) -> JobOut:
+def get_job(job_id: str, request: Request, session: SessionDep) -> Response:
     lookup(session, Job, job_id, "job", "jobs")
     _reap(request, session, job_id)
     job = session.get(Job, job_id)
     session.refresh(job)
-    return job_out(job)
+    return encoded(job_out(job))  # polled by the UI: encoded here, no second thread-pool trip
 
 
 @router.delete(

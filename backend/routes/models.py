@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 from moelab.store.dataroots import DataRootError, http_status, resolve_model_source
 from moelab.store.db import Model
-from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, launch, lookup
+from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, encoded, launch, lookup
 from ..deletion import delete_resource
 from ..errors import ApiError
 from moelab.store.jobs import new_id
@@ -67,14 +67,14 @@ def register_model(body: ModelCreate, response: Response, session: SessionDep, q
 
 
 @router.get("", response_model=ModelList, summary="Registered models")
-def list_models(session: SessionDep) -> ModelList:
+def list_models(session: SessionDep) -> Response:
     rows = session.execute(select(Model).order_by(Model.created_at.desc())).scalars().unique().all()
-    return ModelList(items=[model_out(r) for r in rows], total=len(rows))
+    return encoded(ModelList(items=[model_out(r) for r in rows], total=len(rows)))  # no second thread-pool trip
 
 
 @router.get("/{model_id}", response_model=ModelOut, summary="One model, with its description once inspected")
-def get_model(model_id: str, session: SessionDep) -> ModelOut:
-    return model_out(lookup(session, Model, model_id, "model", "models"))
+def get_model(model_id: str, session: SessionDep) -> Response:
+    return encoded(model_out(lookup(session, Model, model_id, "model", "models")))  # no second thread-pool trip
 
 
 @router.get("/{model_id}/layers", response_model=ModelLayers, responses={409: {}}, summary="Layer structure (GLU FFN per layer)")

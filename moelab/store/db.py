@@ -215,9 +215,13 @@ def make_engine(url: str) -> Engine:
         db_path = url.split("///", 1)[-1]
         if db_path and db_path != ":memory:":
             Path(db_path).parent.mkdir(parents=True, exist_ok=True)
-        # Connections are kept (16) for the API's request threads: one opened and closed per request past
-        # the default 5 re-runs the PRAGMAs below each time, which showed up under 50 concurrent clients.
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=16, max_overflow=32)
+        # Connections are kept for the API's requests: one opened and closed per request past the pool's
+        # size re-runs the PRAGMAs below each time, which showed up under 50 concurrent clients. A request
+        # holds its session's connection from its first query until the response is sent (the session
+        # dependency closes after it), so with N clients up to N are checked out at once although only
+        # the thread pool's few threads run queries: 64 kept (an idle SQLite connection is a file handle
+        # and a small page cache) covers 50 clients with no churn; 64 more are opened past that.
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=64, max_overflow=64)
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     return create_engine(url, pool_pre_ping=True)

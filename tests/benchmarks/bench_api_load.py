@@ -2,16 +2,20 @@
 every slider move, CV charts, activation tiles, job lists, a model, health) for S seconds.
 
     python tests/benchmarks/bench_api_load.py [--clients 50] [--seconds 30] [--api-workers 2]
-                                              [--profile runs/p1] [--label after]
+                                              [--profile runs/p1] [--label after] [--per-endpoint]
 
 Builds (or takes) a profile of the default model, stores it in a fresh data directory as a ready
 profile row, starts ``uvicorn backend.app:create_app`` on it (``--api-workers`` processes; the
 broker is MOELAB_REDIS_URL or redis://127.0.0.1:6379/13 under a key prefix of its own; no job
 runs), then drives it from one asyncio process over keep-alive HTTP/1.1 connections (one per client). Prints p50/p95/p99, requests/s and the
-5xx count, per endpoint too, and adds the run under ``--label`` to
-tests/benchmarks/results/bench_api_load.json. The load generator shares the machine with the API:
-on a 2-core box it takes a good part of one core, so these are figures for this machine, not the
-API's ceiling.
+5xx count and the 1-minute load average (``os.getloadavg()``) when the script starts and when the
+drive ends on one summary line (``--per-endpoint`` adds a line per endpoint), and adds the run under
+``--label`` to tests/benchmarks/results/bench_api_load.json (per endpoint too, and ``load_avg_1m``).
+The load generator shares the machine with the API: on a 2-core box it takes a good part of one
+core, so these are figures for this machine, not the API's ceiling. Read them beside the load
+average: the start value is what else ran (other tests, builds); the end value includes this run's
+own server and client (about 2 on a saturated 2-core box), so much more than that means the
+machine was shared and the latencies are pessimistic.
 """
 
 from __future__ import annotations
@@ -190,18 +194,37 @@ def summarise(samples: list[tuple[str, int, float]], seconds: float) -> dict[str
     return out
 
 
+def _load_1m() -> float | None:
+    """The 1-minute load average (runnable + waiting processes), None where the OS has none."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def _fmt_load(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", type=int, default=50)
     ap.add_argument("--seconds", type=float, default=30.0)
-    ap.add_argument("--api-workers", type=int, default=int(os.environ.get("MOELAB_API_WORKERS", "1")),
-                    help="uvicorn worker processes (moelab serve: MOELAB_API_WORKERS)")
+    ap.add_argument("--api-workers", type=int, default=None,
+                    help="uvicorn worker processes (default: what `moelab serve` starts: MOELAB_API_WORKERS, else "
+                         "one per CPU up to 4)")
     ap.add_argument("--profile", type=Path, default=None, help="a profile directory to serve (default: build a small one)")
     ap.add_argument("--model-cache", type=Path, default=ROOT / ".moelab" / "test-data", help="MOELAB_DATA_DIR holding the default model")
     ap.add_argument("--label", default="run")
+    ap.add_argument("--per-endpoint", action="store_true", help="also print a line per endpoint")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
+    if args.api_workers is None:
+        from moelab.settings import Settings
 
+        args.api_workers = Settings(_env_file=None).api_workers
+
+    load_start = _load_1m()
     work = Path(tempfile.mkdtemp(prefix="moelab-bench-load-"))
     proc = None
     try:
@@ -228,9 +251,12 @@ def main() -> None:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError("the API did not start")
             time.sleep(0.3)
+        load_drive = _load_1m()
         samples = asyncio.run(drive(base, ids, args.clients, args.seconds))
+        load_end = _load_1m()
         record = {"label": args.label, "clients": args.clients, "seconds": args.seconds, "api_workers": args.api_workers,
                   "cpus": os.cpu_count(), "profile": str(args.profile or "built: default model, 24 samples × 64 tokens"),
+                  "load_avg_1m": {"start": load_start, "drive_start": load_drive, "end": load_end},
                   **summarise(samples, args.seconds)}
     finally:
         if proc is not None and proc.poll() is None:
@@ -241,11 +267,14 @@ def main() -> None:
     runs[args.label] = record
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(runs, indent=2) + "\n")
-    print(f"bench_api_load [{args.label}]: {args.clients} clients × {args.seconds:g} s, {args.api_workers} API process(es): "
-          f"{record['requests_per_s']} req/s, p50 {record['p50_ms']} ms, p95 {record['p95_ms']} ms, p99 {record['p99_ms']} ms, "
-          f"5xx {record['errors_5xx']}, 4xx {record['errors_4xx']}")
-    for label, s in record["by_endpoint"].items():  # type: ignore[union-attr]
-        print(f"  {label:13s} n={s['n']:5d} p50 {s['p50_ms']:7.1f} ms  p95 {s['p95_ms']:7.1f} ms  5xx {s['errors_5xx']}")
+    print(f"bench_api_load [{args.label}]: {args.clients} clients × {args.seconds:g} s, {args.api_workers} API process(es), "
+          f"{os.cpu_count()} CPUs: p50 {record['p50_ms']} ms, p95 {record['p95_ms']} ms, p99 {record['p99_ms']} ms, "
+          f"{record['requests_per_s']} req/s, 5xx {record['errors_5xx']}, 4xx {record['errors_4xx']}; "
+          f"load avg 1 min {_fmt_load(load_start)} at start, {_fmt_load(load_end)} at end")
+    if args.per_endpoint:
+        for label, s in record["by_endpoint"].items():  # type: ignore[union-attr]
+            print(f"  {label:13s} n={s['n']:5d} p50 {s['p50_ms']:7.1f} ms  p95 {s['p95_ms']:7.1f} ms  p99 {s['p99_ms']:7.1f} ms  "
+                  f"5xx {s['errors_5xx']}")
 
 
 if __name__ == "__main__":

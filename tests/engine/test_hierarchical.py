@@ -7,9 +7,8 @@ import json
 
 import pytest
 import torch
-import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.conftest import MOE_D, MOE_E, MOE_F, MOE_FAMILIES, MOE_K, build_tiny_moe
 from workers.engine.core.params import ConversionError
 from workers.engine.runtime.export import CONVERSION_FILE, export_model, load_exported
 from workers.engine.methods.hierarchical import HierarchicalParams, convert_hierarchical
@@ -20,20 +19,7 @@ CALIB = "builtin:mixed"
 # ~290 calibration tokens, ~145 routed to each of the 4 experts: fewer than the default minimum
 # of 128 for some, so the minimum is lowered wherever the test expects no fallback.
 FAST = dict(samples=6, max_tokens=48, min_expert_tokens=16)
-E, K, F_EXPERT, D = 4, 2, 64, 64  # experts, top-level k, neurons per expert, d_model
-
-BASE = dict(hidden_size=D, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-            initializer_range=0.1)  # large enough that the experts visibly move the logits
-MOE_FAMILIES = {
-    "mixtral": ("MixtralConfig", dict(num_hidden_layers=2, num_local_experts=E, num_experts_per_tok=K,
-                                      intermediate_size=F_EXPERT)),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(num_hidden_layers=2, num_experts=E, num_experts_per_tok=K,
-                                         moe_intermediate_size=F_EXPERT, shared_expert_intermediate_size=48,
-                                         intermediate_size=96)),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(num_hidden_layers=3, num_experts=E, num_experts_per_tok=K,
-                                         moe_intermediate_size=F_EXPERT, intermediate_size=96, norm_topk_prob=True,
-                                         mlp_only_layers=[1])),
-}
+E, K, F_EXPERT, D = MOE_E, MOE_K, MOE_F, MOE_D  # experts, top-level k, neurons per expert, d_model
 
 
 @pytest.fixture(scope="module")
@@ -43,17 +29,7 @@ def tiny_moe(tmp_path_factory, default_model_dir):
 
     def make(family: str):
         if family not in made:
-            cls_name, extra = MOE_FAMILIES[family]
-            tok = AutoTokenizer.from_pretrained(default_model_dir)
-            config = getattr(transformers, cls_name)(
-                vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                bos_token_id=tok.bos_token_id, **BASE, **extra,
-            )
-            torch.manual_seed(0)
-            target = tmp_path_factory.mktemp(f"tiny-{family}")
-            AutoModelForCausalLM.from_config(config).save_pretrained(target)
-            tok.save_pretrained(target)
-            made[family] = target
+            made[family] = build_tiny_moe(family, tmp_path_factory.mktemp(f"tiny-{family}"), default_model_dir)
         return made[family]
 
     return make

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from moelab.cli import main
+from tests.conftest import build_tiny_moe
 from workers.engine.data.calibration import load_calibration
 from workers.engine.methods import get_method
 from workers.engine.models import load_model
@@ -75,17 +76,7 @@ def test_defaults_build_a_conversion_of_sensible_cost(method, proportioned, data
 
 
 def test_hierarchical_defaults_build_a_conversion_of_sensible_cost(default_model_dir, data_dir, tmp_path):
-    import torch
-
-    from tests.engine.test_hierarchical import BASE, MOE_FAMILIES
-
-    cls_name, extra = MOE_FAMILIES["mixtral"]
-    tok = AutoTokenizer.from_pretrained(default_model_dir)
-    config = getattr(transformers, cls_name)(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                                             bos_token_id=tok.bos_token_id, **BASE, **extra)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "moe")
-    tok.save_pretrained(tmp_path / "moe")
+    build_tiny_moe("mixtral", tmp_path / "moe", default_model_dir)
     defaults = {**_defaults()["hierarchical"], "samples": 8, "max_tokens": 48}  # fewer tokens: the cost is the plan's
     params = get_method("hierarchical").params.from_dict(defaults)
     record = run_conversion(None, params, tmp_path / "c", data_dir=data_dir, model=str(tmp_path / "moe"),

@@ -19,7 +19,6 @@ from tests.service.conftest import _free_port, redis_url, service_config, tiny_l
 from tests.service.helpers import env_for
 
 REPO = Path(__file__).resolve().parents[2]
-CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = REPO / "test-artifacts"
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -98,20 +97,6 @@ def profile_id(api, tiny_llama) -> str:  # noqa: F811
     p = api.post("/profiles", json={"model_id": m["id"], "calibration_set_id": s["id"], "max_tokens": 32, "batch_tokens": 256}).json()
     wait_job(api, p["job_id"])
     return p["id"]
-
-
-@pytest.fixture(scope="session")
-def browser():
-    if not Path(CHROMIUM).is_file():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (scripts/test.sh does this)")
-    from playwright.sync_api import sync_playwright
-
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                               args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        yield b
-        b.close()
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import FAMILIES, REPO, build_tiny_model, tiny_models_root
+from tests.conftest import FAMILIES, REPO, build_tiny_model, build_tiny_moe, tiny_models_root
 
 from .helpers import succeeded, wait_job
 
@@ -226,20 +226,9 @@ def test_every_dense_family_registers(family, client, tmp_path_factory, default_
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_moe_model_registers_and_converts_hierarchically(family, client, settings, tmp_path_factory, default_model_dir,
                                                          tmp_path):
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tests.engine.test_hierarchical import BASE, MOE_FAMILIES as CONFIGS
-
     path = tiny_models_root(tmp_path_factory) / f"journey-{family}"
     if not path.exists():
-        cls_name, extra = CONFIGS[family]
-        tok = AutoTokenizer.from_pretrained(default_model_dir)
-        config = getattr(transformers, cls_name)(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                                                 bos_token_id=tok.bos_token_id, **BASE, **extra)
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config).save_pretrained(path)
-        tok.save_pretrained(path)
+        build_tiny_moe(family, path, default_model_dir)
     r = _post(client, "/models", {"source": str(path)})
     assert r.status_code in (200, 202), r.text
     if r.status_code == 202:

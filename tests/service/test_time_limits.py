@@ -34,13 +34,17 @@ def long_step(ctx):
         sum(range(1000))
     return Outcome()
 
+def leaks_a_path(ctx):
+    ctx.progress.update("profile", 0, 1)
+    raise ValueError(f"could not read {ctx.settings.resolved_artifacts_dir()}/profiles/x/stats.safetensors: truncated")
+
 def stuck(ctx):
     ctx.progress.update("profile", 0, 1)
     time.sleep(60)  # one engine step that never reports progress
     return Outcome()
 
 print(job_id, flush=True)
-print(run_job(job_id, "moelab@test", {"steps": steps, "long_step": long_step, "stuck": stuck}[sys.argv[1]]), flush=True)
+print(run_job(job_id, "moelab@test", {"steps": steps, "long_step": long_step, "stuck": stuck, "leaks_a_path": leaks_a_path}[sys.argv[1]]), flush=True)
 """
 
 
@@ -84,3 +88,11 @@ def test_a_job_stuck_in_one_step_is_failed_and_its_worker_ends(tmp_path):
     assert job["state"] == "failed" and job["error_type"] == "time_limit", job
     assert "did not stop at a progress step" in job["error"]
     assert elapsed < 15, elapsed
+
+
+def test_a_job_error_shows_no_server_path_outside_the_data_roots(tmp_path):
+    """The API shows job errors: a path outside the data roots (here the artifacts dir) is replaced,
+    the rest of the message kept (the worker's log keeps the whole text for the operator)."""
+    done, job, _ = _run(tmp_path, "leaks_a_path")
+    assert job["state"] == "failed" and job["error_type"] == "invalid_input", (job, done.stderr[-2000:])
+    assert job["error"] == "could not read <server path>: truncated", job["error"]

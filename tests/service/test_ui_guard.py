@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -23,7 +22,6 @@ from .conftest import _free_port
 from .helpers import REPO, env_for, wait_job
 
 TOKEN = f"ui-guard-{secrets.token_hex(12)}"
-CHROMIUM = "/usr/bin/chromium"
 #: every page of the app, a deep link with a query, and a path no page has (Dash answers it too)
 PAGES = [path for _, path in NAV] + ["/neurons?profile=pr-none&layer=0", "/no-such-page"]
 DOWNLOAD = "/download/conversions/cv-0000000000.zip"  # no such conversion: past the guard, the API says 404
@@ -148,50 +146,40 @@ def test_the_bearer_header_opens_every_door(guarded):
         _opened(client, guarded["calib"])
 
 
-def test_logging_in_through_the_form_in_chromium_opens_every_door(guarded):
-    if not Path(CHROMIUM).is_file():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium")
-    from playwright.sync_api import sync_playwright
-
+def test_logging_in_through_the_form_in_chromium_opens_every_door(guarded, browser):
     ui = guarded["ui"]
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                     args=["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking"])
-        try:
-            context = browser.new_context()
-            page = context.new_page()
-            page.set_default_timeout(30_000)
-            page.goto(f"{ui}/neurons?layer=1")
-            assert page.url.startswith(f"{ui}/login?next="), page.url  # redirected, with where it was going
-            page.fill("#token", "not-the-token")
-            with page.expect_navigation():
-                page.click("#login")
-            assert "/login" in page.url and page.locator(".error").inner_text() == "That is not the server's token."
-            assert not context.cookies()
+    context = browser.new_context()
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    page.goto(f"{ui}/neurons?layer=1")
+    assert page.url.startswith(f"{ui}/login?next="), page.url  # redirected, with where it was going
+    page.fill("#token", "not-the-token")
+    with page.expect_navigation():
+        page.click("#login")
+    assert "/login" in page.url and page.locator(".error").inner_text() == "That is not the server's token."
+    assert not context.cookies()
 
-            page.goto(f"{ui}/neurons?layer=1")
-            page.fill("#token", TOKEN)
-            with page.expect_navigation():
-                page.click("#login")
-            assert page.url == f"{ui}/neurons?layer=1", page.url  # back where it was going
-            cookie = next(c for c in context.cookies() if c["name"] == COOKIE)
-            assert cookie["httpOnly"] and cookie["sameSite"] == "Strict", cookie
-            assert TOKEN not in cookie["value"]
+    page.goto(f"{ui}/neurons?layer=1")
+    page.fill("#token", TOKEN)
+    with page.expect_navigation():
+        page.click("#login")
+    assert page.url == f"{ui}/neurons?layer=1", page.url  # back where it was going
+    cookie = next(c for c in context.cookies() if c["name"] == COOKIE)
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict", cookie
+    assert TOKEN not in cookie["value"]
 
-            page.goto(f"{ui}/")  # the workspace's refresh callback runs through /_dash-update-component
-            page.locator("#ws-health").filter(has_text="API http").wait_for()
-            # the browser's cookie opens the other doors too (the context's requests carry it)
-            _opened(_CookieClient(context.request, ui), guarded["calib"])
+    page.goto(f"{ui}/")  # the workspace's refresh callback runs through /_dash-update-component
+    page.locator("#ws-health").filter(has_text="API http").wait_for()
+    # the browser's cookie opens the other doors too (the context's requests carry it)
+    _opened(_CookieClient(context.request, ui), guarded["calib"])
 
-            with page.expect_navigation():
-                page.click("#logout")
-            assert page.url.startswith(f"{ui}/login"), page.url
-            assert not [c for c in context.cookies() if c["name"] == COOKIE]
-            page.goto(f"{ui}/")
-            assert page.url.startswith(f"{ui}/login"), page.url
-            context.close()
-        finally:
-            browser.close()
+    with page.expect_navigation():
+        page.click("#logout")
+    assert page.url.startswith(f"{ui}/login"), page.url
+    assert not [c for c in context.cookies() if c["name"] == COOKIE]
+    page.goto(f"{ui}/")
+    assert page.url.startswith(f"{ui}/login"), page.url
+    context.close()
 
 
 class _CookieClient:
