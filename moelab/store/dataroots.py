@@ -24,17 +24,13 @@ symlink points or another server path.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-#: One segment of a Hub id: ASCII letters, digits, ``_ . -``; no leading dot or dash.
-_HUB_SEGMENT = r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,95}"
-#: A Hub id: ``name`` or ``org/name``.
-_HUB_NAME = re.compile(rf"^{_HUB_SEGMENT}(/{_HUB_SEGMENT})?$")
+from workers.engine.sources import SAVED_DATASET_MARKERS, inside_roots, is_hub_id, saved_dataset_refs, tree_entries
 #: File suffixes that make a relative string a file name, not a Hub name.
 _DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".tsv", ".txt", ".arrow")
 #: Most entries a source directory may hold (each is checked); more is refused, not walked.
@@ -71,25 +67,6 @@ def _roots_text(roots: Sequence[Path]) -> str:
     return ", ".join(str(r) for r in roots) or "none"
 
 
-def is_hub_id(text: str) -> bool:
-    """``name`` or ``org/name`` of ``[A-Za-z0-9._-]``, no ``..``, no leading ``.``, ``-`` or ``/``.
-
-    Pure string test: a Hub id is never looked up on the local disk."""
-    return bool(_HUB_NAME.match(text)) and ".." not in text
-
-
-def inside_roots(path: str | os.PathLike[str], roots: Sequence[Path]) -> bool:
-    """Whether ``path``'s real path (every symlink resolved) is one of ``roots`` or below one.
-
-    ``roots`` are resolved too, so a root that is itself a symlink still matches what lies under it."""
-    real = Path(os.path.realpath(path))
-    for root in roots:
-        r = Path(os.path.realpath(root))
-        if real == r or r in real.parents:
-            return True
-    return False
-
-
 def _no_nul(text: str, field: str) -> None:
     if "\x00" in text:
         raise DataRootError(f"{field}: contains a NUL byte (\\x00); remove it and give a plain name or absolute path")
@@ -106,45 +83,17 @@ def _outside(field: str, given: str, roots: Sequence[Path], what: str = "") -> O
 def check_tree(path: Path, roots: Sequence[Path], field: str, given: str) -> None:
     """Every entry under directory ``path`` (followed through symlinked directories) must have its
     real path inside ``roots``: a loader pointed at the directory may open any of them."""
-    seen: set[str] = set()
-    count = 0
-    for top, dirs, files in os.walk(path, followlinks=True):
-        real_top = os.path.realpath(top)
-        if real_top in seen:  # a symlink loop, or a directory reached twice
-            dirs[:] = []
-            continue
-        seen.add(real_top)
-        for name in (*dirs, *files):
-            count += 1
-            if count > MAX_TREE_ENTRIES:
-                raise DataRootError(f"{field}: {given!r} holds more than {MAX_TREE_ENTRIES} files; point to a smaller directory or one file")
-            entry = Path(top) / name
-            if not inside_roots(entry, roots):
-                rel = entry.relative_to(path)
-                raise _outside(field, given, roots, f"{rel} links to a file outside them")
+    for count, entry in enumerate(tree_entries(path), 1):
+        if count > MAX_TREE_ENTRIES:
+            raise DataRootError(f"{field}: {given!r} holds more than {MAX_TREE_ENTRIES} files; point to a smaller directory or one file")
+        if not inside_roots(entry, roots):
+            raise _outside(field, given, roots, f"{entry.relative_to(path)} links to a file outside them")
 
 
 def _saved_dataset_refs(directory: Path) -> list[Path]:
     """Files and directories a ``save_to_disk`` directory refers to by name in its JSON markers."""
-    refs: list[Path] = []
-    for top, _dirs, files in os.walk(directory, followlinks=False):
-        base = Path(top)
-        for name in files:
-            if name not in ("state.json", "dataset_dict.json"):
-                continue
-            try:
-                meta = json.loads((base / name).read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                continue  # the loader reports a broken marker itself
-            if name == "state.json":
-                for item in meta.get("_data_files", []) or []:
-                    if isinstance(item, dict) and isinstance(item.get("filename"), str):
-                        refs.append(base / item["filename"])
-            else:
-                for split in meta.get("splits", []) or []:
-                    if isinstance(split, str):
-                        refs.append(base / split)
-    return refs
+    return [ref for top, _dirs, files in os.walk(directory, followlinks=False)
+            for name in files if name in SAVED_DATASET_MARKERS for ref in saved_dataset_refs(Path(top) / name)]
 
 
 def check_dataset_path(real: Path, roots: Sequence[Path], given: str) -> None:

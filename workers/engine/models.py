@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from torch import nn
 
 from .atomic import atomic_directory, write_json_atomic
 from .progress import NO_PROGRESS, Progress
+from .sources import inside_roots, is_hub_id, tree_entries
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -307,15 +307,6 @@ def hub_snapshot(repo_id: str) -> Path:
         ) from exc
 
 
-#: A Hugging Face Hub id: ``name`` or ``org/name`` of ``[A-Za-z0-9._-]``, no leading dot or dash (and no ``..``).
-HUB_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,95}(/[A-Za-z0-9_][A-Za-z0-9_.\-]{0,95})?$")
-
-
-def _inside(path: str | Path, roots: Sequence[Path]) -> bool:
-    real = Path(os.path.realpath(path))
-    return any(real == r or r in real.parents for r in (Path(os.path.realpath(root)) for root in roots))
-
-
 def _strict_location(spec: str, roots: Sequence[Path]) -> tuple[Path, str | None, str]:
     """``(location, gguf_file, source to record)`` of a service-side source: a Hub id (fetched from
     the Hub, never looked up in the working directory), or an absolute path whose real path, and
@@ -324,26 +315,18 @@ def _strict_location(spec: str, roots: Sequence[Path]) -> tuple[Path, str | None
     if "\x00" in spec:
         raise ModelError("model source contains a NUL byte; give a Hub id or an absolute path inside MOELAB_DATA_ROOTS")
     text = spec.strip()
-    if HUB_ID.match(text) and ".." not in text and not text.lower().endswith(".gguf"):
+    if is_hub_id(text) and not text.lower().endswith(".gguf"):
         return hub_snapshot(text), None, text
     path = Path(text).expanduser() if text.startswith("~") else Path(text)
     if not path.is_absolute():
         raise ModelError(f"model source {text!r} is a relative path; give an absolute path inside MOELAB_DATA_ROOTS")
-    if not _inside(path, roots):
+    if not inside_roots(path, roots):
         raise ModelError(f"model source {text!r} is outside the directories this server loads from; "
                          "list its directory in MOELAB_DATA_ROOTS (API and workers)")
     real = Path(os.path.realpath(path))
-    files = [real, *real.parent.glob("*.json")] if real.is_file() else []
-    if real.is_dir():
-        seen: set[str] = set()
-        for top, dirs, names in os.walk(real, followlinks=True):  # symlinked directories' contents too
-            if os.path.realpath(top) in seen:
-                dirs[:] = []
-                continue
-            seen.add(os.path.realpath(top))
-            files += [Path(top) / n for n in (*dirs, *names)]
+    files = [real, *real.parent.glob("*.json")] if real.is_file() else list(tree_entries(real)) if real.is_dir() else []
     for f in files:
-        if not _inside(f, roots):
+        if not inside_roots(f, roots):
             raise ModelError(f"model source {text!r}: {f.name} links outside the directories this server loads from")
     if real.is_file():
         if real.suffix.lower() != ".gguf":

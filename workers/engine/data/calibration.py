@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..atomic import atomic_directory, write_json_atomic
+from ..sources import SAVED_DATASET_MARKERS, inside_roots, saved_dataset_refs, tree_entries
 
 SAMPLES_FILE = "samples.parquet"
 META_FILE = "calibration.json"
@@ -595,11 +596,6 @@ class CalibrationOutsideRoots(PermissionError, CalibrationError):
     """A service-side source whose real path, or that of a file it names, is outside the data roots."""
 
 
-def _inside_roots(path: str | Path, roots: Sequence[Path]) -> bool:
-    real = Path(os.path.realpath(path))
-    return any(real == r or r in real.parents for r in (Path(os.path.realpath(root)) for root in roots))
-
-
 def _checked_local(name_or_path: str, roots: Sequence[Path]) -> str:
     """For a service (``allowed_roots``): a local ``hf`` source's real path, after checking that it,
     every file under it and every file its ``save_to_disk`` markers name lie inside ``roots``. A Hub
@@ -613,33 +609,17 @@ def _checked_local(name_or_path: str, roots: Sequence[Path]) -> str:
         return text  # a Hub name
     if not text.startswith("/"):
         raise CalibrationError(f"{text!r} is a relative path; give an absolute path inside MOELAB_DATA_ROOTS")
-    if not _inside_roots(text, roots):
+    if not inside_roots(text, roots):
         raise CalibrationOutsideRoots(f"{text!r} is outside the directories this server reads data from; "
                                       "list its directory in MOELAB_DATA_ROOTS (API and workers)")
     real = Path(os.path.realpath(text))
-    if real.is_dir():
-        seen: set[str] = set()
-        for top, dirs, names in os.walk(real, followlinks=True):
-            if os.path.realpath(top) in seen:
-                dirs[:] = []
-                continue
-            seen.add(os.path.realpath(top))
-            for n in (*dirs, *names):
-                entry = Path(top) / n
-                refs = [entry]
-                if n in ("state.json", "dataset_dict.json") and entry.is_file():
-                    try:
-                        meta = json.loads(entry.read_text(encoding="utf-8"))
-                    except (OSError, ValueError):
-                        meta = {}
-                    refs += [Path(top) / d["filename"] for d in meta.get("_data_files", []) or []
-                             if isinstance(d, dict) and isinstance(d.get("filename"), str)]
-                    refs += [Path(top) / sp for sp in meta.get("splits", []) or [] if isinstance(sp, str)]
-                for r in refs:
-                    if not _inside_roots(r, roots):
-                        raise CalibrationOutsideRoots(
-                            f"{text!r}: {entry.relative_to(real)} refers to a file outside the directories this server "
-                            "reads data from; copy the data into the directory instead of linking it")
+    for entry in tree_entries(real) if real.is_dir() else ():
+        marker = entry.name in SAVED_DATASET_MARKERS and entry.is_file()
+        for r in [entry, *(saved_dataset_refs(entry) if marker else ())]:
+            if not inside_roots(r, roots):
+                raise CalibrationOutsideRoots(
+                    f"{text!r}: {entry.relative_to(real)} refers to a file outside the directories this server "
+                    "reads data from; copy the data into the directory instead of linking it")
     return str(real)
 
 
@@ -651,7 +631,7 @@ def _load_checked_dir(datasets: Any, path: Path, config: str | None, sel: str, r
     data_files = getattr(builder.config, "data_files", None) or {}
     for f in (f for split_files in data_files.values() for f in split_files):
         text = str(f).removeprefix("file://")
-        if "://" in text or not _inside_roots(path / text, roots):  # an absolute ``text`` replaces ``path``
+        if "://" in text or not inside_roots(path / text, roots):  # an absolute ``text`` replaces ``path``
             raise CalibrationOutsideRoots(f"{ref}: data file {Path(text).name} resolves outside the directories this "
                                           "server reads data from; move it into MOELAB_DATA_ROOTS")
     builder.download_and_prepare()
