@@ -1,16 +1,10 @@
-"""Limits on what a request may ask for.
-
-Request body size limit (uploads): refuse early, before the body is spooled to disk.
+"""Request body size limit (uploads): refuse early, before the body is spooled to disk.
 
 A declared ``Content-Length`` over the limit is answered 413 without reading the body; a
 chunked body is counted as it streams and the request fails with 413 once it passes the limit.
 """
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
-from typing import Any
 
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -56,105 +50,3 @@ class BodySizeLimit:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
-
-
-# --------------------------------------------------------------------------- work limits (issue "every input bounded")
-#
-# Requests whose work would grow without bound are refused with 422 before anything is queued. The
-# facts come from JSON only (a conversion's ``config.json``, a model's stored description): the API
-# process never imports torch.
-
-EVAL_TOKENS_SETTING = "MOELAB_MAX_EVAL_TOKENS"
-
-
-def conversion_config(root: Path) -> dict[str, Any] | None:
-    """The ``config.json`` of a conversion directory (or None when it cannot be read here)."""
-    try:
-        config = json.loads((Path(root) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return config if isinstance(config, dict) else None
-
-
-def _model_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The dense model's own config inside a conversion's (``base_config``; its ``text_config`` for
-    multimodal wrappers), or the config itself for a plain model directory."""
-    base = config.get("base_config") if isinstance(config.get("base_config"), dict) else config
-    text = base.get("text_config")
-    return {**base, **text} if isinstance(text, dict) else base
-
-
-def _first_int(config: dict[str, Any], names: tuple[str, ...]) -> int | None:
-    for name in names:
-        value = config.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
-def max_positions(config: dict[str, Any] | None) -> int | None:
-    """The model's ``max_position_embeddings`` (None when the config does not say)."""
-    if not config:
-        return None
-    return _first_int(_model_config(config), ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"))
-
-
-def hidden_size(config: dict[str, Any] | None) -> int | None:
-    """d_model of the model (``hidden_size``; None when the config does not say)."""
-    if not config:
-        return None
-    found = _first_int(_model_config(config), ("hidden_size", "d_model", "n_embd"))
-    if found is None:  # a conversion's layer specs carry it too
-        found = next((e["d_model"] for e in config.get("moe_layers") or [] if isinstance(e, dict)
-                      and isinstance(e.get("d_model"), int)), None)
-    return found
-
-
-def eval_tokens_problem(n_windows: int, seq_len: int, limit: int, *, windows_name: str = "n_windows",
-                        seq_name: str = "seq_len") -> str | None:
-    """Why ``n_windows × seq_len`` held-out tokens are too many for this server (None: they fit)."""
-    tokens = n_windows * seq_len
-    if tokens <= limit:
-        return None
-    fit = max(1, limit // seq_len)
-    return (f"{windows_name} × {seq_name} = {n_windows} × {seq_len} = {tokens} tokens exceeds the server's limit of {limit} "
-            f"tokens per evaluation ({EVAL_TOKENS_SETTING}); use at most {fit} windows of {seq_len} tokens, or raise "
-            f"{EVAL_TOKENS_SETTING} on a machine that can evaluate that much")
-
-
-def seq_len_problem(seq_len: int, config: dict[str, Any] | None, *, name: str = "seq_len", what: str = "the model") -> str | None:
-    """Why ``seq_len`` is longer than the model's positions (None: it fits or the config does not say)."""
-    limit = max_positions(config)
-    if limit is None or seq_len <= limit:
-        return None
-    return f"{name} {seq_len} exceeds {what}'s max_position_embeddings ({limit}); use {name} ≤ {limit}"
-
-
-def lora_rank_problem(rank: int, config: dict[str, Any] | None, *, what: str = "the model") -> str | None:
-    """Why a LoRA rank above the model's d_model is refused (None: it fits or the config does not say)."""
-    d_model = hidden_size(config)
-    if d_model is None or rank <= d_model:
-        return None
-    return (f"lora_rank {rank} exceeds d_model ({d_model}) of {what}: a rank above d_model adds parameters and memory "
-            f"but no expressiveness; use lora_rank ≤ {d_model}")
-
-
-def atopk_problem(atopk_k: int, d_ffn: list[int] | None, *, what: str = "the model") -> str | None:
-    """Why ATopK's K above the smallest FFN width is refused (None: it fits or the widths are unknown)."""
-    widths = [int(d) for d in d_ffn or [] if isinstance(d, int) and d > 0]
-    if not widths or atopk_k <= min(widths):
-        return None
-    return (f"atopk_k {atopk_k} exceeds d_ffn ({min(widths)}, the narrowest FFN layer of {what}): a token cannot mark more "
-            f"neurons than a layer has; use atopk_k ≤ {min(widths)}")
-
-
-def profile_duplicates_problem(profile_id: str | None, extra_profile_ids: list[str]) -> str | None:
-    """Why MIDAS's profiles are not distinct (None: they are)."""
-    ids = [p for p in [profile_id, *extra_profile_ids] if p]
-    seen: set[str] = set()
-    repeated = [p for p in ids if p in seen or seen.add(p)]  # type: ignore[func-returns-value]
-    if not repeated:
-        return None
-    where = "profile_id" if profile_id in extra_profile_ids else "extra_profile_ids"
-    return (f"extra_profile_ids: {', '.join(dict.fromkeys(repeated))} given more than once ({where} repeats it); MIDAS builds one "
-            "expert per calibration set, so every profile must be a different one")

@@ -14,7 +14,7 @@ from moelab.store.db import CalibrationSet, Conversion, Model, Profile
 from ..deps import CascadeQ, QueueDep, SessionDep, StoreDep, launch, lookup, require_ready
 from ..deletion import delete_resource
 from ..errors import ApiError
-from ..limits import profile_duplicates_problem
+from workers.engine.limits import profile_duplicates_problem
 from moelab.store.jobs import new_id
 from ..schemas import DeleteOut, ConversionCreate, ConversionList, ConversionOut, ExpertNeurons, ExpertOut
 from ..views import conversion_out

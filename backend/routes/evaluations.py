@@ -11,7 +11,7 @@ from moelab.store.db import CalibrationSet, Conversion, Evaluation
 from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, launch, lookup, require_ready
 from ..deletion import delete_resource
 from ..errors import ApiError
-from ..limits import conversion_config, eval_tokens_problem, seq_len_problem
+from workers.engine.limits import conversion_config, eval_tokens_problem, seq_len_problem
 from moelab.store.jobs import new_id
 from ..schemas import DeleteOut, EvaluationCreate, EvaluationList, EvaluationOut
 from ..views import evaluation_out

@@ -22,7 +22,7 @@ from moelab.store.db import CalibrationSet, Conversion, Finetune
 from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, launch, lookup, require_ready
 from ..deletion import delete_resource
 from ..errors import ApiError
-from ..limits import conversion_config, eval_tokens_problem, lora_rank_problem, seq_len_problem
+from workers.engine.limits import conversion_config, eval_tokens_problem, lora_rank_problem, seq_len_problem
 from moelab.store.jobs import new_id
 from ..schemas import DeleteOut, FinetuneCreate, FinetuneList, FinetuneMode, FinetuneOut, TrainLog, TrainStep
 from ..views import finetune_out

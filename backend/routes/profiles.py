@@ -9,7 +9,7 @@ from moelab.store.db import CalibrationSet, Model, Profile
 from ..deps import CascadeQ, QueueDep, SessionDep, StoreDep, launch, lookup, require_ready
 from ..deletion import delete_resource
 from ..errors import ApiError
-from ..limits import atopk_problem
+from workers.engine.limits import atopk_problem
 from moelab.store.jobs import new_id
 from workers.engine.sizes import format_size, parse_size
 from ..schemas import DeleteOut, ProfileCreate, ProfileList, ProfileOut

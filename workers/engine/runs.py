@@ -18,6 +18,7 @@ from .data.calibration import load_calibration
 from .core.params import ConversionError
 from .data.builtin import bigbench_installed
 from .evaluation import reference_scores
+from .limits import conversion_config, eval_tokens_problem, seq_len_problem
 from .evaluation.metrics import bigbench_choice_items, evaluate_models, evaluate_variants, heldout_windows
 from .methods import REGISTRY, ConversionInputs, Method, get_method, method_of
 from .models import ModelAdapter, load_model
@@ -246,20 +247,10 @@ def run_evaluation(
 def check_evaluation_limits(conversion_dir: Path, *, n_windows: int, seq_len: int, max_tokens: int | None = None) -> None:
     """ValueError when an evaluation would read more than ``max_tokens`` held-out tokens or windows longer than
     the model's ``max_position_embeddings`` (its ``config.json``), before any model is loaded."""
-    if max_tokens is not None and n_windows * seq_len > max_tokens:
-        raise ValueError(f"windows × seq_len = {n_windows} × {seq_len} = {n_windows * seq_len} tokens exceeds the limit of "
-                         f"{max_tokens} tokens per evaluation (MOELAB_MAX_EVAL_TOKENS); use at most "
-                         f"{max(1, max_tokens // seq_len)} windows of {seq_len} tokens")
-    try:
-        config = json.loads((Path(conversion_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return
-    base = config.get("base_config") if isinstance(config.get("base_config"), dict) else config
-    if isinstance(base.get("text_config"), dict):
-        base = {**base, **base["text_config"]}
-    positions = base.get("max_position_embeddings")
-    if isinstance(positions, int) and seq_len > positions:
-        raise ValueError(f"seq_len {seq_len} exceeds the model's max_position_embeddings ({positions}); use seq_len ≤ {positions}")
+    problem = ((eval_tokens_problem(n_windows, seq_len, max_tokens, windows_name="windows") if max_tokens is not None else None)
+               or seq_len_problem(seq_len, conversion_config(Path(conversion_dir))))
+    if problem:
+        raise ValueError(problem)
 
 
 PROBE_KINDS = ("routing", "generate")

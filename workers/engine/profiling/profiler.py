@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.calibration import CalibrationSet
+from ..limits import atopk_problem
 from ..models import ModelAdapter
 from ..progress import NO_PROGRESS, Progress
 # Declared in a module without torch (the API generates its request body from them), used and re-exported here.
@@ -133,9 +134,9 @@ def _index_dtype(d_ffn: int) -> torch.dtype:
 def check_atopk(s: ProfileSettings, d_ffn: list[int]) -> None:
     """ATopK's K_a marks K neurons per token: more than the narrowest layer has is refused
     (``ProfileError``), not clamped, so the manifest's ``atopk_k`` is what every layer used."""
-    if d_ffn and s.atopk_k > min(d_ffn):
-        raise ProfileError(f"atopk_k {s.atopk_k} exceeds d_ffn ({min(d_ffn)}, the narrowest FFN layer of the model): a token "
-                           f"cannot mark more neurons than a layer has; use atopk_k ≤ {min(d_ffn)}")
+    problem = atopk_problem(s.atopk_k, d_ffn)
+    if problem:
+        raise ProfileError(problem)
 
 
 class _LayerAccumulator:

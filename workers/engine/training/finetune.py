@@ -83,7 +83,7 @@ from torch import nn
 from ..atomic import write_json_atomic
 from ..data.calibration import load_calibration
 from .checkpoint import CHECKPOINT_DIR, CheckpointError, latest_checkpoint, list_checkpoints, restore, save_checkpoint
-from ..evaluation.metrics import heldout_windows, load_cv, perplexity
+from ..evaluation.metrics import BATCH_TOKENS, heldout_windows, load_cv, perplexity, window_batch
 from ..runtime.export import CONVERSION_FILE, export_model
 from ..runtime.modeling_moelab import MoeFFN, MoelabForCausalLM, layer_spec, realign_parameters
 from ..models import load_model, resolve_device
@@ -546,9 +546,7 @@ def _optimizer(setup: TrainSetup, params: FinetuneParams) -> torch.optim.Optimiz
 
 
 #: Most tokens in one forward/backward of a training step (larger steps are split into micro-batches).
-STEP_TOKENS = 2048
-#: Most tokens of the first batch that a mode's set-up reads (expertweaver scales its router initialisation on them).
-SETUP_TOKENS = 2048
+STEP_TOKENS = BATCH_TOKENS
 
 
 def run_finetune(
@@ -607,7 +605,7 @@ def run_finetune(
 
     torch.manual_seed(params.seed)
     first = torch.as_tensor(train_win[window_indices(0, params.batch_size, len(train_win), params.seed)]).to(dev)
-    first = first[: max(1, SETUP_TOKENS // params.seq_len)]  # the set-up's forward is bounded like a training one
+    first = first[: window_batch(len(first), params.seq_len)]  # the set-up's forward: at most BATCH_TOKENS tokens
     with progress.step(f"set up {params.mode} training"):
         setup = apply_mode(moe, params, first)
     if "perplexity_start" not in log:
@@ -654,15 +652,15 @@ def run_finetune(
             # A step of batch_size × seq_len tokens runs as micro-batches of at most STEP_TOKENS tokens (gradients
             # accumulated, each weighted by its share of the windows): one forward/backward is bounded, and a cancel
             # is seen between them (progress.update), not only after a step of unbounded size.
-            per = max(1, min(len(x), STEP_TOKENS // params.seq_len))
+            per = window_batch(len(x), params.seq_len, STEP_TOKENS)
             ntp_sum, aux_sum, loss_sum = 0.0, None, 0.0
-            for first in range(0, len(x), per):
-                if first:
+            for start in range(0, len(x), per):
+                if start:
                     progress.update("train", step, params.steps)
-                xb = x[first:first + per]
+                xb = x[start:start + per]
                 weight = len(xb) / len(x)
                 ntp_b = setup.model(input_ids=xb, labels=xb, use_cache=False).loss
-                aux_b = torch.stack(tap.terms).mean() if tap.terms else None
+                aux_b = tap.aux_loss()
                 tap.terms.clear()
                 loss_b = ntp_b + params.lb_used * aux_b if aux_b is not None and params.lb_used > 0 else ntp_b
                 (loss_b * weight if weight != 1 else loss_b).backward()

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal
 
 from ..core.params import DeclaredParams, from_known_fields, param
+from ..limits import lora_rank_problem, seq_len_problem
 from ..methods import REGISTRY, Recovery
 
 #: Recovery modes: the registered methods that declare a ``Recovery`` (``methods.base``).
@@ -118,15 +119,7 @@ class FinetuneParams(DeclaredParams):
         ``max_position_embeddings`` leave the positions the model was trained on."""
         if not isinstance(config, dict):
             return
-        base = config.get("base_config") if isinstance(config.get("base_config"), dict) else config
-        if isinstance(base.get("text_config"), dict):
-            base = {**base, **base["text_config"]}
-        d_model = base.get("hidden_size") or next(
-            (e.get("d_model") for e in config.get("moe_layers") or [] if isinstance(e, dict) and e.get("d_model")), None)
-        if isinstance(d_model, int) and self.lora_rank > d_model:
-            raise FinetuneError(f"lora_rank {self.lora_rank} exceeds d_model ({d_model}) of the conversion's model: a rank "
-                                f"above d_model adds parameters and memory but no expressiveness; use lora_rank ≤ {d_model}")
-        positions = base.get("max_position_embeddings")
-        if isinstance(positions, int) and self.seq_len > positions:
-            raise FinetuneError(f"seq_len {self.seq_len} exceeds the conversion's model's max_position_embeddings "
-                                f"({positions}); use seq_len ≤ {positions}")
+        what = "the conversion's model"
+        problem = lora_rank_problem(self.lora_rank, config, what=what) or seq_len_problem(self.seq_len, config, what=what)
+        if problem:
+            raise FinetuneError(problem)
