@@ -12,8 +12,6 @@ While it runs, a background loop fails running jobs whose worker stopped heartbe
 from __future__ import annotations
 
 import asyncio
-import json
-import secrets
 
 import anyio.to_thread
 import logging
@@ -33,7 +31,8 @@ from moelab.store import jobs
 from . import errors
 from moelab.store.artifacts import ArtifactStore, artifacts_label
 from moelab.store.db import Database
-from .limits import BodySizeLimit
+from .deps import token_refusal
+from .limits import BodySizeLimit, send_error
 from .queue import JobQueue
 from .routes import api_router
 from .routes.artifacts import DownloadSlots
@@ -82,16 +81,6 @@ async def _reaper(app: FastAPI) -> None:
         await asyncio.sleep(settings.reaper_interval_s)
 
 
-async def _answer(send: Send, status: int, detail: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    """A JSON error sent straight from a middleware, before the request body is read (the
-    connection is closed after it: the unread body must not be taken for the next request)."""
-    body = json.dumps({"detail": detail}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close"), *(headers or [])]})
-    await send({"type": "http.response.body", "body": body})
-
-
 #: paths under /api/v1 open without the token (probes, load balancers)
 OPEN_PATHS = frozenset({"/api/v1/health"})
 
@@ -115,14 +104,9 @@ class TokenGate:
         auth = headers.get(b"authorization", b"").decode("latin-1").strip()
         scheme, _, credentials = auth.partition(" ")
         given = credentials.strip() if scheme.lower() == "bearer" and credentials.strip() else headers.get(b"x-api-token", b"").decode("latin-1")
-        challenge = [(b"www-authenticate", b"Bearer")]
-        if not given:
-            await _answer(send, 401, "this server requires an API token: send 'Authorization: Bearer <MOELAB_API_TOKEN>' "
-                                     "(or 'X-API-Token: <token>') with every request", challenge)
-            return
-        if not secrets.compare_digest(given.encode(), token.encode()):
-            await _answer(send, 401, "wrong API token: send the server's MOELAB_API_TOKEN as 'Authorization: Bearer <token>'",
-                          challenge)
+        problem = token_refusal(token, given)
+        if problem:
+            await send_error(send, 401, problem, [(b"www-authenticate", b"Bearer")])
             return
         await self.app(scope, receive, send)
 
@@ -143,7 +127,7 @@ class UploadSpaceCheck:
                 if free is not None and int(declared) > free:
                     detail = self.store.no_space_message(int(declared), "this upload")
                     log.error("%s %s refused: %s", scope.get("method"), scope.get("path"), detail)
-                    await _answer(send, 507, detail)
+                    await send_error(send, 507, detail)
                     return
         await self.app(scope, receive, send)
 

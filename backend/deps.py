@@ -61,13 +61,20 @@ async def require_token(request: Request, credentials: HTTPAuthorizationCredenti
     if token is None:
         return
     given = credentials.credentials if credentials is not None else request.headers.get("x-api-token")
-    challenge = {"WWW-Authenticate": "Bearer"}
+    problem = token_refusal(token, given)
+    if problem:
+        raise ApiError(401, problem, headers={"WWW-Authenticate": "Bearer"})
+
+
+def token_refusal(token: str, given: str | None) -> str | None:
+    """Why a request carrying ``given`` may not pass a server whose token is ``token`` (None: it may);
+    compared in constant time. Shared by ``require_token`` and ``app.TokenGate``."""
     if not given:
-        raise ApiError(401, "this server requires an API token: send 'Authorization: Bearer <MOELAB_API_TOKEN>' "
-                            "(or 'X-API-Token: <token>') with every request", headers=challenge)
+        return ("this server requires an API token: send 'Authorization: Bearer <MOELAB_API_TOKEN>' "
+                "(or 'X-API-Token: <token>') with every request")
     if not secrets.compare_digest(given.encode(), token.encode()):
-        raise ApiError(401, "wrong API token: send the server's MOELAB_API_TOKEN as 'Authorization: Bearer <token>'",
-                       headers=challenge)
+        return "wrong API token: send the server's MOELAB_API_TOKEN as 'Authorization: Bearer <token>'"
+    return None
 
 
 def encoded(model: BaseModel) -> Response:

@@ -145,8 +145,4 @@ def install(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         if is_disk_full(exc):  # a library's wrapper of ENOSPC (torch, safetensors, Arrow)
             return _storage_response(request, exc)
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(
-            {"detail": f"internal error ({type(exc).__name__}); this is a bug in moelab, the server log has the traceback"},
-            status_code=500,
-        )
+        return _internal(request, exc)

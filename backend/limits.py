@@ -6,6 +6,8 @@ chunked body is counted as it streams and the request fails with 413 once it pas
 
 from __future__ import annotations
 
+import json
+
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -43,10 +45,14 @@ class BodySizeLimit:
         await self.app(scope, counting_receive, send)
 
     async def _reject(self, send: Send, size: int) -> None:
-        import json
+        await send_error(send, 413, too_large_message(self.limit, size))
 
-        body = json.dumps({"detail": too_large_message(self.limit, size)}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+
+async def send_error(send: Send, status: int, detail: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """A JSON error sent straight from a middleware, before the request body is read (the
+    connection is closed after it: the unread body must not be taken for the next request)."""
+    body = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close"), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})

@@ -22,12 +22,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
-from pathlib import Path
-
 from moelab.store import jobs
-from moelab.store.artifacts import ArtifactStore, InsufficientStorage, artifacts_label, is_disk_full
+from moelab.store.artifacts import ArtifactStore, artifacts_label, is_disk_full
 from moelab.store.dataroots import redact_paths
 from moelab.store.db import RESOURCE_TABLES, Conversion, Database, Job, Model, Profile
 from moelab.settings import Settings, get_settings
