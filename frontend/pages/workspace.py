@@ -7,6 +7,9 @@ converted model; a getting-started path (model → set → profile → designer)
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import dash
 from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
 
@@ -64,6 +67,7 @@ def layout(**_):
         ]),
         dcc.Store(id=f"{N}-pending-delete"),
         dcc.Store(id=f"{N}-refusal"),  # a refused delete: said next to its row in the lists
+        dcc.Store(id=f"{N}-shown"),  # a digest of what the lists show: a poll that finds nothing new redraws nothing
         dcc.ConfirmDialog(id=f"{N}-confirm"),
         html.Div(id=f"{N}-start"),
         html.Div(id=f"{N}-lists"),
@@ -404,9 +408,13 @@ def _group_note(cset, group_by):
 @callback(Output(f"{N}-lists", "children"), Output(f"{N}-health", "children"), Output(f"{N}-model", "options"),
           Output(f"{N}-set", "options"), Output(f"{N}-builtin", "options"), Output(f"{N}-start", "children"),
           Output(f"{N}-eval-conversion", "options"), Output(f"{N}-eval-source", "options"),
+          Output(f"{N}-shown", "data"),
           Input(f"{N}-poll", "n_intervals"), Input(f"{N}-created", "children"), Input(f"{N}-deleted", "children"),
-          Input(f"{N}-cancelled", "children"), Input(f"{N}-refusal", "data"))
-def _refresh(_n, _created, _deleted, _job_action, refusal):
+          Input(f"{N}-cancelled", "children"), Input(f"{N}-refusal", "data"), State(f"{N}-shown", "data"))
+def _refresh(_n, _created, _deleted, _job_action, refusal, shown_digest):
+    """The lists, redrawn only when what they show changed: a redraw replaces every button, and a
+    click whose callback is still running when its button is replaced is lost (Dash drops the
+    answer of a pattern callback whose inputs changed meanwhile)."""
     c = api()
     try:
         health = c.health()
@@ -414,7 +422,12 @@ def _refresh(_n, _created, _deleted, _job_action, refusal):
         jobs = c.jobs(limit=20)
         builtins = c.builtin_sets()
     except ApiError as exc:
-        return error_box(str(exc)), "", [], [], ["mixed"], None, [], [{"label": "builtin:mixed", "value": "builtin:mixed"}]
+        return (error_box(str(exc)), "", [], [], ["mixed"], None, [], [{"label": "builtin:mixed", "value": "builtin:mixed"}],
+                None)
+    seen = [[health.get(k) for k in ("status", "workers", "jobs")], lists, jobs, builtins, refusal]  # health's disk figures always move
+    digest = hashlib.sha1(json.dumps(seen, sort_keys=True, default=str).encode()).hexdigest()
+    if digest == shown_digest:
+        return (no_update,) * 9
     models, sets, profiles, convs, evals = (lists[k] for k in ("models", "calibration-sets", "profiles", "conversions", "evaluations"))
     names = Names.from_lists(models, sets, profiles)
     conv_names = {v["id"]: names.conversion(v) for v in convs}
@@ -454,7 +467,7 @@ def _refresh(_n, _created, _deleted, _job_action, refusal):
     text = (f"API {c.base_url}: {health['status']}; workers: {', '.join(health['workers']) or 'none (jobs will wait)'}; "
             f"jobs: {fmt(health['jobs'])}")
     return (lists_shown, text, options(models), options(sets), builtin_options(builtins), getting_started(models, sets, profiles, convs),
-            options(convs, names=names), source_options(builtins, sets))
+            options(convs, names=names), source_options(builtins, sets), digest)
 
 
 @callback(Output(f"{N}-created", "children"), Input(f"{N}-add-model", "n_clicks"), Input(f"{N}-add-set", "n_clicks"),

@@ -73,7 +73,11 @@ def test_delete_refused_names_dependants_then_cascade(page, live, api, profile_i
 
     said = _accept_dialogs(page)
     page.goto(f"{live['ui']}/")
-    page.click(_id(type="ws-del", kind="calibration-sets", id=s["id"]))
+    button = page.locator(_id(type="ws-del", kind="calibration-sets", id=s["id"]))
+    button.evaluate("b => { b.dataset.seen = '1'; }")
+    page.wait_for_timeout(4000)  # polls that find nothing new redraw nothing: the same button, so a click is never lost
+    assert button.get_attribute("data-seen") == "1"
+    button.click()
     row = page.locator("tr", has=page.locator(_id(type="ws-del", kind="calibration-sets", id=s["id"])))
     refusal = row.locator("xpath=following-sibling::tr[1]")  # the refusal: in the row right under the one deleted
     refusal.locator("text=not deleted").wait_for()
