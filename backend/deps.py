@@ -17,7 +17,7 @@ from moelab.settings import Settings
 
 from moelab.store import jobs
 from moelab.store.artifacts import ArtifactStore
-from moelab.store.db import Database, Job
+from moelab.store.db import Job
 from .errors import ApiError, not_found
 from .queue import BrokerUnavailable, JobQueue
 
@@ -40,10 +40,6 @@ async def get_store(request: Request) -> ArtifactStore:
 
 async def get_queue(request: Request) -> JobQueue:
     return request.app.state.queue
-
-
-async def get_db(request: Request) -> Database:
-    return request.app.state.db
 
 
 async def get_session(request: Request) -> AsyncIterator[Session]:

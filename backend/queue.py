@@ -36,7 +36,3 @@ class JobQueue:
             self.celery.control.revoke(job_id)
         except Exception as exc:
             log.warning("revoke %s not broadcast (%s); the job row's cancel flag still applies", job_id, exc)
-
-    def ping_broker(self) -> None:
-        with self.celery.connection_for_write() as conn:
-            conn.ensure_connection(max_retries=1, timeout=2)

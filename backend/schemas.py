@@ -37,13 +37,6 @@ class _In(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-class Problem(BaseModel):
-    """Every 4xx/5xx answer: ``detail`` says what was wrong and what to do."""
-
-    detail: str
-    errors: list[dict[str, Any]] | None = Field(None, description="per-field validation errors (422 only)")
-
-
 # --------------------------------------------------------------------------- jobs
 
 

@@ -11,7 +11,7 @@
 Without MOELAB_API_TOKEN, HOST must be a loopback address unless ``--insecure`` (MOELAB_INSECURE)
 is given: otherwise the command refuses to start (exit code 2) and says why.
 
-Each of these is an ordinary command that can be started by hand (README "Deployment").
+Each of these is an ordinary command that can be started by hand (docs/deployment.md).
 Ctrl-C or SIGTERM stops the children in reverse order, each with a grace period (the worker
 records its running job as failed-by-shutdown), then the command exits; a second Ctrl-C kills
 what is left at once. Each child leads its own process group and is armed with Linux's

@@ -21,8 +21,6 @@ dash.register_page(__name__, path="/layers", name="Layer similarity", order=3)
 
 N = "ls"
 METHOD = "dense2moe"
-#: The parameters this page sets; the others take the method's defaults (here and in the designer).
-FIELDS = ("delta", "n_fused", "layer")
 
 
 def method_specs() -> tuple[dict[str, dict[str, Any]], str | None]:

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -43,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "tests" / "benchmarks" / "results" / "bench_generate.json"
 
 from bench_moe_ffn import bench_text  # noqa: E402  (this directory: stdlib source text as real tokens)
-from workers.engine.runtime.export import MODELING_FILE  # noqa: E402
+from workers.engine.runtime.export import copy_runtime  # noqa: E402
 SHARED_FRACTION = 1 / 8
 
 
@@ -155,7 +154,7 @@ def main() -> None:
         if not (out / "conversion.json").is_file():
             convert(profile, experts, args.sparsity, out, env)
         else:  # a conversion kept from an earlier run: time the runtime of this checkout, not the one it bundled
-            shutil.copyfile(MODELING_FILE, out / MODELING_FILE.name)
+            copy_runtime(out)
         conversions[f"cmoe {experts} experts"] = out
 
     dense_dir = cache_default_model(args.model_cache)  # the dequantised checkpoint the conversions start from

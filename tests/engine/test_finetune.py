@@ -22,9 +22,10 @@ from workers.engine.methods.dense2moe import Dense2MoEParams
 from workers.engine.runtime.export import load_exported
 from workers.engine.training.finetune import (
     FinetuneError, FinetuneParams, RoutingTap, apply_mode, load_balancing_loss,
-    load_conversion_for_training, merge_adapters, read_train_log, run_finetune, to_softmax_router,
+    load_conversion_for_training, merge_adapters, read_train_log, run_finetune,
     lr_factor, update_router_bias, window_indices,
 )
+from workers.engine.training.router_init import to_softmax_router
 from workers.engine.methods.midas import MidasParams
 from workers.engine.runtime.modeling_moelab import MoeFFN
 from workers.engine.models import load_model

@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 from moelab.cli import main
 from workers.engine.core.allocation import plan_flops_fraction
-from workers.engine.core.fitting import collect_inputs, error_curve, greedy_budget, ridge_router, router_scores, skipped_means
+from workers.engine.core.fitting import collect_inputs, error_curve, fit_router, greedy_budget, router_scores, skipped_means
+from workers.engine.runtime.moelab_routers import ROUTERS
 from workers.engine.core.params import ConversionError
 from workers.engine.core.slicing import dense_weights, partition_modules
 from workers.engine.methods import cmoe, expertweaver, get_method
@@ -146,7 +147,11 @@ def test_ridge_router_is_the_regularised_least_squares_solution():
     x = torch.randn(T, d)
     g, u = torch.randn(E * m, d), torch.randn(E * m, d)
     routed = np.arange(E * m)[::-1].copy().reshape(E, m)
-    w, b = ridge_router(x, g, u, routed, "silu", lam=0.1)
+    fitted = ROUTERS["ridge"].fit(x, g[routed.reshape(-1)].reshape(E, m, d), u[routed.reshape(-1)].reshape(E, m, d),
+                                  torch.nn.functional.silu, lam=0.1)
+    w, b = fitted["router_weight"].numpy(), fitted["router_offset"].numpy()
+    default = fit_router(x, "ridge", g, u, routed, "silu")  # what a conversion fits: the same, at LAMBDA
+    assert default["router_weight"].shape == (E, d) and default["router_offset"].shape == (E,)
     h = (torch.nn.functional.silu(x @ g.T) * (x @ u.T)).double().numpy()
     target = np.abs(h[:, routed.reshape(-1)]).reshape(T, E, m).sum(-1)
     xa = np.hstack([x.double().numpy(), np.ones((T, 1))])

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.activations import ACT2FN
 
-from workers.engine.runtime import modeling_moelab
-from workers.engine.runtime.export import AUTO_MAP, build_moe_model, export_model, load_exported
+from workers.engine.runtime import modeling_moelab, moelab_kernels
+from workers.engine.runtime.export import AUTO_MAP, RUNTIME_FILES, build_moe_model, export_model, load_exported
 from workers.engine.runtime.modeling_moelab import (
     AbsTopKGLU,
     MoeFFN,
@@ -270,13 +270,13 @@ def test_fast_kernels_equal_the_reference_loop(router, combine):
 
 @pytest.mark.parametrize("router", ALL_ROUTERS)
 def test_accelerator_decode_path_equals_the_loop_on_cpu(router, monkeypatch):
-    """``_gather_pairs`` (what ``gather`` runs on accelerators) checked where CI runs: both storage
+    """``gather_pairs`` (what ``gather`` runs on accelerators) checked where CI runs: both storage
     layouts of gate_up_proj (gate_mass keeps row-major), weighted and unweighted."""
     for combine in ("sum", "weighted"):
         mod = kernel_moe(router, combine)
         x = torch.randn(5, 32, generator=torch.Generator().manual_seed(2))
         ref = run_impl(mod, x, "loop")
-        monkeypatch.setattr(mod.experts, "_gather", mod.experts._gather_pairs)
+        monkeypatch.setitem(moelab_kernels.KERNELS, "gather", moelab_kernels.gather_pairs)
         torch.testing.assert_close(run_impl(mod, x, "gather"), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -309,7 +309,7 @@ def test_every_expert_busy_and_odd_expert_size():
     mod, *_ = make_moe(20, 60, 0, 12, 10, "centroid", "weighted", seed=4)
     assert mod.expert_size == 5
     x = torch.randn(64, 20, generator=torch.Generator().manual_seed(3))
-    assert not mod.experts._grouped_ok(x)
+    assert not moelab_kernels.grouped_ok(mod.experts, x)
     ref = run_impl(mod, x, "loop")
     for impl in FAST_IMPLS:
         torch.testing.assert_close(run_impl(mod, x, impl), ref, rtol=1e-5, atol=1e-5)
@@ -319,7 +319,7 @@ def test_every_expert_busy_and_odd_expert_size():
 def test_chunked_sorted_kernel_equals_the_reference_loop(router, combine, monkeypatch):
     """The prefill kernel processes experts in cache-sized chunks: with a tiny chunk budget every
     chunk holds one or a few experts (and some none), with grouped_mm or per-expert GEMMs inside."""
-    monkeypatch.setattr(modeling_moelab, "CHUNK_BYTES", 2048)
+    monkeypatch.setattr(moelab_kernels, "CHUNK_BYTES", 2048)
     mod = kernel_moe(router, combine, seed=5)
     x = torch.randn(40, 32, generator=torch.Generator().manual_seed(4))
     ref = run_impl(mod, x, "loop")
@@ -337,7 +337,7 @@ def test_gradients_equal_the_reference_loop(router, combine, monkeypatch):
     x = torch.randn(30, 32, generator=torch.Generator().manual_seed(9))
     grads = {}
     for impl, ratio in (("loop", 8), ("auto", 8), ("segments", 1), ("gather", 8)):
-        monkeypatch.setattr(modeling_moelab, "GRAD_DENSE_RATIO", ratio)  # 3 · 8 ≥ 16 experts: masked; 3 · 1: segments
+        monkeypatch.setattr(moelab_kernels, "GRAD_DENSE_RATIO", ratio)  # 3 · 8 ≥ 16 experts: masked; 3 · 1: segments
         mod.zero_grad()
         mod.experts_impl = "auto" if impl == "segments" else impl
         xi = x.clone().requires_grad_(True)
@@ -369,7 +369,7 @@ def test_each_stacked_weight_is_read_once_per_forward(impl, monkeypatch):
     parametrize.register_parametrization(mod.experts, "gate_up_proj", Counted())
     parametrize.register_parametrization(mod.experts, "down_proj", Counted())
     if impl == "segments":
-        monkeypatch.setattr(modeling_moelab, "GRAD_DENSE_RATIO", 1)
+        monkeypatch.setattr(moelab_kernels, "GRAD_DENSE_RATIO", 1)
     mod.experts_impl = "auto" if impl == "segments" else impl
     x = torch.randn(40, 32, generator=torch.Generator().manual_seed(4), requires_grad=True)
     Counted.reads = 0
@@ -387,12 +387,12 @@ def test_auto_kernel_choice_on_cpu(monkeypatch):
     def pick(tokens, needs_grad=False):
         return experts.resolve_impl(torch.randn(tokens, 32), torch.zeros(tokens, 3, dtype=torch.long), needs_grad)
 
-    grouped = "grouped_mm" if modeling_moelab._GROUPED_MM is not None else "sorted"
-    assert pick(1) == pick(modeling_moelab.GATHER_MAX_TOKENS) == "gather"
-    assert pick(modeling_moelab.GATHER_MAX_TOKENS + 1) == grouped
+    grouped = "grouped_mm" if moelab_kernels._GROUPED_MM is not None else "sorted"
+    assert pick(1) == pick(moelab_kernels.GATHER_MAX_TOKENS) == "gather"
+    assert pick(moelab_kernels.GATHER_MAX_TOKENS + 1) == grouped
     assert pick(1, needs_grad=True) == pick(5, needs_grad=True) == "sorted"
     assert pick(100_000) == "sorted"  # 100k pairs' activations exceed CHUNK_BYTES
-    monkeypatch.setattr(modeling_moelab, "GATHER_MAX_BYTES", 3 * 2 * 4 * 32 * 4 - 1)  # < three experts' blocks
+    monkeypatch.setattr(moelab_kernels, "GATHER_MAX_BYTES", 3 * 2 * 4 * 32 * 4 - 1)  # < three experts' blocks
     assert pick(1) == "gather"  # one token, column-major blocks: nothing is copied, whatever their size
     assert pick(2) == grouped
     experts = kernel_moe("gate_mass", "sum").experts  # row-major: the gather copies the blocks
@@ -518,7 +518,8 @@ def test_export_round_trip_on_tiny_models(family, tiny_model, data_dir, tmp_path
         logits = moe(input_ids=ids, attention_mask=mask).logits
     conversion = {"method": "test", "layers": [{"d_shared": 16}] * 3, "timings": {"total_s": 0.1}}
     out = export_model(moe, tmp_path / "moe", adapter.tokenizer, conversion)
-    assert filecmp.cmp(out / "modeling_moelab.py", modeling_moelab.__file__, shallow=False)
+    for f in RUNTIME_FILES:  # the whole runtime travels: the modeling file imports its siblings
+        assert filecmp.cmp(out / f.name, f, shallow=False)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["auto_map"] == AUTO_MAP and cfg["model_type"] == "moelab"
     assert cfg["base_config"]["model_type"] == adapter.model.config.model_type
@@ -529,8 +530,8 @@ def test_export_round_trip_on_tiny_models(family, tiny_model, data_dir, tmp_path
     loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     assert type(loaded).__name__ == "MoelabForCausalLM"
     for mod in loaded.moe_modules().values():  # saved contiguous, loaded back into the decode layouts
-        assert modeling_moelab._decode_layout_of(mod.experts.down_proj)
-        assert modeling_moelab._decode_layout_of(mod.experts.gate_up_proj) == (mod.router != "gate_mass")
+        assert moelab_kernels.decode_layout_of(mod.experts.down_proj)
+        assert moelab_kernels.decode_layout_of(mod.experts.gate_up_proj) == (mod.router != "gate_mass")
     with torch.no_grad():
         again = loaded(input_ids=ids, attention_mask=mask).logits
     assert torch.equal(again, logits)

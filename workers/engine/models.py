@@ -151,6 +151,12 @@ class ModelAdapter:
         }
 
 
+def dense_weights(adapter: ModelAdapter, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer ``i``'s ``W_gate``, ``W_up`` ``[d_ffn, d_model]`` and ``W_down`` ``[d_model, d_ffn]``."""
+    lay = adapter.layers[i]
+    return lay.gate_weight().detach(), lay.up_weight().detach(), lay.down_weight().detach()
+
+
 # --------------------------------------------------------------------------- locating GLUs
 
 

@@ -2,7 +2,7 @@
 
 A ``LayerPlan`` is what every partition method (``methods.expertweaver``: EW Eqs. 4–6;
 ``methods.cmoe``: CMoE's uniform S·A·E) produces per layer and what expert construction reads.
-Names (see the glossary in the README): ``n_experts`` counts every expert of a layer, shared
+Names (see docs/glossary.md): ``n_experts`` counts every expert of a layer, shared
 included; ``n_routed`` the routed ones; ``top_k`` the routed experts active per token (shared
 experts always run and are not counted in it).
 
@@ -18,6 +18,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from ..runtime.moelab_routers import ffn_macs, router_kind
 from .params import ConversionError, MethodParams
 
 
@@ -71,35 +72,28 @@ def summarize(rows: list[LayerPlan]) -> dict[str, Any]:
 
 
 def layer_cost(row: LayerPlan, router: str, d_model: int) -> tuple[int, int]:
-    """Per-token multiply-adds of a planned layer: ``(always-run part, one selected routed expert)``.
-
-    The always-run part is the shared expert and the router (``centroid``/``softmax``: ``E·d``;
-    ``ridge``: ``E·(d+1)``; ``representative``: ``2·E·d``; ``gate_mass``: the gate of every routed
-    neuron, ``d·m·E``, after which a selected expert only adds its up and down rows). The same
-    counting as ``MoeFFN.active_param_count``; element-wise work is not counted.
-    """
+    """Per-token multiply-adds of a planned layer below all of its experts: ``(always-run part, one
+    selected routed expert)``; the shared expert plus the router kind's scoring, and its per-expert
+    cost (``moelab_routers.Router.macs``: gate_mass computes every routed neuron's gate to score,
+    after which a selected expert adds only its up and down rows). What the budget plan buys with."""
     E, m, d = row.n_routed, row.d_expert, d_model
     fixed = 3 * d * row.d_shared
     if E == 0:
         return fixed, 3 * d * m
-    if router == "gate_mass":
-        return fixed + d * m * E, 2 * d * m
-    router_macs = {"ridge": E * (d + 1), "representative": 2 * E * d}.get(router, E * d)
-    return fixed + router_macs, 3 * d * m
+    scoring, per_expert = router_kind(router).macs(d, E, m)
+    return fixed + scoring, per_expert
 
 
-def plan_flops_fraction(rows: Sequence[LayerPlan], router: str, d_model: int) -> float:
+def plan_macs(row: LayerPlan, router: str, d_model: int, combine: str = "sum") -> int:
+    """Multiply-adds per token of a planned layer: ``moelab_routers.ffn_macs``, the function the
+    converted layer counts its own cost with (``MoeFFN.active_param_count``)."""
+    return ffn_macs(d_model, row.d_shared, row.n_routed, row.d_expert, row.top_k, router, combine)
+
+
+def plan_flops_fraction(rows: Sequence[LayerPlan], router: str, d_model: int, combine: str = "sum") -> float:
     """``ffn_flops_fraction`` of a plan: FFN multiply-adds per token, router and scoring included,
     over the dense FFN's ``3·d·d_ffn`` per layer."""
-    cost = 0
-    for row in rows:
-        if row.top_k == 0 or row.n_routed == 0:  # a static layer runs no router
-            cost += 3 * d_model * row.d_shared
-        elif row.top_k >= row.n_routed:  # every expert runs, nothing to score
-            cost += 3 * d_model * row.d_ffn
-        else:
-            fixed, unit = layer_cost(row, router, d_model)
-            cost += fixed + row.top_k * unit
+    cost = sum(plan_macs(row, router, d_model, combine) for row in rows)
     return cost / sum(3 * d_model * row.d_ffn for row in rows)
 
 
@@ -126,7 +120,8 @@ def plan_record(rows: list[LayerPlan], params: MethodParams, d_model: int | None
     ``ffn_flops_fraction`` (the cost the converted model will record) too."""
     summary = summarize(rows)
     if d_model:
-        summary["ffn_flops_fraction"] = plan_flops_fraction(rows, getattr(params, "router", "centroid"), d_model)
+        summary["ffn_flops_fraction"] = plan_flops_fraction(rows, getattr(params, "router", "centroid"), d_model,
+                                                            getattr(params, "combine", "sum"))
         if getattr(params, "plan", "paper") == "budget":
             summary["plan_note"] = ("budget plan: this is the paper plan; the conversion redistributes top-k across "
                                     "layers by calibration error at the same or a lower cost")

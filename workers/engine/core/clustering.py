@@ -136,30 +136,7 @@ def _auction(benefit: np.ndarray, cap: np.ndarray, eps_final: float, eps_start: 
     while True:
         n_phases += 1
         if n_phases > 1:
-            # Warm start for the smaller ε: keep the prices and the assignment, except that
-            # (a) every cluster re-bids its held rows down to the value of its best non-held row
-            # B_j (a price rise, as a bid would do), and (b) rows now worth < B_j − ε are released.
-            # Then every held row is worth within ε of max_l value(l, j): ε-CS holds again.
-            held = np.flatnonzero(owner >= 0)
-            j_held = owner[held]
-            values = bT - pi
-            held_val = values[j_held, held]
-            values[j_held, held] = -np.inf
-            best_free = values.max(axis=1)[j_held]
-            over = held_val > best_free
-            pi[held[over]] = bT[j_held[over], held[over]] - best_free[over]
-            keep = held_val >= best_free - eps
-            owner[held[~keep]] = -1
-            # (c) Released rows were released for being expensive; left at that price, nobody
-            # wants them until every other price has been bid past theirs — a hole wandering
-            # for thousands of rounds, one ε-raise each (ties make it worse). Outside a phase
-            # prices may drop as long as ε-CS survives: lower every free row to the least price
-            # at which it is worth ≤ L_j + ε to every cluster j (L_j = j's lowest held value).
-            free = np.flatnonzero(owner < 0)
-            if free.size and keep.any():
-                low = np.full(k, np.inf)
-                np.minimum.at(low, j_held[keep], np.minimum(held_val, best_free)[keep])
-                pi[free] = np.minimum(pi[free], (bT[:, free] - low[:, None]).max(axis=0) - eps)
+            _restore_eps_cs(bT, pi, owner, eps)
         count = np.bincount(owner[owner >= 0], minlength=k)
         while True:
             short = np.flatnonzero(count < cap)
@@ -168,59 +145,104 @@ def _auction(benefit: np.ndarray, cap: np.ndarray, eps_final: float, eps_start: 
             if n_rounds >= max_rounds:
                 break
             n_rounds += 1
-            need = cap[short] - count[short]  # s_j ≥ 1
-            n_short = short.size
-            row_of[short] = np.arange(n_short)
-            values = bT[short] - pi  # [S, n]
-            held = np.flatnonzero(row_of[owner] >= 0)  # items held by a bidding cluster
-            held_row = row_of[owner[held]]
-            values[held_row, held] = -np.inf  # a cluster bids on its top-s *non-held* items
-            smax = int(need.max())
-            rows = np.arange(n_short)
-            # The s_j + 1 best non-held rows of every bidding cluster, best first.
-            if smax < _ARGMAX_TOPK:  # one missing row (the usual tail): two argmax passes
-                cand = np.empty((n_short, smax + 1), dtype=np.int64)
-                cand_val = np.empty((n_short, smax + 1))
-                for r in range(smax + 1):
-                    top = values.argmax(axis=1)
-                    cand[:, r] = top
-                    cand_val[:, r] = values[rows, top]
-                    values[rows, top] = -np.inf
-            else:  # torch.topk is 3-20× faster than np.argpartition + sort here
-                top_val, top_idx = torch.topk(torch.from_numpy(values), smax + 1, dim=1, sorted=True)
-                cand_val = top_val.numpy()
-                cand = top_idx.numpy()
-            threshold = cand_val[rows, need]  # (s_j + 1)-th best non-held value t_j
-            bid_row = np.repeat(rows, need)
-            bid_item = cand[bid_row, np.arange(bid_row.size) - np.repeat(np.cumsum(need) - need, need)]
-            bid_cluster = short[bid_row]
-            # Bid for each wanted row the price that leaves it worth t_j − ε to j (≥ π_i + ε).
-            bid = bT[bid_cluster, bid_item] - threshold[bid_row] + eps
-            # Highest bid per row wins (ties: lowest cluster); the price becomes the winning bid.
-            order = np.lexsort((bid_cluster, -bid, bid_item))
-            item_sorted = bid_item[order]
-            first = np.ones(order.size, dtype=bool)
-            first[1:] = item_sorted[1:] != item_sorted[:-1]
-            win = order[first]
-            won_item = bid_item[win]
-            lost_by = owner[won_item]
-            owner[won_item] = bid_cluster[win]
-            pi[won_item] = bid[win]
-            count += np.bincount(bid_cluster[win], minlength=k)
-            count -= np.bincount(lost_by[lost_by >= 0], minlength=k)
-            # Every bidder also raises the prices of the rows it kept from before so that they,
-            # like the rows it just won, are worth exactly t_j − ε to it: a unilateral raise, not a
-            # competing bid (an incumbent defending its rows turns into an ε-per-round price war),
-            # which moves the whole cluster's price level at once. All its rows are then worth
-            # t_j − ε ≥ (everything it does not hold) − ε: ε-CS.
-            kept = held[owner[held] == short[held_row]]
-            kept_row = row_of[owner[kept]]
-            pi[kept] = np.maximum(pi[kept], bT[short[kept_row], kept] - threshold[kept_row] + eps)
-            row_of[short] = -1
+            _bidding_round(bT, pi, owner, count, cap, short, row_of, eps)
         if eps <= eps_final or n_rounds >= max_rounds:
             break
         eps = max(eps / theta, eps_final)
     return (bT - pi).max(axis=1), n_phases, n_rounds
+
+
+def _restore_eps_cs(bT: np.ndarray, pi: np.ndarray, owner: np.ndarray, eps: float) -> None:
+    """The auction's warm start for a smaller ε (updates the item prices ``pi`` and the owners in place).
+
+    Keep the prices and the assignment, except that (a) every cluster re-bids its held rows down to
+    the value of its best non-held row B_j (a price rise, as a bid would do), and (b) rows now worth
+    < B_j − ε are released. Then every held row is worth within ε of max_l value(l, j): ε-CS holds again.
+    """
+    k = bT.shape[0]
+    held = np.flatnonzero(owner >= 0)
+    j_held = owner[held]
+    values = bT - pi
+    held_val = values[j_held, held]
+    values[j_held, held] = -np.inf
+    best_free = values.max(axis=1)[j_held]
+    over = held_val > best_free
+    pi[held[over]] = bT[j_held[over], held[over]] - best_free[over]
+    keep = held_val >= best_free - eps
+    owner[held[~keep]] = -1
+    # (c) Released rows were released for being expensive; left at that price, nobody
+    # wants them until every other price has been bid past theirs — a hole wandering
+    # for thousands of rounds, one ε-raise each (ties make it worse). Outside a phase
+    # prices may drop as long as ε-CS survives: lower every free row to the least price
+    # at which it is worth ≤ L_j + ε to every cluster j (L_j = j's lowest held value).
+    free = np.flatnonzero(owner < 0)
+    if free.size and keep.any():
+        low = np.full(k, np.inf)
+        np.minimum.at(low, j_held[keep], np.minimum(held_val, best_free)[keep])
+        pi[free] = np.minimum(pi[free], (bT[:, free] - low[:, None]).max(axis=0) - eps)
+
+
+def _top_candidates(values: np.ndarray, smax: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(items, values)`` ``[S, smax + 1]``: the ``smax + 1`` best items of every row of ``values``,
+    best first (``values`` is overwritten)."""
+    n_short = values.shape[0]
+    rows = np.arange(n_short)
+    if smax < _ARGMAX_TOPK:  # one missing row (the usual tail): two argmax passes
+        cand = np.empty((n_short, smax + 1), dtype=np.int64)
+        cand_val = np.empty((n_short, smax + 1))
+        for r in range(smax + 1):
+            top = values.argmax(axis=1)
+            cand[:, r] = top
+            cand_val[:, r] = values[rows, top]
+            values[rows, top] = -np.inf
+        return cand, cand_val
+    # torch.topk is 3-20× faster than np.argpartition + sort here
+    top_val, top_idx = torch.topk(torch.from_numpy(values), smax + 1, dim=1, sorted=True)
+    return top_idx.numpy(), top_val.numpy()
+
+
+def _bidding_round(bT: np.ndarray, pi: np.ndarray, owner: np.ndarray, count: np.ndarray, cap: np.ndarray,
+                   short: np.ndarray, row_of: np.ndarray, eps: float) -> None:
+    """One Jacobi round of the auction: every cluster in ``short`` (short of rows) bids at once.
+    Updates ``pi``, ``owner`` and ``count`` in place (``row_of``: scratch, all −1 between rounds)."""
+    k = bT.shape[0]
+    need = cap[short] - count[short]  # s_j ≥ 1
+    n_short = short.size
+    row_of[short] = np.arange(n_short)
+    values = bT[short] - pi  # [S, n]
+    held = np.flatnonzero(row_of[owner] >= 0)  # items held by a bidding cluster
+    held_row = row_of[owner[held]]
+    values[held_row, held] = -np.inf  # a cluster bids on its top-s *non-held* items
+    rows = np.arange(n_short)
+    # The s_j + 1 best non-held rows of every bidding cluster, best first.
+    cand, cand_val = _top_candidates(values, int(need.max()))
+    threshold = cand_val[rows, need]  # (s_j + 1)-th best non-held value t_j
+    bid_row = np.repeat(rows, need)
+    bid_item = cand[bid_row, np.arange(bid_row.size) - np.repeat(np.cumsum(need) - need, need)]
+    bid_cluster = short[bid_row]
+    # Bid for each wanted row the price that leaves it worth t_j − ε to j (≥ π_i + ε).
+    bid = bT[bid_cluster, bid_item] - threshold[bid_row] + eps
+    # Highest bid per row wins (ties: lowest cluster); the price becomes the winning bid.
+    order = np.lexsort((bid_cluster, -bid, bid_item))
+    item_sorted = bid_item[order]
+    first = np.ones(order.size, dtype=bool)
+    first[1:] = item_sorted[1:] != item_sorted[:-1]
+    win = order[first]
+    won_item = bid_item[win]
+    lost_by = owner[won_item]
+    owner[won_item] = bid_cluster[win]
+    pi[won_item] = bid[win]
+    count += np.bincount(bid_cluster[win], minlength=k)
+    count -= np.bincount(lost_by[lost_by >= 0], minlength=k)
+    # Every bidder also raises the prices of the rows it kept from before so that they,
+    # like the rows it just won, are worth exactly t_j − ε to it: a unilateral raise, not a
+    # competing bid (an incumbent defending its rows turns into an ε-per-round price war),
+    # which moves the whole cluster's price level at once. All its rows are then worth
+    # t_j − ε ≥ (everything it does not hold) − ε: ε-CS.
+    kept = held[owner[held] == short[held_row]]
+    kept_row = row_of[owner[kept]]
+    pi[kept] = np.maximum(pi[kept], bT[short[kept_row], kept] - threshold[kept_row] + eps)
+    row_of[short] = -1
 
 
 def _shortest_paths(reduced: np.ndarray, cap: np.ndarray, price: np.ndarray, tol: float,
@@ -231,32 +253,9 @@ def _shortest_paths(reduced: np.ndarray, cap: np.ndarray, price: np.ndarray, tol
     Returns (labels, prices p, number of Dijkstra searches), or None once more than
     ``max_searches`` searches would be needed (the prices were a poor start).
     """
-    n, k = reduced.shape
+    k = reduced.shape[1]
     price = price.astype(np.float64, copy=True)
-    rows = np.arange(n)
-    shifted = reduced + price
-    best = shifted.argmin(axis=1)
-    lowest = shifted[rows, best]
-    shifted[rows, best] = np.inf
-    regret = shifted.min(axis=1) - lowest  # what a row loses if it cannot have its best cluster
-    del shifted
-    # Greedy start: each cluster keeps, among the rows for which it is cheapest, the cap_j rows
-    # with the largest regret. Every kept row sits at its exact argmin: a partial optimum.
-    order = np.lexsort((-regret, best))
-    best_sorted = best[order]
-    rank = rows - np.searchsorted(best_sorted, np.arange(k))[best_sorted]
-    fits = rank < cap[best_sorted]
-    owner = np.full(n, -1, dtype=np.int64)
-    owner[order[fits]] = best_sorted[fits]
-    count = np.bincount(best_sorted[fits], minlength=k)
-    pending = order[~fits]
-    pending = pending[np.argsort(-regret[pending], kind="stable")]
-
-    # Members of every cluster in a slot table (row l, first count[l] slots), so a move along a
-    # path swaps one slot in place.
-    slot = np.full((k, int(cap.max())), -1, dtype=np.int64)
-    kept = order[fits]
-    slot[best_sorted[fits], rank[fits]] = kept
+    owner, count, slot, pending = _greedy_start(reduced, cap, price)
     # delta[l, j] = min over rows i in cluster l of (c_ij − c_il): the cost of moving l's
     # cheapest-to-move row to j (price-independent); via[l, j] is that row.
     delta = np.full((k, k), np.inf)
@@ -300,22 +299,7 @@ def _shortest_paths(reduced: np.ndarray, cap: np.ndarray, price: np.ndarray, tol
         n_search += 1
         if max_searches is not None and n_search > max_searches:
             return None
-        dist = cost_s - lowest
-        key = dist.copy()
-        pred = np.full(k, -1, dtype=np.int64)
-        while True:
-            j = int(key.argmin())
-            if open_[j]:
-                break
-            key[j] = np.inf  # settled; its dist can no longer improve (steps are ≥ 0)
-            step = delta[j] + price
-            step -= price[j]
-            np.maximum(step, 0.0, out=step)
-            step += dist[j]
-            upd = step < dist
-            dist[upd] = step[upd]
-            key[upd] = step[upd]
-            pred[upd] = j
+        j, dist, pred = _nearest_open(cost_s - lowest, open_, delta, price)
         # New prices keep every row within tol of its cheapest cluster; the path becomes tight.
         price -= np.minimum(dist, dist[j])
         path = [j]
@@ -337,6 +321,57 @@ def _shortest_paths(reduced: np.ndarray, cap: np.ndarray, price: np.ndarray, tol
         count[j] += 1
         admit(j, incoming)
     return owner, price, n_search
+
+
+def _greedy_start(reduced: np.ndarray, cap: np.ndarray, price: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The shortest-path solver's start: each cluster keeps, among the rows for which it is cheapest
+    (under ``price``), the ``cap_j`` rows with the largest regret. Every kept row sits at its exact
+    argmin: a partial optimum. Returns ``(owner [n] (−1: pending), count [k], slot table [k, max cap],
+    pending rows, largest regret first)``; the slot table holds every cluster's members (row l, first
+    ``count[l]`` slots), so a move along a path swaps one slot in place."""
+    n, k = reduced.shape
+    rows = np.arange(n)
+    shifted = reduced + price
+    best = shifted.argmin(axis=1)
+    lowest = shifted[rows, best]
+    shifted[rows, best] = np.inf
+    regret = shifted.min(axis=1) - lowest  # what a row loses if it cannot have its best cluster
+    del shifted
+    order = np.lexsort((-regret, best))
+    best_sorted = best[order]
+    rank = rows - np.searchsorted(best_sorted, np.arange(k))[best_sorted]
+    fits = rank < cap[best_sorted]
+    owner = np.full(n, -1, dtype=np.int64)
+    owner[order[fits]] = best_sorted[fits]
+    count = np.bincount(best_sorted[fits], minlength=k)
+    pending = order[~fits]
+    pending = pending[np.argsort(-regret[pending], kind="stable")]
+    slot = np.full((k, int(cap.max())), -1, dtype=np.int64)
+    slot[best_sorted[fits], rank[fits]] = order[fits]
+    return owner, count, slot, pending
+
+
+def _nearest_open(dist: np.ndarray, open_: np.ndarray, delta: np.ndarray, price: np.ndarray
+                  ) -> tuple[int, np.ndarray, np.ndarray]:
+    """Dijkstra over the ``k`` clusters from a row whose edge to cluster j costs ``dist[j]``
+    (updated in place); ``l -> j`` costs ``delta[l, j] + p_j − p_l`` (≥ −tol by the invariant;
+    clipped at 0). Stops at the first cluster with room; returns ``(that cluster, dist, pred)``."""
+    key = dist.copy()
+    pred = np.full(dist.size, -1, dtype=np.int64)
+    while True:
+        j = int(key.argmin())
+        if open_[j]:
+            return j, dist, pred
+        key[j] = np.inf  # settled; its dist can no longer improve (steps are ≥ 0)
+        step = delta[j] + price
+        step -= price[j]
+        np.maximum(step, 0.0, out=step)
+        step += dist[j]
+        upd = step < dist
+        dist[upd] = step[upd]
+        key[upd] = step[upd]
+        pred[upd] = j
 
 
 def solve_balanced_assignment(cost: np.ndarray, capacity: int | np.ndarray | Sequence[int], *,
@@ -402,6 +437,34 @@ def solve_balanced_assignment(cost: np.ndarray, capacity: int | np.ndarray | Seq
         warm_start: ``[k]`` cluster prices to start from (``AssignmentResult.prices`` of a
             similar problem); the result is exact either way.
     """
+    cost, cap, warm = _checked_assignment_inputs(cost, capacity, eps, warm_start)
+    n, k = cost.shape
+    if n == 0:
+        return AssignmentResult(np.zeros(0, np.int64), 0.0, 0.0, np.zeros(k), float(eps or 0.0), 0, 0)
+
+    active = np.flatnonzero(cap > 0)
+    sub = cost[:, active]
+    row_min = sub.min(axis=1)
+    reduced = sub - row_min[:, None]
+    spread = float(reduced.max())
+    tol = float(eps) if eps is not None else DEFAULT_REL_TOL * spread
+    sub_labels, prices_active, n_rounds, n_search = _solve_reduced(
+        reduced, cap[active], spread, tol, None if warm is None else warm[active])
+    if np.any(sub_labels < 0) or not np.array_equal(np.bincount(sub_labels, minlength=active.size), cap[active]):
+        raise RuntimeError("balanced_assignment: infeasible result; please report this input")  # pragma: no cover
+    labels = active[sub_labels].astype(np.int64)
+    objective = float(cost[np.arange(n), labels].sum())
+    lower_bound = float(np.min(reduced + prices_active, axis=1).sum()
+                        - np.dot(cap[active], prices_active) + row_min.sum())
+    prices = np.full(k, np.nan)
+    prices[active] = prices_active
+    return AssignmentResult(labels, objective, lower_bound, prices, tol, n_rounds, n_search)
+
+
+def _checked_assignment_inputs(cost: np.ndarray, capacity: int | np.ndarray | Sequence[int], eps: float | None,
+                               warm_start: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``solve_balanced_assignment``'s inputs checked: ``(cost as float64 [n, k], capacities [k],
+    warm-start prices [k] or None)``; a ``ValueError`` says what to change."""
     cost = np.asarray(cost)
     if cost.ndim != 2:
         raise ValueError(f"cost must be a 2-D [n_rows, n_clusters] matrix, got shape {cost.shape}")
@@ -414,49 +477,38 @@ def solve_balanced_assignment(cost: np.ndarray, capacity: int | np.ndarray | Seq
     cap = _check_capacity(capacity, n, k)
     if eps is not None and not (np.isfinite(eps) and eps > 0):
         raise ValueError(f"eps must be a positive finite number (cost units) or None, got {eps!r}")
+    warm = None
     if warm_start is not None:
         warm = np.asarray(warm_start, dtype=np.float64)
         if warm.shape != (k,):
             raise ValueError(f"warm_start must be [{k}] cluster prices (AssignmentResult.prices), got shape {warm.shape}")
-    if n == 0:
-        return AssignmentResult(np.zeros(0, np.int64), 0.0, 0.0, np.zeros(k), float(eps or 0.0), 0, 0)
+    return cost, cap, warm
 
-    active = np.flatnonzero(cap > 0)
-    sub = cost[:, active]
-    row_min = sub.min(axis=1)
-    reduced = sub - row_min[:, None]
-    spread = float(reduced.max())
-    tol = float(eps) if eps is not None else DEFAULT_REL_TOL * spread
-    prices_active = np.zeros(active.size)
-    n_rounds = n_search = 0
-    if active.size == 1 or spread == 0.0:
-        sub_labels = np.repeat(np.arange(active.size), cap[active])
-    else:
-        solved = None
-        if warm_start is not None:
-            # Warm prices (e.g. the previous k-means iteration's) usually need only a few dozen
-            # shortest-path searches; if they need more than n/20, they were a poor start.
-            warm_prices = np.nan_to_num(warm[active], nan=0.0, posinf=0.0, neginf=0.0)
-            solved = _shortest_paths(reduced, cap[active], warm_prices, tol,
-                                     max_searches=max(_WARM_MIN_SEARCHES, n // 20))
-        if solved is None:
-            # Cold start: auction prices. With b = −reduced, its cluster prices P_j are cost-side
-            # prices: b_ij − P_j ≥ max_l (b_il − P_l) − ε  ⇔  c_ij + P_j ≤ min_l (c_il + P_l) + ε.
-            eps_stop = max(_AUCTION_EPS_STOP * spread, tol)
-            auction_prices, _, n_rounds = _auction(
-                -reduced, cap[active], eps_stop, max(_AUCTION_EPS_START * spread, eps_stop),
-                _EPS_SCALING_FACTOR, _AUCTION_MAX_ROUNDS)
-            solved = _shortest_paths(reduced, cap[active], auction_prices, tol)
-        sub_labels, prices_active, n_search = solved
-    if np.any(sub_labels < 0) or not np.array_equal(np.bincount(sub_labels, minlength=active.size), cap[active]):
-        raise RuntimeError("balanced_assignment: infeasible result; please report this input")  # pragma: no cover
-    labels = active[sub_labels].astype(np.int64)
-    objective = float(cost[np.arange(n), labels].sum())
-    lower_bound = float(np.min(reduced + prices_active, axis=1).sum()
-                        - np.dot(cap[active], prices_active) + row_min.sum())
-    prices = np.full(k, np.nan)
-    prices[active] = prices_active
-    return AssignmentResult(labels, objective, lower_bound, prices, tol, n_rounds, n_search)
+
+def _solve_reduced(reduced: np.ndarray, cap: np.ndarray, spread: float, tol: float, warm: np.ndarray | None
+                   ) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """The two stages of ``solve_balanced_assignment`` on row-shifted costs ``[n, k]`` whose clusters
+    all have room (``cap > 0``): ``(labels, prices, auction rounds, shortest-path searches)``."""
+    n, k = reduced.shape
+    if k == 1 or spread == 0.0:
+        return np.repeat(np.arange(k), cap), np.zeros(k), 0, 0
+    solved = None
+    n_rounds = 0
+    if warm is not None:
+        # Warm prices (e.g. the previous k-means iteration's) usually need only a few dozen
+        # shortest-path searches; if they need more than n/20, they were a poor start.
+        warm_prices = np.nan_to_num(warm, nan=0.0, posinf=0.0, neginf=0.0)
+        solved = _shortest_paths(reduced, cap, warm_prices, tol, max_searches=max(_WARM_MIN_SEARCHES, n // 20))
+    if solved is None:
+        # Cold start: auction prices. With b = −reduced, its cluster prices P_j are cost-side
+        # prices: b_ij − P_j ≥ max_l (b_il − P_l) − ε  ⇔  c_ij + P_j ≤ min_l (c_il + P_l) + ε.
+        eps_stop = max(_AUCTION_EPS_STOP * spread, tol)
+        auction_prices, _, n_rounds = _auction(
+            -reduced, cap, eps_stop, max(_AUCTION_EPS_START * spread, eps_stop), _EPS_SCALING_FACTOR,
+            _AUCTION_MAX_ROUNDS)
+        solved = _shortest_paths(reduced, cap, auction_prices, tol)
+    labels, prices, n_search = solved
+    return labels, prices, n_rounds, n_search
 
 
 def balanced_assignment(cost: np.ndarray, capacity: int | np.ndarray | Sequence[int], *,

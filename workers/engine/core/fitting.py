@@ -11,7 +11,8 @@ the FFN) prediction of every neuron's gate and up was worse than ridge; the orac
 * **Ridge router.** The score of routed expert e is a linear function of the MLP input,
   ``s_e(x) = w_e·x + b_e``, fitted by ridge regression to the expert's output mass
   ``Σ_{j∈e} |act(g_j(x)) · u_j(x)|`` (the L1 norm of its GLU hidden state) on the calibration
-  tokens: ``[W b] = (X̃ᵀX̃ + λI)⁻¹ X̃ᵀ M`` with ``X̃ = [X 1]`` and ``λ = RIDGE_LAMBDA · mean‖x̃‖²``.
+  tokens: ``[W b] = (X̃ᵀX̃ + λI)⁻¹ X̃ᵀ M`` with ``X̃ = [X 1]`` and ``λ = LAMBDA · mean‖x̃‖²``
+  (``moelab_routers.RidgeRouter``, which owns its fit).
   Its cost per token is ``E·d`` multiply-adds, the centroid router's. Other targets (the expert's
   output norm, √mass, log mass) ranked the experts within 0.005 of this one.
 * **Budget plan** (greedy, as TEAL allocates neuron sparsity across layers): for every layer and
@@ -40,17 +41,18 @@ the FFN) prediction of every neuron's gate and up was worse than ridge; the orac
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from ..models import ModelAdapter
+from ..models import ModelAdapter, dense_weights
+from ..runtime.moelab_routers import router_kind
 from ..progress import NO_PROGRESS, Progress
 from .params import ConversionError
 
 CURVE_TOKENS = 1024  # calibration tokens the budget plan's error curves are measured on
-RIDGE_LAMBDA = 1e-2  # relative to the mean squared norm of the (bias-augmented) inputs
 FIT_SEQ_LEN = 256
 
 
@@ -118,23 +120,6 @@ def _hidden(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, act: str)
     from transformers.activations import ACT2FN
 
     return ACT2FN[act](x @ gate_w.T) * (x @ up_w.T)
-
-
-def ridge_router(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, routed: np.ndarray, act: str,
-                 lam: float = RIDGE_LAMBDA) -> tuple[np.ndarray, np.ndarray]:
-    """Closed-form router (module docstring): ``(weight [E, d], offset [E])``.
-
-    ``x`` ``[T, d]`` calibration MLP inputs; ``gate_w``/``up_w`` ``[d_ffn, d]``; ``routed`` ``[E, m]`` ids.
-    """
-    E, m = routed.shape
-    idx = torch.as_tensor(routed.reshape(-1), dtype=torch.long)
-    mass = _hidden(x.float(), gate_w.float()[idx], up_w.float()[idx], act).abs().reshape(-1, E, m).sum(-1).double()
-    x = x.double()  # the normal equations in float64: XᵀX of thousands of tokens loses float32 digits
-    xa = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
-    gram = xa.T @ xa
-    reg = lam * float(torch.diagonal(gram).sum()) / len(x)
-    sol = torch.linalg.solve(gram + reg * torch.eye(gram.shape[0], dtype=x.dtype), xa.T @ mass)  # [d+1, E]
-    return sol[:-1].T.float().numpy(), sol[-1].float().numpy()
 
 
 def _contributions(x: torch.Tensor, g: torch.Tensor, u: torch.Tensor, dn: torch.Tensor, act: str) -> torch.Tensor:
@@ -227,21 +212,28 @@ def greedy_budget(errors: Sequence[np.ndarray], expert_cost: Sequence[int], budg
 
 def router_scores(x: torch.Tensor, router: str, weights: dict[str, np.ndarray], gate_w: torch.Tensor,
                   routed: np.ndarray, act: str) -> torch.Tensor:
-    """``[T, E]`` scores of a training-free router on ``x`` (as ``MoeFFN._route`` computes them)."""
+    """``[T, E]`` scores of a training-free router on ``x``: its kind's own ``scores`` (the runtime's),
+    read off a stand-in for the layer that holds the partition's router weights."""
     from transformers.activations import ACT2FN
 
     E, m = routed.shape
-    if router == "ridge":
-        return x @ torch.as_tensor(weights["router_weight"]).T + torch.as_tensor(weights["router_offset"])
-    if router == "centroid":
-        return x @ torch.as_tensor(weights["router_weight"]).T
-    if router == "gate_mass":
-        idx = torch.as_tensor(routed.reshape(-1), dtype=torch.long)
-        return ACT2FN[act](x @ gate_w[idx].T).abs().reshape(-1, E, m).sum(-1)
-    if router == "representative":
-        f = ACT2FN[act](x @ torch.as_tensor(weights["router_gate"]).T)
-        return f * (x @ torch.as_tensor(weights["router_up"]).T)
-    raise ValueError(f"no training-free scores for router {router!r}")
+    act_fn = ACT2FN[act]
+    gate_rows = gate_w[torch.as_tensor(routed.reshape(-1), dtype=torch.long)]
+    layer = SimpleNamespace(**{k: torch.as_tensor(v) for k, v in weights.items() if k.startswith("router_")},
+                            act_fn=act_fn, n_routed=E, expert_size=m, gate_activations=lambda t: act_fn(t @ gate_rows.T))
+    return router_kind(router).scores(layer, x)[0]
+
+
+def fit_router(x: torch.Tensor, router: str, gate_w: torch.Tensor, up_w: torch.Tensor, routed: np.ndarray,
+               act: str) -> dict[str, np.ndarray] | None:
+    """The router kind's closed-form fit on calibration inputs ``x`` (None: it has none)."""
+    from transformers.activations import ACT2FN
+
+    E, m = routed.shape
+    idx = torch.as_tensor(routed.reshape(-1), dtype=torch.long)
+    d = gate_w.shape[1]
+    fitted = router_kind(router).fit(x, gate_w[idx].reshape(E, m, d), up_w[idx].reshape(E, m, d), ACT2FN[act])
+    return None if fitted is None else {k: v.numpy() for k, v in fitted.items()}
 
 
 def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any], experts: list[Any], data_dir: Any,
@@ -257,7 +249,6 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
     """
 
     from ..core.allocation import layer_cost
-    from ..core.slicing import dense_weights
 
     if calib is None:  # ``calib``: the same inputs, already collected (a benchmark converting many times)
         calib = collect_inputs(adapter, profile_token_windows(adapter, profile, params.fit_tokens, data_dir), progress)
@@ -272,9 +263,8 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
     for n, (row, ex) in enumerate(zip(rows, experts)):
         gate_w, up_w, down_w = weights_of(row.layer)
         x = calib.mlp_inputs[row.layer]
-        if ex.router == "ridge" and len(ex.routed):
-            w, b = ridge_router(x, gate_w, up_w, ex.routed, adapter.activation)
-            ex.router_weights = {"router_weight": w, "router_offset": b}
+        if len(ex.routed) and (fitted := fit_router(x, ex.router, gate_w, up_w, ex.routed, adapter.activation)):
+            ex.router_weights = fitted
         if len(ex.routed) and (budget_plan or compensate):
             scores[row.layer] = router_scores(x, ex.router, ex.router_weights, gate_w, ex.routed, adapter.activation)
         if budget_plan:

@@ -17,6 +17,8 @@ import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, ClassVar, Literal, Mapping, TypeVar, Union
 
+from ..runtime.moelab_routers import ROUTERS
+
 T = TypeVar("T")
 _BOUNDS = (("ge", operator.ge, "≥"), ("gt", operator.gt, ">"), ("le", operator.le, "≤"), ("lt", operator.lt, "<"))
 
@@ -183,9 +185,10 @@ def from_known_fields(cls: type[T], d: Mapping[str, Any], what: str, error: type
 
 
 def needs_fitting(params: Any) -> bool:
-    """The ridge router, the budget plan and the skipped-expert compensation are fitted on calibration
-    tokens (``core.fitting``)."""
-    return (getattr(params, "router", None) == "ridge" or getattr(params, "plan", "paper") == "budget"
+    """A fitted router (``Router.fitted``: ridge), the budget plan and the skipped-expert compensation
+    are fitted on calibration tokens (``core.fitting``)."""
+    router = getattr(params, "router", None)
+    return ((router in ROUTERS and ROUTERS[router].fitted) or getattr(params, "plan", "paper") == "budget"
             or getattr(params, "compensation", "none") != "none")
 
 

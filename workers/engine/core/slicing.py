@@ -16,12 +16,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..models import ModelAdapter
+from ..models import ModelAdapter, dense_weights
 from ..progress import NO_PROGRESS, Progress
 from ..runtime.export import build_moe_model
 from ..runtime.modeling_moelab import AbsTopKGLU, MoeFFN
 from ..runtime.param_count import parameter_counts
 from .allocation import LayerPlan, summarize
+from .fitting import fit_layers
 from .params import ConversionError, MethodParams, needs_fitting
 from .partition import LayerExperts
 
@@ -43,12 +44,6 @@ def check_compatible(adapter: ModelAdapter, profile: Any) -> None:
     for lay in adapter.layers:
         if lay.gate_bias() is not None or lay.up_bias() is not None or lay.down_proj.bias is not None:
             raise ConversionError(f"layer {lay.index}: MLPs with biases are not supported by the MoE runtime")
-
-
-def dense_weights(adapter: ModelAdapter, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Layer ``i``'s ``W_gate``, ``W_up`` ``[d_ffn, d_model]`` and ``W_down`` ``[d_model, d_ffn]``."""
-    lay = adapter.layers[i]
-    return lay.gate_weight().detach(), lay.up_weight().detach(), lay.down_weight().detach()
 
 
 def build_one_layer(adapter: ModelAdapter, rows: list[LayerPlan], build_layer: LayerBuilder) -> Callable[[int], LayerExperts]:
@@ -98,8 +93,6 @@ def partition_modules(adapter: ModelAdapter, profile: Any, params: MethodParams,
     experts = partition_layers(adapter, profile, rows, build_layer, progress, map_layers)
     fit: dict[str, Any] = {}
     if needs_fitting(params):
-        from .fitting import fit_layers
-
         rows, experts, fit = fit_layers(adapter, profile, params, rows, experts, data_dir, progress, calib)
     return rows, experts, build_modules(adapter, experts, params.combine), fit  # type: ignore[attr-defined]
 

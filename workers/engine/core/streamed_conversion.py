@@ -17,7 +17,6 @@ whole model by design.
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -27,7 +26,7 @@ from torch import nn
 
 from ..atomic import atomic_directory, write_json_atomic
 from ..progress import NO_PROGRESS, Progress
-from ..runtime.export import AUTO_MAP, CONVERSION_FILE, MODELING_FILE, PARTITION_FILE, build_moe_model
+from ..runtime.export import AUTO_MAP, CONVERSION_FILE, PARTITION_FILE, build_moe_model, copy_runtime
 from ..runtime.modeling_moelab import MoelabForCausalLM
 from ..runtime.param_count import parameter_counts
 from .params import MethodParams, check_streamable
@@ -148,7 +147,7 @@ def convert_streamed(plan: Any, profile: Any, params: MethodParams, method: Any,
         moe.config.save_pretrained(tmp)
         if getattr(moe, "generation_config", None) is not None:
             moe.generation_config.save_pretrained(tmp)
-        shutil.copyfile(MODELING_FILE, tmp / MODELING_FILE.name)
+        copy_runtime(tmp)
         adapter.tokenizer.save_pretrained(tmp)
         save_file(partition_arrays(experts), str(tmp / PARTITION_FILE))
         record = partition_record(params, rows, experts, adapter.n_layers, before, parameter_counts(moe),

@@ -72,7 +72,7 @@ from typing import Any, Callable, Iterator
 import yaml
 
 from ..atomic import TMP_MARK, atomic_directory, write_json_atomic
-from .calibration import CalibrationError, CalibrationSet, Sample, chunk_text
+from .sets import CalibrationError, CalibrationSet, Sample, chunk_text
 
 SPLITS = ("calibration", "heldout")
 HELDOUT_PERCENT = 20
@@ -777,7 +777,6 @@ def _build_math(n: int, rng: random.Random, split: str, data_dir: Path | None) -
 # --------------------------------------------------------------------------------------------
 
 BIGBENCH_REQUIREMENT = "bigbench==1.0.0"
-BIGBENCH_TASKS = 48
 BIGBENCH_PER_TASK = 5
 BIGBENCH_MAX_SHOTS = 8
 _BB_MEMBER = re.compile(r"(?:^|/)bigbench/benchmark_tasks/([A-Za-z0-9_\-][A-Za-z0-9_.\-]*)/(?:([A-Za-z0-9_\-][A-Za-z0-9_.\-]*)/)?task\.json$")

@@ -23,9 +23,13 @@ from typing import Any, ClassVar, Literal, Sequence
 import numpy as np
 
 from ..core.allocation import LayerPlan, check_experts_fit, layer_plan, model_width, plan_record, validate_partition
+from ..runtime.moelab_routers import PARTITION_ROUTERS
 from ..core.params import ConversionError, MethodParams, check_compensation, param
 from ..core.partition import LayerExperts, cluster_routed, finish, split_shared
 from .base import ConversionInputs, Method, Recovery
+
+#: this method's own router and the ones any partition can use (``moelab_routers.PARTITION_ROUTERS``)
+Router = Literal[("representative", *PARTITION_ROUTERS)]
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,7 @@ class CMoEParams(MethodParams):
     n_experts: int = param(8, "experts per layer (E of S·A·E), shared included", paper="CM §3.1", ge=1, aliases=("experts",))
     shared: int = param(3, "shared experts, always active (S of S·A·E)", paper="CM Eq. 5", ge=0)
     active: int = param(3, "routed experts active per token (A of S·A·E)", paper="CM §3.1", ge=0)
-    router: Literal["representative", "gate_mass", "ridge"] = param(
+    router: Router = param(
         "representative", "representative: one neuron per expert (CM Eqs. 17-19); gate_mass: L1 mass of each expert's "
         "gate activations; ridge: linear scores fitted in closed form to each expert's output mass (moelab's)",
         paper="CM Eq. 18")

@@ -29,9 +29,13 @@ from typing import Any, ClassVar, Literal, Sequence
 import numpy as np
 
 from ..core.allocation import LayerPlan, check_experts_fit, layer_plan, model_width, plan_record, validate_partition, specialisation_ratio
+from ..runtime.moelab_routers import PARTITION_ROUTERS
 from ..core.params import ConversionError, MethodParams, check_compensation, param
 from ..core.partition import LayerExperts, cluster_routed, finish, split_shared
 from .base import ConversionInputs, Method, Recovery
+
+#: this method's own router and the ones any partition can use (``moelab_routers.PARTITION_ROUTERS``)
+Router = Literal[("centroid", *PARTITION_ROUTERS)]
 
 EW_INIT_LOGIT_STD = 0.05  # router logits' std across experts at the start of EW fine-tuning
 
@@ -47,7 +51,7 @@ class ExpertWeaverParams(MethodParams):
     sparsity: float = param(0.25, "fraction of FFN neurons NOT computed per token", paper="EW §3.2", gt=0, lt=1)
     alpha_basis: Literal["total", "active"] = param(
         "total", "α as a share of all neurons (total, EW Eq. 6) or of the active budget (active)", paper="EW Eq. 6")
-    router: Literal["centroid", "gate_mass", "ridge"] = param(
+    router: Router = param(
         "centroid", "centroid: gate-column centroids (EW Eq. 9); gate_mass: L1 mass of each expert's gate activations; "
         "ridge: linear scores fitted in closed form to each expert's output mass on calibration tokens (moelab's)",
         paper="EW Eq. 9")
@@ -192,7 +196,7 @@ def prepare_recovery(moe: Any, modules: dict[int, Any], batch: Any) -> tuple[dic
     """EW Eq. 11: every training-free layer becomes a softmax router (initialised from its centroids,
     scaled so the logits start with std ``EW_INIT_LOGIT_STD``) with a weighted combine."""
     from ..runtime.modeling_moelab import convert_in_place
-    from ..training.finetune import centroid_logit_std, to_softmax_router
+    from ..training.router_init import centroid_logit_std, to_softmax_router
 
     switch = {i: m for i, m in modules.items() if not (m.router == "softmax" and m.combine == "weighted") and m.n_routed > 0}
     if not switch:

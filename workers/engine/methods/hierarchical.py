@@ -15,10 +15,10 @@ The pipeline, per expert, reuses the dense pieces:
    few markers to cluster on (with ``K_a = 10`` a 768-neuron expert needs ~77 tokens for one
    marker per neuron on average), so it is profiled on *all* calibration tokens instead, in a
    second pass that runs only when needed; the record flags it (``fallback``).
-2. **Plan**: CMoE's uniform S·A·E plan (``allocation.plan``) on the expert's width ``f``:
+2. **Plan**: CMoE's uniform S·A·E plan (``cmoe.plan``) on the expert's width ``f``:
    ``n_experts`` sub-experts of ``m = f // n_experts`` neurons, ``shared`` of them always on,
    ``active`` of the routed ones per token (leftover neurons join the shared part).
-3. **Experts + router** (``experts.cmoe_layer``): shared = highest ATopK rates (CM Eq. 5 / AF
+3. **Experts + router** (``cmoe.layer_experts``): shared = highest ATopK rates (CM Eq. 5 / AF
    §4.1), routed = balanced clustering of the ATopK features (CM Eqs. 6–10), sub-router = the
    representative neurons (CM Eqs. 17–19 / AF Eqs. 7–8).
 4. **Runtime**: one ``MoeFFN`` per expert (``MoeFFN.from_dense``) inside a
@@ -148,12 +148,9 @@ def convert_hierarchical(
     ``params.seed``) or a ``CalibrationSet`` (subsampled to ``params.samples``).
     In the record, ``dense_*_params`` are the original MoE model's counts.
     """
-    import torch
-
-    from ..data.calibration import CalibrationSet, load_calibration
     from ..profiling.moe_experts import load_moe_model, moe_parameter_counts, profile_experts, sparse_moe_layers
     from ..runtime.export import build_moe_model
-    from ..runtime.modeling_moelab import HierarchicalExperts, decoder_layers
+    from ..runtime.modeling_moelab import decoder_layers
     from ..runtime.param_count import ffn_flops_fraction, ffn_macs_per_token, parameter_counts
 
     params.validate()
@@ -163,12 +160,7 @@ def convert_hierarchical(
     layers = sparse_moe_layers(model)
     for f in sorted({lay.d_ffn for lay in layers}):
         params.validate(f)
-    if isinstance(calib, CalibrationSet):
-        cset = calib.subsample(params.samples, params.seed)
-    else:
-        cset = load_calibration(calib, samples=params.samples, seed=params.seed, data_dir=data_dir)
-    if not cset.samples:
-        raise ConversionError(f"calibration set {cset.name!r} has no samples")
+    cset = _calibration_set(calib, params, data_dir)
     original = moe_parameter_counts(model, layers)
     # the original model's per-token FFN cost: every FFN weight, less the experts a token skips
     original_ffn_macs = sum(ffn_macs_per_token(model)) - (original["total"] - original["active"])
@@ -178,24 +170,7 @@ def convert_hierarchical(
     profiles, info = profile_experts(model, tokenizer, cset, layers, params, progress)
     t2 = time.perf_counter()
 
-    modules: dict[int, Any] = {}
-    layer_records = []
-    progress.update("restructure experts", 0, len(layers))
-    with torch.no_grad():
-        for n, lay in enumerate(layers):
-            row = expert_plan(params, lay.d_ffn, lay.index)
-            subs, records = [], []
-            for e, prof in enumerate(profiles[lay.index]):
-                sub, ex = restructure_expert(*lay.expert_weights(e), lay.act, prof, row, params.max_iter)
-                subs.append(sub)
-                records.append(_expert_record(e, row, ex, prof))
-            modules[lay.index] = HierarchicalExperts.from_sub_experts(subs, lay.experts_per_token)
-            layer_records.append({
-                "layer": lay.index, "num_experts": lay.num_experts, "experts_per_token": lay.experts_per_token,
-                "d_expert_ffn": lay.d_ffn, "fallback_experts": sum(r["fallback"] for r in records),
-                "experts": records,
-            })
-            progress.update("restructure experts", n + 1, len(layers))
+    modules, layer_records = _restructure_layers(layers, profiles, params, progress)
     t3 = time.perf_counter()
 
     source = str(Path(model_source).resolve()) if Path(model_source).exists() else str(model_source)
@@ -234,6 +209,47 @@ def convert_hierarchical(
                     "restructure_s": t3 - t2, "build_s": t4 - t3, "total_s": t4 - t0},
     }
     return moe, tokenizer, record
+
+
+def _calibration_set(calib: Any, params: HierarchicalParams, data_dir: Path) -> Any:
+    """``calib`` (a spec or a ``CalibrationSet``) as ``params.samples`` samples drawn with ``params.seed``."""
+    from ..data.calibration import CalibrationSet, load_calibration
+
+    if isinstance(calib, CalibrationSet):
+        cset = calib.subsample(params.samples, params.seed)
+    else:
+        cset = load_calibration(calib, samples=params.samples, seed=params.seed, data_dir=data_dir)
+    if not cset.samples:
+        raise ConversionError(f"calibration set {cset.name!r} has no samples")
+    return cset
+
+
+def _restructure_layers(layers: list[Any], profiles: Any, params: HierarchicalParams, progress: Progress,
+                        ) -> tuple[dict[int, Any], list[dict[str, Any]]]:
+    """AF Eq. 10 for every expert of every MoE layer: ``({layer: HierarchicalExperts}, layer records)``."""
+    import torch
+
+    from ..runtime.modeling_moelab import HierarchicalExperts
+
+    modules: dict[int, Any] = {}
+    layer_records = []
+    progress.update("restructure experts", 0, len(layers))
+    with torch.no_grad():
+        for n, lay in enumerate(layers):
+            row = expert_plan(params, lay.d_ffn, lay.index)
+            subs, records = [], []
+            for e, prof in enumerate(profiles[lay.index]):
+                sub, ex = restructure_expert(*lay.expert_weights(e), lay.act, prof, row, params.max_iter)
+                subs.append(sub)
+                records.append(_expert_record(e, row, ex, prof))
+            modules[lay.index] = HierarchicalExperts.from_sub_experts(subs, lay.experts_per_token)
+            layer_records.append({
+                "layer": lay.index, "num_experts": lay.num_experts, "experts_per_token": lay.experts_per_token,
+                "d_expert_ffn": lay.d_ffn, "fallback_experts": sum(r["fallback"] for r in records),
+                "experts": records,
+            })
+            progress.update("restructure experts", n + 1, len(layers))
+    return modules, layer_records
 
 
 def build(inputs: ConversionInputs, params: HierarchicalParams, progress: Progress) -> tuple[Any, Any, dict[str, Any]]:

@@ -305,9 +305,7 @@ def convert_midas(
     and holds every layer's ``ffn_residual_ratio``."""
     import torch
 
-    from ..core.lowrank import as_float64, data_error
     from ..runtime.export import build_moe_model
-    from ..runtime.modeling_moelab import LowRankMoeFFN
     from ..runtime.param_count import parameter_counts
 
     t0 = time.perf_counter()
@@ -315,19 +313,11 @@ def convert_midas(
     check_profiles(adapter, profiles)
     dense = parameter_counts(adapter.model)
     names = [p.manifest["calibration"].get("name") or str(p.path) for p in profiles]
-    n_tokens = [int(p.manifest["n_tokens"]) for p in profiles]
     init_std = float(getattr(adapter.model.config, "initializer_range", 0.02))
     gen = torch.Generator().manual_seed(params.seed)
     E, L = len(profiles), adapter.n_layers
     ratios = ffn_residual_ratios(adapter, params.seed)
-    keep_dense = _parse_dense_layers(params.dense_layers)
-    if keep_dense == "auto":
-        keep_dense = [i for i, r in enumerate(ratios) if r >= DENSE_RATIO]
-    elif any(i >= L for i in keep_dense):
-        raise ConversionError(
-            f"dense_layers {params.dense_layers!r} names a layer beyond the model's {L} layers (0 … {L - 1})")
-    if len(keep_dense) == L:
-        raise ConversionError(f"dense_layers {params.dense_layers!r} keeps every layer dense: nothing left to convert")
+    keep_dense = _dense_layers(params.dense_layers, ratios, L)
     modules: dict[int, Any] = {}
     layers: list[dict[str, Any]] = []
     progress.update("midas experts", 0, L)
@@ -336,37 +326,8 @@ def convert_midas(
         if i in keep_dense:
             progress.update("midas experts", i + 1, L)
             continue
-        ref = lay.gate_weight()
-        # float64 on the model's device: the factorisations are the job's heavy part at 7B (module doc)
-        w = {k: t.detach().to(torch.float64) for k, t in
-             (("gate", lay.gate_weight()), ("up", lay.up_weight()), ("down", lay.down_weight()))}
-        rank = expert_rank(lay.d_ffn, adapter.d_model, params.keep_ratio)
-        xtx = [as_float64(p.xtx(i), ref.device) for p in profiles]
-        sets = [_factorise_set(w, xtx[j], n_tokens[j], rank, adapter.activation, params, params.seed * 7919 + i * E + j)
-                for j in range(E)]
-
-        def cross(kind: str, moments: list[Any]) -> list[list[float]]:
-            return [[data_error(w[kind], getattr(f, kind).A @ getattr(f, kind).B, m) for m in moments] for f in sets]
-
-        row: dict[str, Any] = {
-            "layer": i, "rank": rank,
-            "jitter": [f.white.jitter for f in sets],
-            "gate_error": cross("gate", xtx),
-            "up_error": cross("up", xtx),
-        }
-        if params.down == "surrogate":
-            row["surrogate_samples"] = surrogate_samples_for(params, lay.d_ffn)
-            row["down_jitter"] = [f.down_jitter for f in sets]
-            row["down_error_surrogate"] = cross("down", [f.hidden_moment for f in sets])
+        modules[i], row = _midas_layer(adapter, i, lay, profiles, router, params)
         layers.append(row)
-
-        def stack(kind: str, part: str) -> Any:
-            mats = [getattr(getattr(f, kind), part) for f in sets]
-            return torch.stack(mats).to(dtype=ref.dtype, device=ref.device)
-
-        factors = {f"{k}_a": stack(k, "B") for k in ("gate", "up", "down")}
-        factors |= {f"{k}_b": stack(k, "A") for k in ("gate", "up", "down")}
-        modules[i] = LowRankMoeFFN.from_factors(factors, router.to(ref.dtype), adapter.activation, params.top_k)
         progress.update("midas experts", i + 1, L)
     t1 = time.perf_counter()
     moe = build_moe_model(adapter, modules, provenance={"method": "midas", "sets": names})
@@ -398,6 +359,63 @@ def convert_midas(
         "timings": {"factorise_s": t1 - t0, "build_s": t2 - t1, "total_s": t2 - t0},
     }
     return moe, record
+
+
+def _dense_layers(spec: str, ratios: list[float], L: int) -> list[int]:
+    """The layers ``params.dense_layers`` keeps dense (``"auto"``: those whose FFN residual ratio is at
+    least ``DENSE_RATIO``) of a model with ``L`` layers; refuses a layer beyond it and keeping them all."""
+    keep_dense = _parse_dense_layers(spec)
+    if keep_dense == "auto":
+        keep_dense = [i for i, r in enumerate(ratios) if r >= DENSE_RATIO]
+    elif any(i >= L for i in keep_dense):
+        raise ConversionError(
+            f"dense_layers {spec!r} names a layer beyond the model's {L} layers (0 … {L - 1})")
+    if len(keep_dense) == L:
+        raise ConversionError(f"dense_layers {spec!r} keeps every layer dense: nothing left to convert")
+    return keep_dense
+
+
+def _midas_layer(adapter: Any, i: int, lay: Any, profiles: Sequence[Any], router: Any, params: MidasParams,
+                 ) -> tuple[Any, dict[str, Any]]:
+    """MI Alg. 1 for layer ``i``: expert ``j`` is the dense FFN factorised on profile ``j``'s ``XᵀX``;
+    returns the layer's ``LowRankMoeFFN`` (router ``router``) and its record row (``convert_midas``)."""
+    import torch
+
+    from ..core.lowrank import as_float64, data_error
+    from ..runtime.modeling_moelab import LowRankMoeFFN
+
+    E = len(profiles)
+    n_tokens = [int(p.manifest["n_tokens"]) for p in profiles]
+    ref = lay.gate_weight()
+    # float64 on the model's device: the factorisations are the job's heavy part at 7B (module doc)
+    w = {k: t.detach().to(torch.float64) for k, t in
+         (("gate", lay.gate_weight()), ("up", lay.up_weight()), ("down", lay.down_weight()))}
+    rank = expert_rank(lay.d_ffn, adapter.d_model, params.keep_ratio)
+    xtx = [as_float64(p.xtx(i), ref.device) for p in profiles]
+    sets = [_factorise_set(w, xtx[j], n_tokens[j], rank, adapter.activation, params, params.seed * 7919 + i * E + j)
+            for j in range(E)]
+
+    def cross(kind: str, moments: list[Any]) -> list[list[float]]:
+        return [[data_error(w[kind], getattr(f, kind).A @ getattr(f, kind).B, m) for m in moments] for f in sets]
+
+    row: dict[str, Any] = {
+        "layer": i, "rank": rank,
+        "jitter": [f.white.jitter for f in sets],
+        "gate_error": cross("gate", xtx),
+        "up_error": cross("up", xtx),
+    }
+    if params.down == "surrogate":
+        row["surrogate_samples"] = surrogate_samples_for(params, lay.d_ffn)
+        row["down_jitter"] = [f.down_jitter for f in sets]
+        row["down_error_surrogate"] = cross("down", [f.hidden_moment for f in sets])
+
+    def stack(kind: str, part: str) -> Any:
+        mats = [getattr(getattr(f, kind), part) for f in sets]
+        return torch.stack(mats).to(dtype=ref.dtype, device=ref.device)
+
+    factors = {f"{k}_a": stack(k, "B") for k in ("gate", "up", "down")}
+    factors |= {f"{k}_b": stack(k, "A") for k in ("gate", "up", "down")}
+    return LowRankMoeFFN.from_factors(factors, router.to(ref.dtype), adapter.activation, params.top_k), row
 
 
 def _mean_diag(layers: list[dict[str, Any]], key: str) -> float:

@@ -56,6 +56,7 @@ from .profiler import (
     _finish_layer,
     _LayerAccumulator,
     _layer_hooks,
+    _PassInputs,
     start_pass,
 )
 
@@ -392,7 +393,7 @@ def profile_streamed(
     scratch_near: Path | None = None,
 ) -> ProfileResult:
     """``profile_model``'s statistics, one decoder layer in memory at a time."""
-    adapter, device = plan.adapter, plan.device
+    adapter = plan.adapter
     s, p, timings = start_pass(adapter.tokenizer, cset, settings)
 
     n_layers, d_model = adapter.n_layers, adapter.d_model
@@ -429,30 +430,7 @@ def profile_streamed(
 
         # Step 2: embeddings and each layer's call arguments, through the model's own forward.
         t1 = time.perf_counter()
-        progress.update("embed", 0, len(p.batches))
-        _load_module(model, prefix, decoder, ckpt, device, plan.dtype, skip=(f"{layers_name}.",))
-        calls_per_batch: list[dict[int, Any]] = []
-        feature_rows: list[np.ndarray] = []
-        originals = decoder.get_submodule(layers_name)
-        try:
-            with torch.inference_mode():
-                for b, rows in enumerate(p.batches):
-                    calls: dict[int, Any] = {}
-                    catchers = nn.ModuleList(
-                        _LayerCatcher(i, i == n_layers - 1, calls, originals[i]) for i in range(n_layers))
-                    decoder.set_submodule(layers_name, catchers)
-                    input_ids, mask, keep = _batch_tensors(p, rows)
-                    try:
-                        decoder(input_ids=input_ids.to(device), attention_mask=mask.long().to(device), use_cache=False)
-                    except _LayerCatcher.Done:
-                        pass
-                    h_in.put(b, calls.pop("input"))
-                    calls_per_batch.append(calls)
-                    feature_rows.append(_feature_rows(rows, keep))
-                    progress.update("embed", b + 1, len(p.batches))
-        finally:
-            decoder.set_submodule(layers_name, originals)
-            _unload_module(decoder, skip=(f"{layers_name}.",))
+        calls_per_batch, feature_rows = _embed(plan, p, ckpt, decoder, prefix, layers_name, h_in, progress)
         timings["embed_s"] = time.perf_counter() - t1
 
         # Step 3: one layer at a time over every batch.
@@ -460,27 +438,8 @@ def profile_streamed(
         t2 = time.perf_counter()
         progress.update("profile layers", 0, n_layers)
         for i, lay in enumerate(adapter.layers):
-            _load_module(model, f"{layer_prefix}{i}.", lay.block, ckpt, device, plan.dtype)
-            acc = _LayerAccumulator(len(p.ids), lay.d_ffn, d_model, s, device)
-            state: dict[str, Any] = {}
-            handles = _layer_hooks(i, lay, acc, state, s)
-            try:
-                with torch.inference_mode():
-                    for b, rows in enumerate(p.batches):
-                        _, mask, keep = _batch_tensors(p, rows)
-                        n_real = int(mask.sum())
-                        out_buf = {i: torch.empty(n_real, d_model, device=device)}
-                        mlp_buf = {i: torch.empty(n_real, d_model, device=device)}
-                        state.update(_batch_state(p, rows, mask, keep, device), out_buf=out_buf, mlp_buf=mlp_buf)
-                        args, kwargs = calls_per_batch[b][i]
-                        out = lay.block(h_in.get(b).to(device), *args, **kwargs)
-                        h_out.put(b, out[0] if isinstance(out, tuple) else out)
-                        units_out.put(i, int(token_start[b]), out_buf[i].cpu())
-                        units_mlp.put(i, int(token_start[b]), mlp_buf[i].cpu())
-            finally:
-                for h in handles:
-                    h.remove()
-                _unload_module(lay.block)
+            acc = _run_layer(i, lay, plan, p, s, (ckpt, f"{layer_prefix}{i}."), calls_per_batch, (h_in, h_out),
+                             (units_out, units_mlp), token_start)
             stats = _finish_layer(acc, p.sample_group, len(p.group_names), p.n_tokens, s)
             if xtx_disk and stats.xtx is not None:  # finished XᵀX wait on disk for the profile writer
                 np.save(scratch / f"xtx_{i}.npy", stats.xtx)
@@ -509,6 +468,73 @@ def profile_streamed(
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
         raise
+
+
+def _embed(plan: StreamPlan, p: _PassInputs, ckpt: Checkpoint, decoder: nn.Module, prefix: str, layers_name: str,
+           h_in: _Carry, progress: Progress) -> tuple[list[dict[int, Any]], list[np.ndarray]]:
+    """Step 2 of ``profile_streamed``: the decoder (weights under ``prefix``) without its layers runs
+    every batch, a ``_LayerCatcher`` in each layer's place; the first layer's input goes to ``h_in``.
+    Returns every batch's per-layer call arguments and its feature rows."""
+    model, device = plan.adapter.model, plan.device
+    n_layers = plan.adapter.n_layers
+    progress.update("embed", 0, len(p.batches))
+    _load_module(model, prefix, decoder, ckpt, device, plan.dtype, skip=(f"{layers_name}.",))
+    calls_per_batch: list[dict[int, Any]] = []
+    feature_rows: list[np.ndarray] = []
+    originals = decoder.get_submodule(layers_name)
+    try:
+        with torch.inference_mode():
+            for b, rows in enumerate(p.batches):
+                calls: dict[int, Any] = {}
+                catchers = nn.ModuleList(
+                    _LayerCatcher(i, i == n_layers - 1, calls, originals[i]) for i in range(n_layers))
+                decoder.set_submodule(layers_name, catchers)
+                input_ids, mask, keep = _batch_tensors(p, rows)
+                try:
+                    decoder(input_ids=input_ids.to(device), attention_mask=mask.long().to(device), use_cache=False)
+                except _LayerCatcher.Done:
+                    pass
+                h_in.put(b, calls.pop("input"))
+                calls_per_batch.append(calls)
+                feature_rows.append(_feature_rows(rows, keep))
+                progress.update("embed", b + 1, len(p.batches))
+    finally:
+        decoder.set_submodule(layers_name, originals)
+        _unload_module(decoder, skip=(f"{layers_name}.",))
+    return calls_per_batch, feature_rows
+
+
+def _run_layer(i: int, lay: Any, plan: StreamPlan, p: _PassInputs, s: ProfileSettings, weights: tuple[Checkpoint, str],
+               calls_per_batch: list[dict[int, Any]], hidden: tuple[_Carry, _Carry], units: tuple[_Units, _Units],
+               token_start: np.ndarray) -> _LayerAccumulator:
+    """Step 3 of ``profile_streamed`` for layer ``i``: load its weights (``(checkpoint, its name
+    prefix)``), run every batch through it with the profiling hooks, hidden states ``h_in`` →
+    ``h_out`` (``hidden``), its unit vectors (output, MLP) into ``units``, unload it. Returns the
+    layer's accumulator."""
+    device, d_model = plan.device, plan.adapter.d_model
+    (ckpt, layer_prefix), (h_in, h_out), (units_out, units_mlp) = weights, hidden, units
+    _load_module(plan.adapter.model, layer_prefix, lay.block, ckpt, device, plan.dtype)
+    acc = _LayerAccumulator(len(p.ids), lay.d_ffn, d_model, s, device)
+    state: dict[str, Any] = {}
+    handles = _layer_hooks(i, lay, acc, state, s)
+    try:
+        with torch.inference_mode():
+            for b, rows in enumerate(p.batches):
+                _, mask, keep = _batch_tensors(p, rows)
+                n_real = int(mask.sum())
+                out_buf = {i: torch.empty(n_real, d_model, device=device)}
+                mlp_buf = {i: torch.empty(n_real, d_model, device=device)}
+                state.update(_batch_state(p, rows, mask, keep, device), out_buf=out_buf, mlp_buf=mlp_buf)
+                args, kwargs = calls_per_batch[b][i]
+                out = lay.block(h_in.get(b).to(device), *args, **kwargs)
+                h_out.put(b, out[0] if isinstance(out, tuple) else out)
+                units_out.put(i, int(token_start[b]), out_buf[i].cpu())
+                units_mlp.put(i, int(token_start[b]), mlp_buf[i].cpu())
+    finally:
+        for h in handles:
+            h.remove()
+        _unload_module(lay.block)
+    return acc
 
 
 def _similarity(units: _Units) -> torch.Tensor:

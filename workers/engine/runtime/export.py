@@ -11,7 +11,8 @@ MoE modules (the dense model is therefore converted in place).
       config.json            MoelabConfig: base_config, moe_layers (per-layer expert layout), auto_map
       generation_config.json
       model.safetensors      (tied lm_head/embeddings stored once, re-tied on load)
-      modeling_moelab.py     verbatim copy: loaded with trust_remote_code=True
+      modeling_moelab.py     verbatim copies of the runtime (RUNTIME_FILES): loaded with
+      moelab_*.py            trust_remote_code=True
       tokenizer files
       conversion.json        the conversion record given by the caller
       README.md              model card (model_card.py): method, parameters, layout, cost, evaluation
@@ -40,6 +41,8 @@ from .modeling_moelab import (
 )
 
 MODELING_FILE = Path(__file__).with_name("modeling_moelab.py")
+#: the exported runtime: the modeling file and the sibling modules it imports (torch and transformers only)
+RUNTIME_FILES = (MODELING_FILE, *sorted(MODELING_FILE.parent.glob("moelab_*.py")))
 AUTO_MAP = {
     "AutoConfig": "modeling_moelab.MoelabConfig",
     "AutoModelForCausalLM": "modeling_moelab.MoelabForCausalLM",
@@ -129,7 +132,7 @@ def export_model(
     moe_model.config.architectures = [MoelabForCausalLM.__name__]
     with atomic_directory(out_dir) as tmp:
         moe_model.save_pretrained(tmp)
-        shutil.copyfile(MODELING_FILE, tmp / MODELING_FILE.name)
+        copy_runtime(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         write_json_atomic(tmp / CONVERSION_FILE, dict(conversion or {}))
@@ -139,6 +142,12 @@ def export_model(
             save_file(partition, str(tmp / PARTITION_FILE))
         write_model_card(tmp, dict(conversion or {}), moe_model, fmt="moelab", evaluation=evaluation)
     return out_dir
+
+
+def copy_runtime(out_dir: Path) -> None:
+    """Put the runtime's files (``RUNTIME_FILES``) into an export directory."""
+    for f in RUNTIME_FILES:
+        shutil.copyfile(f, Path(out_dir) / f.name)
 
 
 def load_exported(path: Path | str, **kwargs: Any) -> nn.Module:

@@ -66,6 +66,7 @@ from torch import nn
 
 from ..atomic import atomic_directory, write_json_atomic
 from .modeling_moelab import MoelabForCausalLM, decoder_layers
+from .moelab_routers import ROUTERS
 
 #: base model_type -> native architecture it maps onto exactly
 SOURCE_TARGETS = {"llama": "qwen2_moe", "qwen2": "qwen2_moe", "mistral": "qwen2_moe", "gemma": "qwen2_moe",
@@ -78,8 +79,8 @@ EXPORTABLE_ROUTE = (
 )
 
 
-#: routers whose scores are ``x W^T`` (a bias-free linear gate) and the combines a stock gate computes
-NATIVE_ROUTERS = ("softmax", "centroid")
+#: routers whose scores are ``x W^T`` (a bias-free linear gate, ``Router.native``) and the combines a stock gate computes
+NATIVE_ROUTERS = tuple(name for name, kind in ROUTERS.items() if kind.native)
 NATIVE_COMBINES = ("weighted", "normalized")
 
 
@@ -135,8 +136,9 @@ def native_layout(moe: MoelabForCausalLM) -> dict[str, Any]:
             raise _refuse(f"layer {i} has kind {kind!r}")
         router, combine = s.get("router", "centroid"), s.get("combine", "sum")
         if router not in NATIVE_ROUTERS or combine not in NATIVE_COMBINES:
+            why = f" ({ROUTERS[router].native_refusal})" if router in ROUTERS and router not in NATIVE_ROUTERS else ""
             raise _refuse(
-                f"layer {i} routes with the {router!r} router and the {combine!r} combine; a stock MoE gate is "
+                f"layer {i} routes with the {router!r} router and the {combine!r} combine{why}; a stock MoE gate is "
                 "softmax(x W) with each selected expert weighted by its probability (router 'softmax' or 'centroid', "
                 "combine 'weighted', or 'normalized' over the selected experts)")
         if s.get("skip_mean"):

@@ -54,7 +54,7 @@ Choices where the papers leave room (each tested in tests/engine/test_finetune.p
 * **Schedule.** AdamW (β = 0.9, 0.95 as CM §4; no weight decay), linear warm-up over the first
   ``warmup`` share of the steps (10% by default), cosine decay to 10%; gradient norm clipped at 1.
 * **Data.** Training windows of ``seq_len`` tokens are cut from the calibration split of
-  ``source`` (samples joined by EOS, as ``evaluation.heldout_windows`` does on the held-out
+  ``source`` (samples joined by EOS, as ``evaluation.metrics.heldout_windows`` does on the held-out
   split), shuffled per epoch with ``seed``; when the text runs out the next epoch reshuffles.
   Perplexity is measured on a held-out split only: of ``eval_source``, else of ``source`` when
   it is a built-in set, else of builtin:mixed (stored sets have no held-out split).
@@ -317,57 +317,6 @@ def _router_params(setup_model: nn.Module, modules: dict[int, nn.Module], only: 
     return [(n, p) for n, p in setup_model.named_parameters() if id(p) in ids]
 
 
-@torch.no_grad()
-def centroid_logit_std(moe: MoelabForCausalLM, modules: dict[int, MoeFFN], batch: torch.Tensor) -> dict[int, float]:
-    """Per layer: std across experts of ``x · W_centroid^T`` on one batch (mean over tokens)."""
-    stds: dict[int, list[float]] = {i: [] for i in modules}
-    hooks = []
-    for i, mod in modules.items():
-        w = _centroid(mod)
-
-        def pre(m, args, i=i, w=w):
-            z = F.linear(args[0].reshape(-1, args[0].shape[-1]).float(), w.float())
-            stds[i].append(float(z.std(dim=-1).mean()))
-
-        hooks.append(mod.register_forward_pre_hook(pre))
-    try:
-        moe(input_ids=batch, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    return {i: float(np.mean(v)) for i, v in stds.items()}
-
-
-def _centroid(mod: MoeFFN) -> torch.Tensor:
-    """EW Eq. 9 router: the conversion's centroid router, else the experts' gate-row centroids."""
-    if mod.router in ("centroid", "softmax"):
-        return mod.router_weight.detach()
-    return mod.experts_gate.detach().mean(dim=1)
-
-
-@torch.no_grad()
-def to_softmax_router(mod: MoeFFN, beta: float) -> MoeFFN:
-    """EW Eq. 11 module from a training-free one: router ``softmax`` initialised to
-    ``β·W_centroid``, combine ``weighted``, routed down projections × N_e (see module docstring).
-
-    A skipped-expert compensation (``skip_mean``, ``--recipe best``) is dropped: EW Eq. 11 has none,
-    and under the weighted combine an unweighted calibration mean is no longer what a skipped expert
-    would have added (``core.params.check_compensation`` refuses that pairing at conversion time).
-    Without it the fine-tuned layer is EW Eq. 11 exactly, which exports natively."""
-    spec = {k: v for k, v in mod.spec.items() if k != "skip_mean"}
-    spec.update(router="softmax", combine="weighted")
-    with torch.device("meta"):
-        new = type(mod)(spec)
-    ref = mod.experts_gate
-    new.to_empty(device=ref.device)
-    new.to(ref.dtype)
-    state = {k: v for k, v in mod.state_dict().items() if not _is_router(k) and k != "skip_mean"}
-    state["router_weight"] = _centroid(mod) * beta
-    state["experts.down_proj"] = mod.experts_down.detach() * mod.n_routed
-    new.load_state_dict(state, strict=True)
-    return new
-
-
 def apply_mode(moe: MoelabForCausalLM, params: FinetuneParams, batch: torch.Tensor) -> TrainSetup:
     """Make ``moe`` trainable as ``params.mode`` says; freezes everything else.
 
@@ -567,54 +516,24 @@ def run_finetune(
     Returns the summary also written to ``out/finetune.json``.
     """
     t0 = time.perf_counter()
-    params.validate()
     conversion_dir, out = Path(conversion_dir), Path(out)
-    try:
-        model_config = json.loads((conversion_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        model_config = None  # loading the conversion says what is missing
-    params.validate_for(model_config)
+    _validate(params, conversion_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt_root = out / CHECKPOINT_DIR
-    ckpt = latest_checkpoint(ckpt_root)
-    log = read_train_log(out) if ckpt is not None else None
-    if ckpt is not None and ckpt.state.get("params") != params.to_dict():
-        raise FinetuneError(
-            f"{out} holds checkpoints of a run with other parameters ({ckpt.state.get('params')}); "
-            "resume with those parameters or use a new output directory"
-        )
+    ckpt, log = _resumable(out, params)
     dev = resolve_device(device)
     record = json.loads((conversion_dir / CONVERSION_FILE).read_text()) if (conversion_dir / CONVERSION_FILE).is_file() else None
-    with progress.step("load converted model"):  # real stages before 'train': loading and tokenising take a while
-        moe = load_conversion_for_training(conversion_dir, dev)
-        tokenizer = load_tokenizer(conversion_dir)
-    with progress.step("read training and held-out text"):
-        eval_win = heldout_windows(tokenizer, data_dir, seq_len=params.seq_len, n_windows=params.eval_windows,
-                                   source=params.heldout_source())
-        train_win = training_windows(tokenizer, data_dir, params.source, params.seq_len, params.steps * params.batch_size,
-                                     params.seed)
-    moe.eval()
+    moe, tokenizer, train_win, eval_win = _load_inputs(conversion_dir, params, dev, data_dir, progress)
     if log is None or log.get("perplexity_before") is None:
         log = {"params": params.to_dict(), "mode": params.mode, "status": "evaluating", "steps": [],
                "conversion": str(conversion_dir.resolve()), "train_windows": int(len(train_win)),
                "eval_windows": int(len(eval_win)), "eval_source": params.heldout_source(),
-               "lb_coef_used": params.lb_used, "resumed_at": []}
-        log["perplexity_before"], _ = perplexity(moe, eval_win, progress=progress, stage="perplexity before")
-        log["dense_perplexity"] = _dense_perplexity(record, eval_win, data_dir, device, progress, loader)
+               "lb_coef_used": params.lb_used, "resumed_at": [],
+               "perplexity_before": perplexity(moe, eval_win, progress=progress, stage="perplexity before")[0],
+               "dense_perplexity": _dense_perplexity(record, eval_win, data_dir, device, progress, loader)}
         write_json_atomic(out / TRAIN_LOG, log)
 
-    torch.manual_seed(params.seed)
-    first = torch.as_tensor(train_win[window_indices(0, params.batch_size, len(train_win), params.seed)]).to(dev)
-    first = first[: window_batch(len(first), params.seq_len)]  # the set-up's forward: at most BATCH_TOKENS tokens
-    with progress.step(f"set up {params.mode} training"):
-        setup = apply_mode(moe, params, first)
-    if "perplexity_start" not in log:
-        log["perplexity_start"] = log["perplexity_before"]
-        if setup.changes_function:
-            setup.model.eval()
-            log["perplexity_start"], _ = perplexity(setup.model, eval_win, progress=progress, stage="perplexity start")
-        log["trainable_params"] = {g: int(sum(p.numel() for _, p in ps)) for g, ps in setup.groups.items()}
-        log["mode_notes"] = setup.notes
+    setup = _set_up(moe, params, train_win, eval_win, dev, log, progress)
     optimizer = _optimizer(setup, params)
     names = {id(p): n for n, p in setup.trainable().items()}
     step, elapsed = 0, 0.0
@@ -643,31 +562,10 @@ def run_finetune(
             t_step = time.perf_counter()
             idx = window_indices(step * params.batch_size, params.batch_size, len(train_win), params.seed)
             x = train_win[idx].to(dev)
-            wait = round(params.router_first * params.steps) if setup.groups.get("routers") else 0
-            for group in optimizer.param_groups:
-                start = wait if group["name"] == "adapters" else 0
-                group["lr"] = group["base_lr"] * lr_factor(step, params.steps, params.warmup, start)
-            factor = lr_factor(step, params.steps, params.warmup)
+            factor = _schedule(optimizer, setup, params, step)
             tap.reset()
-            # A step of batch_size × seq_len tokens runs as micro-batches of at most STEP_TOKENS tokens (gradients
-            # accumulated, each weighted by its share of the windows): one forward/backward is bounded, and a cancel
-            # is seen between them (progress.update), not only after a step of unbounded size.
-            per = window_batch(len(x), params.seq_len, STEP_TOKENS)
-            ntp_sum, aux_sum, loss_sum = 0.0, None, 0.0
-            for start in range(0, len(x), per):
-                if start:
-                    progress.update("train", step, params.steps)
-                xb = x[start:start + per]
-                weight = len(xb) / len(x)
-                ntp_b = setup.model(input_ids=xb, labels=xb, use_cache=False).loss
-                aux_b = tap.aux_loss()
-                tap.terms.clear()
-                loss_b = ntp_b + params.lb_used * aux_b if aux_b is not None and params.lb_used > 0 else ntp_b
-                (loss_b * weight if weight != 1 else loss_b).backward()
-                ntp_sum += weight * float(ntp_b.detach())
-                loss_sum += weight * float(loss_b.detach())
-                if aux_b is not None:
-                    aux_sum = (aux_sum or 0.0) + weight * float(aux_b.detach())
+            loss_sum, ntp_sum, aux_sum = _accumulate_step(setup, params, tap, x,
+                                                          lambda: progress.update("train", step, params.steps))
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -695,6 +593,106 @@ def run_finetune(
         raise
     tap.close()
 
+    return _export_finetuned(setup, conversion_dir, out, params, record, log, tokenizer, eval_win, step, elapsed, t0,
+                             progress)
+
+
+def _validate(params: FinetuneParams, conversion_dir: Path) -> None:
+    """The parameters' own rules, then those against the conversion's config (its layer kinds)."""
+    params.validate()
+    try:
+        model_config = json.loads((conversion_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        model_config = None  # loading the conversion says what is missing
+    params.validate_for(model_config)
+
+
+def _load_inputs(conversion_dir: Path, params: FinetuneParams, dev: Any, data_dir: Path | None,
+                 progress: Progress) -> tuple[MoelabForCausalLM, Any, torch.Tensor, torch.Tensor]:
+    """The conversion (in eval mode), its tokenizer, the training windows and the held-out windows."""
+    with progress.step("load converted model"):  # real stages before 'train': loading and tokenising take a while
+        moe = load_conversion_for_training(conversion_dir, dev)
+        tokenizer = load_tokenizer(conversion_dir)
+    with progress.step("read training and held-out text"):
+        eval_win = heldout_windows(tokenizer, data_dir, seq_len=params.seq_len, n_windows=params.eval_windows,
+                                   source=params.heldout_source())
+        train_win = training_windows(tokenizer, data_dir, params.source, params.seq_len, params.steps * params.batch_size,
+                                     params.seed)
+    moe.eval()
+    return moe, tokenizer, train_win, eval_win
+
+
+def _set_up(moe: MoelabForCausalLM, params: FinetuneParams, train_win: torch.Tensor, eval_win: torch.Tensor, dev: Any,
+            log: dict, progress: Progress) -> TrainSetup:
+    """``apply_mode`` on the first batch; a fresh run's log gets the perplexity at the start of training
+    (after a set-up that changes the function) and the trainable parameter counts."""
+    torch.manual_seed(params.seed)
+    first = torch.as_tensor(train_win[window_indices(0, params.batch_size, len(train_win), params.seed)]).to(dev)
+    first = first[: window_batch(len(first), params.seq_len)]  # the set-up's forward: at most BATCH_TOKENS tokens
+    with progress.step(f"set up {params.mode} training"):
+        setup = apply_mode(moe, params, first)
+    if "perplexity_start" not in log:
+        log["perplexity_start"] = log["perplexity_before"]
+        if setup.changes_function:
+            setup.model.eval()
+            log["perplexity_start"], _ = perplexity(setup.model, eval_win, progress=progress, stage="perplexity start")
+        log["trainable_params"] = {g: int(sum(p.numel() for _, p in ps)) for g, ps in setup.groups.items()}
+        log["mode_notes"] = setup.notes
+    return setup
+
+
+def _schedule(optimizer: torch.optim.Optimizer, setup: TrainSetup, params: FinetuneParams, step: int) -> float:
+    """Set each group's learning rate for ``step`` (adapters wait ``router_first`` of the steps when
+    routers train); returns the schedule's factor."""
+    wait = round(params.router_first * params.steps) if setup.groups.get("routers") else 0
+    for group in optimizer.param_groups:
+        start = wait if group["name"] == "adapters" else 0
+        group["lr"] = group["base_lr"] * lr_factor(step, params.steps, params.warmup, start)
+    return lr_factor(step, params.steps, params.warmup)
+
+
+def _resumable(out: Path, params: FinetuneParams) -> tuple[Any, dict | None]:
+    """The latest checkpoint in ``out`` and its training log (``(None, None)`` for a fresh run); a
+    checkpoint of a run with other parameters is refused."""
+    ckpt = latest_checkpoint(out / CHECKPOINT_DIR)
+    if ckpt is not None and ckpt.state.get("params") != params.to_dict():
+        raise FinetuneError(
+            f"{out} holds checkpoints of a run with other parameters ({ckpt.state.get('params')}); "
+            "resume with those parameters or use a new output directory"
+        )
+    return ckpt, (read_train_log(out) if ckpt is not None else None)
+
+
+def _accumulate_step(setup: TrainSetup, params: FinetuneParams, tap: RoutingTap, x: torch.Tensor,
+                     between: Any) -> tuple[float, float, float | None]:
+    """Forward and backward of one step's windows ``x``; returns ``(loss, ntp_loss, aux_loss)``.
+
+    A step of batch_size × seq_len tokens runs as micro-batches of at most STEP_TOKENS tokens (gradients
+    accumulated, each weighted by its share of the windows): one forward/backward is bounded, and a cancel
+    is seen between them (``between()``, a progress update), not only after a step of unbounded size."""
+    per = window_batch(len(x), params.seq_len, STEP_TOKENS)
+    ntp_sum, aux_sum, loss_sum = 0.0, None, 0.0
+    for start in range(0, len(x), per):
+        if start:
+            between()
+        xb = x[start:start + per]
+        weight = len(xb) / len(x)
+        ntp_b = setup.model(input_ids=xb, labels=xb, use_cache=False).loss
+        aux_b = tap.aux_loss()
+        tap.terms.clear()
+        loss_b = ntp_b + params.lb_used * aux_b if aux_b is not None and params.lb_used > 0 else ntp_b
+        (loss_b * weight if weight != 1 else loss_b).backward()
+        ntp_sum += weight * float(ntp_b.detach())
+        loss_sum += weight * float(loss_b.detach())
+        if aux_b is not None:
+            aux_sum = (aux_sum or 0.0) + weight * float(aux_b.detach())
+    return loss_sum, ntp_sum, aux_sum
+
+
+def _export_finetuned(setup: TrainSetup, conversion_dir: Path, out: Path, params: FinetuneParams, record: dict | None,
+                      log: dict, tokenizer: Any, eval_win: torch.Tensor, step: int, elapsed: float, t0: float,
+                      progress: Progress) -> dict[str, Any]:
+    """Merge the adapters, score the result, export ``out/model`` and write the summary."""
     log["status"] = "exporting"
     write_json_atomic(out / TRAIN_LOG, log)
     moe = merge_adapters(setup)

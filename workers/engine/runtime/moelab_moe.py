@@ -1,0 +1,543 @@
+"""moelab's sparse block: ``MoeFFN`` (shared expert + router + routed experts), as transformers lays
+out its sparse-MoE blocks (Qwen2-MoE, Mixtral), and ``MoeExperts``, the routed experts with the
+reference forward. Part of the exported runtime (torch and transformers only).
+
+``MoeFFN`` replaces a dense GLU MLP ``down(act(x W_gate) * x W_up)``: an always-active shared expert
+plus ``n_routed`` routed experts of ``expert_size`` neurons each, ``top_k`` of them active per token
+(ExpertWeaver Eqs. 7-11, CMoE Eqs. 5, 11, 18-19). Its spec (JSON)::
+
+    {"kind": "moe", "d_model": 576, "act": "silu", "d_shared": 192, "n_routed": 56,
+     "expert_size": 24, "top_k": 24, "router": "centroid", "combine": "sum"}
+
+``router``: a kind of ``moelab_routers.ROUTERS`` (``centroid`` EW Eq. 9, ``representative`` CMoE
+Eq. 18, ``gate_mass``, ``softmax`` EW Eq. 11, ``ridge``; each class says how it scores). ``combine``:
+``sum`` (EW Eq. 10 / CMoE Eq. 11, training-free default), ``weighted`` (each selected expert scaled
+by its softmax probability over all experts, EW Eq. 11, D2 §2.1), ``normalized`` (softmax over the
+top_k selected scores only, so a token's weights sum to 1, as in Mixtral) or ``scaled`` (CM §3.3 /
+AF Eq. 9: ``s' = softmax(s)``, experts selected by ``TopK(s' + b)``, weighted ``1 + s'_i u_i``; ``u``
+is the parameter ``router_scale``, ``b`` the load-balancing buffer ``router_bias``, both zero after
+``use_scaled_combine()``, which leaves the output of a ``sum`` module unchanged). Optional
+``dispatch``: ``auto`` (default: ``moelab_kernels.select_kernel``), ``loop`` (the reference) or
+``padded`` (written by older exports for the retired capacity-padded matmul; now ``auto``).
+Optional ``expert_groups`` (one int per routed expert): experts of one group are copies of one
+another (Dense2MoE's N copies of a block's MLP); a token selects at most one expert per group, the
+best-scoring (ties: the lower index), so two copies never add up for one token; ``top_k`` must not
+exceed the number of groups. Optional ``skip_mean: true``: the buffer ``skip_mean`` ``[n_routed,
+d_model]`` holds each routed expert's mean output over the calibration tokens that skipped it, and a
+token adds the means of the experts it skips (``core.fitting``, skipped-expert compensation;
+moelab's own). Any other keys are kept and written back by ``MoeFFN.spec``.
+
+Neuron order inside an expert is irrelevant to the result; with ``top_k == n_routed`` and
+``combine == "sum"`` a MoeFFN computes exactly the dense GLU it was sliced from (up to float
+summation order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from .moelab_compat import load_legacy_expert_keys, register_load_pre_hook
+from .moelab_kernels import EXPERTS_IMPLS, decode_layout, every_expert, per_expert, run_kernel, select_kernel
+from .moelab_routers import COMBINES, ROUTERS, ffn_macs, router_kind
+
+DISPATCHES = ("auto", "loop", "padded")
+# "padded" (the retired capacity-padded batched matmul, a speed choice) runs the default kernels
+_DISPATCH_TO_IMPL = {"auto": "auto", "loop": "loop", "padded": "auto"}
+
+
+def _as_long(idx: Any) -> torch.Tensor:
+    if isinstance(idx, torch.Tensor):
+        return idx.detach().to(device="cpu", dtype=torch.long)
+    return torch.as_tensor(idx, dtype=torch.long)
+
+
+class MoeExperts(nn.Module):
+    """The routed experts of one MoE layer, stacked as in transformers 5's MoE experts modules
+    (``Qwen2MoeExperts``, ``MixtralExperts``): ``gate_up_proj [E, 2m, d_model]`` (rows ``:m`` the
+    gate, ``m:`` the up projection of each expert) and ``down_proj [E, d_model, m]``; expert e is
+    ``down_proj[e] (act(gate_up_proj[e, :m] x) * gate_up_proj[e, m:] x)``. Every expert of a layer
+    has the same size ``m`` (layers may differ), so no padding is stored or computed.
+    ``down_proj`` has the ``[E, d_model, m]`` shape of those modules (and of every checkpoint) but
+    ``[E, m, d_model]`` storage (``moelab_kernels.decode_layout``): a decode step multiplies one row
+    by the down projections of the selected experts, and with rows of ``m`` contiguous numbers that
+    product streams memory at a third of the speed (8B-shaped layer, 32 of 64 experts, one token,
+    one thread: 14 ms against 5 ms); prefill GEMMs take either layout at the same speed.
+    ``gate_up_proj`` likewise has ``[E, d_model, 2m]`` storage (``column_major=True``, every router
+    but gate_mass, whose scores need the gate rows of all experts in one GEMM): then a selected
+    expert's gate/up product for one token is a weighted sum of the ``d_model`` contiguous rows
+    of its block, which ``embedding_bag`` computes without copying the block (default model's
+    layer, 24 of 56 experts, one token: 77 µs against 162 µs for ``index_select`` + GEMM).
+
+    ``forward(hidden_states [T, d], top_k_index [T, k], top_k_weights [T, k] | None,
+    gate_act [T, E*m] | None) -> [T, d]``: the sum over each token's k selected experts, each
+    scaled by its weight (None: weights of 1, the training-free unweighted sum, EW Eq. 10 /
+    CMoE Eq. 11). ``gate_act`` (the gate-mass router) gives ``act(x W_gate)`` of every routed
+    neuron, already computed to score the experts; only the up projection is then computed.
+    ``top_k_index=None`` runs every expert on every token (``top_k_weights`` then ``[T, E]``).
+    A row of ``top_k_index`` names distinct experts, as top-k gives them.
+
+    ``experts_impl`` selects the kernel, as transformers' ``experts_implementation`` does:
+    ``loop`` is ``reference`` below (one matmul chain per expert on its tokens); ``grouped_mm``,
+    ``sorted`` and ``gather`` are the fast kernels of ``moelab_kernels``; ``auto`` (the default)
+    lets ``moelab_kernels.select_kernel`` choose by device, gradient and sizes (its table).
+    """
+
+    def __init__(self, num_experts: int, expert_size: int, d_model: int, act: str = "silu", column_major: bool = True):
+        super().__init__()
+        self.num_experts, self.expert_size, self.d_model = int(num_experts), int(expert_size), int(d_model)
+        self.act_fn = ACT2FN[act]
+        self.column_major = bool(column_major)
+        E, m, d = self.num_experts, self.expert_size, self.d_model
+        gate_up = torch.empty(E, d, 2 * m).transpose(1, 2) if self.column_major else torch.empty(E, 2 * m, d)
+        self.gate_up_proj = nn.Parameter(gate_up)
+        self.down_proj = nn.Parameter(decode_layout(torch.empty(E, m, d).transpose(1, 2)))
+        self.experts_impl = "auto"
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for p in self.parameters(recurse=False):
+            if p.device.type != "meta":
+                nn.init.normal_(p, 0.0, std)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, expert_size={self.expert_size}, d_model={self.d_model}, "
+                f"experts_impl={self.experts_impl}")
+
+    def gate_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """``act(x W_gate)`` of every routed neuron, ``[T, E*m]`` (expert-major): the gate-mass
+        router's scores and, reused, the selected experts' gates."""
+        E, m, d = self.num_experts, self.expert_size, self.d_model
+        return self.act_fn(F.linear(x, self.gate_up_proj[:, :m].reshape(E * m, d)))
+
+    def resolve_impl(self, x: torch.Tensor, top_k_index: torch.Tensor | None, needs_grad: bool,
+                     weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> str:
+        """The kernel ``forward`` runs for this call (``moelab_kernels.select_kernel``)."""
+        return select_kernel(self, x, top_k_index, needs_grad, weights)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor | None = None,
+        top_k_weights: torch.Tensor | None = None,
+        gate_act: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = hidden_states
+        if top_k_index is not None and top_k_index.numel() == 0:
+            return x.new_zeros(x.shape[0], self.d_model)
+        # Each weight is read once per call and handed to the kernel: under a LoRA parametrisation
+        # (peft ``target_parameters``) every read of ``self.gate_up_proj`` recomputes W + ΔW for
+        # all experts and keeps it for backward, so a read per expert cost E full copies a layer
+        # (440 s a training step on the default model instead of ~10).
+        w = (self.gate_up_proj, self.down_proj)
+        if top_k_index is None:
+            return every_expert(self, x, w, top_k_weights, gate_act)
+        needs_grad = torch.is_grad_enabled() and (
+            x.requires_grad or w[0].requires_grad or w[1].requires_grad
+            or (top_k_weights is not None and top_k_weights.requires_grad)
+            or (gate_act is not None and gate_act.requires_grad))
+        impl = self.resolve_impl(x, top_k_index, needs_grad, w)
+        if impl == "loop":
+            return self.reference(x, w, top_k_index, top_k_weights, gate_act)
+        return run_kernel(impl, self, x, w, top_k_index, top_k_weights, gate_act, needs_grad)
+
+    def reference(self, x, w, top, weights, gate_act):
+        """Reference: one matmul chain per expert on the tokens that selected it (``nonzero`` and a
+        host read of the per-expert counts), results scatter-added in expert order."""
+        wgu, wd = w
+        T, k = top.shape
+        E, m = self.num_experts, self.expert_size
+        mask_t = torch.zeros(T, E, dtype=torch.bool, device=x.device).scatter_(1, top, True).t()
+        tok = mask_t.nonzero()[:, 1]
+        counts = mask_t.sum(dim=1)
+        w_sorted = None
+        if weights is not None:
+            full = torch.zeros(T, E, dtype=weights.dtype, device=x.device).scatter(1, top, weights)
+            w_sorted = full.t()[mask_t].unsqueeze(-1)
+        gu, dn = per_expert(wgu), per_expert(wd)
+        y = x.new_zeros(T, self.d_model)
+        s = 0
+        for e, c in enumerate(counts.tolist()):
+            if c == 0:
+                continue
+            te = tok[s : s + c]
+            xe = x.index_select(0, te)
+            if gate_act is not None:
+                a = gate_act[:, e * m : (e + 1) * m].index_select(0, te)
+            else:
+                a = self.act_fn(F.linear(xe, gu[e][:m]))
+            h = a * F.linear(xe, gu[e][m:])
+            if w_sorted is not None:
+                h = h * w_sorted[s : s + c].to(h.dtype)
+            y.index_add_(0, te, F.linear(h, dn[e]))
+            s += c
+        return y
+
+
+class MoeFFN(nn.Module):
+    """Shared expert + top-k routed experts; ``forward(x[..., d_model]) -> [..., d_model]``.
+
+    Parameters: ``shared_gate``/``shared_up`` (nn.Linear d_model -> d_shared) and
+    ``shared_down`` (d_shared -> d_model), absent when ``d_shared == 0``; ``experts`` (a
+    ``MoeExperts``: ``gate_up_proj [E, 2m, d_model]``, ``down_proj [E, d_model, m]``); the router
+    kind's parameters (``moelab_routers``: ``router_weight`` ``[E, d_model]``, ``router_offset``,
+    ``router_gate``/``router_up``; none for gate_mass).
+
+    Laid out like a transformers sparse-MoE block: router (its kind's ``scores``; the ``router_*``
+    parameters sit on the block, because those names are the checkpoint format and fine-tuning
+    selects them), routing weights as a ``[T, k]`` tensor (None for the unweighted sum), and the
+    ``experts`` module that runs them.
+    ``experts_gate``/``experts_up``/``experts_down`` are views of the stacked tensors in the
+    previous runtime's ``[E, m, d]``/``[E, d, m]`` shapes; state dicts and checkpoints with those
+    keys are converted on load (``moelab_compat``).
+
+    ``recorder``: optional callable (not a submodule) receiving the selected expert indices,
+    shaped ``[..., top_k]`` like the input's leading dims, on every forward.
+    """
+
+    def __init__(self, spec: dict):
+        super().__init__()
+        spec = dict(spec)
+        kind = spec.pop("kind", "moe")
+        if kind != "moe":
+            raise ValueError(f"MoeFFN needs a spec of kind 'moe', got {kind!r}")
+        self.d_model = int(spec["d_model"])
+        self.act = str(spec.get("act", "silu"))
+        self.d_shared = int(spec.get("d_shared", 0))
+        # ``n_experts`` in exports written before the method registry meant the same (routed) count
+        self.n_routed = int(spec.get("n_routed", spec.get("n_experts", 0)))
+        self.expert_size = int(spec.get("expert_size", 0))
+        self.top_k = int(spec.get("top_k", 0))
+        self.router = str(spec.get("router", "centroid"))
+        self.combine = str(spec.get("combine", "sum"))
+        dispatch = str(spec.get("dispatch", "auto"))
+        E, m, d = self.n_routed, self.expert_size, self.d_model
+        kind = router_kind(self.router)
+        if self.combine not in COMBINES:
+            raise ValueError(f"unknown combine {self.combine!r}; one of {COMBINES}")
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"unknown dispatch {dispatch!r}; one of {DISPATCHES}")
+        if min(d, self.d_shared, E, m, self.top_k) < 0 or d == 0:
+            raise ValueError(f"invalid MoE sizes in spec {spec}")
+        if self.top_k > E:
+            raise ValueError(f"top_k={self.top_k} exceeds n_routed={E}")
+        if E > 0 and m == 0:
+            raise ValueError("expert_size must be positive when there are routed experts")
+        self._extra = {k: v for k, v in spec.items() if k not in _MOE_KEYS}
+        self._groups = _expert_groups(spec.get("expert_groups"), E, self.top_k)
+        self.act_fn = ACT2FN[self.act]
+        if self.d_shared > 0:
+            self.shared_gate = nn.Linear(d, self.d_shared, bias=False)
+            self.shared_up = nn.Linear(d, self.d_shared, bias=False)
+            self.shared_down = nn.Linear(self.d_shared, d, bias=False)
+        else:
+            self.shared_gate = self.shared_up = self.shared_down = None
+        self.experts = MoeExperts(E, m, d, self.act, column_major=kind.column_major)
+        self.dispatch = dispatch
+        for name, shape in kind.parameters(E, d).items():
+            self.register_parameter(name, nn.Parameter(torch.empty(shape)))
+        if self.combine == "scaled":
+            self._add_scaled_gating()
+        self.compensated = bool(spec.get("skip_mean", False))
+        if self.compensated:  # a buffer: fitted in closed form, saved and loaded, never trained
+            self.register_buffer("skip_mean", torch.zeros(E, d))
+        self.recorder: Callable[[torch.Tensor], None] | None = None
+        register_load_pre_hook(self, load_legacy_expert_keys)
+        self.reset_parameters()
+
+    # ..................................................................... layout
+
+    @property
+    def dispatch(self) -> str:
+        """The spec's ``dispatch`` (``auto``, ``loop`` or ``padded``); setting it sets
+        ``experts_impl`` (``loop`` the reference loop, otherwise ``auto``)."""
+        return self._dispatch_mode
+
+    @dispatch.setter
+    def dispatch(self, mode: str) -> None:
+        if mode not in DISPATCHES:
+            raise ValueError(f"unknown dispatch {mode!r}; one of {DISPATCHES}")
+        self._dispatch_mode = mode
+        self.experts.experts_impl = _DISPATCH_TO_IMPL[mode]
+
+    @property
+    def experts_impl(self) -> str:
+        """The experts kernel (``MoeExperts.experts_impl``); not part of the spec."""
+        return self.experts.experts_impl
+
+    @experts_impl.setter
+    def experts_impl(self, impl: str) -> None:
+        if impl not in EXPERTS_IMPLS:
+            raise ValueError(f"unknown experts_impl {impl!r}; one of {EXPERTS_IMPLS}")
+        self.experts.experts_impl = impl
+
+    @property
+    def experts_gate(self) -> torch.Tensor:
+        """``[E, m, d]`` view of the experts' gate rows (the previous runtime's parameter)."""
+        return self.experts.gate_up_proj[:, : self.expert_size]
+
+    @property
+    def experts_up(self) -> torch.Tensor:
+        """``[E, m, d]`` view of the experts' up rows."""
+        return self.experts.gate_up_proj[:, self.expert_size :]
+
+    @property
+    def experts_down(self) -> torch.Tensor:
+        """``[E, d, m]``: the experts' down projections."""
+        return self.experts.down_proj
+
+    def _add_scaled_gating(self) -> None:
+        # b is a persistent buffer: it is saved and reloaded, but never receives a gradient
+        # (CM §3.3 updates it by +-gamma from the expert loads after each training step).
+        ref = self.experts.gate_up_proj
+        self.router_scale = nn.Parameter(torch.zeros(self.n_routed, device=ref.device, dtype=ref.dtype))
+        self.register_buffer("router_bias", torch.zeros(self.n_routed, device=ref.device, dtype=ref.dtype))
+
+    @torch.no_grad()
+    def use_scaled_combine(self) -> None:
+        """Switch to the ``scaled`` combine (CM §3.3) with ``u = b = 0``: same selections and
+        outputs as the ``sum`` combine, but ``u`` now receives gradients and ``b`` can balance."""
+        if self.combine == "scaled":
+            return
+        if self.combine != "sum":
+            raise ValueError(f"the scaled combine extends the 'sum' combine; this module combines {self.combine!r}")
+        self.combine = "scaled"
+        self._add_scaled_gating()
+
+    # ..................................................................... construction
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Random init (a fresh model only; converted and loaded models overwrite it)."""
+        for p in self.parameters(recurse=False):
+            if p.device.type != "meta":
+                nn.init.normal_(p, 0.0, std)
+        self.experts.reset_parameters(std)
+        if self.combine == "scaled" and self.router_scale.device.type != "meta":
+            self.router_scale.zero_()  # u = b = 0: no perturbation of the sum combine (CM §3.3)
+            self.router_bias.zero_()
+
+    @property
+    def spec(self) -> dict:
+        """The JSON-able spec this module is rebuilt from (``MoeFFN(spec)``)."""
+        return {
+            "kind": "moe", "d_model": self.d_model, "act": self.act, "d_shared": self.d_shared,
+            "n_routed": self.n_routed, "expert_size": self.expert_size, "top_k": self.top_k,
+            "router": self.router, "combine": self.combine,
+            **({"dispatch": self.dispatch} if self.dispatch != "auto" else {}),
+            **({"skip_mean": True} if self.compensated else {}), **self._extra,
+        }
+
+    @classmethod
+    @torch.no_grad()
+    def from_dense(
+        cls,
+        gate_w: torch.Tensor,
+        up_w: torch.Tensor,
+        down_w: torch.Tensor,
+        act: str,
+        shared_idx: Any,
+        routed_idx: Any,
+        top_k: int,
+        router: str,
+        combine: str = "sum",
+        router_weight: torch.Tensor | None = None,
+        router_gate: torch.Tensor | None = None,
+        router_up: torch.Tensor | None = None,
+        router_offset: torch.Tensor | None = None,
+        skip_mean: torch.Tensor | None = None,
+        **extra: Any,
+    ) -> "MoeFFN":
+        """Slice a dense GLU into a shared expert and routed experts (EW Eqs. 7-8, CMoE Eq. 5).
+
+        ``gate_w``/``up_w``: ``[d_ffn, d_model]`` (nn.Linear layout); ``down_w``: ``[d_model, d_ffn]``.
+        ``shared_idx``: neuron ids of the shared expert (may be empty); ``routed_idx``:
+        ``[E, m]`` neuron ids of each routed expert. Neurons left out of both are pruned.
+        Router parameters not given take their kind's default (``moelab_routers``: the expert
+        centroids of the gate rows, EW Eq. 9; for the representative router the centroids of the
+        gate and up rows — pass CMoE's representative-neuron rows to follow Eq. 18 exactly). ``skip_mean`` ``[E, d_model]``: the
+        skipped experts' calibration means (``core.fitting.skipped_means``), added for the experts
+        a token skips.
+        """
+        d_ffn, d_model = gate_w.shape
+        if up_w.shape != gate_w.shape or down_w.shape != (d_model, d_ffn):
+            raise ValueError(
+                f"shapes gate {tuple(gate_w.shape)}, up {tuple(up_w.shape)}, down {tuple(down_w.shape)} "
+                "do not form a GLU (gate/up [d_ffn, d_model], down [d_model, d_ffn])"
+            )
+        shared = _as_long(shared_idx).reshape(-1)
+        routed = _as_long(routed_idx)
+        if routed.numel() == 0:
+            routed = routed.reshape(0, 0)
+        if routed.dim() != 2:
+            raise ValueError(f"routed_idx must be [n_routed, expert_size], got shape {tuple(routed.shape)}")
+        used = torch.cat([shared, routed.reshape(-1)])
+        if used.numel() and (used.min() < 0 or used.max() >= d_ffn):
+            raise ValueError(f"neuron index out of range [0, {d_ffn})")
+        if torch.unique(used).numel() != used.numel():
+            raise ValueError("a neuron is assigned twice (shared/routed indices overlap)")
+        E, m = routed.shape
+        spec = {
+            "kind": "moe", "d_model": int(d_model), "act": str(act), "d_shared": int(shared.numel()),
+            "n_routed": int(E), "expert_size": int(m), "top_k": int(top_k), "router": router,
+            "combine": combine, **({"skip_mean": True} if skip_mean is not None else {}), **extra,
+        }
+        dev, dt = gate_w.device, gate_w.dtype
+        with torch.device("meta"):
+            mod = cls(spec)
+        mod.to_empty(device=dev)
+        mod.to(dt)
+        sh, rt = shared.to(dev), routed.to(dev)
+        if mod.d_shared:
+            mod.shared_gate.weight.copy_(gate_w.index_select(0, sh))
+            mod.shared_up.weight.copy_(up_w.index_select(0, sh))
+            mod.shared_down.weight.copy_(down_w.index_select(1, sh))
+        flat = rt.reshape(-1)
+        mod.experts_gate.copy_(gate_w.index_select(0, flat).reshape(E, m, d_model))
+        mod.experts_up.copy_(up_w.index_select(0, flat).reshape(E, m, d_model))
+        # down_w[:, routed] is [d, E, m] -> [E, d, m]
+        mod.experts.down_proj.copy_(down_w.index_select(1, flat).reshape(d_model, E, m).permute(1, 0, 2))
+        given = {"router_weight": router_weight, "router_gate": router_gate, "router_up": router_up,
+                 "router_offset": router_offset}
+        given = {k: torch.as_tensor(v) for k, v in given.items() if v is not None}
+        for name, value in router_kind(router).init(E, d_model, mod.experts_gate, mod.experts_up, given).items():
+            if value is not None:
+                getattr(mod, name).copy_(value)
+        if mod.combine == "scaled":  # to_empty left them uninitialised
+            mod.router_scale.zero_()
+            mod.router_bias.zero_()
+        if skip_mean is not None:
+            if tuple(skip_mean.shape) != (E, d_model):
+                raise ValueError(f"skip_mean must be [n_routed={E}, d_model={d_model}], got {tuple(skip_mean.shape)}")
+            mod.skip_mean.copy_(skip_mean)
+        return mod
+
+    def active_param_count(self) -> int:
+        """Multiply-adds per token (``moelab_routers.ffn_macs``: shared expert, router, ``top_k`` routed
+        experts), the same function the plan's cost is computed with."""
+        return ffn_macs(self.d_model, self.d_shared, self.n_routed, self.expert_size, self.top_k, self.router,
+                        self.combine)
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, d_shared={self.d_shared}, n_routed={self.n_routed}, "
+            f"expert_size={self.expert_size}, top_k={self.top_k}, router={self.router}, "
+            f"combine={self.combine}, act={self.act}"
+        )
+
+    # ..................................................................... forward
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        if self.d_shared == 0:
+            return x.new_zeros(x.shape[0], self.d_model)
+        return self.shared_down(self.act_fn(self.shared_gate(x)) * self.shared_up(x))
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Router scores ``[T, E]`` and, for gate_mass, act(gate) of every routed neuron ``[T, E*m]``."""
+        return ROUTERS[self.router].scores(self, x)
+
+    def gate_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """``act(gate)`` of every routed neuron, ``[T, E*m]``. Under LoRA on the stacked experts, peft
+        wraps ``experts`` in one ``ParamWrapper`` per adapted parameter and applies the adapters only
+        inside the wrapper's forward: they are applied here the same way (its ``_activate_lora``), so
+        the gate-mass scores read the same adapted gate rows as the experts' products that reuse them."""
+        with contextlib.ExitStack() as adapted:
+            experts = self.experts
+            while hasattr(experts, "_activate_lora") and hasattr(experts, "base_layer"):
+                if not (experts.disable_adapters or experts.merged):
+                    adapted.enter_context(experts._activate_lora(experts.active_adapters))
+                experts = experts.base_layer
+            return experts.gate_activations(x)
+
+    def _record(self, idx: torch.Tensor, lead: torch.Size) -> None:
+        if self.recorder is not None:
+            self.recorder(idx.reshape(*lead, idx.shape[-1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        xt = x.reshape(-1, self.d_model)
+        T, E, k = xt.shape[0], self.n_routed, self.top_k
+        y = self._shared(xt)
+        if k == 0 or E == 0:
+            self._record(torch.empty(T, 0, dtype=torch.long, device=x.device), lead)
+            if self.compensated and E:
+                y = y + self.skip_mean.sum(0)  # every routed expert is skipped
+            return y.reshape(x.shape)
+        if k >= E:
+            self._record(torch.arange(E, device=x.device).expand(T, E), lead)
+            y = y + self._all_experts(xt)
+            return y.reshape(x.shape)
+        scores, act_gate = self._route(xt)
+        key = scores
+        if self.combine == "scaled":
+            # CM §3.3: TopK(softmax(s) + b). In float64, because a float32 softmax of widely
+            # spread scores underflows to ties at 0, and with b = 0 the selection must be TopK(s).
+            key = torch.softmax(scores.detach().double(), dim=-1) + self.router_bias.double()
+        if self._groups is not None and k > 1:  # top-1 is the best of its group anyway
+            key = _one_per_group(key.detach(), self._groups.to(key.device))
+        # [T, k]; best first only when recorded (the recorder's readers rank by it): unsorted top-k of
+        # 24 of 56 experts for 512 tokens takes 0.27 ms against 0.45 ms
+        top = torch.topk(key, k, dim=-1, sorted=self.recorder is not None).indices
+        self._record(top, lead)
+        y = y + self.experts(xt, top, self._routing_weights(scores, top), act_gate)
+        if self.compensated:  # Σ_{e∉top} μ_e as (Σ_e μ_e) − Σ_{e∈top} μ_e: k + 1 additions per token
+            y = y + (self.skip_mean.sum(0) - self.skip_mean[top].sum(1))
+        return y.reshape(x.shape)
+
+    def _routing_weights(self, scores: torch.Tensor, top: torch.Tensor | None) -> torch.Tensor | None:
+        """Weight of each selected expert, ``[T, k]`` (``[T, E]`` when ``top`` is None: every
+        expert); None for the ``sum`` combine (weights of 1, EW Eq. 10 / CMoE Eq. 11)."""
+        dt = scores.dtype
+        if self.combine == "sum":
+            return None
+        if self.combine == "normalized":  # softmax over the selected scores only (Mixtral)
+            sel = scores if top is None else scores.gather(1, top)
+            return torch.softmax(sel.float(), dim=-1).to(dt)
+        p = torch.softmax(scores.float(), dim=-1).to(dt)  # EW Eq. 11, D2 §2.1
+        if self.combine == "scaled":  # CM §3.3: g_i = 1 + s'_i u_i (exactly 1 while u = 0)
+            p = 1 + p * self.router_scale
+        return p if top is None else p.gather(1, top)
+
+    def _all_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """Every routed expert on every token: one GLU over the concatenated experts."""
+        if self.combine == "sum":
+            return self.experts(x, None, None)
+        # every expert selected: the weighted and normalized combines coincide
+        scores, act_gate = self._route(x)
+        return self.experts(x, None, self._routing_weights(scores, None), act_gate)
+
+
+_MOE_KEYS = {"kind", "d_model", "act", "d_shared", "n_routed", "n_experts", "expert_size", "top_k", "router", "combine",
+             "dispatch", "skip_mean"}
+
+
+def _expert_groups(groups: Any, E: int, k: int) -> torch.Tensor | None:
+    """``expert_groups`` as group ids 0 … G-1 (None when absent or when no two experts share a group)."""
+    if groups is None or E == 0:
+        return None
+    if len(groups) != E:
+        raise ValueError(f"expert_groups has {len(groups)} entries for {E} routed experts")
+    _, ids = torch.unique(torch.tensor([int(g) for g in groups], dtype=torch.long, device="cpu"), return_inverse=True)
+    n = int(ids.max()) + 1 if E else 0
+    if n == E:
+        return None
+    if k > n:
+        raise ValueError(f"top_k={k} exceeds the {n} expert groups (at most one expert of a group runs per token)")
+    return ids
+
+
+def _one_per_group(key: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """``key`` [T, E] with every expert except the best of its group (ties: the lower index) at -inf."""
+    T, E = key.shape
+    G = int(groups.max()) + 1
+    idx = groups.expand(T, E)
+    best = key.new_full((T, G), float("-inf")).scatter_reduce(1, idx, key, "amax")
+    arange = torch.arange(E, device=key.device).expand(T, E)
+    cand = torch.where(key == best.gather(1, idx), arange, E)
+    first = torch.full((T, G), E, dtype=torch.long, device=key.device).scatter_reduce(1, idx, cand, "amin")
+    return key.masked_fill(first.gather(1, idx) != arange, float("-inf"))
