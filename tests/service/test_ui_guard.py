@@ -32,7 +32,7 @@ def _refresh_callback() -> dict:
     calls the API's health, lists and jobs with the server's token)."""
     outputs = [("ws-lists", "children"), ("ws-health", "children"), ("ws-model", "options"), ("ws-set", "options"),
                ("ws-builtin", "options"), ("ws-start", "children"), ("ws-eval-conversion", "options"),
-               ("ws-eval-source", "options")]
+               ("ws-eval-source", "options"), ("ws-shown", "data")]
     inputs = [("ws-poll", "n_intervals", 1), ("ws-created", "children", None), ("ws-deleted", "children", None),
               ("ws-cancelled", "children", None), ("ws-refusal", "data", None)]
     return {
@@ -40,7 +40,7 @@ def _refresh_callback() -> dict:
         "outputs": [{"id": i, "property": p} for i, p in outputs],
         "inputs": [{"id": i, "property": p, "value": v} for i, p, v in inputs],
         "changedPropIds": ["ws-poll.n_intervals"],
-        "state": [],
+        "state": [{"id": "ws-shown", "property": "data", "value": None}],
     }
 
 

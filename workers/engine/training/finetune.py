@@ -85,7 +85,7 @@ from ..data.calibration import load_calibration
 from .checkpoint import CHECKPOINT_DIR, CheckpointError, latest_checkpoint, list_checkpoints, restore, save_checkpoint
 from ..evaluation.metrics import BATCH_TOKENS, heldout_windows, load_cv, perplexity, window_batch
 from ..runtime.export import CONVERSION_FILE, export_model
-from ..runtime.modeling_moelab import MoeFFN, MoelabForCausalLM, layer_spec, realign_parameters
+from ..runtime.modeling_moelab import MoelabForCausalLM, layer_spec, realign_parameters
 from ..models import load_model, resolve_device
 from ..runtime.param_count import parameter_counts
 from ..progress import NO_PROGRESS, Cancelled, Progress
