@@ -36,7 +36,7 @@ features or dead features; the smallest jitter ``λ·I`` that makes the Cholesky
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -112,8 +112,19 @@ def balanced_factors(weight: Any, basis: Any) -> tuple[torch.Tensor, torch.Tenso
 
 def data_error(weight: Any, approx: Any, xtx: Any) -> float:
     """Relative error on the calibration inputs: ``sqrt(tr(Δ M Δᵀ) / tr(W M Wᵀ))``, Δ = W − W'."""
+    return data_errors(weight, [approx], [xtx])[0][0]
+
+
+def data_errors(weight: Any, approxes: Sequence[Any], moments: Sequence[Any]) -> list[list[float]]:
+    """``data_error`` of every approximation on every moment (``[approx][moment]``): each moment's
+    ``tr(W M Wᵀ)`` and each approximation's ``Δ`` are computed once, not once per pair."""
     w = as_float64(weight)
-    m = as_float64(xtx, w.device)
-    d = w - as_float64(approx, w.device)
-    # tr(D M Dᵀ) as a sum of an elementwise product: one matmul, not a triple loop
-    return float(torch.sqrt(torch.sum((d @ m) * d) / torch.sum((w @ m) * w)))
+    deltas = [w - as_float64(a, w.device) for a in approxes]
+    out: list[list[float]] = [[] for _ in deltas]
+    for xtx in moments:
+        m = as_float64(xtx, w.device)
+        # tr(D M Dᵀ) as a sum of an elementwise product: one matmul, not a triple loop
+        total = torch.sum((w @ m) * w)
+        for row, d in zip(out, deltas):
+            row.append(float(torch.sqrt(torch.sum((d @ m) * d) / total)))
+    return out

@@ -381,7 +381,7 @@ def _midas_layer(adapter: Any, i: int, lay: Any, profiles: Sequence[Any], router
     returns the layer's ``LowRankMoeFFN`` (router ``router``) and its record row (``convert_midas``)."""
     import torch
 
-    from ..core.lowrank import as_float64, data_error
+    from ..core.lowrank import as_float64, data_errors
     from ..runtime.modeling_moelab import LowRankMoeFFN
 
     E = len(profiles)
@@ -396,7 +396,7 @@ def _midas_layer(adapter: Any, i: int, lay: Any, profiles: Sequence[Any], router
             for j in range(E)]
 
     def cross(kind: str, moments: list[Any]) -> list[list[float]]:
-        return [[data_error(w[kind], getattr(f, kind).A @ getattr(f, kind).B, m) for m in moments] for f in sets]
+        return data_errors(w[kind], [getattr(f, kind).A @ getattr(f, kind).B for f in sets], moments)
 
     row: dict[str, Any] = {
         "layer": i, "rank": rank,
