@@ -157,12 +157,17 @@ def profile(
     trust_remote_code: bool, as_json: bool, quiet: bool, **given: Any,
 ) -> None:
     """Profile a model's FFN activations over a calibration set (one streaming pass)."""
+    from workers.engine.data.calibration import load_calibration
     from workers.engine.profiling.settings import ProfileSettings
-    from workers.engine.runs import run_profile
 
     cfg = get_settings()
-    _quiet_transformers()
     settings = ProfileSettings(**{**given, "batch_tokens": max(given["batch_tokens"], given["max_tokens"])})
+    with _engine_errors():  # a bad setting or set is refused in a second, before torch is imported
+        settings.validate()
+        load_calibration(calib, samples=samples, seed=settings.seed, data_dir=cfg.data_dir)
+    from workers.engine.runs import run_profile
+
+    _quiet_transformers()
     with _progress(quiet) as progress:
         stored = run_profile(
             model_spec, calib, out, settings, samples=samples, data_dir=cfg.data_dir, device=device or cfg.device,
@@ -284,11 +289,15 @@ def convert(method: str, profile_dirs: tuple[Path, ...], model_source: str | Non
     midas               one low-rank expert per calibration set: one --profile per set (MI §3.2)
     hierarchical        shared + routed sub-experts inside every expert of an MoE model (AF §4.4)
     """
-    from workers.engine.runs import run_conversion
+    from workers.engine.methods import check_conversion
 
     cfg = get_settings()
-    _quiet_transformers()
     params = _method_params(method, given, recipe)
+    with _engine_errors():  # refused in a second, before torch is imported
+        check_conversion(params, list(profile_dirs), model_source, calib)
+    from workers.engine.runs import run_conversion
+
+    _quiet_transformers()
     with _progress(quiet) as progress:
         record = run_conversion(
             profile_dirs[0] if profile_dirs else None, params, out, data_dir=cfg.data_dir, device=cfg.device,

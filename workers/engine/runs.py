@@ -15,12 +15,11 @@ from typing import Any, Callable, Sequence
 
 from .atomic import write_json_atomic
 from .data.calibration import load_calibration
-from .core.params import ConversionError
 from .data.builtin import bigbench_installed
 from .evaluation import reference_scores
 from .limits import conversion_config, eval_tokens_problem, seq_len_problem
 from .evaluation.metrics import bigbench_choice_items, evaluate_models, evaluate_variants, heldout_windows
-from .methods import REGISTRY, ConversionInputs, Method, get_method, method_of
+from .methods import ConversionInputs, Method, check_conversion, get_method, method_of
 from .models import ModelAdapter, load_model
 from .runtime.export import CONVERSION_FILE, export_model, load_exported
 from .runtime.param_count import ffn_flops_fraction
@@ -114,12 +113,8 @@ def run_conversion(
     """
     t0 = time.perf_counter()
     method = get_method(method_of(params))
-    params.check()
     profile_paths = [p for p in [profile_dir, *extra_profiles] if p is not None]
-    _check_inputs(method, profile_paths, model, calib)
-    profiles = [StoredProfile.open(p) for p in profile_paths]
-    if method.validate is not None:
-        method.validate(params, profiles)  # before a model is loaded
+    profiles = check_conversion(params, profile_paths, model, calib)  # before a model is loaded
     _reset_peak_rss()
     budget: dict[str, float] = {}
 
@@ -155,21 +150,6 @@ def run_conversion(
     export_model(moe, out, tokenizer, record, partition=partition)
     progress.update("export", 1, 1)
     return record
-
-
-def _check_inputs(method: Method, profiles: list[Path], model: str | None, calib: str | None) -> None:
-    """Each method reads what its ``needs`` says, and nothing else."""
-    if method.needs == "moe_model":
-        if profiles:
-            raise ConversionError(f"{method.name} conversion profiles the MoE model itself: give the model and a calibration set, not a profile")
-        if not model or not calib:
-            raise ConversionError(f"{method.name} conversion needs the MoE model and a calibration set (model=, calib=)")
-        return
-    if not profiles:
-        raise ConversionError(f"{method.name} conversion needs a profile of the dense model (run `moelab profile` first)")
-    if method.needs == "profile" and len(profiles) > 1:
-        several = ", ".join(n for n, m in REGISTRY.items() if m.needs == "profiles")
-        raise ConversionError(f"{method.name} reads one profile; only {several} take(s) one profile per calibration set")
 
 
 def read_conversion(conversion_dir: Path) -> dict[str, Any]:

@@ -12,14 +12,14 @@ the registry (ExpertWeaver/CMoE as ``{"allocation": {...}, "router": "paper", ..
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..core.params import ConversionError, MethodParams
 from . import cmoe, dense2moe, expertweaver, hierarchical, midas
 from .base import ConversionInputs, Method, Recovery
 
 __all__ = ["ConversionInputs", "Method", "Recovery", "REGISTRY", "register", "get_method", "method_of",
-           "params_from_dict", "describe_methods", "METHODS"]
+           "params_from_dict", "describe_methods", "check_conversion", "METHODS"]
 
 REGISTRY: dict[str, Method] = {}
 
@@ -81,6 +81,30 @@ def params_from_dict(d: Mapping[str, Any]) -> MethodParams:
     """The parameters object a stored ``params`` dict describes (any method, old records too)."""
     d = normalise_params(d)
     return get_method(d.get("method") or "expertweaver").params.from_dict(d)
+
+
+def check_conversion(params: MethodParams, profile_paths: Sequence[Any], model: str | None, calib: str | None) -> list[Any]:
+    """Everything a conversion can refuse before a model is loaded (no torch, so the CLI answers a bad
+    parameter in a second): the parameters' own rules, the inputs the method reads (``Method.needs``),
+    and the method's checks against the profiles' manifests; returns the opened profiles."""
+    from ..profiling.store import StoredProfile
+
+    method = get_method(method_of(params))
+    params.check()
+    if method.needs == "moe_model":
+        if profile_paths:
+            raise ConversionError(f"{method.name} conversion profiles the MoE model itself: give the model and a calibration set, not a profile")
+        if not model or not calib:
+            raise ConversionError(f"{method.name} conversion needs the MoE model and a calibration set (model=, calib=)")
+    elif not profile_paths:
+        raise ConversionError(f"{method.name} conversion needs a profile of the dense model (run `moelab profile` first)")
+    elif method.needs == "profile" and len(profile_paths) > 1:
+        several = ", ".join(n for n, m in REGISTRY.items() if m.needs == "profiles")
+        raise ConversionError(f"{method.name} reads one profile; only {several} take(s) one profile per calibration set")
+    profiles = [StoredProfile.open(p) for p in profile_paths]
+    if method.validate is not None:
+        method.validate(params, profiles)
+    return profiles
 
 
 def describe_methods() -> list[dict[str, Any]]:
