@@ -217,7 +217,7 @@ class MoeFFN(nn.Module):
         self.combine = str(spec.get("combine", "sum"))
         dispatch = str(spec.get("dispatch", "auto"))
         E, m, d = self.n_routed, self.expert_size, self.d_model
-        kind = router_kind(self.router)
+        scorer = router_kind(self.router)
         if self.combine not in COMBINES:
             raise ValueError(f"unknown combine {self.combine!r}; one of {COMBINES}")
         if dispatch not in DISPATCHES:
@@ -237,9 +237,9 @@ class MoeFFN(nn.Module):
             self.shared_down = nn.Linear(self.d_shared, d, bias=False)
         else:
             self.shared_gate = self.shared_up = self.shared_down = None
-        self.experts = MoeExperts(E, m, d, self.act, column_major=kind.column_major)
+        self.experts = MoeExperts(E, m, d, self.act, column_major=scorer.column_major)
         self.dispatch = dispatch
-        for name, shape in kind.parameters(E, d).items():
+        for name, shape in scorer.parameters(E, d).items():
             self.register_parameter(name, nn.Parameter(torch.empty(shape)))
         if self.combine == "scaled":
             self._add_scaled_gating()
