@@ -164,13 +164,13 @@ def profile(
     settings = ProfileSettings(**{**given, "batch_tokens": max(given["batch_tokens"], given["max_tokens"])})
     with _engine_errors():  # a bad setting or set is refused in a second, before torch is imported
         settings.validate()
-        load_calibration(calib, samples=samples, seed=settings.seed, data_dir=cfg.data_dir)
+        cset = load_calibration(calib, samples=samples, seed=settings.seed, data_dir=cfg.data_dir)
     from workers.engine.runs import run_profile
 
     _quiet_transformers()
     with _progress(quiet) as progress:
         stored = run_profile(
-            model_spec, calib, out, settings, samples=samples, data_dir=cfg.data_dir, device=device or cfg.device,
+            model_spec, cset, out, settings, samples=samples, data_dir=cfg.data_dir, device=device or cfg.device,
             dtype=dtype or cfg.dtype, trust_remote_code=trust_remote_code or cfg.trust_remote_code, progress=progress,
             max_memory=max_memory or cfg.max_memory,
         )

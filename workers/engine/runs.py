@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 
 from .atomic import write_json_atomic
-from .data.calibration import load_calibration
+from .data.calibration import CalibrationSet, load_calibration
 from .data.builtin import bigbench_installed
 from .evaluation import reference_scores
 from .limits import conversion_config, eval_tokens_problem, seq_len_problem
@@ -53,11 +53,12 @@ def _reset_peak_rss() -> None:
 
 
 def run_profile(
-    model: str, calib: str, out: Path, settings: ProfileSettings, *, samples: int | None, data_dir: Path,
+    model: str, calib: str | CalibrationSet, out: Path, settings: ProfileSettings, *, samples: int | None, data_dir: Path,
     device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False, progress: Progress = NO_PROGRESS,
     loader: ModelLoader = load_model, max_memory: int | str | None = None,
 ) -> StoredProfile:
-    """Profile ``model`` over ``calib`` and publish the profile at ``out``.
+    """Profile ``model`` over ``calib`` and publish the profile at ``out``. ``calib``: a set spec, read
+    here (``samples`` drawn with ``settings.seed``), or a ``CalibrationSet`` already read so.
 
     ``max_memory`` (bytes or "2GiB"): when the model's weights exceed it, the pass streams one
     decoder layer at a time (``profiling.streaming``); a budget below one layer fails here,
@@ -72,7 +73,8 @@ def run_profile(
 
         plan = plan_streaming(model, parse_size(max_memory), data_dir=data_dir, device=device, dtype=dtype,
                               trust_remote_code=trust_remote_code)
-    cset = load_calibration(calib, samples=samples, seed=settings.seed, data_dir=data_dir)
+    cset = calib if isinstance(calib, CalibrationSet) else load_calibration(calib, samples=samples, seed=settings.seed,
+                                                                             data_dir=data_dir)
     if plan is not None and plan.stream:
         from .profiling.streaming import profile_streamed, remove_scratch
 

@@ -229,11 +229,14 @@ def fit_router(x: torch.Tensor, router: str, gate_w: torch.Tensor, up_w: torch.T
     """The router kind's closed-form fit on calibration inputs ``x`` (None: it has none)."""
     from transformers.activations import ACT2FN
 
+    kind = router_kind(router)
+    if not kind.fitted:  # no gather of the routed rows for a router that has nothing to fit
+        return None
     E, m = routed.shape
     idx = torch.as_tensor(routed.reshape(-1), dtype=torch.long)
     d = gate_w.shape[1]
-    fitted = router_kind(router).fit(x, gate_w[idx].reshape(E, m, d), up_w[idx].reshape(E, m, d), ACT2FN[act])
-    return None if fitted is None else {k: v.numpy() for k, v in fitted.items()}
+    fitted = kind.fit(x, gate_w[idx].reshape(E, m, d), up_w[idx].reshape(E, m, d), ACT2FN[act])
+    return {k: v.numpy() for k, v in fitted.items()}
 
 
 def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any], experts: list[Any], data_dir: Any,

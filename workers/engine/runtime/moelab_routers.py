@@ -66,7 +66,7 @@ class Router:
         return {"router_weight": _checked(given.get("router_weight"), gate_rows.mean(dim=1), (E, d), "router_weight")}
 
     def fit(self, x: Any, gate_rows: Any, up_rows: Any, act_fn: Any) -> dict[str, Any] | None:
-        """Parameters fitted on calibration inputs ``x`` ``[T, d]``; None: nothing to fit."""
+        """Parameters fitted on calibration inputs ``x`` ``[T, d]`` (called for a kind that is ``fitted``)."""
         return None
 
     def centroid(self, block: Any) -> Any:

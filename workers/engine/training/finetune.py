@@ -91,6 +91,7 @@ from ..runtime.param_count import parameter_counts
 from ..progress import NO_PROGRESS, Cancelled, Progress
 # Declared in a module without torch (the API generates its request body from them), used and re-exported here.
 from .params import MODES, FinetuneError, FinetuneParams
+from .router_init import is_router_param
 
 TRAIN_LOG = "train_log.json"
 SUMMARY_FILE = "finetune.json"
@@ -280,10 +281,6 @@ def routed_modules(moe: MoelabForCausalLM) -> dict[int, nn.Module]:
     return {i: m for i, m in moe.moe_modules().items() if _kind(m) in ROUTED_KINDS}
 
 
-def _is_router(name: str) -> bool:
-    return name.split(".")[0].startswith("router")
-
-
 def _lora_targets(moe: MoelabForCausalLM, modules: dict[int, nn.Module]) -> tuple[list[str], list[str]]:
     """(Linear module names, stacked 3-D expert parameter names) that get LoRA adapters:
     attention projections, shared-expert Linears and the routed experts (never the routers)."""
@@ -297,12 +294,12 @@ def _lora_targets(moe: MoelabForCausalLM, modules: dict[int, nn.Module]) -> tupl
     for mod in modules.values():
         base = prefix[id(mod)]
         for child, sub in mod.named_children():
-            if isinstance(sub, nn.Linear) and not _is_router(child):
+            if isinstance(sub, nn.Linear) and not is_router_param(child):
                 linears.append(f"{base}.{child}")
         # stacked experts: the MoeFFN's ``experts`` module (gate_up_proj, down_proj), or the
         # module's own 3-D factors (LowRankMoeFFN)
         for pname, p in mod.named_parameters():
-            if p.dim() == 3 and not _is_router(pname):
+            if p.dim() == 3 and not is_router_param(pname):
                 params.append(f"{base}.{pname}")
     return linears, params
 
@@ -312,7 +309,7 @@ def _router_params(setup_model: nn.Module, modules: dict[int, nn.Module], only: 
     ids = {}
     for mod in modules.values():
         for pname, p in mod.named_parameters():
-            if _is_router(pname) and (only is None or pname in only):
+            if is_router_param(pname) and (only is None or pname in only):
                 ids[id(p)] = p
     return [(n, p) for n, p in setup_model.named_parameters() if id(p) in ids]
 

@@ -13,6 +13,12 @@ from ..runtime.modeling_moelab import MoeFFN, MoelabForCausalLM
 from ..runtime.moelab_routers import ROUTERS
 
 
+def is_router_param(name: str) -> bool:
+    """A routed layer's router parameter or buffer (``router_weight``, ``router_scale``, ``router`` of a
+    MIDAS layer …), by the name relative to the layer: fine-tuning trains these at ``router_lr``."""
+    return name.split(".")[0].startswith("router")
+
+
 @torch.no_grad()
 def centroid_logit_std(moe: MoelabForCausalLM, modules: dict[int, MoeFFN], batch: torch.Tensor) -> dict[int, float]:
     """Per layer: std across experts of ``x · W_centroid^T`` on one batch (mean over tokens)."""
@@ -50,7 +56,7 @@ def to_softmax_router(mod: MoeFFN, beta: float) -> MoeFFN:
     ref = mod.experts_gate
     new.to_empty(device=ref.device)
     new.to(ref.dtype)
-    state = {k: v for k, v in mod.state_dict().items() if not k.startswith("router") and k != "skip_mean"}
+    state = {k: v for k, v in mod.state_dict().items() if not is_router_param(k) and k != "skip_mean"}
     state["router_weight"] = ROUTERS[mod.router].centroid(mod) * beta
     state["experts.down_proj"] = mod.experts_down.detach() * mod.n_routed
     new.load_state_dict(state, strict=True)
