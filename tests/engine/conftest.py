@@ -31,3 +31,20 @@ def tiny_conversion(tiny_model, data_dir, tmp_path_factory, **params):
     out = tmp_path_factory.mktemp("conv") / "c"
     run_conversion(prof, ExpertWeaverParams(**params), out, data_dir=data_dir)
     return out
+
+
+@pytest.fixture(autouse=True)
+def auto_device_is_the_cpu(monkeypatch):
+    """Engine tests compare against CPU fp32 references (exports reloaded on the CPU, bit-for-bit round
+    trips), so device "auto" means the CPU here even on a GPU machine, where it would load tiny models on
+    CUDA in bf16 (five round-trip tests failed there so). The CUDA paths have their own tests, which
+    move tensors to the GPU explicitly."""
+    from workers.engine import models
+    from workers.engine.profiling import moe_experts, streaming
+    from workers.engine.training import finetune
+
+    def resolve(device: str = "auto") -> torch.device:
+        return torch.device("cpu" if device == "auto" else device)
+
+    for module in (models, finetune, streaming, moe_experts):
+        monkeypatch.setattr(module, "resolve_device", resolve)

@@ -232,7 +232,7 @@ def test_model_card_numbers_match_the_record(convs, tmp_path):
     assert "expertweaver" in card and "| alpha_min | 0.25 |" in card
     assert "| 0–2 | moe | 24 | 6 × 12 | 4 | softmax | weighted |" in card
     assert "| converted | 12.25 | 1.225 | 0.375 |" in card and "perplexity_after 12.5" in card
-    assert "trust_remote_code" not in card.split("## How to load")[1].split("```")[1]
+    assert "trust_remote_code" not in card.split("## How to run")[1].split("```")[1]
     # the conversion's own (moelab format) card, written at conversion time
     own = (convs["llama-ew"] / "README.md").read_text()
     assert "trust_remote_code=True" in own and "Not evaluated yet" in own and "| 0–2 | moe | 24 | 6 × 12 | 4 | centroid | sum |" in own
@@ -341,7 +341,7 @@ def test_evaluate_refreshes_the_model_card(convs, data_dir, tmp_path):
 def test_the_cards_loading_snippet_runs(convs, tmp_path, fmt):
     export_converted(convs["llama-ft"], tmp_path / "out", fmt)
     card = (tmp_path / "out" / "README.md").read_text()
-    code = card.split("## How to load")[1].split("```python")[1].split("```")[0].replace("PATH", str(tmp_path / "out"))
+    code = card.split("## How to run")[1].split("```python")[1].split("```")[0].replace("PATH", str(tmp_path / "out"))
     scope: dict = {}
     exec(code, scope)  # noqa: S102 - the card's own snippet, on a local directory
     ids = scope["tokenizer"]("the cat sat", return_tensors="pt").input_ids

@@ -12,7 +12,9 @@ conversion directory holds (``evaluation.json``, written by ``moelab evaluate``)
   total and per-token active parameter counts;
 * the evaluation numbers (perplexity and its ratio to dense, multiple-choice accuracy,
   fine-tuning perplexities) when there are any, and "not evaluated" otherwise;
-* how to load it (``trust_remote_code=True`` for the moelab format, plain for native).
+* how to run it: transformers (``trust_remote_code=True`` for the moelab format, plain for native,
+  and vLLM for native), llama.cpp and an Ollama Modelfile for GGUF; and whether the layout exports
+  to GGUF at all, with the reason when it does not.
 
 The numbers are copied from the record, never recomputed, so the card agrees with conversion.json.
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import write_bytes_atomic
+from .gguf_layout import gguf_refusal
 
 CARD_FILE = "README.md"
 EVALUATION_FILE = "evaluation.json"
@@ -97,9 +100,12 @@ def _evaluation_lines(evaluation: dict | None, record: dict) -> list[str]:
     return lines
 
 
-def render_model_card(record: dict, specs: list[dict], fmt: str = "moelab", evaluation: dict | None = None) -> str:
+def render_model_card(record: dict, specs: list[dict], fmt: str = "moelab", evaluation: dict | None = None,
+                      gguf: dict | None = None, gguf_why: str | None = None) -> str:
     """Markdown text of the card. ``record``: conversion.json; ``specs``: one layer spec per decoder
-    layer (``MoelabConfig.moe_layers``); ``fmt``: ``moelab`` or ``native``."""
+    layer (``MoelabConfig.moe_layers``); ``fmt``: ``moelab``, ``native`` or ``gguf``; ``gguf``: what
+    ``gguf_export`` wrote (file, type, layout); ``gguf_why``: why this layout does not export to GGUF
+    (None when it does)."""
     params = record.get("params") or {}
     summary = record.get("summary") or {}
     model = record.get("model") or {}
@@ -126,7 +132,46 @@ def render_model_card(record: dict, specs: list[dict], fmt: str = "moelab", eval
     out += _layer_rows(specs)
     out += ["", "## Evaluation", ""]
     out += _evaluation_lines(evaluation, record)
-    out += ["## How to load", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", ""]
+    out += _run_lines(fmt, native, gguf, gguf_why)
+    return "\n".join(out)
+
+
+def read_evaluation(src_dir: Path | None) -> dict | None:
+    """``evaluation.json`` of a conversion directory, if any."""
+    if src_dir is None:
+        return None
+    path = Path(src_dir) / EVALUATION_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_model_card(out_dir: Path, record: dict, moe: Any, fmt: str = "moelab", evaluation: dict | None = None,
+                     gguf: dict | None = None) -> Path:
+    """Write README.md into ``out_dir`` (atomic file write); ``moe``: the MoelabForCausalLM exported."""
+    specs = list(getattr(moe.config, "moe_layers", None) or [])
+    config = moe.config.to_dict()
+    path = Path(out_dir) / CARD_FILE
+    write_bytes_atomic(path, render_model_card(record, specs, fmt, evaluation, gguf, gguf_refusal(config)).encode())
+    return path
+
+
+def _run_lines(fmt: str, native: dict, gguf: dict | None, gguf_why: str | None) -> list[str]:
+    """"How to run": the commands for the format written, then the other ways out of moelab."""
+    out = ["## How to run", ""]
+    if fmt == "gguf":
+        name = Path((gguf or {}).get("file", "MODEL.gguf")).name
+        lay = (gguf or {}).get("layout") or {}
+        out += [f"`{name}` ({(gguf or {}).get('type', '?')}) is llama.cpp's `deepseek` architecture: "
+                f"{lay.get('num_experts')} routed experts of {lay.get('expert_size')} neurons, top-{lay.get('top_k')} "
+                f"weighted by their softmax probabilities, a shared expert of {lay.get('n_shared_experts')} × "
+                f"{lay.get('expert_size')} neurons (zero neurons pad it: {lay.get('shared_padding')} per layer), the first "
+                f"{lay.get('leading_dense')} layers dense. The tokenizer and chat template are inside the file.", "",
+                "llama.cpp:", "", "```sh", f'llama-cli -m {name} -p "Hello" -n 64', f"llama-server -m {name} --port 8080",
+                "```", "", "Ollama (`Modelfile` is in this directory):", "", "```sh", "ollama create moelab-moe -f Modelfile",
+                "ollama run moelab-moe", "```", "", "Python (llama-cpp-python):", "", "```python",
+                "from llama_cpp import Llama", "", f'llm = Llama(model_path="{name}")',
+                'print(llm("Hello", max_tokens=64)["choices"][0]["text"])', "```", ""]
+        return out
+    out += ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", ""]
     if fmt == "native":
         out += ['model = AutoModelForCausalLM.from_pretrained("PATH")  # stock ' + native.get("model_type", "transformers")
                 + " architecture, no remote code"]
@@ -140,21 +185,10 @@ def render_model_card(record: dict, specs: list[dict], fmt: str = "moelab", eval
         out += [f"Written as `{native.get('model_type')}`: {native.get('num_experts')} routed experts of "
                 f"{native.get('expert_size')} neurons, top-{native.get('top_k')}, norm_topk_prob="
                 f"{native.get('norm_topk_prob', False)}, {shared}, dense layers {native.get('dense_layers')}. "
-                "Logits equal moelab's own model (fp32, 1e-4).", ""]
-    return "\n".join(out)
-
-
-def read_evaluation(src_dir: Path | None) -> dict | None:
-    """``evaluation.json`` of a conversion directory, if any."""
-    if src_dir is None:
-        return None
-    path = Path(src_dir) / EVALUATION_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def write_model_card(out_dir: Path, record: dict, moe: Any, fmt: str = "moelab", evaluation: dict | None = None) -> Path:
-    """Write README.md into ``out_dir`` (atomic file write); ``moe``: the MoelabForCausalLM exported."""
-    specs = list(getattr(moe.config, "moe_layers", None) or [])
-    path = Path(out_dir) / CARD_FILE
-    write_bytes_atomic(path, render_model_card(record, specs, fmt, evaluation).encode())
-    return path
+                "Logits equal moelab's own model (fp32, 1e-4).", "",
+                "vLLM serves the architecture with its fused MoE kernels:", "", "```sh", "vllm serve PATH", "```", ""]
+    if gguf_why is None:
+        out += ["GGUF (llama.cpp, Ollama): this layout exports exactly: `moelab export PATH --format gguf --type f16 --out DIR`.", ""]
+    else:
+        out += [f"GGUF (llama.cpp, Ollama): not exportable as it is. {gguf_why}", ""]
+    return out

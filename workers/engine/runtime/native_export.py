@@ -326,7 +326,7 @@ def export_native(moe: MoelabForCausalLM, out_dir: Path, tokenizer: Any = None, 
     return out_dir
 
 
-FORMATS = ("moelab", "native")
+FORMATS = ("moelab", "native", "gguf")
 
 
 def resolve_source(src: Path) -> Path:
@@ -340,13 +340,16 @@ def resolve_source(src: Path) -> Path:
     raise FileNotFoundError(f"{src}: not a converted or fine-tuned model (no conversion.json); run `moelab convert` first")
 
 
-def export_converted(src: Path, out: Path, fmt: str = "moelab") -> dict[str, Any]:
+def export_converted(src: Path | str, out: Path, fmt: str = "moelab", gguf_type: str = "f16",
+                     data_dir: Path | None = None) -> dict[str, Any]:
     """``moelab export``: re-export the model in ``src`` (conversion or fine-tuned model directory)
     as ``fmt`` at ``out`` (atomic), with the model card including ``src``'s evaluation.json.
 
     ``moelab``: the current runtime's layout and bundled modeling file (trust_remote_code=True);
     ``native``: a stock transformers architecture, or ``NativeExportError`` naming what blocks it
-    (checked before anything is written). Returns ``{"format", "out", "model_type", ...}``."""
+    (checked before anything is written); ``gguf``: a llama.cpp file (``gguf_export``: also a dense
+    ``src``: ``default``, a model directory or a .gguf, at ``gguf_type``). Returns
+    ``{"format", "out", "model_type", ...}``."""
     import json
 
     from transformers import PreTrainedTokenizerFast
@@ -355,6 +358,11 @@ def export_converted(src: Path, out: Path, fmt: str = "moelab") -> dict[str, Any
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
+    if fmt == "gguf":
+        from .gguf_export import export_gguf
+
+        info = export_gguf(src, out, gguf_type, data_dir or Path(out).parent)
+        return {**info, "model_type": info["architecture"]}
     src = resolve_source(src)
     if Path(out).resolve() == src.resolve():
         raise ValueError("--out must differ from the source directory")

@@ -1,0 +1,193 @@
+"""llama.cpp speed and quality of the portable conversions against the dense model, as GGUF.
+
+    python tests/benchmarks/bench_llamacpp.py [--work runs/bench_llamacpp] [--costs 0.75 0.5]
+        [--types f16 q8_0] [--steps 90] [--profile DIR] [--threads 2] [--windows 8] [--eval-windows 16]
+
+What people run on laptops and CPU servers is llama.cpp (and Ollama on top of it), where decoding
+is memory-bound: an MoE pays there if a decode step reads fewer bytes. For each cost, the default
+model is converted with ``--recipe portable`` (profiled once on ``builtin:mixed``, or ``--profile``),
+recovered with ``moelab finetune --mode expertweaver`` for ``--steps`` steps (EW Eq. 11: the
+layout that exports), and written as GGUF by ``moelab export --format gguf`` at every ``--type``;
+the dense model is written by the same converter at the same type. Each file is then measured in
+llama.cpp (llama-cpp-python, ``--threads`` threads, f16 KV cache), each measurement in a fresh
+process, the files interleaved and the best of ``--repeat`` rounds kept so that the ratios compare
+like with like on a shared machine:
+
+* prefill tokens/s: one 512-token batch;
+* decode tokens/s: 128 tokens one at a time after a 16-token prompt;
+* perplexity on ``--windows`` × 256 held-out tokens of ``builtin:mixed`` (never seen in calibration
+  or recovery), under llama.cpp.
+
+Writes tests/benchmarks/results/bench_llamacpp.json and prints one summary line (decode and
+prefill ratios converted / dense at each cost and type, and the perplexity ratios).
+Bound for this model: the FFN is about 59% of the bytes a decode step reads, so at cost 0.5 decode
+can be at most about 1 / (1 - 0.59 · 0.5) ≈ 1.42× dense.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+RESULT = ROOT / "tests" / "benchmarks" / "results" / "bench_llamacpp.json"
+PREFILL, DECODE, PROMPT, SEQ = 512, 128, 16, 256
+
+
+def measure(path: str, what: str, threads: int, windows_file: str | None = None) -> dict[str, float]:
+    """One measurement of ``path`` in this process (called in a fresh subprocess)."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    if what == "perplexity":
+        windows = json.loads(Path(windows_file).read_text())
+        llm = Llama(model_path=path, n_ctx=SEQ, n_batch=SEQ, n_threads=threads, logits_all=True, verbose=False)
+        nll, n = 0.0, 0
+        for w in windows:
+            llm.reset()
+            llm.eval(w)
+            logits = np.asarray(llm.scores[: len(w) - 1], dtype=np.float64)
+            logits -= logits.max(axis=1, keepdims=True)
+            logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+            nll -= float(logp[np.arange(len(w) - 1), w[1:]].sum())
+            n += len(w) - 1
+        llm.close()
+        return {"perplexity": math.exp(nll / n), "tokens": n}
+    llm = Llama(model_path=path, n_ctx=PREFILL + DECODE + PROMPT, n_batch=PREFILL, n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+    rng = np.random.default_rng(0)
+    tokens = [int(t) for t in rng.integers(100, 20000, PREFILL)]
+    llm.eval(tokens[:8])  # warm the weights into memory and the graph allocator
+    llm.reset()
+    if what == "prefill":
+        t0 = time.perf_counter()
+        llm.eval(tokens)
+        out = {"prefill_tok_s": PREFILL / (time.perf_counter() - t0)}
+    else:
+        llm.eval(tokens[:PROMPT])
+        t0 = time.perf_counter()
+        for i in range(DECODE):
+            llm.eval([tokens[PROMPT + i]])
+        out = {"decode_tok_s": DECODE / (time.perf_counter() - t0)}
+    llm.close()
+    return out
+
+
+def _in_subprocess(path: Path, what: str, threads: int, windows_file: Path | None = None) -> dict[str, float]:
+    code = ("import json,sys; sys.path.insert(0, %r); from tests.benchmarks.bench_llamacpp import measure; "
+            "print(json.dumps(measure(*sys.argv[1:3], int(sys.argv[3]), *(sys.argv[4:]))))" % str(ROOT))
+    args = [sys.executable, "-c", code, str(path), what, str(threads)] + ([str(windows_file)] if windows_file else [])
+    done = subprocess.run(args, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _profile(work: Path, given: Path | None, data_dir: Path) -> Path:
+    from workers.engine.profiling.profiler import ProfileSettings
+    from workers.engine.runs import run_profile
+
+    if given is not None:
+        return given
+    out = work / "profile"
+    if not (out / "manifest.json").is_file():
+        run_profile("default", "builtin:mixed", out, ProfileSettings(), samples=240, data_dir=data_dir)
+    return out
+
+
+def _portable(work: Path, profile: Path, cost: float, steps: int, data_dir: Path,
+              eval_windows: int = 16) -> tuple[Path, dict[str, Any]]:
+    """``--recipe portable`` at ``cost`` (sparsity 1 - cost), recovered for ``steps`` (cached in ``work``)."""
+    from workers.engine.methods import get_method
+    from workers.engine.runs import run_conversion
+    from workers.engine.training.finetune import FinetuneParams, run_finetune
+
+    conv = work / f"portable-{cost}"
+    if not (conv / "conversion.json").is_file():
+        run_conversion(profile, get_method("expertweaver").recipe("portable", sparsity=round(1 - cost, 6)), conv,
+                       data_dir=data_dir)
+    record = json.loads((conv / "conversion.json").read_text())
+    ft = work / f"portable-{cost}-ft{steps}"
+    if not (ft / "model" / "conversion.json").is_file():
+        run_finetune(conv, FinetuneParams(mode="expertweaver", steps=steps, eval_windows=eval_windows), ft, data_dir=data_dir)
+    summary = json.loads((ft / "model" / "conversion.json").read_text()).get("finetune", {})
+    return ft / "model", {"ffn_flops_fraction": record["summary"]["ffn_flops_fraction"], "steps": steps,
+                          "perplexity_before": summary.get("perplexity_before"),
+                          "perplexity_after": summary.get("perplexity_after"),
+                          "dense_perplexity": summary.get("dense_perplexity")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_llamacpp")
+    ap.add_argument("--profile", type=Path)
+    ap.add_argument("--costs", type=float, nargs="+", default=[0.75, 0.5])
+    ap.add_argument("--types", nargs="+", default=["f16", "q8_0"])
+    ap.add_argument("--steps", type=int, default=90)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--windows", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--eval-windows", type=int, default=16, help="held-out windows of the recovery's own perplexities")
+    args = ap.parse_args()
+
+    from moelab.settings import get_settings
+    from transformers import AutoTokenizer
+
+    from workers.engine.evaluation.metrics import heldout_windows
+    from workers.engine.models import cache_default_model
+    from workers.engine.runtime.gguf_export import export_gguf
+
+    data_dir = get_settings().data_dir
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    profile = _profile(work, args.profile, data_dir)
+    models: dict[str, Path] = {"dense": Path("default")}
+    info: dict[str, Any] = {}
+    for cost in args.costs:
+        models[f"portable-{cost}"], info[f"portable-{cost}"] = _portable(work, profile, cost, args.steps, data_dir,
+                                                                          args.eval_windows)
+    files: dict[tuple[str, str], Path] = {}
+    for name, src in models.items():
+        for t in args.types:
+            out = work / "gguf" / f"{name}-{t}"
+            found = sorted(out.glob("*.gguf"))
+            if not found:
+                found = [Path(export_gguf(str(src), out, t, data_dir)["file"])]
+            files[(name, t)] = found[0]
+    tok = AutoTokenizer.from_pretrained(cache_default_model(data_dir))
+    windows_file = work / "heldout_windows.json"
+    windows_file.write_text(json.dumps(heldout_windows(tok, data_dir, seq_len=SEQ, n_windows=args.windows).tolist()))
+
+    rows: dict[str, dict[str, Any]] = {f"{n}/{t}": {"bytes": f.stat().st_size} for (n, t), f in files.items()}
+    for _ in range(args.repeat):  # interleaved rounds, best kept: the machine's drift hits every file alike
+        for (n, t), f in files.items():
+            for what in ("prefill", "decode"):
+                for k, v in _in_subprocess(f, what, args.threads).items():
+                    rows[f"{n}/{t}"][k] = max(v, rows[f"{n}/{t}"].get(k, 0.0))
+    for (n, t), f in files.items():
+        rows[f"{n}/{t}"].update(_in_subprocess(f, "perplexity", args.threads, windows_file))
+    for (n, t) in files:
+        r, d = rows[f"{n}/{t}"], rows[f"dense/{t}"]
+        r["decode_vs_dense"] = r["decode_tok_s"] / d["decode_tok_s"]
+        r["prefill_vs_dense"] = r["prefill_tok_s"] / d["prefill_tok_s"]
+        r["perplexity_vs_dense"] = r["perplexity"] / d["perplexity"]
+        r["bytes_vs_dense"] = r["bytes"] / d["bytes"]
+    result = {"threads": args.threads, "prefill_tokens": PREFILL, "decode_tokens": DECODE,
+              "heldout": {"source": "builtin:mixed", "windows": args.windows, "seq_len": SEQ},
+              "conversions": info, "rows": rows, "seconds": time.perf_counter() - t0}
+    RESULT.parent.mkdir(parents=True, exist_ok=True)
+    RESULT.write_text(json.dumps(result, indent=2))
+    parts = [f"{n}/{t}: decode {r['decode_vs_dense']:.2f}x prefill {r['prefill_vs_dense']:.2f}x ppl {r['perplexity_vs_dense']:.2f}x"
+             for n in models if n != "dense" for t in args.types for r in [rows[f"{n}/{t}"]]]
+    print("bench_llamacpp: " + "; ".join(parts))
+
+
+if __name__ == "__main__":
+    main()
