@@ -306,6 +306,9 @@ def allocation_plan(preview: dict[str, Any]) -> go.Figure:
     if budget_plan(preview):
         title = "Starting plan of the budget plan: per-layer top-k is fitted at conversion"
         note += f"; the conversion keeps {budget_cap(preview)}"
+    elif (preview.get("params") or {}).get("plan") == "leading":
+        title = "Starting plan of the leading plan: leading dense layers and one top-k are fitted at conversion"
+        note += f"; the conversion keeps {budget_cap(preview)}"
     fig.update_layout(barmode="stack", yaxis={"title": "share of d_ffn", "range": [0, 1]},
                       yaxis2={"title": "r_ℓ", "overlaying": "y", "side": "right", "range": [0, 1]},
                       legend={"orientation": "h", "y": -0.2})

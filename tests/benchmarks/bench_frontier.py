@@ -11,7 +11,10 @@ the built modules' own count), so rows of one level cost the same within one exp
   router and with the ridge router; CMoE (S = A, representative
   router) with the gate-mass and ridge routers; ``--recipe best`` (``methods.expertweaver``:
   ridge router, α on the active budget, per-layer budget plan, skipped-expert compensation) and the
-  same without the compensation; AbsTopK-GLU (EW Eq. 2) at the
+  same without the compensation; ``--recipe portable`` (leading plan: one top-k, leading dense layers,
+  no compensation) before recovery, and ``portable@start``: the same switched to EW Eq. 11 as recovery
+  fine-tuning starts it (softmax router from the gate centroids, weighted combine, 0 steps: the layout
+  that exports to GGUF / native HF, ``start_modules``); AbsTopK-GLU (EW Eq. 2) at the
   same cost (it computes every gate: ``1/3 + 2/3 · k/d_ffn``);
 * Dense2MoE with its defaults, at its own cost (it removes whole blocks: attention too).
 
@@ -76,6 +79,7 @@ def _cmoe(level: float, d_model: int, profile: Any, **kw: Any) -> CMoEParams | N
 
 def configurations(level: float, d_model: int, profile: Any, candidates: bool = False) -> dict[str, Any]:
     best = get_method("expertweaver").recipe("best", sparsity=round(1 - level, 6))
+    portable = get_method("expertweaver").recipe("portable", sparsity=round(1 - level, 6))
     out = {
         "ew-paper": _ew(level, d_model, profile),
         "ew-gate_mass": _ew(level, d_model, profile, router="gate_mass"),
@@ -85,11 +89,36 @@ def configurations(level: float, d_model: int, profile: Any, candidates: bool = 
         "cmoe-ridge": _cmoe(level, d_model, profile, router="ridge"),
         "best": best,
         "best-no-compensation": replace(best, compensation="none"),  # what the skipped-expert means add
+        "portable": portable,
     }
     if candidates:  # for the recipe: finer experts (more choice at the same cost; the router costs 2×),
         # and four times the fit tokens for the ridge router and the error curves
         out |= {"best-e128": replace(best, n_experts=128), "best-fit16k": replace(best, fit_tokens=16384)}
+        # portable's router, α basis and shared share (the leading plan uses the layers' mean α)
+        out |= {"portable-centroid": replace(portable, router="centroid"),
+                "portable-total": replace(portable, alpha_basis="total"),
+                **{f"portable-a{a:g}": replace(portable, alpha_min=a, alpha_max=a) for a in (0.0, 0.25, 0.5, 0.75)}}
     return {k: v for k, v in out.items() if v is not None}
+
+
+def start_modules(modules: dict[int, Any], calib: Any) -> dict[int, Any]:
+    """EW Eq. 11 as recovery starts it (``expertweaver.prepare_recovery``, 0 steps): every routed layer
+    gets a softmax router from its gate centroids, scaled so its logits' std across experts is
+    ``EW_INIT_LOGIT_STD`` on the calibration MLP inputs ``calib`` (recovery measures it on its first
+    training batch), and the weighted combine; the model that exports to GGUF / native HF."""
+    from workers.engine.methods.expertweaver import EW_INIT_LOGIT_STD
+    from workers.engine.runtime.moelab_routers import ROUTERS
+    from workers.engine.training.router_init import to_softmax_router
+
+    out = {}
+    for i, m in modules.items():
+        if m.n_routed == 0:
+            out[i] = m
+            continue
+        with torch.no_grad():
+            std = float((calib.mlp_inputs[i][:2048] @ ROUTERS[m.router].centroid(m).float().T).std(dim=-1).mean())
+        out[i] = to_softmax_router(m, EW_INIT_LOGIT_STD / std if std > 0 else 1.0)
+    return out
 
 
 def _geomean(xs: list[float]) -> float:
@@ -163,6 +192,23 @@ def write(report: dict[str, Any], out: Path) -> None:
     tmp.replace(out)
 
 
+def tables(report: dict[str, Any], out: Path) -> None:
+    """The markdown table and the SVG plot of ``report`` next to ``out``."""
+    names = sorted({n for lv in report["levels"].values() for n in lv})
+    lines = ["| cost ≤ | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for level, rows in sorted(report["levels"].items(), key=lambda kv: -float(kv[0])):
+        cells = [f"{rows[n]['ratio_geomean']:.2f}× ({rows[n]['ffn_flops_fraction']:.3f})" if n in rows else "-" for n in names]
+        lines.append(f"| {level} | " + " | ".join(cells) + " |")
+    for name, r in report["own_cost"].items():
+        lines.append(f"\n{name} (own cost {r['ffn_flops_fraction']:.3f}): {r['ratio_geomean']:.2f}× dense")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    points = {n: [(rows[n]["ffn_flops_fraction"], rows[n]["ratio_geomean"]) for rows in report["levels"].values() if n in rows]
+              for n in names}
+    held = next(iter(report["heldout"].values()))
+    svg_plot(points, out.with_suffix(".svg"), f"{report['model']}: held-out {', '.join(DOMAINS)} "
+             f"({held['windows']}×{held['seq_len']} tokens each), training-free")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", type=Path, default=ROOT / "runs" / "p1")
@@ -174,6 +220,8 @@ def main() -> None:
     ap.add_argument("--candidates", action="store_true", help="also measure variants of --recipe best")
     ap.add_argument("--resume", action="store_true",
                     help="keep the (level, variant) results already in --out when its profile and held-out text match")
+    ap.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                    help="measure only these variants (with --resume, the others already in --out are kept)")
     args = ap.parse_args()
     torch.manual_seed(0)
     t_start = time.perf_counter()
@@ -213,17 +261,25 @@ def main() -> None:
         done = report["levels"].setdefault(str(level), {})
         variants: dict[str, Any] = {}
         meta: dict[str, Any] = {}
+        wanted = lambda name: name not in done and (args.only is None or name in args.only)  # noqa: E731
         for name, params in configurations(level, d, profile, args.candidates).items():
-            if name in done:
+            if not (wanted(name) or (name.startswith("portable") and wanted(f"{name}@start"))):
                 continue
             t0 = time.perf_counter()
             method = expertweaver if params.method == "expertweaver" else cmoe
             _, _, modules, fit = partition_modules(adapter, profile, params, method.plan_for(profile, params),
                                                    method.layer_builder(profile, params), data_dir=data_dir, calib=fit_for(params.fit_tokens))
-            variants[name] = modules
-            meta[name] = {"params": params.to_dict(), "ffn_flops_fraction": _ffn_cost(modules, dense_macs, adapter.n_layers, d_macs),
-                          "convert_s": time.perf_counter() - t0}
-        if "abstopk" not in done:
+            extra = {"leading": fit["leading"]} if "leading" in fit else {}
+            if wanted(name):
+                variants[name] = modules
+                meta[name] = {"params": params.to_dict(), "ffn_flops_fraction": _ffn_cost(modules, dense_macs, adapter.n_layers, d_macs),
+                              "convert_s": time.perf_counter() - t0, **extra}
+            if name.startswith("portable") and wanted(f"{name}@start"):  # the exportable layout recovery starts from
+                start = start_modules(modules, fit_for(params.fit_tokens))
+                variants[f"{name}@start"] = start
+                meta[f"{name}@start"] = {"params": params.to_dict(), **extra,
+                                         "ffn_flops_fraction": _ffn_cost(start, dense_macs, adapter.n_layers, d_macs)}
+        if wanted("abstopk"):
             k = max(1, int(math.floor((level - 1 / 3) * 1.5 * adapter.d_ffn)))
             variants["abstopk"] = abstopk_modules(adapter, k / adapter.d_ffn)
             meta["abstopk"] = {"ffn_flops_fraction": _ffn_cost(variants["abstopk"], dense_macs, adapter.n_layers, d_macs)}
@@ -247,22 +303,15 @@ def main() -> None:
     report["seconds"] = time.perf_counter() - t_start
     write(report, args.out)
 
-    names = sorted({n for lv in report["levels"].values() for n in lv})
-    lines = ["| cost ≤ | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for level, rows in sorted(report["levels"].items(), key=lambda kv: -float(kv[0])):
-        cells = [f"{rows[n]['ratio_geomean']:.2f}× ({rows[n]['ffn_flops_fraction']:.3f})" if n in rows else "-" for n in names]
-        lines.append(f"| {level} | " + " | ".join(cells) + " |")
-    for name, r in report["own_cost"].items():
-        lines.append(f"\n{name} (own cost {r['ffn_flops_fraction']:.3f}): {r['ratio_geomean']:.2f}× dense")
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    points = {n: [(rows[n]["ffn_flops_fraction"], rows[n]["ratio_geomean"]) for rows in report["levels"].values() if n in rows]
-              for n in names}
-    svg_plot(points, args.out.with_suffix(".svg"),
-             f"{report['model']}: held-out {', '.join(DOMAINS)} ({args.windows}×{args.seq_len} tokens each), training-free")
-    best = {lv: rows["best"]["ratio_geomean"] for lv, rows in report["levels"].items() if "best" in rows}
-    paper = {lv: rows["ew-paper"]["ratio_geomean"] for lv, rows in report["levels"].items() if "ew-paper" in rows}
+    tables(report, args.out)
+
+    def ratio(lv: str, name: str) -> float:
+        return report["levels"][lv].get(name, {}).get("ratio_geomean", float("nan"))
+
     print("bench_frontier: ppl/dense (geomean of domains) at ffn_flops_fraction ≤ "
-          + ", ".join(f"{lv}: best {best[lv]:.2f}x vs EW paper {paper.get(lv, float('nan')):.2f}x" for lv in best)
+          + ", ".join(f"{lv}: best {ratio(lv, 'best'):.2f}x, portable {ratio(lv, 'portable'):.2f}x "
+                      f"(exportable start {ratio(lv, 'portable@start'):.2f}x) vs EW paper {ratio(lv, 'ew-paper'):.2f}x"
+                      for lv in report["levels"])
           + f" ({report['seconds']:.0f}s)")
 
 

@@ -17,6 +17,9 @@ peak RSS. Runs (``RUNS``):
   budget plan), fine-tuned in mode ``cmoe`` (gate scale u, balancing bias b and LoRA on the
   training-free sum: the same function at step 0, so the fitted router is kept; mode
   ``expertweaver`` would replace it by a softmax router initialised from gate centroids);
+* portable-0.75 / portable-0.5: ``--recipe portable`` at ``ffn_flops_fraction`` ≤ 0.75 / 0.5, fine-tuned
+  in mode ``expertweaver`` (EW Eq. 11: softmax router, weighted combine), whose result must export:
+  the run records ``native_layout`` and ``gguf_layout`` of the fine-tuned model (or why not);
 * dense2moe: the defaults (D2 §4.2: n* = 5 pruned blocks, 6 experts, top-1; δ 0.3);
 * midas: one expert per built-in set (code, prose, literature, chat), keep ratio 0.25, top-2.
 
@@ -60,6 +63,8 @@ RUNS: dict[str, tuple[str, Any]] = {
     "expertweaver-0.5": ("expertweaver", ExpertWeaverParams(sparsity=0.5)),
     "best-0.75": ("cmoe", _best("best", sparsity=0.25)),
     "best-0.5": ("cmoe", _best("best", sparsity=0.5)),
+    "portable-0.75": ("expertweaver", _best("portable", sparsity=0.25)),
+    "portable-0.5": ("expertweaver", _best("portable", sparsity=0.5)),
     "dense2moe": ("dense2moe", Dense2MoEParams()),
     "midas": ("midas", MidasParams()),
 }
@@ -88,6 +93,25 @@ def conversion(work: Path, name: str, samples: int, data_dir: Path, mixed: Path 
     else:
         run_conversion(mixed or profile(work, "builtin:mixed", samples, data_dir), params, out, data_dir=data_dir)
     print(f"  converted {name} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return out
+
+
+def exportable(model_dir: Path) -> dict[str, Any]:
+    """The native HF and GGUF layouts of a fine-tuned model, or why each is refused."""
+    from workers.engine.runtime.gguf_export import GgufExportError, gguf_layout
+    from workers.engine.runtime.modeling_moelab import MoelabForCausalLM
+    from workers.engine.runtime.native_export import NativeExportError, native_layout
+
+    out: dict[str, Any] = {}
+    try:
+        out["native_layout"] = native_layout(MoelabForCausalLM.from_pretrained(str(model_dir)))
+    except NativeExportError as exc:
+        out["native_layout"] = f"refused: {exc}"
+    try:
+        layout = gguf_layout(json.loads((Path(model_dir) / "config.json").read_text()))
+        out["gguf_layout"] = {k: v for k, v in layout.items() if k != "shared_padding"}
+    except GgufExportError as exc:
+        out["gguf_layout"] = f"refused: {exc}"
     return out
 
 
@@ -139,6 +163,7 @@ def main() -> None:
             "load_cv_first": steps[0].get("load_cv"), "load_cv_last": steps[-1].get("load_cv"),
             "seconds_per_step": summary["train_s"] / max(1, summary["steps"]),
             "improved": summary["perplexity_after"] < summary["perplexity_before"],
+            **(exportable(Path(summary["model"])) if name.startswith("portable") else {}),
         }
         print(f"  {name}: ppl {summary['perplexity_before']:.2f} -> {summary['perplexity_after']:.2f} "
               f"(start {summary['perplexity_start']:.2f}, dense {summary['dense_perplexity']:.2f}) in "

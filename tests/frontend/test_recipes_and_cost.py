@@ -47,3 +47,28 @@ def test_quality_vs_cost_plots_one_series_per_text_with_the_recorded_numbers():
     assert list(by_name["builtin:code (8×256 tokens)"].x) == [0.75]  # the unrecorded cost is left out, not guessed
     assert fig.layout.yaxis.type == "log" and "ffn_flops_fraction" in fig.layout.xaxis.title.text
     assert "no evaluated conversion" in F.quality_vs_cost([]).layout.annotations[0].text
+
+
+def test_the_portable_recipe_is_labelled_exportable_and_sets_the_leading_plan():
+    from dash import dcc
+
+    from frontend.pages.designer import method_panel
+
+    ew = next(m for m in _methods() if m["name"] == "expertweaver")
+    panel = method_panel(ew, {}, True)
+    radios = [c for c in _walk(panel) if isinstance(c, dcc.RadioItems)]
+    labels = {o["value"]: o["label"] for o in radios[0].options}
+    assert labels["portable"] == "portable (exportable to GGUF / native HF)" and labels["best"] == "best"
+    ids = [{"type": "cd-param", "method": "expertweaver", "name": p["name"]} for p in ew["params"]]
+    values, text = _recipe("portable", ids, [p["default"] for p in ew["params"]], _methods())
+    chosen = {i["name"]: v for i, v in zip(ids, values)}
+    assert chosen["plan"] == "leading" and chosen["compensation"] == "none"
+    assert "plan: paper → leading" in text and "exports to GGUF / native HF" in text
+
+
+def _walk(component):
+    yield component
+    children = getattr(component, "children", None)
+    for child in children if isinstance(children, (list, tuple)) else [children] if children is not None else []:
+        if hasattr(child, "to_plotly_json"):
+            yield from _walk(child)

@@ -41,10 +41,10 @@ NATIVE_REMEDY = ("fine-tune in mode expertweaver", "convert with", "native expor
                  "supports", "use --format moelab")
 
 
-def _best(method: str) -> dict[str, Any]:
+def _best(method: str, recipe: str = "best") -> dict[str, Any]:
     from workers.engine.methods import get_method
 
-    return dict(get_method(method).recipes["best"])
+    return dict(get_method(method).recipes[recipe])
 
 
 # row name -> (method, params, {mode: None (trains) | refusal substring})
@@ -53,6 +53,8 @@ ROWS: dict[str, tuple[str, dict[str, Any], dict[str, str | None]]] = {
     "expertweaver · paper · gate_mass": ("expertweaver", {"n_experts": 8, "router": "gate_mass"}, {"expertweaver": None, "midas": KIND_LOWRANK}),
     "expertweaver · paper · ridge": ("expertweaver", {"n_experts": 8, "router": "ridge"}, {"expertweaver": None, "midas": KIND_LOWRANK}),
     "expertweaver · best": ("expertweaver", {"n_experts": 8, **_best("expertweaver")}, {"expertweaver": None, "cmoe": None, "midas": KIND_LOWRANK}),
+    "expertweaver · portable": ("expertweaver", {"n_experts": 8, **_best("expertweaver", "portable")},
+                                {"expertweaver": None, "cmoe": None, "midas": KIND_LOWRANK}),
     "cmoe · paper · representative": ("cmoe", {}, {"cmoe": None, "midas": KIND_LOWRANK}),
     "cmoe · paper · gate_mass": ("cmoe", {"router": "gate_mass"}, {"cmoe": None, "midas": KIND_LOWRANK}),
     "cmoe · paper · ridge": ("cmoe", {"router": "ridge"}, {"cmoe": None, "midas": KIND_LOWRANK}),

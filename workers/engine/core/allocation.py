@@ -57,6 +57,20 @@ def layer_plan(layer: int, d_ffn: int, r: float, m: int, n_shared: int, leftover
     )
 
 
+def dense_plan(layer: int, d_ffn: int, r: float, m: int) -> LayerPlan:
+    """A layer left dense: every neuron in the always-on part, no routed expert, no router (the
+    conversion keeps the dense MLP there, ``core.slicing.build_modules``; exports list it as a dense
+    layer). ``d_expert`` stays the model's expert size ``m``."""
+    return LayerPlan(layer=layer, d_ffn=d_ffn, r=r, alpha=1.0, d_expert=m, n_shared=d_ffn // m, d_shared=d_ffn,
+                     n_routed=0, top_k=0, active_neurons=d_ffn, active_fraction=1.0, static=False, clamped=False,
+                     note="left dense (all neurons kept)")
+
+
+def is_dense(row: LayerPlan) -> bool:
+    """Whether ``row`` keeps its layer dense (``dense_plan``)."""
+    return row.n_routed == 0 and row.d_shared == row.d_ffn
+
+
 def summarize(rows: list[LayerPlan]) -> dict[str, Any]:
     """Whole-model numbers the UI and the CLI print next to the per-layer plan."""
     d = np.array([r.d_ffn for r in rows])
@@ -66,6 +80,7 @@ def summarize(rows: list[LayerPlan]) -> dict[str, Any]:
         "active_fraction": float(active.sum() / d.sum()),
         "sparsity": float(1 - active.sum() / d.sum()),
         "static_layers": [r.layer for r in rows if r.static],
+        "dense_layers": [r.layer for r in rows if is_dense(r)],
         "clamped_layers": [r.layer for r in rows if r.clamped],
         "mean_alpha": float(np.mean([r.alpha for r in rows])),
     }
@@ -122,7 +137,12 @@ def plan_record(rows: list[LayerPlan], params: MethodParams, d_model: int | None
     if d_model:
         summary["ffn_flops_fraction"] = plan_flops_fraction(rows, getattr(params, "router", "centroid"), d_model,
                                                             getattr(params, "combine", "sum"))
-        if getattr(params, "plan", "paper") == "budget":
+        plan = getattr(params, "plan", "paper")
+        if plan == "budget":
             summary["plan_note"] = ("budget plan: this is the paper plan; the conversion redistributes top-k across "
                                     "layers by calibration error at the same or a lower cost")
+        elif plan == "leading":
+            summary["plan_note"] = ("leading plan: this is the uniform starting plan; the conversion chooses how many "
+                                    "leading layers stay dense and one top-k for the rest by calibration error, at "
+                                    "ffn_flops_fraction ≤ 1 − sparsity")
     return {"params": params.to_dict(), "layers": [asdict(r) for r in rows], "summary": summary}

@@ -26,6 +26,11 @@ the FFN) prediction of every neuron's gate and up was worse than ridge; the orac
   or in layers 2, 11, 28, 29) for a worse perplexity than the uniform plan. Starting
   from ``k = 0`` everywhere, one expert at a time goes to the layer with the largest error
   decrease per multiply-add until the budget is spent.
+* **Leading plan** (``plan="leading"``, ``--recipe portable``): the layout GGUF and native HF exports
+  hold, one ``top_k`` for every MoE layer and dense layers only in front (``methods.expertweaver.plan``).
+  From the same error curves, every ``(L, k)`` — layers ``0 … L−1`` dense, the rest at ``k`` — is
+  scored at once (``leading_choice``): least ``Σ_{ℓ ≥ L} err_ℓ(k)`` at a cost, by the runtime's own
+  count, within ``1 − sparsity``. No greedy step: the choices are few (``n_layers · N_re``).
 * **Skipped-expert compensation** (``compensation="skipped_mean"``): a token that skips routed
   expert e gets, instead of nothing, ``μ_e``, the mean output of e over the calibration tokens
   that skipped it; ``ŷ = shared(x) + Σ_{e∈S(x)} E_e(x) + Σ_{e∉S(x)} μ_e``. It is the conditional
@@ -210,6 +215,27 @@ def greedy_budget(errors: Sequence[np.ndarray], expert_cost: Sequence[int], budg
         spent += runs[pick][1] * expert_cost[pick]
 
 
+def leading_choice(errors: np.ndarray, moe_macs: np.ndarray, dense_macs: np.ndarray, budget: float) -> tuple[int, int]:
+    """``(L, k)`` of the leading plan: the first ``L`` layers dense, every other layer running ``k ≥ 1``
+    routed experts, of least total calibration error ``Σ_{ℓ ≥ L} errors[ℓ, k]`` among the options
+    whose multiply-adds ``Σ_{ℓ < L} dense_macs[ℓ] + Σ_{ℓ ≥ L} moe_macs[ℓ, k]`` are at most ``budget``
+    (ties: the cheaper, then the fewer dense layers). ``errors``/``moe_macs``: ``[n_layers, K + 1]``
+    for ``k = 0 … K``; ``dense_macs``: ``[n_layers]``. Every option is scored at once: suffix sums over
+    layers give the MoE part of each ``L``, prefix sums the dense part; at least one layer stays MoE."""
+    tail_err = np.cumsum(errors[::-1], axis=0)[::-1]  # [L, k]: Σ_{ℓ ≥ L} errors[ℓ, k]
+    tail_cost = np.cumsum(moe_macs[::-1], axis=0)[::-1]
+    head_cost = np.concatenate([[0], np.cumsum(dense_macs)[:-1]])  # layers 0 … L−1 dense
+    cost = head_cost[:, None] + tail_cost
+    ok = cost <= budget
+    ok[:, 0] = False  # k = 0 runs no routed expert: no MoE layer to export
+    if not ok.any():
+        raise ConversionError("no leading plan fits the budget: the shared experts and one routed expert per token "
+                              "cost more than it; lower the shared share (alpha_min/alpha_max) or the sparsity")
+    options = np.argwhere(ok)  # row-major: fewer dense layers first
+    best = np.lexsort((cost[ok], tail_err[ok]))[0]
+    return int(options[best, 0]), int(options[best, 1])
+
+
 def router_scores(x: torch.Tensor, router: str, weights: dict[str, np.ndarray], gate_w: torch.Tensor,
                   routed: np.ndarray, act: str) -> torch.Tensor:
     """``[T, E]`` scores of a training-free router on ``x``: its kind's own ``scores`` (the runtime's),
@@ -242,7 +268,7 @@ def fit_router(x: torch.Tensor, router: str, gate_w: torch.Tensor, up_w: torch.T
 def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any], experts: list[Any], data_dir: Any,
                progress: Progress = NO_PROGRESS, calib: CalibrationInputs | None = None,
                ) -> tuple[list[Any], list[Any], dict[str, Any]]:
-    """The ridge router (``params.router == "ridge"``), the budget plan (``params.plan == "budget"``)
+    """The ridge router (``params.router == "ridge"``), the budget or leading plan (``params.plan``)
     and the skipped-expert compensation (``params.compensation == "skipped_mean"``, fitted last: it
     depends on the final top-k) of a partitioned model; returns the updated ``(rows, experts, record)``.
 
@@ -255,7 +281,8 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
 
     if calib is None:  # ``calib``: the same inputs, already collected (a benchmark converting many times)
         calib = collect_inputs(adapter, profile_token_windows(adapter, profile, params.fit_tokens, data_dir), progress)
-    budget_plan = getattr(params, "plan", "paper") == "budget"
+    plan = getattr(params, "plan", "paper")
+    budget_plan = plan in ("budget", "leading")  # both choose top-k from the same error curves
     compensate = getattr(params, "compensation", "none") == "skipped_mean"
     d = adapter.d_model
     curves, fixed, unit, scores = [], [], [], {}
@@ -284,7 +311,9 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
                 curves.append(np.zeros(1))
         progress.update("fit: routers and error curves", n + 1, len(rows))
     record: dict[str, Any] = {"fit_tokens": calib.n_tokens, "fit_source": profile.manifest["calibration"]["source"]}
-    if budget_plan:
+    if plan == "leading":
+        rows = _leading_rows(params, rows, experts, curves, d, record)
+    elif budget_plan:
         rows = _budget_rows(params, rows, experts, curves, fixed, unit, d, record)
     if compensate:
         for n, ex in enumerate(experts):
@@ -321,4 +350,41 @@ def _budget_rows(params: Any, rows: list[Any], experts: list[Any], curves: list[
         ex.top_k = k if len(ex.routed) else 0
     record["budget"] = {"ffn_flops_fraction": cap, "paper_plan_ffn_flops_fraction": paper_cost,
                         "error_at_k": [float(c[k]) for c, k in zip(curves, ks)], "top_k": ks}
+    return new_rows
+
+
+def _leading_rows(params: Any, rows: list[Any], experts: list[Any], curves: list[np.ndarray], d: int,
+                  record: dict[str, Any]) -> list[Any]:
+    """The leading plan's rows (``leading_choice``): the first ``L`` layers dense (``allocation.dense_plan``:
+    their experts hold every neuron as shared, no routed one), the rest at one ``top_k``; costs are the
+    runtime's own (``moelab_routers.ffn_macs``), so ``plan_flops_fraction ≤ params.flops_budget()``.
+    Fills ``record["leading"]``."""
+    from ..core.allocation import dense_plan, layer_plan
+    from ..runtime.moelab_routers import ffn_macs
+
+    combine = getattr(params, "combine", "sum")
+    K = max(r.n_routed for r in rows)
+    if any(r.n_routed != K or r.d_shared != rows[0].d_shared or r.d_expert != rows[0].d_expert for r in rows):
+        raise ConversionError("plan 'leading' needs one shared width, expert size and routed-expert count in every layer")
+    ks = np.arange(K + 1)
+    errors = np.stack(curves)  # [n_layers, K + 1]
+    moe_macs = np.array([[ffn_macs(d, r.d_shared, K, r.d_expert, int(k), ex.router, combine) for k in ks]
+                         for r, ex in zip(rows, experts)], dtype=np.float64)
+    dense_macs = np.array([3 * d * r.d_ffn for r in rows], dtype=np.float64)
+    cap = params.flops_budget()
+    L, k = leading_choice(errors, moe_macs, dense_macs, cap * dense_macs.sum())
+    new_rows = []
+    for n, (row, ex) in enumerate(zip(rows, experts)):
+        if n < L:
+            new_rows.append(dense_plan(row.layer, row.d_ffn, row.r, row.d_expert))
+            ex.shared, ex.routed, ex.top_k, ex.router_weights = (np.arange(row.d_ffn), ex.routed[:0], 0, {})
+            continue
+        leftover = row.d_shared - row.n_shared * row.d_expert
+        new_rows.append(layer_plan(row.layer, row.d_ffn, row.r, row.d_expert, row.n_shared, leftover, row.n_routed, k,
+                                   row.clamped, "leading plan: one top-k chosen by calibration error"))
+        ex.top_k = k
+    cost = (dense_macs[:L].sum() + moe_macs[L:, k].sum()) / dense_macs.sum()
+    record["leading"] = {"ffn_flops_fraction": cap, "planned_ffn_flops_fraction": float(cost), "dense_layers": L,
+                         "top_k": k, "error": float(errors[L:, k].sum()),
+                         "error_all_moe": float(errors[:, k].sum())}
     return new_rows

@@ -185,10 +185,10 @@ def from_known_fields(cls: type[T], d: Mapping[str, Any], what: str, error: type
 
 
 def needs_fitting(params: Any) -> bool:
-    """A fitted router (``Router.fitted``: ridge), the budget plan and the skipped-expert compensation
+    """A fitted router (``Router.fitted``: ridge), the budget and leading plans and the skipped-expert compensation
     are fitted on calibration tokens (``core.fitting``)."""
     router = getattr(params, "router", None)
-    return ((router in ROUTERS and ROUTERS[router].fitted) or getattr(params, "plan", "paper") == "budget"
+    return ((router in ROUTERS and ROUTERS[router].fitted) or getattr(params, "plan", "paper") in ("budget", "leading")
             or getattr(params, "compensation", "none") != "none")
 
 
@@ -208,6 +208,6 @@ def check_streamable(method: Any, params: Any) -> None:
             "layer at a time; run it on a machine that holds the whole model, or without --max-memory")
     if needs_fitting(params):
         raise ConversionError(
-            "the ridge router, the budget plan and the skipped-expert compensation are fitted on calibration activations "
-            "of the whole model, which --max-memory does not hold: use --router centroid (expertweaver) or representative "
+            "the ridge router, the budget plan and the skipped-expert compensation (and the leading plan) are fitted on "
+            "calibration activations of the whole model, which --max-memory does not hold: use --router centroid (expertweaver) or representative "
             "(cmoe), --plan paper and --compensation none (--recipe paper), or convert without --max-memory")

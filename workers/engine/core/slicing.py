@@ -73,10 +73,13 @@ def partition_layers(adapter: ModelAdapter, profile: Any, rows: list[LayerPlan],
 
 
 def build_modules(adapter: ModelAdapter, experts: list[LayerExperts], combine: str = "sum") -> dict[int, nn.Module]:
-    """One ``MoeFFN`` per layer, sliced from the dense weights (EW Eqs. 7–8, CM Eq. 5)."""
+    """One ``MoeFFN`` per layer, sliced from the dense weights (EW Eqs. 7–8, CM Eq. 5); a layer whose
+    experts hold every neuron as shared and none routed (``allocation.dense_plan``) keeps its dense MLP."""
     modules: dict[int, nn.Module] = {}
     for e in experts:
         gate_w, up_w, down_w = dense_weights(adapter, e.layer)
+        if not len(e.routed) and len(e.shared) == gate_w.shape[0]:
+            continue
         router_weights = {k: torch.as_tensor(v, dtype=gate_w.dtype, device=gate_w.device) for k, v in e.router_weights.items()}
         modules[e.layer] = MoeFFN.from_dense(
             gate_w, up_w, down_w, adapter.activation, e.shared, e.routed, e.top_k, e.router, combine, **router_weights
@@ -138,7 +141,10 @@ def partition_arrays(experts: list[LayerExperts]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for e in experts:
         out[f"layer.{e.layer}.shared"] = np.ascontiguousarray(e.shared, dtype=np.int32)
-        out[f"layer.{e.layer}.routed"] = np.ascontiguousarray(np.asarray(e.routed).reshape(len(e.routed), -1), dtype=np.int32)
+        routed = np.asarray(e.routed)
+        if routed.ndim != 2:  # [N_re, m]; a layer without routed experts may hold a flat empty array
+            routed = routed.reshape(len(routed), -1 if routed.size else 0)
+        out[f"layer.{e.layer}.routed"] = np.ascontiguousarray(routed, dtype=np.int32)
     return out
 
 

@@ -18,6 +18,12 @@ neurons; on small models at 50% sparsity the paper's defaults can ask for more s
 ``"active"`` (α is a share of the active budget, ``d_s = round(α · (1 − sparsity) · d_ffn)``, so
 routing always survives unless α = 1). ``router="gate_mass"`` scores each routed expert by the L1
 mass of its own gate activations (costs the gate projection of every routed neuron).
+
+Recipes: ``best`` is the best training-free conversion measured (per-layer budget plan, skipped-expert
+compensation: neither exports to a stock MoE); ``portable`` the best one whose layout GGUF and
+native HF exports hold once recovery (EW Eq. 11) has made its router a softmax with a weighted
+combine: ``plan="leading"`` (one shared count from Eqs. 5–6 with the layers' mean α, one top-k, only
+leading layers dense; ``plan``) and no compensation. Both measured in tests/benchmarks/bench_frontier.py.
 """
 
 from __future__ import annotations
@@ -55,9 +61,12 @@ class ExpertWeaverParams(MethodParams):
         "centroid", "centroid: gate-column centroids (EW Eq. 9); gate_mass: L1 mass of each expert's gate activations; "
         "ridge: linear scores fitted in closed form to each expert's output mass on calibration tokens (moelab's)",
         paper="EW Eq. 9")
-    plan: Literal["paper", "budget"] = param(
+    plan: Literal["paper", "budget", "leading"] = param(
         "paper", "paper: one top-k for every layer (EW Eq. 6); budget: per-layer top-k chosen by calibration error so "
-        "that the FFN cost, router included, is at most 1 - sparsity of the dense FFN's (moelab's)", paper="EW Eq. 6")
+        "that the FFN cost, router included, is at most 1 - sparsity of the dense FFN's (moelab's); leading: one shared "
+        "count (the layers' mean α), one top-k, and the first L layers left dense, L and top-k chosen by calibration "
+        "error under the same cost cap: the layout GGUF (llama.cpp deepseek) and native HF (Qwen2-MoE) exports hold "
+        "(moelab's)", paper="EW Eq. 6")
     compensation: Literal["none", "skipped_mean"] = param(
         "none", "none: a skipped expert adds nothing (EW Eq. 10); skipped_mean: it adds its mean output over the calibration "
         "tokens that skipped it (moelab's; additions only, no multiply-adds; needs combine 'sum')", paper="EW Eq. 10")
@@ -86,12 +95,27 @@ class ExpertWeaverParams(MethodParams):
 
 
 def plan(cv_by_layer: Sequence[np.ndarray], params: ExpertWeaverParams) -> list[LayerPlan]:
-    """Per-layer plan from the stored CV statistics (numpy only: cheap enough for every slider move)."""
+    """Per-layer plan from the stored CV statistics (numpy only: cheap enough for every slider move).
+
+    ``plan="leading"`` (moelab's) plans for the formats a converted model is served in: llama.cpp's
+    ``deepseek`` architecture and HF's Qwen2-MoE hold one routed-expert count, expert size, top-k
+    and shared width per model, and llama.cpp leaves only the leading layers dense. It keeps EW
+    Eq. 5 (α from each layer's specialisation r_ℓ) averaged over the layers, ``ᾱ = mean_ℓ α_ℓ``,
+    and Eq. 6 (``d_s = round(ᾱ · base)``, ``N_se = round(d_s / d_expert)``) for one shared count in
+    every layer; a different shared count per candidate would re-cluster every layer. This numpy
+    plan is the uniform starting plan (the paper's top-k, no dense layer); the conversion then
+    chooses how many leading layers stay dense and the one top-k of the rest by calibration error
+    (``core.fitting``: ``leading_choice``)."""
     params.check()
     d_ffns = [len(cv) for cv in cv_by_layer]
     check_experts_fit(params.n_experts, d_ffns)
     r = specialisation_ratio(cv_by_layer, params.tau)
     alpha = params.alpha_max - (params.alpha_max - params.alpha_min) * r  # EW Eq. 5
+    if params.plan == "leading":
+        if len(set(d_ffns)) > 1:
+            raise ConversionError(f"plan 'leading' needs one d_ffn in every layer (one expert size per model); this "
+                                  f"model has {sorted(set(d_ffns))}: use plan 'paper' or 'budget'")
+        alpha = np.full_like(alpha, alpha.mean())
     return [_plan_layer(i, d, float(r[i]), float(alpha[i]), params) for i, d in enumerate(d_ffns)]
 
 
@@ -102,17 +126,20 @@ def _plan_layer(layer: int, d_ffn: int, r: float, alpha: float, p: ExpertWeaverP
     base = d_ffn if p.alpha_basis == "total" else (1 - p.sparsity) * d_ffn
     d_s = int(round(alpha * base))  # EW Eq. 6
     asked = int(round(d_s / m))
-    n_shared = min(asked, k)
+    # the leading plan keeps a routed expert per token: a layer with none is no MoE layer to export
+    most = max(0, k - 1) if p.plan == "leading" else k
+    n_shared = min(asked, most)
     top_k = k - n_shared
     note = ""
-    if asked > k:
+    if asked > most:
         note = (
-            f"Eq. 6 asks for {asked} shared experts but only {k} can be active: clamped to {k}, "
-            "no routed expert runs (static prune); lower alpha_max, raise tau or use alpha_basis='active'"
+            f"Eq. 6 asks for {asked} shared experts but only {most} can be: clamped to {most}"
+            + (", one routed expert runs" if p.plan == "leading" else ", no routed expert runs (static prune)")
+            + "; lower alpha_max, raise tau or use alpha_basis='active'"
         )
     elif top_k == 0:
         note = "all active experts are shared: no routed expert runs (static prune)"
-    return layer_plan(layer, d_ffn, r, m, n_shared, d_ffn - m * e, e - n_shared, top_k, asked > k, note)
+    return layer_plan(layer, d_ffn, r, m, n_shared, d_ffn - m * e, e - n_shared, top_k, asked > most, note)
 
 
 def preview(profile: Any, params: ExpertWeaverParams) -> dict[str, Any]:
@@ -181,7 +208,7 @@ def baselines(adapter: Any, record: dict[str, Any], progress: Any, data_dir: Any
     params = ExpertWeaverParams.from_dict(record["params"])
     out = {"abstopk": abstopk_modules(adapter, record["summary"]["active_fraction"])}
     uniform = uniform_params(params, [row["alpha"] for row in record["layers"]])
-    if uniform != params:
+    if uniform != params and params.plan != "leading":  # the leading plan's MoE layers share one α already
         profile = StoredProfile.open(record["profile"])
         *_, modules, _ = partition_modules(adapter, profile, uniform, plan_for(profile, uniform),
                                            layer_builder(profile, uniform), progress, data_dir)
@@ -231,5 +258,7 @@ METHOD = Method(
                       prepare=prepare_recovery, accepts=accepts_recovery),
     baselines=baselines,
     # tests/benchmarks/bench_frontier.py: the best training-free conversion measured at every cost
-    recipes={"best": {"router": "ridge", "alpha_basis": "active", "plan": "budget", "compensation": "skipped_mean"}},
+    # "portable": the best one whose recovered model (EW Eq. 11) exports to GGUF and native HF
+    recipes={"best": {"router": "ridge", "alpha_basis": "active", "plan": "budget", "compensation": "skipped_mean"},
+             "portable": {"router": "ridge", "alpha_basis": "active", "plan": "leading", "compensation": "none"}},
 )
