@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 from moelab.store import jobs
 from moelab.store.artifacts import ArtifactStore
 from moelab.store.db import Job
-from moelab.store.deletion import RESOURCES, Node, delete_rows, dependants, remove_artifacts, tree
+from moelab.store.deletion import RESOURCES, Node, delete_rows, dependants, export_node, remove_artifacts, tree
 
 from .errors import ApiError, not_found
 from .queue import JobQueue
@@ -40,7 +40,8 @@ log = logging.getLogger("moelab.api")
 #: how long a DELETE waits for the running jobs it cancelled to stop before answering 409
 WAIT_S = 15.0
 _LISTING = {"models": "models", "calibration_sets": "calibration-sets", "profiles": "profiles",
-            "conversions": "conversions", "evaluations": "evaluations", "finetunes": "finetunes", "probes": "probes"}
+            "conversions": "conversions", "evaluations": "evaluations", "finetunes": "finetunes", "probes": "probes",
+            "exports": "exports"}
 
 
 class DeleteGuard:
@@ -150,7 +151,7 @@ def _delete(session: Session, queue: JobQueue, store: ArtifactStore, resource_ty
     session.commit()  # end the read so far: a DELETE that just finished under the guard is seen
     if session.get(table, ident, populate_existing=True) is None:
         raise not_found(what, ident, _LISTING[resource_type])
-    root = Node(resource_type, ident)
+    root = export_node(session, ident) if resource_type == "exports" else Node(resource_type, ident)
     if not cascade:
         direct = dependants(session, root)
         if direct:

@@ -20,12 +20,13 @@ from workers.engine.core.params import DeclaredParams, ParamSpec
 from workers.engine.data.builtin import BUILTIN_SETS
 from workers.engine.methods import REGISTRY, Method
 from workers.engine.profiling.settings import ProfileSettings
+from workers.engine.runtime.gguf_layout import GGUF_TYPES
 from workers.engine.sizes import parse_size
 from workers.engine.training.params import FinetuneMode, FinetuneParams
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 ResourceStatus = Literal["queued", "running", "ready", "failed", "cancelled"]
-JobKind = Literal["inspect_model", "build_calibration", "profile", "conversion", "evaluation", "finetune", "probe"]
+JobKind = Literal["inspect_model", "build_calibration", "profile", "conversion", "evaluation", "finetune", "probe", "export"]
 BuiltinName = Literal[tuple(BUILTIN_SETS)]  # type: ignore[valid-type]
 
 
@@ -383,6 +384,49 @@ class MethodList(BaseModel):
     items: list[MethodOut]
 
 
+# --------------------------------------------------------------------------- exports (GGUF for llama.cpp / Ollama)
+
+GgufType = Literal[GGUF_TYPES]  # type: ignore[valid-type]
+
+
+class GgufCheck(BaseModel):
+    """Whether a conversion's layout exports to GGUF exactly, read from its stored config.json (no model loaded)."""
+
+    exportable: bool = Field(description="its layout maps exactly onto llama.cpp's deepseek MoE architecture")
+    reason: str | None = Field(None, description="why not: what blocks it, and which conversion would export")
+    types: list[GgufType] = Field(description="the GGUF types an export can be written in")  # type: ignore[valid-type]
+
+
+class ExportCreate(_In):
+    format: Literal["gguf"] = Field("gguf", description="gguf: one .gguf file that stock llama.cpp and Ollama run")
+    type: GgufType = Field("f16", description="weight type of the file: f32 (exact), f16 or q8_0 (8-bit, about a quarter of f32)")  # type: ignore[valid-type]
+
+
+class ExportOut(BaseModel):
+    id: str
+    conversion_id: str
+    format: Literal["gguf"]
+    type: str
+    status: ResourceStatus = Field(description="'ready' once its job has written the file")
+    params: dict[str, Any] = Field(description="format and type, and the estimate the job was checked against "
+                                   "(weights, file_bytes, disk_bytes, memory_bytes)")
+    summary: dict[str, Any] | None = Field(None, description="file (its name), bytes, architecture (deepseek), layout")
+    file: str | None = Field(None, description="the .gguf file's name, once ready")
+    bytes: int | None = Field(None, description="its size, once ready")
+    download_url: str | None = Field(None, description="GET it to download the .gguf (streamed), once ready")
+    archive_url: str | None = Field(None, description="the .gguf with its Ollama Modelfile and model card as a zip, once ready")
+    files: list["ArtifactFile"] | None = Field(None, description="every file of the export (detail view only, once ready)")
+    job_id: str | None
+    job: JobOut | None = None
+    created_at: datetime
+
+
+class ExportList(BaseModel):
+    items: list[ExportOut]
+    total: int
+    gguf: GgufCheck | None = Field(None, description="the conversion's GGUF check (listing one conversion's exports only)")
+
+
 class ConversionOut(BaseModel):
     id: str
     method: str = Field(description="expertweaver, cmoe, dense2moe, midas or hierarchical")
@@ -392,6 +436,8 @@ class ConversionOut(BaseModel):
     status: ResourceStatus
     summary: dict[str, Any] | None = Field(None, description="active fraction, static and clamped layers, timings")
     layers: list[dict[str, Any]] | None = Field(None, description="per-layer plan and clustering (detail view only)")
+    gguf: GgufCheck | None = Field(None, description="whether it exports to GGUF and why not (null until it is ready)")
+    exports: list[ExportOut] = Field(default_factory=list, description="its exports (POST /conversions/{id}/exports), newest first")
     job_id: str | None
     job: JobOut | None = None
     created_at: datetime
@@ -605,7 +651,7 @@ class ProbeList(BaseModel):
 
 
 class DeletedRef(BaseModel):
-    type: Literal["models", "calibration_sets", "profiles", "conversions", "evaluations", "finetunes"]
+    type: Literal["models", "calibration_sets", "profiles", "conversions", "evaluations", "finetunes", "probes", "exports"]
     id: str
 
 
@@ -815,3 +861,7 @@ class RoutingHeatmap(BaseModel):
     counts: list[list[list[Num]]]
     load_cv: list[list[Num]] = Field(description="[set][layer] MI Eq. 7 load CV")
     note: str
+
+
+for _model in (ExportOut, ExportList, ConversionOut, ConversionList):  # ExportOut.files are ArtifactFile, defined further down
+    _model.model_rebuild()

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from moelab.store.db import CalibrationSet, Conversion, Evaluation, Finetune, Job, Model, Probe, Profile, utcnow
+from moelab.store.db import CalibrationSet, Conversion, Evaluation, Export, Finetune, Job, Model, Probe, Profile, utcnow
 from .schemas import (
+    ArtifactFile,
     CalibrationSetOut,
     ConversionOut,
     EvaluationOut,
+    ExportOut,
+    GgufCheck,
     FinetuneOut,
     JobOut,
     ModelOut,
@@ -74,13 +77,28 @@ def profile_out(row: Profile) -> ProfileOut:
     return ProfileOut(**_common(row), model_id=row.model_id, calibration_set_id=row.calibration_set_id, summary=row.summary)
 
 
-def conversion_out(row: Conversion, layers: list[dict[str, Any]] | None = None) -> ConversionOut:
+def conversion_out(row: Conversion, layers: list[dict[str, Any]] | None = None, gguf: GgufCheck | None = None,
+                   exports: list[ExportOut] | None = None) -> ConversionOut:
     from workers.engine.methods import method_of, normalise_params
 
     common = {**_common(row), "params": normalise_params(row.params or {})}  # records from before the registry too
     return ConversionOut(
         **common, method=method_of(common["params"]), profile_id=row.profile_id, model_id=row.model_id,
-        summary=row.summary, layers=layers,
+        summary=row.summary, layers=layers, gguf=gguf, exports=exports or [],
+    )
+
+
+def export_out(row: Export, files: list[ArtifactFile] | None = None) -> ExportOut:
+    """An export; its file's name, size and download URLs once its job has written it."""
+    common = _common(row)
+    summary = row.summary or {}
+    ready = common["status"] == "ready"
+    name = summary.get("file") if ready else None
+    base = f"/api/v1/exports/{row.id}"
+    return ExportOut(
+        **common, conversion_id=row.conversion_id, format=row.format, type=row.type, summary=row.summary, file=name,
+        bytes=summary.get("bytes") if ready else None, download_url=f"{base}/files/{name}" if name else None,
+        archive_url=f"{base}/archive" if ready else None, files=files,
     )
 
 

@@ -165,7 +165,11 @@ class ApiClient:
         """A stored artifact (a converted model directory …) as a zip, streamed in ``chunk``-byte
         pieces. The API's refusal (404, 409 not finished, 429 busy) is raised before the first piece,
         so a caller can still answer with the message instead of a broken download."""
-        path = f"/artifacts/{kind}/{ident}/archive"
+        return self.stream(f"/artifacts/{kind}/{ident}/archive", chunk)[0]
+
+    def stream(self, path: str, chunk: int = 1 << 20) -> tuple[Iterator[bytes], dict[str, str]]:
+        """``GET path`` streamed in ``chunk``-byte pieces, with the response's headers; the API's refusal
+        is raised (``ApiError``) before the first piece."""
         try:
             response = self._http.send(self._http.build_request("GET", path), stream=True)
         except httpx.TimeoutException:
@@ -183,7 +187,19 @@ class ApiClient:
             finally:  # the browser went away mid-download: the API's stream (and its slot) ends too
                 response.close()
 
-        return pieces()
+        return pieces(), dict(response.headers)
+
+    def create_export(self, conversion_id: str, gguf_type: str = "f16", fmt: str = "gguf") -> dict[str, Any]:
+        """Export a ready conversion (``fmt`` gguf, ``gguf_type`` f16 | q8_0 | f32) as a job; the same
+        export again returns the existing one. ApiError 409 says why a layout does not export."""
+        return self.post(f"/conversions/{conversion_id}/exports", {"format": fmt, "type": gguf_type})
+
+    def exports(self, conversion_id: str) -> dict[str, Any]:
+        """A conversion's exports (``items``) and whether it exports to GGUF (``gguf``)."""
+        return self.get(f"/conversions/{conversion_id}/exports")
+
+    def export(self, export_id: str) -> dict[str, Any]:
+        return self.get(f"/exports/{export_id}")
 
     def finetunes(self, conversion_id: str | None = None) -> list[dict[str, Any]]:
         return self.get("/finetunes", conversion_id=conversion_id)["items"]

@@ -1,5 +1,6 @@
 """``/download/<kind>/<id>.zip`` on the frontend's own server: a stored artifact (a converted model
-directory …) streamed from the API's archive route to the browser.
+directory …) streamed from the API's archive route to the browser; ``/download/exports/<exp-id>/<file>``:
+one file of an export (a conversion's ``.gguf``), streamed from the API's file route.
 
 Why a relay instead of a link to the API: the browser may not reach the API's address (in
 docker-compose the frontend calls ``http://api:8000``) and cannot send its bearer token; the
@@ -7,6 +8,8 @@ frontend can. The zip is passed through piece by piece, never held in memory or 
 """
 
 from __future__ import annotations
+
+import re
 
 from flask import Flask, Response, stream_with_context
 
@@ -32,5 +35,27 @@ def _download(kind: str, ident: str) -> Response:
                     headers={"Content-Disposition": f'attachment; filename="{ident}.zip"'})
 
 
+def export_download_url(export_id: str, filename: str) -> str:
+    """The frontend path that downloads one file of a ready export (its .gguf)."""
+    return f"/download/exports/{export_id}/{filename}"
+
+
+_EXPORT_ID, _FILENAME = re.compile(r"^exp-[0-9a-f]{16}$"), re.compile(r"^[\w][\w.+-]*$")
+
+
+def _download_export(export_id: str, filename: str) -> Response:
+    if not _EXPORT_ID.match(export_id) or not _FILENAME.match(filename):
+        return Response(f"no export file {export_id}/{filename}", status=404, mimetype="text/plain")
+    try:
+        pieces, headers = api().stream(f"/exports/{export_id}/files/{filename}")
+    except ApiError as exc:  # 404 unknown or gone, 409 its job has not written it yet: in words
+        return Response(f"could not download {filename}: {exc}", status=exc.status or 502, mimetype="text/plain")
+    sent = {"Content-Disposition": f'attachment; filename="{filename}"'}
+    if headers.get("content-length"):  # the browser shows how far a multi-GB download is
+        sent["Content-Length"] = headers["content-length"]
+    return Response(stream_with_context(pieces), mimetype="application/octet-stream", headers=sent)
+
+
 def register(server: Flask) -> None:
     server.add_url_rule("/download/<kind>/<ident>.zip", "moelab_download", _download)
+    server.add_url_rule("/download/exports/<export_id>/<filename>", "moelab_download_export", _download_export)

@@ -150,7 +150,7 @@ def finetune_name(f: dict[str, Any], conversion: str | None) -> str:
 
 #: what a job of each kind works on, for jobs whose resource is gone (job rows stay as history)
 JOB_RESOURCE = {"inspect_model": "model", "build_calibration": "calibration set", "profile": "profile", "conversion": "conversion",
-                "evaluation": "evaluation", "finetune": "fine-tune", "probe": "probe"}
+                "evaluation": "evaluation", "finetune": "fine-tune", "probe": "probe", "export": "GGUF export"}
 
 
 def job_subject(job: dict[str, Any], subjects: Mapping[str, str]) -> str:

@@ -225,7 +225,10 @@ def classify(exc: BaseException, stage: str | None, job_id: str, store: Artifact
 
 def estimated_bytes(ctx: JobContext) -> tuple[int, str] | None:
     """About how many bytes the job will write, where that is cheap to know (None otherwise):
-    a conversion exports roughly its model's weight bytes."""
+    a conversion exports roughly its model's weight bytes; a GGUF export stages an fp32 checkpoint
+    and writes the file (``limits.gguf_export_footprint``, from the conversion's stored weights)."""
+    if ctx.resource_type == "exports":
+        return _export_bytes(ctx)
     if ctx.resource_type != "conversions":
         return None
     try:
@@ -243,6 +246,20 @@ def estimated_bytes(ctx: JobContext) -> tuple[int, str] | None:
     if not isinstance(total, int) or total <= 0:
         return None
     return total, "this conversion's export (about its model's weight bytes)"
+
+
+def _export_bytes(ctx: JobContext) -> tuple[int, str] | None:
+    from workers.engine.limits import gguf_export_footprint
+
+    try:
+        row = ctx.resource()
+        footprint = gguf_export_footprint(ctx.store.path("conversions", row.conversion_id), row.type) if row is not None else None
+    except Exception:  # an estimate only: never a reason to fail the job
+        log.debug("size estimate of job %s skipped", ctx.job_id, exc_info=True)
+        return None
+    if footprint is None:
+        return None
+    return footprint["disk_bytes"], f"this GGUF {row.type} export (its fp32 staging checkpoint and the file)"
 
 
 def _finish_failed(db: Database, job_id: str, state: str, message: str, kind: str, timings: dict[str, Any]) -> None:

@@ -348,6 +348,35 @@ def probe(ctx: JobContext) -> Outcome:
     return Outcome(summary=summary, timings=result.get("timings"))
 
 
+def export(ctx: JobContext) -> Outcome:
+    """A ready conversion as a GGUF file (``gguf_export.export_gguf``): the .gguf, an Ollama Modelfile
+    and a model card, published atomically into ``conversions/<conv-id>/exports/<exp-id>/``. Refused
+    before the model is loaded when its layout does not export or it would exceed MOELAB_MAX_MEMORY."""
+    from workers.engine.limits import gguf_export_footprint, memory_problem
+    from workers.engine.runtime.gguf_export import export_gguf, gguf_layout
+
+    row = ctx.resource()
+    conv = ctx.row(Conversion, row.conversion_id)
+    src = ctx.store.path("conversions", conv.id)
+    if row.format != "gguf":
+        raise ValueError(f"export format {row.format!r} is not one this worker writes (gguf)")
+    gguf_layout(json.loads((src / "config.json").read_text()))  # GgufExportError (a ValueError) says what blocks it
+    footprint = gguf_export_footprint(src, row.type)
+    problem = memory_problem(footprint["memory_bytes"], ctx.settings.max_memory,
+                             f"the GGUF {row.type} export of conversion {conv.id}") if footprint else None
+    if problem:
+        raise ValueError(problem)
+    ctx.progress.update(f"export gguf {row.type}", 0, 1)
+    info = export_gguf(src, ctx.store.export_path(conv.id, row.id), row.type, ctx.settings.data_dir)
+    ctx.progress.update(f"export gguf {row.type}", 1, 1)
+    from moelab.store.jsonsafe import jsonable
+
+    # the file by its name only: server paths (``out``, ``source``) stay out of the API's summary
+    summary = {"file": Path(info["file"]).name, "bytes": info["bytes"], "architecture": info["architecture"],
+               "type": info["type"], "format": "gguf", "layout": info.get("layout"), "conversion_id": conv.id}
+    return Outcome(summary=jsonable(summary))
+
+
 # --------------------------------------------------------------------------- tasks
 
 
@@ -369,6 +398,7 @@ convert_task = _task("conversion", convert)
 evaluate_task = _task("evaluation", evaluate)
 finetune_task = _task("finetune", finetune)
 probe_task = _task("probe", probe)
+export_task = _task("export", export)
 
 CONVERT_LAYERS = "moelab.convert_layers"
 

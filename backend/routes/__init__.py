@@ -9,6 +9,7 @@ from . import (
     charts,
     conversions,
     evaluations,
+    exports,
     finetunes,
     health,
     jobs,
@@ -24,6 +25,7 @@ def api_router() -> APIRouter:
     balancers must see it without a secret; it names no user data)."""
     router = APIRouter(prefix="/api/v1")
     router.include_router(health.router)
-    for module in (methods, models, calibration_sets, profiles, conversions, evaluations, finetunes, probes, jobs, artifacts, charts):
+    for module in (methods, models, calibration_sets, profiles, conversions, exports, evaluations, finetunes, probes, jobs,
+                   artifacts, charts):
         router.include_router(module.router, dependencies=[Depends(require_token)])  # one level: matching stays flat
     return router

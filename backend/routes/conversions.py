@@ -18,6 +18,7 @@ from workers.engine.limits import profile_duplicates_problem
 from moelab.store.jobs import new_id
 from ..schemas import DeleteOut, ConversionCreate, ConversionList, ConversionOut, ExpertNeurons, ExpertOut
 from ..views import conversion_out
+from .exports import exports_of, gguf_check
 
 router = APIRouter(prefix="/conversions", tags=["conversions"])
 
@@ -110,16 +111,19 @@ def _calibration_spec(session, ref: str) -> str:
     return cset.id
 
 
-@router.get("", response_model=ConversionList, summary="Conversions, newest first")
-def list_conversions(session: SessionDep, profile_id: str | None = None) -> ConversionList:
+@router.get("", response_model=ConversionList, summary="Conversions, newest first, each saying whether it exports to GGUF")
+def list_conversions(session: SessionDep, store: StoreDep, profile_id: str | None = None) -> ConversionList:
     query = select(Conversion).order_by(Conversion.created_at.desc())
     if profile_id:
         query = query.where(Conversion.profile_id == profile_id)
     rows = session.execute(query).scalars().unique().all()
-    return ConversionList(items=[conversion_out(r) for r in rows], total=len(rows))
+    exports = exports_of(session, [r.id for r in rows] if profile_id else None)
+    return ConversionList(items=[conversion_out(r, gguf=gguf_check(store, r), exports=exports.get(r.id)) for r in rows],
+                          total=len(rows))
 
 
-@router.get("/{conversion_id}", response_model=ConversionOut, summary="One conversion with its per-layer plan")
+@router.get("/{conversion_id}", response_model=ConversionOut,
+            summary="One conversion with its per-layer plan, whether it exports to GGUF, and its exports")
 def get_conversion(conversion_id: str, session: SessionDep, store: StoreDep) -> ConversionOut:
     row = lookup(session, Conversion, conversion_id, "conversion", "conversions")
     layers = None
@@ -128,7 +132,7 @@ def get_conversion(conversion_id: str, session: SessionDep, store: StoreDep) -> 
         from moelab.store.jsonsafe import jsonable
 
         layers = jsonable(json.loads(record.read_text()).get("layers"))
-    return conversion_out(row, layers)
+    return conversion_out(row, layers, gguf=gguf_check(store, row), exports=exports_of(session, [row.id]).get(row.id))
 
 
 @router.get("/{conversion_id}/experts/{layer}", response_model=ExpertNeurons, responses={404: {}, 409: {}, 422: {}},
@@ -170,7 +174,7 @@ def get_expert_neurons(conversion_id: str, layer: int, session: SessionDep, stor
     )
 
 
-@router.delete("/{conversion_id}", response_model=DeleteOut, responses={404: {}, 409: {}}, summary="Delete a conversion and its model files (409 while evaluations or fine-tunes use it)")
+@router.delete("/{conversion_id}", response_model=DeleteOut, responses={404: {}, 409: {}}, summary="Delete a conversion, its model files and its exports (409 while evaluations or fine-tunes use it)")
 def delete_conversion(conversion_id: str, session: SessionDep, queue: QueueDep, store: StoreDep, cascade: CascadeQ = False) -> DeleteOut:
     """Cancels the resource's queued or running job (and its dependants' with cascade) before deleting."""
     return delete_resource(session, queue, store, "conversions", conversion_id, cascade)

@@ -16,6 +16,7 @@ from dash import ALL, MATCH, Input, Output, State, callback, ctx, dcc, html, no_
 
 from frontend import figures as F
 from frontend.api_client import ApiError, api
+from frontend.exportability import planned_export
 from frontend.components import baselines_choice, builtin_source_options, error_box, figure_card, options, profile_picker, progress, to_search, wants_baselines
 from frontend.names import fmt
 
@@ -25,6 +26,8 @@ N = "cd"
 EVAL_WINDOWS, EVAL_TOKENS = 4, 64  # a quick first look; the button and the chart say how small
 PARAM = "cd-param"  # pattern-matching id type of a parameter control: {"type", "method", "name"}
 RECIPE, RECIPE_DIFF = "cd-recipe", "cd-recipe-diff"  # {"type", "method"}: recipe choice and its difference
+#: how the recipe choice names a recipe (the API lists them by name, ``Method.describe``)
+RECIPE_LABELS = {"portable": "portable (exportable to GGUF / native HF)"}
 
 
 def _methods() -> tuple[list[dict[str, Any]], str | None]:
@@ -147,7 +150,9 @@ def initial_values(m: dict[str, Any], query: dict[str, Any]) -> dict[str, Any]:
 def recipe_text(recipe: str, diff: list[str], plan: Any) -> str:
     """What a recipe changes from the paper's settings, in words."""
     return f"{recipe}: " + ("; ".join(diff) if diff else "the paper's settings") + (
-        ". With plan 'budget', sparsity is of the FFN cost: ffn_flops_fraction ≤ 1 − sparsity." if plan == "budget" else "")
+        ". With plan 'budget', sparsity is of the FFN cost: ffn_flops_fraction ≤ 1 − sparsity." if plan == "budget" else
+        ". With plan 'leading', sparsity is of the FFN cost (ffn_flops_fraction ≤ 1 − sparsity), and the model exports to "
+        "GGUF / native HF after recovery fine-tuning in mode expertweaver." if plan == "leading" else "")
 
 
 def method_panel(m: dict[str, Any], query: dict[str, Any], shown: bool) -> html.Div:
@@ -159,11 +164,13 @@ def method_panel(m: dict[str, Any], query: dict[str, Any], shown: bool) -> html.
     children = [html.Div(f"{m['title']} ({m['paper']}): {m['summary']}", className="note")]
     recipes = m.get("recipes") or {}
     recipe = initial_recipe(m, query)
-    if recipe:  # "paper" (the defaults) and the measured "best"
+    if recipe:  # "paper" (the defaults), the measured "best" and, where it differs, the exportable "portable"
+        options = [{"label": RECIPE_LABELS.get(r, r), "value": r} for r in recipes]
         children.append(html.Div(className="controls", children=[
             html.Div([html.Label("recipe", title="paper: the paper's settings; best: the best training-free conversion "
-                                                 "measured (bench_frontier) at the same cost"),
-                      dcc.RadioItems(id={"type": RECIPE, "method": m["name"]}, options=list(recipes), value=recipe, inline=True)]),
+                                                 "measured (bench_frontier) at the same cost; portable: the best one "
+                                                 "that exports to GGUF / native HF once recovered (mode expertweaver)"),
+                      dcc.RadioItems(id={"type": RECIPE, "method": m["name"]}, options=options, value=recipe, inline=True)]),
             html.Div(recipe_text(recipe, recipe_values(m, recipe)[1], values.get("plan")),
                      id={"type": RECIPE_DIFF, "method": m["name"]}, className="hint recipe-diff"),
         ]))
@@ -205,6 +212,8 @@ def layout(profile: str | None = None, method: str = "expertweaver", **query: st
         html.Div(id=f"{N}-error"),
         html.Div(id=f"{N}-summary", className="note"),
         html.Div(id=f"{N}-banner", className="banner"),  # what the preview cannot show (a budget plan's fitted top-k)
+        html.Div(id=f"{N}-export-note", className="note export-note"),  # whether the result will export (GGUF / native)
+        dcc.Store(id=f"{N}-family"),  # the profiled model's family (what the exports can express)
         html.Div(className="row", children=[figure_card(f"{N}-plan", "Preview", loading=False)]),
         html.Div(className="controls", children=[
             html.Button("Convert", id=f"{N}-convert", className="primary"),
@@ -259,13 +268,17 @@ def _panels(method, methods):
 
 
 def budget_banner(preview: dict[str, Any]) -> str | None:
-    """What a preview of a ``plan="budget"`` conversion can and cannot show, in words (None for
+    """What a preview of a ``plan="budget"`` or ``"leading"`` conversion can and cannot show, in words (None for
     other plans): the per-layer top-k is fitted on calibration tokens at conversion
     (``core.fitting``), so the chart is the starting plan; the other parameters it was drawn with."""
-    if not F.budget_plan(preview):
-        return None
     p = preview.get("params") or {}
     used = ", ".join(f"{k} {p[k]}" for k in ("router", "alpha_basis", "compensation") if p.get(k) is not None)
+    if p.get("plan") == "leading":
+        return ("Leading plan: how many leading layers stay dense and the one top-k of the others are fitted on calibration "
+                f"tokens at conversion, so this preview shows the uniform starting plan (drawn with {used}) and the cost "
+                f"cap {F.budget_cap(preview)}; after recovery in mode expertweaver the model exports to GGUF / native HF.")
+    if not F.budget_plan(preview):
+        return None
     return ("Budget plan: the per-layer top-k is fitted on calibration tokens at conversion, so this preview shows the "
             f"starting plan (drawn with {used}) and the cost cap {F.budget_cap(preview)}; the converted model "
             "records the per-layer top-k it chose.")
@@ -321,6 +334,28 @@ def _preview(profile, method, values, ids, methods, recipes, recipe_ids):
         text.append(html.Span(f" Static layers {s['static_layers']}: no routed expert runs there (a fixed prune).", className="aggregated"))
     return (F.allocation_plan(preview), {"kind": "allocation", "data": preview, "filename": "allocation_plan"}, text, budget,
             error_box(None), search)
+
+
+@callback(Output(f"{N}-family", "data"), Input(f"{N}-profile", "value"))
+def _family(profile):
+    """The family (llama, qwen3 …) of the chosen profile's model, for the export note."""
+    if not profile:
+        return None
+    try:
+        model_id = api().profile(profile).get("model_id")
+        model = next((m for m in api().models() if m["id"] == model_id), None)
+    except ApiError:
+        return None
+    return ((model or {}).get("info") or {}).get("family")
+
+
+@callback(Output(f"{N}-export-note", "children"), Input(f"{N}-method", "value"),
+          Input({"type": PARAM, "method": ALL, "name": ALL}, "value"), Input(f"{N}-family", "data"),
+          State({"type": PARAM, "method": ALL, "name": ALL}, "id"))
+def _export_note(method, values, family, ids):
+    """Whether the planned conversion will export to GGUF / native, from its parameters (``planned_export``)."""
+    verdict, text = planned_export(method, chosen_params(method, values, ids), family)
+    return html.Span(text, className=f"export-{verdict}")
 
 
 def params_problems(m: dict[str, Any], method: str, values: list[Any], ids: list[dict[str, Any]]) -> list[str]:

@@ -3,7 +3,9 @@ progress, states, durations and errors, each job named by what it works on; butt
 (a profile with the groups its CV is taken across, an evaluation with or without baselines), delete
 it (the confirm says what goes; refused in words next to its row while something uses it, then
 offered with everything that does, the confirm naming each), retry a failed job and download a
-converted model; a getting-started path (model → set → profile → designer) until there is a profile."""
+converted model, as a zip or as a GGUF file for llama.cpp / Ollama (f16, q8_0 or f32: an export job,
+then the file through this server's relay; a conversion whose layout does not export says why in its
+row); a getting-started path (model → set → profile → designer) until there is a profile."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
 from frontend.api_client import ApiError, api
 from frontend import figures as F
 from frontend.components import baselines_choice, builtin_options, error_box, options, progress, source_options, wants_baselines
-from frontend.downloads import download_url
+from frontend.downloads import download_url, export_download_url
 from frontend.names import (Names, evaluation_name, finetune_name, fmt, fmt_pct, heldout_text, job_subject, probe_name,
                             with_id)
 
@@ -64,6 +66,7 @@ def layout(**_):
             html.Div(id=f"{N}-created"),
             html.Div(id=f"{N}-cancelled"),
             html.Div(id=f"{N}-deleted"),
+            html.Div(id=f"{N}-exported"),
         ]),
         dcc.Store(id=f"{N}-pending-delete"),
         dcc.Store(id=f"{N}-refusal"),  # a refused delete: said next to its row in the lists
@@ -170,7 +173,7 @@ def _delete_button(kind: str, it: dict) -> html.Button:
 KINDS = {"models": ("model", "the record only: the model's own files stay where they are"),
          "calibration-sets": ("calibration set", "its stored samples"),
          "profiles": ("profile", "its activation statistics"),
-         "conversions": ("conversion", "its converted model files"),
+         "conversions": ("conversion", "its converted model files and GGUF exports"),
          "evaluations": ("evaluation", "its report"),
          "finetunes": ("fine-tune", "its checkpoints and training log"),
          "probes": ("probe", "its result")}
@@ -229,6 +232,8 @@ def subjects(lists: dict[str, list[dict]]) -> dict[str, str]:
     out |= {e["id"]: evaluation_name(e, convs.get(e.get("conversion_id"))) for e in lists.get("evaluations") or []}
     out |= {p["id"]: probe_name(p, convs.get(p.get("conversion_id"))) for p in lists.get("probes") or []}
     out |= {f["id"]: finetune_name(f, convs.get(f.get("conversion_id"))) for f in lists.get("finetunes") or []}
+    out |= {e["id"]: f"GGUF {e.get('type')} export of {convs.get(v['id'], v['id'])}"
+            for v in lists.get("conversions") or [] for e in v.get("exports") or []}
     return out
 
 
@@ -332,6 +337,79 @@ def _conversion_actions(v: dict) -> html.Span:
                       _delete_button("conversions", v)])
 
 
+#: pattern-matching id types of a conversion row's GGUF controls: {"type", "id": conversion id}
+GGUF_TYPE, GGUF_BUTTON = "ws-gguf-type", "ws-gguf"
+#: the GGUF types offered, in this order (the API's ``gguf.types`` decides which exist)
+GGUF_ORDER = ("f16", "q8_0", "f32")
+GGUF_HELP = {"f16": "f16: half precision, the usual choice", "q8_0": "q8_0: 8-bit, about half the size of f16",
+             "f32": "f32: full precision, exact, twice the size of f16"}
+
+
+def human_bytes(n) -> str:
+    """12345678 → '12.3 MB' (a file's size as a download dialog says it)."""
+    if not isinstance(n, (int, float)) or isinstance(n, bool):
+        return ""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def export_line(e: dict) -> html.Div:
+    """One export of a conversion: its file to download once ready (through this server), its job's
+    progress while it runs, why it failed otherwise."""
+    what = f"GGUF {e.get('type')}"
+    if e.get("status") == "ready" and e.get("file"):
+        return html.Div(html.A(f"⤓ {e['file']} ({human_bytes(e.get('bytes'))})", href=export_download_url(e["id"], e["file"]),
+                               download=e["file"], className="gguf-file", title=f"{what} file for llama.cpp / Ollama"))
+    job = e.get("job") or {}
+    if e.get("status") in ("queued", "running"):
+        return progress(job, title=f"{what} export")
+    return html.Div(f"{what} export {e.get('status')}: {job.get('error') or 'no reason recorded'} — press Download as GGUF "
+                    "to try again", className="state-failed")
+
+
+def gguf_cell(v: dict):
+    """A ready conversion's GGUF column: the type choice and 'Download as GGUF' with its exports below,
+    or why its layout does not export (the API's reason, in its words)."""
+    check = v.get("gguf")
+    if v.get("status") != "ready" or not check:
+        return ""
+    if not check.get("exportable"):
+        return html.Div(f"no GGUF: {check.get('reason')}", className="note gguf-refusal", id={"type": "ws-gguf-refusal", "id": v["id"]})
+    types = [t for t in GGUF_ORDER if t in (check.get("types") or GGUF_ORDER)]
+    choice = dcc.RadioItems(id={"type": GGUF_TYPE, "id": v["id"]}, options=[{"label": t, "value": t, "title": GGUF_HELP[t]}
+                                                                             for t in types],
+                            value=types[0], inline=True, persistence=True, persistence_type="memory", className="gguf-types")
+    button = html.Button("Download as GGUF", id={"type": GGUF_BUTTON, "id": v["id"]}, className="small",
+                         title="export the model as one .gguf file that llama.cpp and Ollama run (a job), then download it")
+    exports = [e for e in v.get("exports") or [] if e.get("format", "gguf") == "gguf"]
+    return html.Div([html.Div([choice, button], className="controls gguf-controls"), *[export_line(e) for e in exports]],
+                    className="gguf")
+
+
+@callback(Output(f"{N}-exported", "children"), Input({"type": GGUF_BUTTON, "id": ALL}, "n_clicks"),
+          State({"type": GGUF_TYPE, "id": ALL}, "value"), State({"type": GGUF_TYPE, "id": ALL}, "id"), prevent_initial_call=True)
+def _export_gguf(_clicks, types, type_ids):
+    """Start (or find) the conversion's GGUF export of the chosen type; its row then follows the job and
+    offers the file once written."""
+    clicked = _clicked()
+    if clicked is None:
+        return no_update
+    cid = clicked["id"]
+    gguf_type = next((t for t, i in zip(types or [], type_ids or []) if i["id"] == cid and t), GGUF_ORDER[0])
+    try:
+        e = api().create_export(cid, gguf_type)
+    except ApiError as exc:
+        return error_box(f"could not export {cid} as GGUF {gguf_type}: {exc}")
+    if e.get("status") == "ready" and e.get("file"):
+        return html.Div(["GGUF ", gguf_type, f" of {cid} is ready: ",
+                         html.A(f"download {e['file']}", href=export_download_url(e["id"], e["file"]), download=e["file"])],
+                        className="note")
+    return html.Div(f"exporting {cid} as GGUF {gguf_type} (job {e.get('job_id')}); the file is offered in its row once written",
+                    className="note")
+
+
 def ppl(value) -> str:
     """A perplexity as read: 25.12, 1,234 (a tiny or broken model's 52,070, not 5.207e+04)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -410,8 +488,9 @@ def _group_note(cset, group_by):
           Output(f"{N}-eval-conversion", "options"), Output(f"{N}-eval-source", "options"),
           Output(f"{N}-shown", "data"),
           Input(f"{N}-poll", "n_intervals"), Input(f"{N}-created", "children"), Input(f"{N}-deleted", "children"),
-          Input(f"{N}-cancelled", "children"), Input(f"{N}-refusal", "data"), State(f"{N}-shown", "data"))
-def _refresh(_n, _created, _deleted, _job_action, refusal, shown_digest):
+          Input(f"{N}-cancelled", "children"), Input(f"{N}-exported", "children"), Input(f"{N}-refusal", "data"),
+          State(f"{N}-shown", "data"))
+def _refresh(_n, _created, _deleted, _job_action, _exported, refusal, shown_digest):
     """The lists, redrawn only when what they show changed: a redraw replaces every button, and a
     click whose callback is still running when its button is replaced is lost (Dash drops the
     answer of a pattern callback whose inputs changed meanwhile)."""
@@ -457,7 +536,7 @@ def _refresh(_n, _created, _deleted, _job_action, refusal, shown_digest):
                ("method", lambda v: v.get("method") or ""), ("router", lambda v: (v.get("params") or {}).get("router") or ""),
                ("sparsity (parameter)", lambda v: fmt_pct((v.get("params") or {}).get("sparsity"))),
                ("ffn_flops_fraction", lambda v: fmt((v.get("summary") or {}).get("ffn_flops_fraction"), 3)),
-               ("status", _status), ("open", _conversion_actions)]),
+               ("status", _status), ("open", _conversion_actions), ("GGUF (llama.cpp / Ollama)", gguf_cell)]),
         _evaluation_table(evals, {v["id"]: v for v in convs}, conv_names, refusal),
         html.Div(className="card", id=f"{N}-jobs", children=[html.Div("Recent jobs", className="card-title")] + [_job_row(j, said) for j in jobs]),
     ]

@@ -5,6 +5,8 @@ Layout (keys are ``<kind>/<id>``; an object store can later mirror the same keys
     <root>/calibration-sets/<cal-id>/   samples.parquet, calibration.json
     <root>/profiles/<pr-id>/            manifest.json, neurons.parquet, … (engine profile)
     <root>/conversions/<conv-id>/       config.json, model.safetensors, conversion.json, …
+        exports/<exp-id>/               the conversion in another format (a .gguf, Modelfile, README.md):
+                                        part of the conversion's area, removed with it; not in its own file list
     <root>/evaluations/<ev-id>/         evaluation.json
     <root>/finetunes/<ft-id>/           train_log.json, checkpoints/, finetune.json (a work dir: re-runs resume in it)
     <root>/probes/<pb-id>/              probe.json (token routing or a side-by-side generation)
@@ -39,6 +41,8 @@ from workers.engine.atomic import (
 )
 
 KINDS = ("calibration-sets", "profiles", "conversions", "evaluations", "finetunes", "probes")
+#: the folder of a conversion's artifact holding its exports (``Export`` rows: GGUF files …)
+EXPORTS_DIR = "exports"
 _ID = re.compile(r"^[a-z]{2,5}-[0-9a-f]{16}$")
 
 
@@ -125,14 +129,61 @@ class ArtifactStore:
     def exists(self, kind: str, artifact_id: str) -> bool:
         return self.path(kind, artifact_id).is_dir()
 
+    def export_path(self, conversion_id: str, export_id: str) -> Path:
+        """Directory of one export of a conversion (it may not exist yet): inside the conversion's own."""
+        if not _ID.match(export_id):
+            raise ValueError(f"not an artifact id: {export_id!r}")
+        return self.path("conversions", conversion_id) / EXPORTS_DIR / export_id
+
+    def export_files(self, conversion_id: str, export_id: str) -> list[FileEntry]:
+        """Complete files of one export, sorted (``ArtifactMissing`` when it is not stored)."""
+        base = self.export_path(conversion_id, export_id)
+        if not base.is_dir():
+            raise ArtifactMissing(f"export {export_id} of conversion {conversion_id}: no stored file (its job has not succeeded yet?)")
+        return self._walk(base, top_skip=())
+
+    def export_file(self, conversion_id: str, export_id: str, rel: str) -> Path:
+        """One listed file of an export; anything not in its listing is refused."""
+        if rel not in {f.path for f in self.export_files(conversion_id, export_id)}:
+            raise ArtifactMissing(f"export {export_id} has no file {rel!r}; list its files first")
+        base = self.export_path(conversion_id, export_id).resolve()
+        full = (base / rel).resolve()
+        if base not in full.parents:
+            raise ArtifactMissing(f"export {export_id} has no file {rel!r}")
+        return full
+
+    def iter_export_zip(self, conversion_id: str, export_id: str, chunk_size: int = 1 << 20) -> Generator[bytes, None, None]:
+        """One export's directory as a streamed zip (``iter_zip``'s way), entries under ``<exp-id>/``."""
+        entries = self.export_files(conversion_id, export_id)
+        return self._zip_pieces(self.export_path(conversion_id, export_id), export_id, entries, chunk_size)
+
+    def remove_export(self, conversion_id: str, export_id: str) -> bool:
+        """Delete one export's directory atomically (``remove``'s way); False when there was none."""
+        final = self.export_path(conversion_id, export_id)
+        if not final.exists():
+            return False
+        trash = temporary_sibling(final, "trash")
+        try:
+            os.replace(final, trash)
+        except FileNotFoundError:
+            return False
+        shutil.rmtree(trash, ignore_errors=True)
+        return True
+
     def files(self, kind: str, artifact_id: str) -> list[FileEntry]:
-        """Complete files of an artifact, sorted; temporaries of interrupted writes are skipped."""
+        """Complete files of an artifact, sorted; temporaries of interrupted writes are skipped, and so
+        is a conversion's ``exports/`` folder (its exports are resources of their own, listed apart)."""
         base = self.path(kind, artifact_id)
         if not base.is_dir():
             raise ArtifactMissing(f"{kind}/{artifact_id}: no stored artifact (the job has not succeeded yet?)")
+        return self._walk(base, top_skip=(EXPORTS_DIR,) if kind == "conversions" else ())
+
+    @staticmethod
+    def _walk(base: Path, top_skip: tuple[str, ...]) -> list[FileEntry]:
         out = []
         for dirpath, dirnames, filenames in os.walk(base):
-            dirnames[:] = sorted(d for d in dirnames if TMP_MARK not in d and not d.startswith("."))
+            skip = top_skip if Path(dirpath) == base else ()
+            dirnames[:] = sorted(d for d in dirnames if TMP_MARK not in d and not d.startswith(".") and d not in skip)
             for name in sorted(filenames):
                 if TMP_MARK in name or name.startswith("."):
                     continue
@@ -208,6 +259,8 @@ class ArtifactStore:
         for kind in KINDS:
             if (self.root / kind).is_dir():
                 n += remove_stale_temporaries(self.root / kind)
+        for exports in (self.root / "conversions").glob(f"*/{EXPORTS_DIR}"):  # an export killed mid-write
+            n += remove_stale_temporaries(exports)
         scratch = self.root / ".uploads"
         if scratch.is_dir():
             cutoff = time.time() - upload_age_s
@@ -241,5 +294,5 @@ class _Sink:
         return out
 
 
-__all__ = ["ArtifactStore", "ArtifactMissing", "FileEntry", "InsufficientStorage", "KINDS", "artifacts_label", "atomic_directory",
+__all__ = ["ArtifactStore", "ArtifactMissing", "EXPORTS_DIR", "FileEntry", "InsufficientStorage", "KINDS", "artifacts_label", "atomic_directory",
            "is_disk_full", "write_json_atomic"]

@@ -35,6 +35,7 @@ TASKS: dict[str, tuple[str, str]] = {
     "evaluation": ("moelab.evaluate", GPU_QUEUE),
     "finetune": ("moelab.finetune", GPU_QUEUE),
     "probe": ("moelab.probe", GPU_QUEUE),
+    "export": ("moelab.export", GPU_QUEUE),  # loads the whole converted model: model work
 }
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -40,7 +40,7 @@ from sqlalchemy.orm import (
     sessionmaker,
 )
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 def utcnow() -> datetime:
@@ -76,7 +76,7 @@ class Job(Base):
     __tablename__ = "jobs"
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(32))  # inspect_model | build_calibration | profile | conversion | evaluation | finetune | probe
+    kind: Mapped[str] = mapped_column(String(32))  # inspect_model | build_calibration | profile | conversion | evaluation | finetune | probe | export
     queue: Mapped[str] = mapped_column(String(16))
     resource_type: Mapped[str] = mapped_column(String(32))
     resource_id: Mapped[str] = mapped_column(String(40), index=True)
@@ -177,6 +177,22 @@ class Probe(_Resource, Base):
     job: Mapped[Job | None] = relationship(lazy="joined")
 
 
+class Export(_Resource, Base):
+    """A conversion written in another format (``format`` ``gguf``: one ``.gguf`` file for llama.cpp /
+    Ollama, of ``type`` f32 | f16 | q8_0), stored inside the conversion's artifact
+    (``conversions/<conv-id>/exports/<exp-id>/``), so it goes with the conversion. One per conversion,
+    format and type (a unique index: concurrent requests for the same file make one export)."""
+
+    __tablename__ = "exports"
+
+    conversion_id: Mapped[str] = mapped_column(ForeignKey("conversions.id"), index=True)
+    format: Mapped[str] = mapped_column(String(16))
+    type: Mapped[str] = mapped_column(String(16))
+    job: Mapped[Job | None] = relationship(lazy="joined")
+
+    __table_args__ = (Index("uq_exports_conversion_format_type", "conversion_id", "format", "type", unique=True),)
+
+
 class Meta(Base):
     __tablename__ = "moelab_meta"
 
@@ -192,6 +208,7 @@ RESOURCE_TABLES: dict[str, type[_Resource]] = {
     "evaluations": Evaluation,
     "finetunes": Finetune,
     "probes": Probe,
+    "exports": Export,
 }
 
 

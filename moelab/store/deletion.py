@@ -6,8 +6,12 @@ A resource's dependants are the resources that read it:
     calibration set  ← profiles over it; conversions, evaluations and fine-tunes that name it as their text
     profile          ← conversions made from it (also as a MIDAS extra profile)
     conversion       ← its evaluations, fine-tunes and probes
-    evaluation, fine-tune, probe: nothing (a fine-tune's result is a conversion of its own; deleting that
+    evaluation, fine-tune, probe, export: nothing (a fine-tune's result is a conversion of its own; deleting that
                        conversion only clears the fine-tune's ``result_conversion_id``)
+
+A conversion's exports (its GGUF files) are parts of it, not dependants: they never make a DELETE
+of the conversion ask for ``cascade``, and they always go with it (their jobs cancelled, their rows
+deleted first, their files inside the conversion's artifact).
 
 Rows are deleted dependants first (foreign keys hold at every step), in one transaction; job rows
 stay as history. Artifacts are removed after the commit, each by one rename to a temporary name and
@@ -17,14 +21,14 @@ that reads as complete, and the leftover is cleaned at the next start.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from .artifacts import ArtifactStore
-from .db import CalibrationSet, Conversion, Evaluation, Finetune, Model, Probe, Profile
+from .db import CalibrationSet, Conversion, Evaluation, Export, Finetune, Model, Probe, Profile
 
 #: resource type (as in ``Job.resource_type``) → (table, name in messages, artifact kind or None)
 RESOURCES: dict[str, tuple[type, str, str | None]] = {
@@ -35,6 +39,7 @@ RESOURCES: dict[str, tuple[type, str, str | None]] = {
     "evaluations": (Evaluation, "evaluation", "evaluations"),
     "finetunes": (Finetune, "fine-tune", "finetunes"),
     "probes": (Probe, "probe", "probes"),
+    "exports": (Export, "export", None),  # stored inside its conversion's artifact (``ArtifactStore.export_path``)
 }
 
 
@@ -42,6 +47,7 @@ RESOURCES: dict[str, tuple[type, str, str | None]] = {
 class Node:
     type: str  # a key of RESOURCES
     id: str
+    parent: str | None = field(default=None, compare=False)  # an export's conversion (where its files are)
 
     def describe(self) -> str:
         return f"{RESOURCES[self.type][1]} {self.id}"
@@ -81,15 +87,23 @@ def dependants(session: Session, node: Node) -> list[Node]:
     return [n for n in dict.fromkeys(out) if n != node]
 
 
+def parts(session: Session, node: Node) -> list[Node]:
+    """What is part of ``node`` and goes with it without being asked for: a conversion's exports."""
+    if node.type != "conversions":
+        return []
+    rows = session.execute(select(Export.id).where(Export.conversion_id == node.id).order_by(Export.created_at)).scalars()
+    return [Node("exports", i, parent=node.id) for i in rows]
+
+
 def tree(session: Session, root: Node) -> list[Node]:
-    """``root`` and everything that depends on it, transitively, dependants before what they read
-    (the order rows can be deleted in)."""
+    """``root`` and everything that depends on it or is part of it, transitively, dependants before
+    what they read (the order rows can be deleted in)."""
     order: list[Node] = []
     seen: set[Node] = set()
 
     def visit(node: Node) -> None:
         seen.add(node)
-        for child in dependants(session, node):
+        for child in parts(session, node) + dependants(session, node):
             if child not in seen:
                 visit(child)
         order.append(node)
@@ -118,8 +132,17 @@ def delete_rows(session: Session, nodes: list[Node]) -> None:
 def remove_artifacts(store: ArtifactStore, nodes: list[Node]) -> int:
     """Remove the artifacts of ``nodes`` (after their rows are gone); returns how many existed."""
     removed = 0
+    conversions = {n.id for n in nodes if n.type == "conversions"}
     for node in nodes:
         kind = RESOURCES[node.type][2]
         if kind is not None and store.remove(kind, node.id):
             removed += 1
+        elif node.type == "exports" and node.parent and node.parent not in conversions:  # else it goes with its conversion
+            removed += int(store.remove_export(node.parent, node.id))
     return removed
+
+
+def export_node(session: Session, export_id: str) -> Node:
+    """The node of one export, with its conversion (where its files are)."""
+    row = session.get(Export, export_id)
+    return Node("exports", export_id, parent=row.conversion_id if row is not None else None)

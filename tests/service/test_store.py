@@ -132,7 +132,7 @@ def test_migration_to_unique_upload_keys_keeps_duplicates_of_old(tmp_path):
     with db.engine.begin() as conn:
         keys = dict(conn.execute(text("SELECT id, upload_key FROM calibration_sets")).all())
         assert keys == {"cal-a": "cs-1", "cal-b": None, "cal-c": None, "cal-d": "cs-2", "cal-e": None, "cal-h": None}
-        assert conn.execute(text("SELECT value FROM moelab_meta")).scalar() == str(SCHEMA_VERSION) == "3"
+        assert conn.execute(text("SELECT value FROM moelab_meta")).scalar() == str(SCHEMA_VERSION) == "4"
     with pytest.raises(IntegrityError):
         with db.engine.begin() as conn:
             conn.execute(text("INSERT INTO calibration_sets (id, created_at, params, name, origin, content_id, upload_key) "

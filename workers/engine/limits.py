@@ -106,3 +106,61 @@ def profile_duplicates_problem(profile_id: str | None, extra_profile_ids: list[s
     where = "profile_id" if profile_id in extra_profile_ids else "extra_profile_ids"
     return (f"extra_profile_ids: {', '.join(dict.fromkeys(repeated))} given more than once ({where} repeats it); MIDAS builds one "
             "expert per calibration set, so every profile must be a different one")
+
+
+# --------------------------------------------------------------------------- exports
+
+#: bytes per weight of a GGUF file of each type (q8_0: blocks of 32 int8 weights and one f16 scale)
+GGUF_BYTES_PER_WEIGHT = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
+#: the largest safetensors header read to count weights (a real one is kilobytes to a few megabytes)
+_MAX_HEADER = 100_000_000
+
+
+def stored_weights(model_dir: Path) -> int | None:
+    """How many weights the model files (``model*.safetensors``) of a model directory hold, from
+    their headers alone (nothing is loaded); None when there are none or a header is unreadable."""
+    total, found = 0, False
+    for path in sorted(Path(model_dir).glob("model*.safetensors")):
+        try:
+            with open(path, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                if not 0 < size <= _MAX_HEADER:
+                    return None
+                header = json.loads(fh.read(size))
+        except (OSError, ValueError):
+            return None
+        for name, entry in header.items():
+            if name != "__metadata__" and isinstance(entry, dict):
+                count = 1
+                for dim in entry.get("shape") or []:
+                    count *= int(dim)
+                total += count
+        found = True
+    return total if found else None
+
+
+def gguf_export_footprint(model_dir: Path, gguf_type: str) -> dict[str, int] | None:
+    """About what a GGUF export of a converted model costs (``gguf_export.export_gguf``), from its
+    stored weights: ``file_bytes`` (the .gguf), ``disk_bytes`` (the fp32 checkpoint it is staged as, plus
+    the file, both in the artifacts dir at once) and ``memory_bytes`` (the model loaded in fp32, its
+    staged fp32 copy, and the converter's output); None when the weights cannot be counted."""
+    weights = stored_weights(model_dir)
+    if weights is None:
+        return None
+    fp32 = 4 * weights
+    file_bytes = int(weights * GGUF_BYTES_PER_WEIGHT[gguf_type])
+    return {"weights": weights, "file_bytes": file_bytes, "disk_bytes": fp32 + file_bytes, "memory_bytes": 2 * fp32 + file_bytes}
+
+
+def memory_problem(need: int, budget: str | None, what: str) -> str | None:
+    """Why a job needing about ``need`` bytes of memory does not fit the server's ``MOELAB_MAX_MEMORY``
+    (None: it fits, or no budget is set)."""
+    if not budget:
+        return None
+    from .sizes import format_size, parse_size
+
+    limit = parse_size(budget)
+    if need <= limit:
+        return None
+    return (f"{what} needs about {format_size(need)} of memory, more than this server's MOELAB_MAX_MEMORY ({budget}); "
+            "raise MOELAB_MAX_MEMORY for the workers, or export on a larger machine with `moelab export`")

@@ -1,0 +1,118 @@
+"""'Download as GGUF' in a real browser against a live API and worker (issue 25 item 5): the Workspace
+offers the type choice and the button for a conversion whose layout exports (a uniform ExpertWeaver
+conversion recovered 1 step in mode expertweaver), runs the export job and offers the file through
+the frontend's relay (a GGUF the browser downloads); a conversion whose layout does not export says
+why in its row, in the API's words. The designer says whether the conversion being designed will
+export (pure rules, ``frontend.exportability``, and on the page)."""
+
+from __future__ import annotations
+
+import pytest
+
+from frontend.exportability import AFTER_RECOVERY, planned_export
+
+from .conftest import ARTIFACTS, wait_job
+
+UNIFORM = {"n_experts": 8, "sparsity": 0.25, "alpha_min": 0.25, "alpha_max": 0.25, "tau": 0.3}
+ONE_STEP = {"mode": "expertweaver", "steps": 1, "batch_size": 1, "seq_len": 16, "eval_windows": 1, "source": "builtin:math"}
+
+
+def _id(**parts: str) -> str:
+    body = ",".join(f'"{k}":"{v}"' for k, v in sorted(parts.items()))
+    return f"[id='{{{body}}}']"
+
+
+def _row(page, conversion_id: str):
+    return page.locator("tr", has=page.locator(_id(type="ws-del", kind="conversions", id=conversion_id)))
+
+
+# ----------------------------------------------------------------------------- the designer's rules (pure)
+
+
+@pytest.mark.parametrize("method, params, family, verdict, words", [
+    ("expertweaver", {"plan": "leading", "router": "ridge", "alpha_basis": "active"}, None, "after_recovery", AFTER_RECOVERY),
+    ("expertweaver", {"alpha_min": 0.3, "alpha_max": 0.3}, "llama", "after_recovery", "to GGUF (llama.cpp / Ollama) and native"),
+    ("expertweaver", {}, None, "no", "alpha_min 0.2 ≠ alpha_max 0.7"),  # the paper's defaults: α per layer
+    ("expertweaver", {"plan": "budget"}, None, "no", "plan 'budget' gives layers their own"),
+    ("expertweaver", {"plan": "someday"}, None, "no", "plan 'someday'"),  # a plan this check does not know: not promised
+    ("expertweaver", {"plan": "leading", "compensation": "skipped_mean"}, None, "no", "compensation 'skipped_mean'"),
+    ("expertweaver", {"plan": "leading", "combine": "weighted", "router": "ridge"}, None, "no", "use combine sum"),
+    ("expertweaver", {"plan": "leading", "combine": "weighted"}, None, "as_converted", "exportable as converted"),
+    ("expertweaver", {"plan": "leading"}, "qwen3", "after_recovery", "native transformers only: GGUF exports Llama and Mistral"),
+    ("expertweaver", {"plan": "leading"}, "phi3", "no", "source family 'phi3'"),
+    ("cmoe", {}, None, "no", "not planned for cmoe"),
+])
+def test_designer_says_whether_the_planned_conversion_exports(method, params, family, verdict, words):
+    got, text = planned_export(method, params, family)
+    assert got == verdict and words in text, (got, text)
+
+
+# ----------------------------------------------------------------------------- in the browser
+
+
+@pytest.fixture(scope="module")
+def conversions(api, profile_id) -> dict[str, str]:
+    """One conversion that does not export (EW Eq. 10's training-free sum, α per layer) and one that does."""
+    plain = api.post("/conversions", json={"profile_id": profile_id, "expertweaver": {"n_experts": 8, "alpha_max": 0.5}}).json()
+    uniform = api.post("/conversions", json={"profile_id": profile_id, "expertweaver": UNIFORM}).json()
+    wait_job(api, plain["job_id"])
+    wait_job(api, uniform["job_id"])
+    ft = api.post("/finetunes", json={"conversion_id": uniform["id"], **ONE_STEP}).json()
+    wait_job(api, ft["job_id"])
+    return {"plain": plain["id"], "exportable": api.get(f"/finetunes/{ft['id']}").json()["result_conversion_id"]}
+
+
+@pytest.mark.slow
+def test_workspace_exports_a_gguf_and_says_why_another_does_not(page, live, api, conversions, tmp_path):
+    plain, good = conversions["plain"], conversions["exportable"]
+    reason = api.get(f"/conversions/{plain}").json()["gguf"]["reason"]
+    page.goto(f"{live['ui']}/")
+
+    refusal = _row(page, plain).locator(".gguf-refusal")
+    refusal.wait_for()
+    assert refusal.inner_text() == f"no GGUF: {reason}"  # the API's reason, as it said it
+    assert "combines its experts with 'sum'" in reason and "--recipe portable" in reason
+    assert _row(page, plain).locator(_id(type="ws-gguf", id=plain)).count() == 0  # no button where it cannot export
+
+    row = _row(page, good)
+    button = row.locator(_id(type="ws-gguf", id=good))
+    assert button.inner_text() == "Download as GGUF" and row.locator(".gguf-refusal").count() == 0
+    assert row.locator(_id(type="ws-gguf-type", id=good)).inner_text().split() == ["f16", "q8_0", "f32"]
+    row.locator(_id(type="ws-gguf-type", id=good)).locator("label", has_text="q8_0").click()
+    button.click()
+    page.wait_for_selector(f"#ws-exported >> text=exporting {good} as GGUF q8_0 (job")
+    link = _row(page, good).locator("a.gguf-file")
+    link.wait_for(timeout=60_000)  # the row follows the job, then offers the file
+    name = f"{good}-q8_0.gguf"
+    assert link.inner_text().startswith(f"⤓ {name} (")
+    export = next(e for e in api.get(f"/conversions/{good}/exports").json()["items"] if e["type"] == "q8_0")
+    assert link.get_attribute("href") == f"/download/exports/{export['id']}/{name}"  # this server's relay, not the API
+    with page.expect_download() as dl:
+        link.click()
+    saved = tmp_path / name
+    dl.value.save_as(saved)
+    assert dl.value.suggested_filename == name
+    data = saved.read_bytes()
+    assert data[:4] == b"GGUF" and len(data) == export["bytes"]
+    page.screenshot(path=str(ARTIFACTS / "workspace-gguf.png"), full_page=True)
+
+    # asked again: the same file at once, no second job
+    button = _row(page, good).locator(_id(type="ws-gguf", id=good))
+    _row(page, good).locator(_id(type="ws-gguf-type", id=good)).locator("label", has_text="q8_0").click()
+    button.click()
+    page.wait_for_selector(f"#ws-exported >> text=GGUF q8_0 of {good} is ready")
+    assert len([e for e in api.get(f"/conversions/{good}/exports").json()["items"] if e["type"] == "q8_0"]) == 1
+    r = api.get(f"{live['ui']}/download/exports/exp-0000000000000000/{name}")  # a missing export: the API's words
+    assert r.status_code == 404 and "exp-0000000000000000" in r.text, r.text
+    assert page.errors == [], page.errors
+
+
+@pytest.mark.slow
+def test_designer_says_whether_the_design_will_export(page, live, profile_id):
+    page.goto(f"{live['ui']}/designer?profile={profile_id}&method=expertweaver&recipe=portable")
+    page.wait_for_selector(f"#cd-export-note >> text={AFTER_RECOVERY}")
+    assert "to GGUF (llama.cpp / Ollama) and native transformers" in page.inner_text("#cd-export-note")  # a Llama source
+    page.goto(f"{live['ui']}/designer?profile={profile_id}&method=expertweaver")  # the paper recipe: α per layer
+    page.wait_for_selector("#cd-export-note >> text=not exportable")
+    assert "alpha_min 0.2 ≠ alpha_max 0.7" in page.inner_text("#cd-export-note")
+    assert page.errors == [], page.errors
