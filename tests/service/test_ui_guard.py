@@ -34,7 +34,7 @@ def _refresh_callback() -> dict:
                ("ws-builtin", "options"), ("ws-start", "children"), ("ws-eval-conversion", "options"),
                ("ws-eval-source", "options"), ("ws-shown", "data")]
     inputs = [("ws-poll", "n_intervals", 1), ("ws-created", "children", None), ("ws-deleted", "children", None),
-              ("ws-cancelled", "children", None), ("ws-refusal", "data", None)]
+              ("ws-cancelled", "children", None), ("ws-exported", "children", None), ("ws-refusal", "data", None)]
     return {
         "output": ".." + "...".join(f"{i}.{p}" for i, p in outputs) + "..",
         "outputs": [{"id": i, "property": p} for i, p in outputs],
