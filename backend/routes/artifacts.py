@@ -94,6 +94,16 @@ class DownloadSlots:
         self._sem.release()
 
 
+def zip_response(request: Request, pieces: Generator[bytes, None, None], name: str) -> StreamingResponse:
+    """A streamed zip download holding one of the app's download slots (429 when all are taken)."""
+    slots: DownloadSlots = request.app.state.download_slots
+    if not slots.try_acquire():
+        raise ApiError(429, f"{slots.limit} archive downloads are running already (MOELAB_MAX_CONCURRENT_DOWNLOADS); "
+                            "retry in a few seconds", headers={"Retry-After": "5"})
+    return StreamingResponse(_stream(pieces, slots), media_type="application/zip",
+                             headers={"Content-Disposition": f'attachment; filename="{name}.zip"'})
+
+
 async def _stream(pieces: Generator[bytes, None, None], slots: DownloadSlots) -> AsyncIterator[bytes]:
     """Pull the zip's pieces in a worker thread (file reads block); the slot is given back when the
     download ends, fails or the client goes away (the generator is closed, its files with it)."""
@@ -120,9 +130,4 @@ def download_archive(kind: Kind, artifact_id: str, request: Request, session: Se
         pieces = store.iter_zip(kind, artifact_id)
     except ArtifactMissing as exc:
         raise ApiError(404, str(exc)) from exc
-    slots: DownloadSlots = request.app.state.download_slots
-    if not slots.try_acquire():
-        raise ApiError(429, f"{slots.limit} archive downloads are running already (MOELAB_MAX_CONCURRENT_DOWNLOADS); "
-                            "retry in a few seconds", headers={"Retry-After": "5"})
-    return StreamingResponse(_stream(pieces, slots), media_type="application/zip",
-                             headers={"Content-Disposition": f'attachment; filename="{artifact_id}.zip"'})
+    return zip_response(request, pieces, artifact_id)

@@ -39,7 +39,7 @@ from ..deps import QueueDep, SessionDep, SettingsDep, StoreDep, launch, lookup, 
 from ..errors import ApiError
 from ..schemas import ArtifactFile, DeleteOut, ExportCreate, ExportList, ExportOut, GgufCheck
 from ..views import export_out
-from .artifacts import DownloadSlots, _stream
+from .artifacts import zip_response
 
 router = APIRouter(tags=["exports"])
 
@@ -218,12 +218,7 @@ def download_export_archive(export_id: str, request: Request, session: SessionDe
         pieces = store.iter_export_zip(row.conversion_id, row.id)
     except ArtifactMissing as exc:
         raise _missing(row, exc) from exc
-    slots: DownloadSlots = request.app.state.download_slots
-    if not slots.try_acquire():
-        raise ApiError(429, f"{slots.limit} archive downloads are running already (MOELAB_MAX_CONCURRENT_DOWNLOADS); "
-                            "retry in a few seconds", headers={"Retry-After": "5"})
-    return StreamingResponse(_stream(pieces, slots), media_type="application/zip",
-                             headers={"Content-Disposition": f'attachment; filename="{row.id}.zip"'})
+    return zip_response(request, pieces, row.id)
 
 
 @router.delete("/exports/{export_id}", response_model=DeleteOut, responses={404: {}, 409: {}},

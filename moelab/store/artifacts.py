@@ -144,13 +144,8 @@ class ArtifactStore:
 
     def export_file(self, conversion_id: str, export_id: str, rel: str) -> Path:
         """One listed file of an export; anything not in its listing is refused."""
-        if rel not in {f.path for f in self.export_files(conversion_id, export_id)}:
-            raise ArtifactMissing(f"export {export_id} has no file {rel!r}; list its files first")
-        base = self.export_path(conversion_id, export_id).resolve()
-        full = (base / rel).resolve()
-        if base not in full.parents:
-            raise ArtifactMissing(f"export {export_id} has no file {rel!r}")
-        return full
+        return self._listed(self.export_path(conversion_id, export_id), self.export_files(conversion_id, export_id),
+                            rel, f"export {export_id}")
 
     def iter_export_zip(self, conversion_id: str, export_id: str, chunk_size: int = 1 << 20) -> Generator[bytes, None, None]:
         """One export's directory as a streamed zip (``iter_zip``'s way), entries under ``<exp-id>/``."""
@@ -194,13 +189,17 @@ class ArtifactStore:
 
     def file(self, kind: str, artifact_id: str, rel: str) -> Path:
         """One listed file; anything not in the listing (``..``, absolute paths, links out) is refused."""
-        listed = {f.path for f in self.files(kind, artifact_id)}
-        if rel not in listed:
-            raise ArtifactMissing(f"{kind}/{artifact_id} has no file {rel!r}; list its files first")
-        base = self.path(kind, artifact_id).resolve()
+        return self._listed(self.path(kind, artifact_id), self.files(kind, artifact_id), rel, f"{kind}/{artifact_id}")
+
+    @staticmethod
+    def _listed(base: Path, entries: list[FileEntry], rel: str, what: str) -> Path:
+        """``base/rel`` when ``rel`` is one of ``entries`` and resolves inside ``base``, else ArtifactMissing."""
+        if rel not in {f.path for f in entries}:
+            raise ArtifactMissing(f"{what} has no file {rel!r}; list its files first")
+        base = base.resolve()
         full = (base / rel).resolve()
         if base not in full.parents:
-            raise ArtifactMissing(f"{kind}/{artifact_id} has no file {rel!r}")
+            raise ArtifactMissing(f"{what} has no file {rel!r}")
         return full
 
     def size(self, kind: str, artifact_id: str) -> int:
