@@ -101,6 +101,22 @@ def test_mixed_is_balanced() -> None:
     assert len(bd.builtin_set("mixed", 240, 0, split="heldout")) == 240
 
 
+def test_a_mix_of_named_parts_leaves_the_others_out() -> None:
+    """``builtin:a+b``: what the leave-domain-out frontier calibrates on; no sample of a part not named."""
+    cs = load_calibration("builtin:prose+literature+chat", samples=30)
+    assert Counter(s.task for s in cs.samples) == {"prose": 10, "literature": 10, "chat": 10}
+    assert cs.source == "builtin:prose+literature+chat"
+    held = bd.builtin_set("code+math", 8, 0, split="heldout")
+    assert Counter(s.task for s in held.samples) == {"code": 4, "math": 4}
+    # a mix keeps the split: its calibration samples come from calibration units only
+    units = [u for us, _ in bd._build("code+chat", 40, 0, "calibration", None) for u in us]
+    assert units and {bd.unit_split(u) for u in units if u.startswith("stdlib:")} == {"calibration"}
+    with pytest.raises(CalibrationError, match="foo is not one"):
+        bd.builtin_set("prose+foo", 4)
+    with pytest.raises(CalibrationError, match="a part twice"):
+        bd.builtin_set("prose+prose", 4)
+
+
 def test_builtin_errors() -> None:
     with pytest.raises(CalibrationError, match="known: code, prose"):
         bd.builtin_set("nope")

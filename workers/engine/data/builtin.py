@@ -67,7 +67,7 @@ import tarfile
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import yaml
 
@@ -1119,13 +1119,18 @@ def _build_bigbench(n: int, rng: random.Random, split: str, data_dir: Path | Non
 # --------------------------------------------------------------------------------------------
 
 
-def _build_mixed(n: int, rng: random.Random, split: str, data_dir: Path | None) -> Built:
-    base, extra = divmod(n, len(MIXED_PARTS))
+def _build_mix(parts: Sequence[str], n: int, rng: random.Random, split: str, data_dir: Path | None) -> Built:
+    """Equal counts of each of ``parts`` (the first ones get one more when ``n`` does not divide), interleaved."""
+    base, extra = divmod(n, len(parts))
     groups = []
-    for i, part in enumerate(MIXED_PARTS):
+    for i, part in enumerate(parts):
         sub_rng = random.Random(f"mixed:{part}:{rng.getrandbits(64)}")
         groups.append(_BUILDERS[part](base + (1 if i < extra else 0), sub_rng, split, data_dir))
     return _interleave(groups)
+
+
+def _build_mixed(n: int, rng: random.Random, split: str, data_dir: Path | None) -> Built:
+    return _build_mix(MIXED_PARTS, n, rng, split, data_dir)
 
 
 _BUILDERS: dict[str, Callable[[int, random.Random, str, Path | None], Built]] = {
@@ -1146,13 +1151,24 @@ def _check_split(split: str) -> None:
 
 
 def _build(name: str, n_samples: int, seed: int, split: str, data_dir: Path | None) -> Built:
-    """Samples with the source units each was made from (what the split tests check)."""
-    if name not in _BUILDERS:
-        raise CalibrationError(f"unknown built-in set {name!r}; known: {', '.join(BUILTIN_SETS)}")
+    """Samples with the source units each was made from (what the split tests check). ``a+b+c``:
+    equal counts of the parts of ``mixed`` named (``code+prose``; what a leave-domain-out protocol
+    calibrates on)."""
+    parts = name.split("+")
+    if len(parts) > 1:
+        unknown = [p for p in parts if p not in MIXED_PARTS]
+        if unknown or len(set(parts)) != len(parts):
+            raise CalibrationError(f"builtin:{name}: a mix names distinct parts of mixed joined by '+' "
+                                   f"({'+'.join(MIXED_PARTS)}); {', '.join(unknown) or 'a part twice'} is not one")
+    elif name not in _BUILDERS:
+        raise CalibrationError(f"unknown built-in set {name!r}; known: {', '.join(BUILTIN_SETS)}, or parts of "
+                               f"mixed joined by '+' (code+prose)")
     _check_split(split)
     if n_samples < 1:
         raise CalibrationError(f"builtin:{name}: asked for {n_samples} samples; ask for at least 1")
     rng = random.Random(f"builtin:{name}:{split}:{seed}")
+    if len(parts) > 1:
+        return _build_mix(parts, n_samples, rng, split, data_dir)
     return _BUILDERS[name](n_samples, rng, split, data_dir)
 
 
