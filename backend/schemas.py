@@ -460,7 +460,8 @@ class EvaluationCreate(_In):
     n_windows: int = Field(32, ge=1, le=4096, description="non-overlapping token windows; n_windows × seq_len is at most "
                            "MOELAB_MAX_EVAL_TOKENS (422 beyond)")
     seq_len: int = Field(256, ge=8, le=32768, description="tokens per window; at most the model's max_position_embeddings")
-    baselines: bool = Field(True, description="also evaluate AbsTopK-GLU and the uniform allocation")
+    baselines: bool = Field(True, description="also evaluate AbsTopK-GLU, the uniform allocation and TEAL "
+                            "(activation sparsity) at the conversion's FFN cost")
     multiple_choice_per_task: int = Field(
         50, ge=0, le=10000, description="BIG-bench multiple-choice items per task when that set is installed (0: skip)"
     )

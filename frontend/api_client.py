@@ -133,7 +133,8 @@ class ApiClient:
 
     def create_evaluation(self, conversion_id: str, source: str = "builtin:mixed", n_windows: int = 8, seq_len: int = 128,
                           baselines: bool = False, multiple_choice_per_task: int = 0) -> dict[str, Any]:
-        """``baselines``: also evaluate AbsTopK and the uniform α allocation (slower); off for a quick look."""
+        """``baselines``: also evaluate AbsTopK, the uniform α allocation and TEAL at the conversion's cost
+        (slower); off for a quick look."""
         return self.post("/evaluations", {"conversion_id": conversion_id, "source": source, "n_windows": n_windows, "seq_len": seq_len,
                                           "baselines": baselines, "multiple_choice_per_task": multiple_choice_per_task})
 

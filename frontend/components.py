@@ -102,14 +102,15 @@ def options(items: list[dict[str, Any]], ready_only: bool = True, names: Names |
     return out
 
 
-BASELINES = "baselines (AbsTopK, uniform α) — slower"
+BASELINES = "baselines (AbsTopK, uniform α, TEAL) — slower"
 
 
 def baselines_choice(ident: str) -> html.Div:
     """The evaluation launchers' 'baselines' box (``ident``), off by default (a quick look: dense and
     converted only); ``wants_baselines`` reads its value for ``create_evaluation(baselines=…)``."""
     return html.Div(dcc.Checklist(id=ident, options=[{"label": BASELINES, "value": "baselines"}], value=[], className="baselines"),
-                    title="also evaluate the AbsTopK-GLU and uniform-α baselines: two more models built and evaluated, several times slower")
+                    title="also evaluate the AbsTopK-GLU, uniform-α and TEAL (activation sparsity at the conversion's cost) baselines: "
+                          "up to three more models built and evaluated, several times slower")
 
 
 def wants_baselines(value: list[str] | None) -> bool:

@@ -468,8 +468,8 @@ def heldout_label(evaluation: dict[str, Any]) -> str:
 
 
 #: Bar order and colours: dense first, the conversion next, baselines after.
-VARIANT_ORDER = ("dense", "converted", "uniform", "abstopk")
-VARIANT_COLOURS = {"dense": "#6b7280", "converted": "#1f77b4", "uniform": "#ff7f0e", "abstopk": "#2ca02c"}
+VARIANT_ORDER = ("dense", "converted", "uniform", "abstopk", "teal")
+VARIANT_COLOURS = {"dense": "#6b7280", "converted": "#1f77b4", "uniform": "#ff7f0e", "abstopk": "#2ca02c", "teal": "#9467bd"}
 
 
 def perplexity_rows(conversions: Sequence[dict[str, Any]], evaluations: dict[str, list[dict[str, Any]]],

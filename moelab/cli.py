@@ -402,7 +402,7 @@ def _print_partition(record: dict[str, Any]) -> None:
 @click.option("--windows", type=click.IntRange(min=1), default=32, show_default=True, help="held-out windows")
 @click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
 @click.option("--source", default="builtin:mixed", show_default=True, help="built-in set whose held-out split is used")
-@click.option("--no-baselines", is_flag=True, help="skip AbsTopK-GLU and uniform allocation")
+@click.option("--no-baselines", is_flag=True, help="skip AbsTopK-GLU, uniform allocation and TEAL (activation sparsity)")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--quiet", is_flag=True)
 def evaluate(conversion_dir: Path, windows: int, seq_len: int, source: str, no_baselines: bool, as_json: bool, quiet: bool) -> None:
@@ -431,6 +431,13 @@ def evaluate(conversion_dir: Path, windows: int, seq_len: int, source: str, no_b
             f"  {name:<11} {r['perplexity']:11.2f}  {r.get('perplexity_ratio', 1):7.2f}  {tps:>8}  "
             f"{(sum(rec) / len(rec)) if rec else 0:15.3f}  {(sum(cv) / len(cv)) if cv else float('nan'):12.3f}"
         )
+    own = report["summary"].get("ffn_flops_fraction")
+    for name, r in report["results"].items():  # a baseline matched to the conversion's cost says what it was built at
+        if "ffn_flops_fraction" in r:
+            click.echo(f"  {name}: ffn_flops_fraction {r['ffn_flops_fraction']:.3f}"
+                       + (f" (the conversion's: {own:.3f})" if isinstance(own, (int, float)) else ""))
+    for name, note in (report.get("notes") or {}).items():
+        click.echo(f"  note ({name}): {note}")
 
 
 @main.command("export")

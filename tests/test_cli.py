@@ -109,7 +109,8 @@ def test_convert_evaluate_and_reload(tmp_path, tiny_profile, data_dir):
     report = json.loads(
         moelab("evaluate", str(out), "--windows", "3", "--seq-len", "32", "--json", data_dir=data_dir).stdout
     )
-    assert set(report["results"]) >= {"dense", "converted", "abstopk", "uniform"}
+    assert set(report["results"]) >= {"dense", "converted", "abstopk", "uniform", "teal"}
+    assert report["results"]["teal"]["ffn_flops_fraction"] == pytest.approx(record["summary"]["ffn_flops_fraction"], abs=1e-3)
     assert report["heldout"]["split"] == "heldout"
     routing = report["results"]["converted"]["routing"]  # recorded on the exported model's modules
     assert len(routing["load"]) == 3 and all(sum(c) > 0 for c in routing["load"].values())
@@ -156,7 +157,9 @@ def test_evaluate_shows_progress_bars_with_json(tmp_path, tiny_profile, data_dir
     assert json.loads(proc.stdout)["heldout"]["windows"] == 2  # stdout stays the JSON
     for stage in ("load converted model", "load model", "read held-out text", "evaluate converted", "reconstruction error"):
         assert stage in proc.stderr, proc.stderr  # one bar per stage on stderr, from the first second on
-    assert "evaluate converted" not in moelab("evaluate", str(out), "--windows", "2", "--seq-len", "16", "--quiet", data_dir=data_dir).stderr
+    text = moelab("evaluate", str(out), "--windows", "2", "--seq-len", "16", "--quiet", data_dir=data_dir)
+    assert "evaluate converted" not in text.stderr
+    assert "teal: ffn_flops_fraction" in text.stdout and "note (teal): TEAL's saving needs" in text.stdout, text.stdout
 
 
 def test_inspect_prints_json_and_a_load_bar(tiny_model, data_dir):

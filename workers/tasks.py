@@ -265,6 +265,7 @@ def evaluate(ctx: JobContext) -> Outcome:
             "mean_reconstruction_error": _mean(r.get("reconstruction_error")),
             "mean_load_cv": _mean((r.get("routing") or {}).get("load_cv", {}).values()),
             "multiple_choice_accuracy": (r.get("multiple_choice") or {}).get("mean_accuracy"),
+            "ffn_flops_fraction": r.get("ffn_flops_fraction"),  # a baseline built at the conversion's cost (TEAL) says it
             "reused": "reused" in r,  # the dense model's stored score on the same windows (evaluation.reference_scores)
         }
         for name, r in report["results"].items()

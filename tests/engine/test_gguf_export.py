@@ -69,6 +69,7 @@ def test_a_uniform_layout_maps_with_the_shared_part_padded_to_whole_experts():
     ((MOE, {**MOE, "top_k": 0}, MOE), {}, "runs no routed expert"),
     ((MOE, {"kind": "lowrank_moe"}, MOE), {}, "MIDAS low-rank"),
     ((MOE, {"kind": "abstopk"}, MOE), {}, "AbsTopK"),
+    ((MOE, {"kind": "teal"}, MOE), {}, "TEAL activation-sparse GLU"),
     ((MOE, MOE, MOE), {"model_type": "qwen2"}, "source family 'qwen2'"),
     ((MOE, MOE, MOE), {"attention_bias": True}, "attention biases"),
     ((MOE, MOE, MOE), {"rope_parameters": {"rope_type": "llama3"}}, "scales RoPE"),

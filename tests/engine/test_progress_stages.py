@@ -53,10 +53,12 @@ def test_evaluation_reports_real_stages_in_order(conversion, data_dir):
     report = run_evaluation(conversion, data_dir=data_dir, n_windows=2, seq_len=16, progress=Progress(callback=rec),
                             write=False, mc_per_task=0)
     variants = list(report["results"])
-    assert variants[:3] == ["dense", "converted", "abstopk"]
+    assert variants[:3] == ["dense", "converted", "abstopk"] and variants[-1] == "teal"
     expected = ["load converted model", "load model", "build baselines"]
     if "uniform" in variants:  # EW's uniform-α baseline clusters experts: named as the baselines' step
         expected += ["baselines: cluster experts", "build baselines"]
+    # TEAL at the conversion's cost: a calibration forward pass, then its thresholds layer by layer
+    expected += ["baselines: teal: fit: calibration forward", "baselines: teal: thresholds", "build baselines"]
     expected += ["read held-out text", *[f"evaluate {v}" for v in variants], "reconstruction error"]
     assert rec.stages() == expected, rec.stages()
     last = {}

@@ -216,7 +216,7 @@ EVALS = {"c1": [_ev("e3", "builtin:code", 4, 64, {"dense": 16.4, "converted": 20
                 _ev("e2", "builtin:prose", 4, 64, {"dense": 33.8, "converted": 50.7}),
                 _ev("e1", "cal-9", 2, 32, {"dense": 140.1, "converted": 170.0}, label="mine-heldout"),
                 _ev("e0", "builtin:code", 4, 64, {"dense": 99.0, "converted": 999.0})],  # older run, same text and size
-         "c2": [_ev("f1", "builtin:code", 4, 64, {"dense": 16.4, "converted": 18.0, "uniform": 900.0}),
+         "c2": [_ev("f1", "builtin:code", 4, 64, {"dense": 16.4, "converted": 18.0, "uniform": 900.0, "teal": 19.0}),
                 _ev("f0", "builtin:code", 8, 128, {"dense": 15.0, "converted": 17.0})]}  # same text, other size
 CONVS = [{"id": "c1"}, {"id": "c2"}]
 
@@ -256,7 +256,11 @@ def test_compare_chart_never_mixes_texts_and_says_values_and_ratios():
     assert list(uniform.text) == ["900.0 (54.9× dense)"]
     assert F._bar_label({"variant": "converted", "perplexity": 49560.0, "ratio_to_dense": 0.9969}) == "49,560 (0.997× dense)"
     assert fig.layout[f"yaxis{code[0].yaxis[1:]}"].type == "log"  # 900 vs 16: log axis so dense stays visible
-    assert sum(t.showlegend for t in fig.data) == 3  # one legend entry per variant
+    teal = next(t for t in code if t.name == "teal")  # the TEAL baseline: its own colour and label, after the others
+    assert list(teal.text) == ["19.0 (1.16× dense)"] and teal.marker.color == F.VARIANT_COLOURS["teal"]
+    assert len(set(F.VARIANT_COLOURS.values())) == len(F.VARIANT_COLOURS)
+    assert [t.name for t in code] == ["dense", "converted", "uniform", "teal"]
+    assert sum(t.showlegend for t in fig.data) == 4  # one legend entry per variant
     assert "no evaluation" in F.compare_perplexity([]).layout.annotations[0].text
 
 

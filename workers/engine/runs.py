@@ -23,7 +23,7 @@ from .methods import ConversionInputs, Method, check_conversion, get_method, met
 from .models import ModelAdapter, load_model
 from .runtime.export import CONVERSION_FILE, export_model, load_exported
 from .runtime.param_count import ffn_flops_fraction
-from .profiling.store import StoredProfile, write_profile
+from .profiling.store import ProfileNotFound, StoredProfile, write_profile
 from .profiling.profiler import ProfileSettings, profile_model
 from .progress import NO_PROGRESS, Progress
 
@@ -166,8 +166,8 @@ def run_evaluation(
     source: str = "builtin:mixed", device: str = "auto", progress: Progress = NO_PROGRESS, write: bool = True,
     mc_per_task: int = 50, loader: ModelLoader = load_model, max_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """Perplexity dense vs converted (vs the method's baselines, e.g. AbsTopK for EW/CMoE) in one run,
-    plus reconstruction and routing; BIG-bench multiple-choice accuracy too when that set is installed
+    """Perplexity dense vs converted (vs the method's baselines, e.g. AbsTopK for EW/CMoE, and TEAL at the
+    conversion's cost wherever the method has baselines) in one run, plus reconstruction and routing; BIG-bench multiple-choice accuracy too when that set is installed
     (``moelab data install bigbench``); plus the method's own extra numbers (MIDAS: load CV per set).
 
     ``max_tokens``: the most held-out tokens (``n_windows × seq_len``) this run may read (the caller's
@@ -180,6 +180,7 @@ def run_evaluation(
         converted = load_exported(conversion_dir)
     timings: dict[str, float] = {}
     extra: dict[str, Any] = {}
+    notes: dict[str, str] = {}
     items = _choice_items(data_dir, mc_per_task, progress)
     if method.baselines is not None:  # layers swap into the dense model: baselines in the same pass
         adapter = loader(record["model"]["source"], data_dir=data_dir, device=device, dtype="float32", progress=progress)
@@ -189,11 +190,19 @@ def run_evaluation(
             t1 = time.perf_counter()
             with progress.step("build baselines"):  # their clustering reports as 'baselines: cluster experts i/L'
                 variants.update(method.baselines(adapter, record, progress.within("baselines"), data_dir))
-            timings["baselines_build_s"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            with progress.step("build baselines"):  # TEAL at the conversion's cost: 'baselines: teal: thresholds i/L'
+                teal, teal_info = _teal_baseline(adapter, record, converted, progress.within("baselines"))
+            timings["baselines_build_s"], timings["teal_build_s"] = time.perf_counter() - t1, time.perf_counter() - t2
+            notes["teal"] = teal_info["note"]
+            if teal:
+                variants["teal"] = teal
         with progress.step("read held-out text"):
             windows = heldout_windows(tokenizer, data_dir, seq_len=seq_len, n_windows=n_windows, source=source)
         key, known = _known_dense(record, dense, windows, items, data_dir)
         results = evaluate_variants(adapter, variants, windows, progress=progress, choice_items=items, known=known)
+        if "teal" in variants:  # its cost beside its perplexity: TEAL is matched to the conversion's
+            results["teal"].update(teal_info["variant"])
     else:
         dense, tokenizer = _reference_model(method, record, data_dir=data_dir, device=device, progress=progress, loader=loader)
         converted = converted.to(next(dense.parameters()).device)
@@ -215,6 +224,7 @@ def run_evaluation(
         "heldout": {"source": source, "split": "heldout", "windows": int(len(windows)), "seq_len": seq_len},
         "results": results,
         **extra,
+        **({"notes": notes} if notes else {}),
         "conversion_timings": record["timings"],
         "timings": timings,
     }
@@ -224,6 +234,37 @@ def run_evaluation(
 
         write_model_card(Path(conversion_dir), record, converted, "moelab", out)
     return out
+
+
+#: The TEAL baseline's calibration tokens when the record has no ``fit_tokens``: the partition methods' default.
+TEAL_FIT_TOKENS = 4096
+TEAL_NOTE = ("TEAL's saving needs sparse (column-skipping) kernels at decode and saves little at prefill; "
+             "experts run on stock MoE kernels at any batch size")
+
+
+def _teal_baseline(adapter: ModelAdapter, record: dict[str, Any], converted: Any, progress: Progress) -> tuple[dict[int, Any] | None, dict[str, Any]]:
+    """TEAL (``core.teal``, greedy allocation) at the conversion's own ``ffn_flops_fraction``, calibrated on
+    the profile's calibration text (as stored in the profile) and as many tokens as the conversion's fit
+    reads (``fit_tokens``). Returns its modules (None when the profile or its text is gone: the rest of
+    the evaluation goes on) and ``{"note", "variant"}``: the note the evaluation carries, the numbers its
+    results entry gains (its cost, calibration tokens and per-layer sparsities)."""
+    from .core.fitting import collect_inputs, stored_token_windows
+    from .core.params import ConversionError
+    from .core.teal import teal_flops_fraction, teal_layers, teal_modules
+
+    dense_macs = sum(3 * adapter.d_model * lay.d_ffn for lay in adapter.layers)
+    cost = record["summary"].get("ffn_flops_fraction")
+    cost = ffn_flops_fraction(converted, dense_macs) if cost is None else float(cost)
+    try:
+        profile = StoredProfile.open(record["profile"])
+        windows = stored_token_windows(adapter, profile, int(record["params"].get("fit_tokens", TEAL_FIT_TOKENS)))
+    except (ProfileNotFound, ConversionError, KeyError) as exc:
+        return None, {"note": f"TEAL not built: its calibration text could not be read ({exc})"}
+    inputs = collect_inputs(adapter, windows, progress.within("teal"))  # 'baselines: teal: fit: calibration forward'
+    modules = teal_modules(adapter, inputs, cost, "greedy", progress=progress)
+    variant = {"ffn_flops_fraction": teal_flops_fraction(modules, dense_macs), "allocation": "greedy",
+               "calibration_tokens": inputs.n_tokens, **teal_layers(modules)}
+    return modules, {"note": TEAL_NOTE, "variant": variant}
 
 
 def check_evaluation_limits(conversion_dir: Path, *, n_windows: int, seq_len: int, max_tokens: int | None = None) -> None:

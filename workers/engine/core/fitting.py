@@ -82,13 +82,27 @@ def profile_token_windows(adapter: ModelAdapter, profile: Any, n_tokens: int, da
     except (CalibrationError, OSError, ValueError) as exc:
         raise ConversionError(f"the fitted router/plan reads the profile's calibration text {cal['source']!r}, "
                               f"which could not be loaded again ({exc}); use the paper router and plan") from exc
+    return text_token_windows(adapter, [s.text for s in cset.samples], n_tokens, repr(str(cal["source"])))
+
+
+def stored_token_windows(adapter: ModelAdapter, profile: Any, n_tokens: int) -> torch.Tensor:
+    """The windows ``profile_token_windows`` cuts, from the text the profile stores (``samples.parquet``:
+    the calibration set's samples, in order) rather than the set loaded again: the same tokens, also for
+    a set that cannot be loaded any more (a file since deleted, a set built in memory)."""
+    return text_token_windows(adapter, list(profile.samples["text"]), n_tokens,
+                              repr(str(profile.manifest["calibration"].get("source", profile.path))))
+
+
+def text_token_windows(adapter: ModelAdapter, texts: list[str], n_tokens: int, what: str) -> torch.Tensor:
+    """``[n, FIT_SEQ_LEN]`` windows of ``texts`` tokenised and concatenated (each followed by EOS), at
+    most ``n_tokens`` tokens (at least one window); ``what`` names the text in the error when it is too short."""
     tok = adapter.tokenizer
     eos = tok.eos_token_id if tok.eos_token_id is not None else 0
-    ids = tok([s.text for s in cset.samples], add_special_tokens=False)["input_ids"]
+    ids = tok(texts, add_special_tokens=False)["input_ids"]
     stream = np.concatenate([np.append(np.asarray(x, dtype=np.int64), eos) for x in ids])
     n = min(max(1, n_tokens // FIT_SEQ_LEN), len(stream) // FIT_SEQ_LEN)
     if n == 0:
-        raise ConversionError(f"calibration text {cal['source']!r} is shorter than {FIT_SEQ_LEN} tokens")
+        raise ConversionError(f"calibration text {what} is shorter than {FIT_SEQ_LEN} tokens")
     return torch.from_numpy(stream[: n * FIT_SEQ_LEN].reshape(n, FIT_SEQ_LEN))
 
 

@@ -62,7 +62,8 @@ def gguf_layout(config: dict[str, Any]) -> dict[str, Any]:
     specs = list(config.get("moe_layers") or [])
     specs += [None] * (n_layers - len(specs))
     why_kind = {"lowrank_moe": "is a MIDAS low-rank MoE (factorised experts)", "hierarchical": "is hierarchical "
-                "(sub-experts inside every expert)", "abstopk": "is an AbsTopK-GLU (per-neuron top-k), not an MoE layer"}
+                "(sub-experts inside every expert)", "abstopk": "is an AbsTopK-GLU (per-neuron top-k), not an MoE layer",
+                "teal": "is a TEAL activation-sparse GLU (thresholds on inputs), not an MoE layer"}
     for i, s in enumerate(specs):
         if _kind(s) in why_kind:
             raise GgufExportError(f"layer {i} {why_kind[_kind(s)]}: llama.cpp has no such layer; use --format moelab")

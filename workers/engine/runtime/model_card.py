@@ -64,6 +64,9 @@ def _layer_rows(specs: list[dict]) -> list[str]:
                         f"{subs[0].get('router', '')} | {subs[0].get('combine', '')} |")
         elif kind == "abstopk":
             rows.append(f"| {i} | AbsTopK-GLU | - | - | {s.get('k')} of {s.get('d_ffn')} neurons | - | - |")
+        elif kind == "teal":
+            rows.append(f"| {i} | TEAL-GLU (input sparsity {s.get('s_in', 0):.3f} / down {s.get('s_mid', 0):.3f}) | - | - "
+                        "| - | - | - |")
         else:
             rows.append(f"| {i} | dense | - | - | - | - | - |")
     out = ["| layers | kind | shared | routed × size | top-k | router | combine |", "|---|---|---|---|---|---|---|"]

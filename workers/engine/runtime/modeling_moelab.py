@@ -13,6 +13,7 @@ Files, read top to bottom (each imports only those above it)
 ``moelab_compat.py``        loading the keys earlier runtimes wrote
 ``moelab_moe.py``           ``MoeExperts`` (reference forward) and ``MoeFFN``, the sparse block
 ``moelab_abstopk.py``       ``AbsTopKGLU``: EW Eq. 2 baseline, per-token top-k neurons
+``moelab_teal.py``          ``TealGLU``: TEAL baseline, magnitude thresholds on the projections' inputs
 ``moelab_hierarchical.py``  ``HierarchicalExperts``: AF Eq. 10, sub-experts inside every expert
 ``moelab_lowrank.py``       ``LowRankMoeFFN``: MIDAS (MI §3.2) low-rank experts
 ``modeling_moelab.py``      ``MoelabConfig`` (``base_config`` + ``moe_layers``, one spec a layer)
@@ -21,8 +22,8 @@ Files, read top to bottom (each imports only those above it)
                             ``moe_layers`` entry says (``LAYER_KINDS``)
 
 Layer specs (JSON): ``{"kind": "moe", ...}`` (``moelab_moe``), ``{"kind": "abstopk", ...}``,
-``{"kind": "hierarchical", ...}``, ``{"kind": "lowrank_moe", ...}`` (each module's docstring), and
-``{"kind": "dense"}`` (or ``null``): the base architecture's MLP is kept.
+``{"kind": "teal", ...}``, ``{"kind": "hierarchical", ...}``, ``{"kind": "lowrank_moe", ...}`` (each
+module's docstring), and ``{"kind": "dense"}`` (or ``null``): the base architecture's MLP is kept.
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ from .moelab_kernels import EXPERTS_IMPLS, decode_layout
 from .moelab_lowrank import LowRankMoeFFN
 from .moelab_moe import MoeExperts, MoeFFN
 from .moelab_routers import COMBINES, ROUTERS
+from .moelab_teal import TealGLU
 
 #: a ``moe_layers`` entry's ``kind`` -> the module class built from it
-LAYER_KINDS: dict[str, type[nn.Module]] = {"moe": MoeFFN, "abstopk": AbsTopKGLU, "hierarchical": HierarchicalExperts,
-                                           "lowrank_moe": LowRankMoeFFN}
+LAYER_KINDS: dict[str, type[nn.Module]] = {"moe": MoeFFN, "abstopk": AbsTopKGLU, "teal": TealGLU,
+                                           "hierarchical": HierarchicalExperts, "lowrank_moe": LowRankMoeFFN}
 
 
 def build_layer_module(entry: dict | None) -> nn.Module | None:
@@ -221,12 +223,12 @@ class MoelabForCausalLM(MoelabPreTrainedModel, GenerationMixin):
         self.model.set_decoder(decoder)
 
     def moe_modules(self) -> dict[int, nn.Module]:
-        """Layer index -> replaced MLP module (MoeFFN / AbsTopKGLU), or the HierarchicalExperts
+        """Layer index -> replaced MLP module (MoeFFN / AbsTopKGLU / TealGLU), or the HierarchicalExperts
         inside a sparse-MoE block."""
         out = {}
         for i, block in enumerate(decoder_layers(self.model)):
             mlp = getattr(block, "mlp", None)
-            if isinstance(mlp, (MoeFFN, AbsTopKGLU, LowRankMoeFFN)):
+            if isinstance(mlp, (MoeFFN, AbsTopKGLU, TealGLU, LowRankMoeFFN)):
                 out[i] = mlp
             elif isinstance(getattr(mlp, "experts", None), HierarchicalExperts):
                 out[i] = mlp.experts
@@ -306,6 +308,7 @@ __all__ = [
     "MoelabConfig",
     "MoelabForCausalLM",
     "MoelabPreTrainedModel",
+    "TealGLU",
     "build_layer_module",
     "convert_in_place",
     "decoder_layers",

@@ -97,7 +97,8 @@ def _refuse_layer_kinds(specs: list[dict | None]) -> None:
     why = {"lowrank_moe": "is a MIDAS low-rank MoE (factorised experts, renormalised top-k gate): no stock architecture "
                           "stores low-rank experts",
            "hierarchical": "is hierarchical (sub-experts inside every expert): no stock architecture nests experts",
-           "abstopk": "is an AbsTopK-GLU (per-neuron top-k), not an MoE layer"}
+           "abstopk": "is an AbsTopK-GLU (per-neuron top-k), not an MoE layer",
+           "teal": "is a TEAL activation-sparse GLU (thresholds on inputs), not an MoE layer"}
     for i, s in enumerate(specs):
         kind = (s or {}).get("kind", "moe") if s else "dense"
         if kind in why:  # no other conversion setting would export it: the moelab format is the way out

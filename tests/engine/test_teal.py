@@ -1,0 +1,189 @@
+"""TEAL baseline (``core.teal``, ``runtime.moelab_teal``): exactness at zero sparsity, calibrated
+sparsities and cost, greedy against uniform, a planted sparse down input, and the evaluation row."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from tests.engine.conftest import tiny_conversion
+from workers.engine.core.fitting import collect_inputs
+from workers.engine.core.teal import (
+    calibrate_layer, quantile_threshold, teal_cost, teal_flops_fraction, teal_layers, teal_modules,
+)
+from workers.engine.models import dense_weights, load_model
+from workers.engine.progress import NO_PROGRESS
+from workers.engine.runtime.modeling_moelab import LAYER_KINDS, build_layer_module, layer_spec
+from workers.engine.runtime.moelab_teal import TealGLU
+
+
+def dense_glu(x, wg, wu, wd, act="silu"):
+    return F.linear(ACT2FN[act](F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
+def random_glu(d_model, d_ffn, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    s = d_model ** -0.5
+    return (torch.randn(d_ffn, d_model, generator=g) * s, torch.randn(d_ffn, d_model, generator=g) * s,
+            torch.randn(d_model, d_ffn, generator=g) * d_ffn ** -0.5)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model, data_dir, one_thread):
+    """The tiny random-weight Llama and its MLP inputs on 4 × 64 random tokens."""
+    adapter = load_model(str(tiny_model("llama")), data_dir=data_dir)
+    windows = torch.randint(0, 500, (4, 64), generator=torch.Generator().manual_seed(3))
+    return adapter, collect_inputs(adapter, windows)
+
+
+@pytest.fixture(scope="module")
+def built(tiny):
+    """``(allocation, cost)`` -> the TEAL modules of the tiny model."""
+    adapter, inputs = tiny
+    return {(a, c): teal_modules(adapter, inputs, c, a) for a in ("uniform", "greedy") for c in (0.75, 0.5)}
+
+
+def _dense_macs(adapter) -> int:
+    return sum(3 * adapter.d_model * lay.d_ffn for lay in adapter.layers)
+
+
+def test_zero_sparsity_is_the_dense_mlp_exactly(tiny):
+    wg, wu, wd = random_glu(24, 40, seed=2)
+    x = torch.randn(2, 6, 24)
+    mod = TealGLU.from_dense(wg, wu, wd, "silu", 0.0, 0.0, 0.0, 0.0)
+    with torch.no_grad():
+        assert torch.equal(mod(x), dense_glu(x, wg, wu, wd))
+    assert mod.active_param_count() == 3 * 24 * 40
+    # calibrated at the dense cost: thresholds 0, so no entry of any token is ever zeroed
+    adapter, inputs = tiny
+    full = calibrate_layer(inputs.mlp_inputs[0], *dense_weights(adapter, 0), adapter.activation, 1.0)
+    assert (full.t_in, full.t_mid, full.s_in, full.s_mid) == (0.0, 0.0, 0.0, 0.0) and full.calibration_error == 0.0
+    with torch.no_grad():
+        assert torch.equal(full(x.new_ones(3, 64) * 1e-30), dense_glu(x.new_ones(3, 64) * 1e-30, *dense_weights(adapter, 0)))
+
+
+def test_spec_round_trip_and_layer_kind():
+    wg, wu, wd = random_glu(16, 24, seed=1)
+    mod = TealGLU.from_dense(wg, wu, wd, "silu", 0.25, 0.5, 0.3, 0.4)
+    assert mod.spec == {"kind": "teal", "d_model": 16, "d_ffn": 24, "act": "silu", "t_in": 0.25, "t_mid": 0.5,
+                        "s_in": 0.3, "s_mid": 0.4}
+    assert LAYER_KINDS["teal"] is TealGLU and layer_spec(mod) == mod.spec
+    again = build_layer_module(mod.spec)
+    again.load_state_dict(mod.state_dict())
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        assert torch.equal(again(x), mod(x))
+    assert mod.active_param_count() == round(16 * 24 * (2 * 0.7 + 0.6))
+    with pytest.raises(ValueError, match="kind 'teal'"):
+        TealGLU({**mod.spec, "kind": "abstopk"})
+
+
+def test_quantile_threshold_zeroes_the_requested_fraction():
+    m = torch.rand(1000)
+    for s in (0.0, 0.1, 0.5, 0.999, 1.0):
+        assert (m < quantile_threshold(m, s)).float().mean().item() == pytest.approx(s, abs=1e-3)
+    assert quantile_threshold(m, 0.0) == 0.0 and math.isfinite(quantile_threshold(m, 1.0))
+
+
+def test_calibrated_sparsities_are_measured_on_the_calibration_inputs(tiny, built):
+    adapter, inputs = tiny
+    act = ACT2FN[adapter.activation]
+    for (alloc, cost), modules in built.items():
+        for i, mod in modules.items():
+            x = inputs.mlp_inputs[i]
+            xs = torch.where(x.abs() < mod.t_in, 0.0, x)
+            h = act(xs @ mod.gate_proj.weight.T) * (xs @ mod.up_proj.weight.T)
+            assert (xs == 0).float().mean().item() == pytest.approx(mod.s_in, abs=0.02), (alloc, cost, i)
+            assert (h.abs() < mod.t_mid).float().mean().item() == pytest.approx(mod.s_mid, abs=0.02), (alloc, cost, i)
+            with torch.no_grad():  # the module computes exactly that
+                hs = torch.where(h.abs() < mod.t_mid, 0.0, h)
+                torch.testing.assert_close(mod(x), hs @ mod.down_proj.weight.T)
+
+
+def test_both_allocations_hit_the_cost(tiny, built):
+    adapter, _ = tiny
+    for (alloc, cost), modules in built.items():
+        assert teal_flops_fraction(modules, _dense_macs(adapter)) == pytest.approx(cost, abs=1e-3), alloc
+        for mod in modules.values():
+            assert mod.active_param_count() / (3 * mod.d_model * mod.d_ffn) == pytest.approx(cost, abs=1e-3)
+            assert teal_cost(mod.s_in, mod.s_mid) == pytest.approx(cost, abs=1e-9)
+        if alloc == "uniform":
+            assert all(m.s_in == m.s_mid == pytest.approx(1 - cost) for m in modules.values())
+    report = teal_layers(built[("greedy", 0.5)])
+    assert report["layers"] == [0, 1, 2] and len(report["s_in"]) == len(report["s_mid"]) == 3
+
+
+def test_greedy_is_no_worse_than_uniform_per_layer(built):
+    for cost in (0.75, 0.5):
+        greedy, uniform = built[("greedy", cost)], built[("uniform", cost)]
+        for i in greedy:
+            assert greedy[i].calibration_error <= uniform[i].calibration_error + 1e-6, (cost, i)
+            assert greedy[i].calibration_error > 0
+
+
+def test_greedy_spends_a_planted_sparse_down_input_first():
+    wg, wu, wd = random_glu(32, 64, seed=4)
+    wg[::2] = 0.0  # silu(0) = 0: half of the down projection's input is exactly zero on every token
+    x = torch.randn(512, 32, generator=torch.Generator().manual_seed(5))
+    free = 1 - 0.5 / 3  # zeroing those costs no error and saves a sixth of the FFN
+    mod = calibrate_layer(x, wg, wu, wd, "silu", free)
+    assert mod.s_mid == pytest.approx(0.5, abs=1e-9) and mod.s_in == pytest.approx(0.0, abs=1e-9)
+    assert mod.calibration_error < 1e-6
+    assert calibrate_layer(x, wg, wu, wd, "silu", free, "uniform").calibration_error > 0.01
+    deeper = calibrate_layer(x, wg, wu, wd, "silu", 0.6)
+    assert deeper.s_mid >= 0.5 - 1e-9 and teal_cost(deeper.s_in, deeper.s_mid) == pytest.approx(0.6)
+
+
+def test_export_round_trip(tiny_model, data_dir, tmp_path, built):
+    """A TEAL layer is a runtime layer kind: it exports (moelab format) and loads back to the same logits."""
+    from workers.engine.runtime.export import build_moe_model, export_model, load_exported
+
+    adapter = load_model(str(tiny_model("llama")), data_dir=data_dir)  # its own copy: build_moe_model wraps it in place
+    teal = built[("greedy", 0.5)][1]
+    moe = build_moe_model(adapter, {1: TealGLU.from_dense(*dense_weights(adapter, 1), adapter.activation, teal.t_in,
+                                                          teal.t_mid, teal.s_in, teal.s_mid)})
+    ids = torch.randint(0, 500, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = moe(input_ids=ids).logits
+    loaded = load_exported(export_model(moe, tmp_path / "m", adapter.tokenizer, {"run": 1}))
+    assert [e["kind"] for e in loaded.config.moe_layers] == ["dense", "teal", "dense"]
+    assert type(loaded.moe_modules()[1]).__name__ == "TealGLU"
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, ref)
+
+
+def test_refused_by_the_native_export():  # GGUF: tests/engine/test_gguf_export.py
+    from workers.engine.runtime.native_export import NativeExportError, _refuse_layer_kinds
+
+    with pytest.raises(NativeExportError, match="TEAL activation-sparse GLU"):
+        _refuse_layer_kinds([None, {"kind": "teal"}])
+
+
+@pytest.fixture(scope="module")
+def conversion(tiny_model, data_dir, tmp_path_factory):
+    return tiny_conversion(tiny_model, data_dir, tmp_path_factory, n_experts=4, alpha_min=0.2, alpha_max=0.7)
+
+
+def test_evaluation_has_a_teal_row_at_the_conversions_cost(conversion, data_dir, one_thread):
+    from workers.engine.runs import read_conversion, run_evaluation
+
+    report = run_evaluation(conversion, data_dir=data_dir, n_windows=2, seq_len=16, write=False, mc_per_task=0)
+    teal = report["results"]["teal"]
+    cost = read_conversion(conversion)["summary"]["ffn_flops_fraction"]
+    assert teal["ffn_flops_fraction"] == pytest.approx(cost, abs=1e-3)
+    assert math.isfinite(teal["perplexity"]) and teal["perplexity"] > 1
+    assert teal["allocation"] == "greedy" and teal["calibration_tokens"] >= 256 and len(teal["s_in"]) == 3
+    assert "column-skipping" in report["notes"]["teal"] and report["timings"]["teal_build_s"] > 0
+    assert len(teal["reconstruction_error"]) == 3
+
+
+def test_evaluation_goes_on_without_teal_when_the_profile_is_gone(tiny, tmp_path):
+    from workers.engine.runs import _teal_baseline
+
+    record = {"summary": {"ffn_flops_fraction": 0.75}, "params": {}, "profile": str(tmp_path / "deleted")}
+    modules, info = _teal_baseline(tiny[0], record, None, NO_PROGRESS)
+    assert modules is None and "TEAL not built" in info["note"] and "no such profile" in info["note"]
