@@ -473,6 +473,8 @@ def export(src: str, fmt: str, gguf_type: str, out: Path, as_json: bool) -> None
     if fmt == "gguf":
         click.echo(f"{info['architecture']} GGUF ({gguf_type}, {info['bytes'] / 2**20:.1f} MiB) written to {info['file']} "
                    f"(llama-cli -m {info['file']}; Ollama: ollama create NAME -f {Path(out) / 'Modelfile'})")
+        if info.get("note"):
+            click.echo(f"note: {info['note']}")
         return
     how = "trust_remote_code=True" if fmt == "moelab" else "trust_remote_code=False"
     click.echo(f"{info['model_type']} model written to {out} (load with AutoModelForCausalLM.from_pretrained, {how}); "

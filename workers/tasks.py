@@ -374,7 +374,8 @@ def export(ctx: JobContext) -> Outcome:
 
     # the file by its name only: server paths (``out``, ``source``) stay out of the API's summary
     summary = {"file": Path(info["file"]).name, "bytes": info["bytes"], "architecture": info["architecture"],
-               "type": info["type"], "format": "gguf", "layout": info.get("layout"), "conversion_id": conv.id}
+               "type": info["type"], "format": "gguf", "layout": info.get("layout"), "conversion_id": conv.id,
+               "note": info.get("note")}
     return Outcome(summary=jsonable(summary))
 
 

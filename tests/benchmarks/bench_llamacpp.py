@@ -102,22 +102,25 @@ def _profile(work: Path, given: Path | None, data_dir: Path) -> Path:
 
 
 def _portable(work: Path, profile: Path, cost: float, steps: int, data_dir: Path,
-              eval_windows: int = 16) -> tuple[Path, dict[str, Any]]:
-    """``--recipe portable`` at ``cost`` (sparsity 1 - cost), recovered for ``steps`` (cached in ``work``)."""
+              eval_windows: int = 16, experts: int | None = None) -> tuple[Path, dict[str, Any]]:
+    """``--recipe portable`` at ``cost`` (sparsity 1 - cost), recovered for ``steps`` (cached in ``work``);
+    ``experts`` overrides the recipe's expert count (EW Eq. 6's ``N_e``: coarser experts for fewer,
+    larger matmuls in llama.cpp)."""
     from workers.engine.methods import get_method
     from workers.engine.runs import run_conversion
     from workers.engine.training.finetune import FinetuneParams, run_finetune
 
-    conv = work / f"portable-{cost}"
+    given: dict[str, Any] = {"sparsity": round(1 - cost, 6)} | ({"n_experts": experts} if experts else {})
+    conv = work / (f"portable-{cost}" + (f"-e{experts}" if experts else ""))
     if not (conv / "conversion.json").is_file():
-        run_conversion(profile, get_method("expertweaver").recipe("portable", sparsity=round(1 - cost, 6)), conv,
-                       data_dir=data_dir)
+        run_conversion(profile, get_method("expertweaver").recipe("portable", **given), conv, data_dir=data_dir)
     record = json.loads((conv / "conversion.json").read_text())
-    ft = work / f"portable-{cost}-ft{steps}"
+    ft = conv.with_name(f"{conv.name}-ft{steps}")
     if not (ft / "model" / "conversion.json").is_file():
         run_finetune(conv, FinetuneParams(mode="expertweaver", steps=steps, eval_windows=eval_windows), ft, data_dir=data_dir)
     summary = json.loads((ft / "model" / "conversion.json").read_text()).get("finetune", {})
     return ft / "model", {"ffn_flops_fraction": record["summary"]["ffn_flops_fraction"], "steps": steps,
+                          "n_experts": json.loads((conv / "conversion.json").read_text())["params"].get("n_experts"),
                           "perplexity_before": summary.get("perplexity_before"),
                           "perplexity_after": summary.get("perplexity_after"),
                           "dense_perplexity": summary.get("dense_perplexity")}
@@ -130,6 +133,8 @@ def main() -> None:
     ap.add_argument("--costs", type=float, nargs="+", default=[0.75, 0.5])
     ap.add_argument("--types", nargs="+", default=["f16", "q8_0"])
     ap.add_argument("--steps", type=int, default=90)
+    ap.add_argument("--experts", type=int, nargs="+", default=[0],
+                    help="expert counts N_e to compare (0: the recipe's own); each cost is converted at each")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
@@ -151,8 +156,9 @@ def main() -> None:
     models: dict[str, Path] = {"dense": Path("default")}
     info: dict[str, Any] = {}
     for cost in args.costs:
-        models[f"portable-{cost}"], info[f"portable-{cost}"] = _portable(work, profile, cost, args.steps, data_dir,
-                                                                          args.eval_windows)
+        for e in args.experts:
+            name = f"portable-{cost}" + (f"-e{e}" if e else "")
+            models[name], info[name] = _portable(work, profile, cost, args.steps, data_dir, args.eval_windows, e or None)
     files: dict[tuple[str, str], Path] = {}
     for name, src in models.items():
         for t in args.types:

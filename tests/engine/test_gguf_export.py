@@ -190,6 +190,21 @@ def test_the_export_directory_runs_in_ollama_and_says_how(exported):
     assert record["gguf"]["type"] == "q8_0" and record["gguf"]["layout"]["num_experts"] == 6
 
 
+def test_q8_0_says_when_experts_are_not_whole_blocks(exported):
+    """Rows of 12 neurons are not whole q8_0 blocks: the converter keeps the experts' down projections in
+    f16, and the export says so (the reason --recipe portable's experts are multiples of 32 wide)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    from workers.engine.runtime.gguf_export import quantisation_note
+
+    info = exported("llama-shared", "q8_0")
+    assert "experts of 12 neurons are not whole 32-value blocks" in info["note"]
+    types = {t.name: t.tensor_type for t in GGUFReader(info["file"]).tensors}
+    assert types["blk.1.ffn_down_exps.weight"] == GGMLQuantizationType.F16, types["blk.1.ffn_down_exps.weight"]
+    assert types["blk.0.attn_q.weight"] == GGMLQuantizationType.Q8_0  # rows of d_model = 64: whole blocks
+    assert quantisation_note(96, "q8_0") is None and quantisation_note(12, "f16") is None
+
+
 @pytest.mark.parametrize("gguf_type", ["f16", "q8_0"])
 def test_f16_and_q8_0_files_load_and_generate(exported, gguf_type):
     info, f32 = exported("llama-shared", gguf_type), exported("llama-shared")

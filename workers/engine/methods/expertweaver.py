@@ -23,7 +23,8 @@ Recipes: ``best`` is the best training-free conversion measured (per-layer budge
 compensation: neither exports to a stock MoE); ``portable`` the best one whose layout GGUF and
 native HF exports hold once recovery (EW Eq. 11) has made its router a softmax with a weighted
 combine: ``plan="leading"`` (one shared count from Eqs. 5–6 with the layers' mean α, one top-k, only
-leading layers dense; ``plan``) and no compensation. Both measured in tests/benchmarks/bench_frontier.py.
+leading layers dense; ``plan``), no compensation, and 16 experts: coarser than the paper's 64 because
+llama.cpp pays per selected expert (bench_llamacpp.py --experts). Both measured in tests/benchmarks/bench_frontier.py.
 """
 
 from __future__ import annotations
@@ -258,7 +259,10 @@ METHOD = Method(
                       prepare=prepare_recovery, accepts=accepts_recovery),
     baselines=baselines,
     # tests/benchmarks/bench_frontier.py: the best training-free conversion measured at every cost
-    # "portable": the best one whose recovered model (EW Eq. 11) exports to GGUF and native HF
+    # "portable": the best one whose recovered model (EW Eq. 11) exports to GGUF and native HF; 16 experts
+    # (96 neurons on the default model): llama.cpp runs 64 experts of 24 neurons slower than dense (a matmul
+    # and a sum per selected expert, and q8_0 cannot quantise rows of 24), 16 faster (bench_llamacpp --experts)
     recipes={"best": {"router": "ridge", "alpha_basis": "active", "plan": "budget", "compensation": "skipped_mean"},
-             "portable": {"router": "ridge", "alpha_basis": "active", "plan": "leading", "compensation": "none"}},
+             "portable": {"router": "ridge", "alpha_basis": "active", "plan": "leading", "compensation": "none",
+                          "n_experts": 16}},
 )

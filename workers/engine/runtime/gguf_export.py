@@ -236,7 +236,23 @@ def export_gguf_file(src: str | Path, out_dir: Path, gguf_type: str, data_dir: P
     if layout is not None:
         result["layout"] = {k: v for k, v in layout.items() if k != "shared_padding"}
         result["layout"]["shared_padding"] = sorted(set(layout["shared_padding"].values()))
+        if note := quantisation_note(layout["expert_size"], gguf_type):
+            result["note"] = note
     return result
+
+
+Q8_0_BLOCK = 32  # values per q8_0 block (ggml's QK8_0): a row of another length stays f16
+
+
+def quantisation_note(expert_size: int, gguf_type: str) -> str | None:
+    """What a quantised type cannot do with experts of ``expert_size`` neurons: llama.cpp quantises the
+    rows of ``ffn_down_exps``, whose length is the expert size, in whole blocks, and the converter
+    keeps a tensor whose rows are not whole blocks in f16 (a larger file, a slower decode)."""
+    if gguf_type != "q8_0" or expert_size % Q8_0_BLOCK == 0:
+        return None
+    return (f"q8_0: experts of {expert_size} neurons are not whole {Q8_0_BLOCK}-value blocks, so their down projections "
+            f"stay f16 (larger and slower); convert with an expert size that is a multiple of {Q8_0_BLOCK} "
+            f"(--n-experts dividing d_ffn into such experts, as --recipe portable's 16 do on most models)")
 
 
 def _conversion_dir(src: str) -> Path | None:
