@@ -2,6 +2,7 @@
 
     python tests/benchmarks/bench_llamacpp.py [--work runs/bench_llamacpp] [--costs 0.75 0.5]
         [--types f16 q8_0] [--steps 90] [--profile DIR] [--threads 2] [--windows 8] [--eval-windows 16]
+        [--experts 0 64 8] [--out FILE]
 
 What people run on laptops and CPU servers is llama.cpp (and Ollama on top of it), where decoding
 is memory-bound: an MoE pays there if a decode step reads fewer bytes. For each cost, the default
@@ -18,7 +19,11 @@ like with like on a shared machine:
 * perplexity on ``--windows`` × 256 held-out tokens of ``builtin:mixed`` (never seen in calibration
   or recovery), under llama.cpp.
 
-Writes tests/benchmarks/results/bench_llamacpp.json and prints one summary line (decode and
+``--experts`` converts each cost at several expert counts (0: the recipe's own 16), for the question of
+expert granularity: llama.cpp runs one small matmul per selected expert and per projection, and sums the
+selected experts' outputs one add at a time, so many small experts pay per expert what few large ones do not.
+
+Writes tests/benchmarks/results/bench_llamacpp.json (``--out``) and prints one summary line (decode and
 prefill ratios converted / dense at each cost and type, and the perplexity ratios).
 Bound for this model: the FFN is about 59% of the bytes a decode step reads, so at cost 0.5 decode
 can be at most about 1 / (1 - 0.59 · 0.5) ≈ 1.42× dense.
@@ -139,6 +144,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--eval-windows", type=int, default=16, help="held-out windows of the recovery's own perplexities")
+    ap.add_argument("--out", type=Path, default=RESULT, help="the JSON result (a probe need not replace the recorded one)")
     args = ap.parse_args()
 
     from moelab.settings import get_settings
@@ -188,8 +194,8 @@ def main() -> None:
     result = {"threads": args.threads, "prefill_tokens": PREFILL, "decode_tokens": DECODE,
               "heldout": {"source": "builtin:mixed", "windows": args.windows, "seq_len": SEQ},
               "conversions": info, "rows": rows, "seconds": time.perf_counter() - t0}
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(result, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
     parts = [f"{n}/{t}: decode {r['decode_vs_dense']:.2f}x prefill {r['prefill_vs_dense']:.2f}x ppl {r['perplexity_vs_dense']:.2f}x"
              for n in models if n != "dense" for t in args.types for r in [rows[f"{n}/{t}"]]]
     print("bench_llamacpp: " + "; ".join(parts))
