@@ -593,6 +593,43 @@ class ExpertNeurons(BaseModel):
     experts: list[ExpertOut]
 
 
+class MatchedExpert(BaseModel):
+    expert: int = Field(description="routed expert id in its own conversion's layer")
+    size: int = Field(description="its number of dense neurons")
+    match: int | None = Field(description="the other conversion's expert assigned to it (maximum total Jaccard); "
+                                          "null: unmatched (surplus expert, or no common neuron)")
+    jaccard: float | None = Field(description="Jaccard index of the expert and its match (their neuron sets)")
+    best: int | None = Field(description="the other conversion's expert sharing most neurons with it (may differ from the "
+                                         "assigned match); null without any common neuron")
+    best_jaccard: float
+
+
+class LayerMatchingOut(BaseModel):
+    layer: int
+    n_a: int
+    n_b: int
+    a: list[MatchedExpert] = Field(description="A's routed experts, each with its match in B")
+    b: list[MatchedExpert] = Field(description="B's routed experts, each with its match in A")
+    mean_jaccard: float = Field(description="the assignment's total Jaccard over min(n_a, n_b) pairs")
+    shared_jaccard: float | None = Field(description="Jaccard index of the two shared experts' neurons (null: neither has one)")
+    shared_sizes: list[int] = Field(description="neurons of A's and B's shared expert")
+    jaccard: list[list[float]] | None = Field(None, description="[n_a][n_b] Jaccard of every pair; only when one layer is asked")
+
+
+class SkippedLayer(BaseModel):
+    layer: int
+    reason: str = Field(description="why this layer has no experts made of dense neurons in A or B")
+
+
+class ExpertMatching(BaseModel):
+    a: str = Field(description="conversion A's id")
+    b: str = Field(description="conversion B's id")
+    method_a: str
+    method_b: str
+    layers: list[LayerMatchingOut]
+    skipped: list[SkippedLayer]
+
+
 # --------------------------------------------------------------------------- probes (token routing, playground)
 
 #: held-out samples a probe can pick per built-in set (``workers.engine.runs.HELDOUT_PICK``)

@@ -220,6 +220,10 @@ class ApiClient:
     def expert_neurons(self, conversion_id: str, layer: int) -> dict[str, Any]:
         return self.get(f"/conversions/{conversion_id}/experts/{layer}")
 
+    def expert_matching(self, conversion_a: str, conversion_b: str, layer: int | None = None) -> dict[str, Any]:
+        """B's routed experts matched to A's by their dense neurons (one layer: with its Jaccard matrix)."""
+        return self.get(f"/conversions/{conversion_a}/matching/{conversion_b}", layer=layer)
+
     def probes(self, conversion_id: str | None = None, kind: str | None = None) -> list[dict[str, Any]]:
         return self.get("/probes", conversion_id=conversion_id, kind=kind)["items"]
 

@@ -60,35 +60,48 @@ def _layer(result: dict[str, Any], layer: int) -> dict[str, Any] | None:
     return next((lay for lay in result.get("layers") or [] if lay["layer"] == layer), None)
 
 
-def routed_tokens(result: dict[str, Any], layer: int, expert: int | None = None, title: str = "") -> html.Div:
+def routed_tokens(result: dict[str, Any], layer: int, expert: int | None = None, title: str = "",
+                  colour_ids: dict[int, int] | None = None, labels: dict[int, str] | None = None) -> html.Div:
     """The probe's text with each token coloured by its best-scoring expert in ``layer`` (its
     tooltip lists all k, best first); with ``expert``, only the tokens routed to that expert are
-    coloured (the expert's view: which tokens it sees). A legend gives each expert's token count."""
+    coloured (the expert's view: which tokens it sees). A legend gives each expert's token count.
+
+    ``colour_ids``/``labels``: how another conversion's experts are drawn next to this one
+    (``figures.matched_colour_ids``/``matched_label``): each expert in the colour of the expert it is
+    matched to and named with both ids, since the bare ids of two conversions are unrelated."""
     lay = _layer(result, layer)
     if lay is None:
         have = ", ".join(map(str, routed_layers(result))) or "none"
         return html.Div(f"layer {layer} routes nothing in this conversion (routed layers: {have})", className="note")
+    colour_ids, labels = colour_ids or {}, labels or {}
+
+    def colour(e: int) -> str:
+        return expert_colour(colour_ids.get(e, e))
+
+    def name(e: int) -> str:
+        return labels.get(e, str(e))
+
     tokens, experts = result["tokens"], lay["experts"]
     spans = []
     for t, (piece, chosen) in enumerate(zip(tokens, experts, strict=True)):
         hit = expert is None or expert in chosen
-        colour = expert_colour(chosen[0] if expert is None else expert) if hit and chosen else "transparent"
+        background = colour(chosen[0] if expert is None else expert) if hit and chosen else "transparent"
         spans.append(html.Span(
             piece, className="tok" + (" tok-hit" if hit else ""),
-            title=f"token {t} {piece!r} → experts {', '.join(map(str, chosen))} (best first)",
-            style=_chip_style(colour) if colour != "transparent" else {"backgroundColor": colour},
-            **{"data-expert": str(chosen[0]) if chosen else ""},
+            title=f"token {t} {piece!r} → experts {', '.join(map(name, chosen))} (best first)",
+            style=_chip_style(background) if background != "transparent" else {"backgroundColor": background},
+            **{"data-expert": str(chosen[0]) if chosen else "", "data-colour-id": str(colour_ids.get(chosen[0], chosen[0])) if chosen else ""},
         ))
     load = lay["load"]
     n = len(tokens)
     if expert is None:
         head = (f"layer {layer}: {lay['n_routed']} routed experts, top-{lay['top_k']}; colour = each token's best-scoring "
-                "expert (hover a token for all of them)")
+                "expert (hover a token for all of them)" + ("; matched experts share a colour" if colour_ids else ""))
     else:
-        head = (f"layer {layer}, expert {expert}: {load[expert] if expert < len(load) else 0} of {n} tokens routed to it "
+        head = (f"layer {layer}, expert {name(expert)}: {load[expert] if expert < len(load) else 0} of {n} tokens routed to it "
                 f"({lay['n_routed']} routed experts, top-{lay['top_k']})")
-    legend = [html.Span(f"{e}: {c}", className="chip", title=f"expert {e}: {c} of {n} tokens",
-                        style=_chip_style(expert_colour(e))) for e, c in enumerate(load) if c]
+    legend = [html.Span(f"{name(e)}: {c}", className="chip", title=f"expert {name(e)}: {c} of {n} tokens",
+                        style=_chip_style(colour(e))) for e, c in enumerate(load) if c]
     return html.Div([
         html.Div(title, className="probe-title") if title else None,
         html.Div(head, className="note"),

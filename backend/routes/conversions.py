@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from typing import Annotated
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from sqlalchemy import select
 
 from workers.engine.core.params import ConversionError
@@ -16,7 +17,7 @@ from ..deletion import delete_resource
 from ..errors import ApiError
 from workers.engine.limits import profile_duplicates_problem
 from moelab.store.jobs import new_id
-from ..schemas import DeleteOut, ConversionCreate, ConversionList, ConversionOut, ExpertNeurons, ExpertOut
+from ..schemas import DeleteOut, ConversionCreate, ConversionList, ConversionOut, ExpertMatching, ExpertNeurons, ExpertOut
 from ..views import conversion_out
 from .exports import exports_of, gguf_check
 
@@ -172,6 +173,30 @@ def get_expert_neurons(conversion_id: str, layer: int, session: SessionDep, stor
         conversion_id=row.id, profile_id=row.profile_id, layer=layer, shared=shared.tolist(), shared_cv=cvs(shared),
         experts=[ExpertOut(expert=e, neurons=ids.tolist(), cv=cvs(ids)) for e, ids in enumerate(routed)],
     )
+
+
+@router.get("/{conversion_id}/matching/{other_id}", response_model=ExpertMatching, responses={404: {}, 409: {}, 422: {}},
+            summary="Experts of two conversions of one model matched by their dense neurons (Jaccard, exact assignment)")
+def get_expert_matching(conversion_id: str, other_id: str, session: SessionDep, store: StoreDep,
+                        layer: Annotated[int | None, Query(ge=0, description="one layer (with its full Jaccard matrix); "
+                                                                               "all layers when unset")] = None) -> ExpertMatching:
+    """Expert ids of two conversions are unrelated labels; this pairs A's routed experts with B's per layer by the
+    overlap of their neuron sets (``evaluation.expert_matching``: numpy and scipy on the stored partitions, no model),
+    so B's experts can be shown under A's matched ids. Layers without neuron sets (dense, AbsTopK/TEAL, MIDAS,
+    Dense2MoE, hierarchical) are listed in ``skipped`` with the reason; conversions of different models are refused 422."""
+    from workers.engine.evaluation.expert_matching import CONVERSION_FILE, match_conversion_dirs
+
+    rows = [lookup(session, Conversion, ident, "conversion", "conversions") for ident in (conversion_id, other_id)]
+    for row in rows:
+        require_ready(row, "conversion")
+        if not (store.path("conversions", row.id) / CONVERSION_FILE).is_file():
+            raise ApiError(409, f"conversion {row.id} has no stored files; convert again")
+    try:
+        matching = match_conversion_dirs(store.path("conversions", rows[0].id), store.path("conversions", rows[1].id),
+                                         layers=None if layer is None else [layer], names=(rows[0].id, rows[1].id))
+    except ValueError as exc:  # DifferentModels too: what to choose instead is in its message
+        raise ApiError(422, str(exc)) from exc
+    return ExpertMatching(**matching.to_dict(with_matrix=layer is not None))
 
 
 @router.delete("/{conversion_id}", response_model=DeleteOut, responses={404: {}, 409: {}}, summary="Delete a conversion, its model files and its exports (409 while evaluations or fine-tunes use it)")

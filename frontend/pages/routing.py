@@ -1,7 +1,10 @@
 """Routing explorer: for a conversion and its evaluations (one per held-out set), layer × expert
 load heatmaps (EW Fig. 8, MI Fig. 4) of two sets side by side, their difference, per-layer
-Jensen–Shannon divergence and load CV by layer (MI Fig. 3).
-State in the URL: ?conversion=…&a=EVAL_ID&b=EVAL_ID&variant=…"""
+Jensen–Shannon divergence and load CV by layer (MI Fig. 3). Another conversion of the same model can be
+matched to this one (its experts paired with this one's by their dense neurons, since expert ids of two
+conversions are unrelated labels): which of its experts matches which, with the Jaccard overlap, and
+its routing on set A's text drawn at this conversion's matched expert ids.
+State in the URL: ?conversion=…&a=EVAL_ID&b=EVAL_ID&variant=…&match=CONVERSION_ID"""
 
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ def _eval_options(conversion: str | None) -> list[dict]:
             for e in api().evaluations(conversion) if e["status"] == "ready"]
 
 
-def layout(conversion: str | None = None, a: str | None = None, b: str | None = None, variant: str = "converted", **_):
+def layout(conversion: str | None = None, a: str | None = None, b: str | None = None, variant: str = "converted",
+           match: str | None = None, **_):
     try:
         convs, err = named_options("conversions"), None
         if conversion is None and convs:
@@ -52,6 +56,10 @@ def layout(conversion: str | None = None, a: str | None = None, b: str | None = 
             html.Div([html.Label("variant"), dcc.Dropdown(id=f"{N}-variant", options=["converted", "uniform"], value=variant, clearable=False, style={"width": 130})]),
         ]),
         html.Div(className="controls", children=[
+            html.Div([html.Label("match experts with conversion B (same model)"),
+                      dcc.Dropdown(id=f"{N}-match", options=convs, value=match, style={"width": 520})]),
+        ]),
+        html.Div(className="controls", children=[
             html.Div([html.Label("evaluate on another set"), dcc.Dropdown(id=f"{N}-source", options=sources, value="builtin:mixed", style={"width": 420})]),
             baselines_choice(f"{N}-baselines"),
             html.Button(f"Evaluate ({EVAL_WINDOWS} windows × {EVAL_TOKENS} tokens)", id=f"{N}-evaluate"),
@@ -62,6 +70,8 @@ def layout(conversion: str | None = None, a: str | None = None, b: str | None = 
         html.Div(className="row", children=[figure_card(f"{N}-heat-a", "Set A"), figure_card(f"{N}-heat-b", "Set B")]),
         html.Div(className="row", children=[figure_card(f"{N}-diff", "A − B"), figure_card(f"{N}-js", "Jensen–Shannon by layer")]),
         html.Div(className="row", children=[figure_card(f"{N}-loadcv", "Load CV by layer")]),
+        html.Div(className="row", children=[figure_card(f"{N}-match-map", "Experts of B matched to A's"),
+                                            figure_card(f"{N}-match-b", "Conversion B at A's expert ids")]),
     ])
 
 
@@ -80,9 +90,10 @@ NAMES = ("heat-a", "heat-b", "diff", "js", "loadcv")
 
 @callback(*[Output(f"{N}-{n}", "figure") for n in NAMES], *[Output({"type": "csv-data", "name": f"{N}-{n}"}, "data") for n in NAMES],
           Output(f"{N}-error", "children"), Output(f"{N}-url", "search"),
-          Input(f"{N}-conversion", "value"), Input(f"{N}-a", "value"), Input(f"{N}-b", "value"), Input(f"{N}-variant", "value"))
-def _update(conversion, a, b, variant):
-    search = to_search(conversion=conversion, a=a, b=b, variant=variant)
+          Input(f"{N}-conversion", "value"), Input(f"{N}-a", "value"), Input(f"{N}-b", "value"), Input(f"{N}-variant", "value"),
+          Input(f"{N}-match", "value"))
+def _update(conversion, a, b, variant, match=None):
+    search = to_search(conversion=conversion, a=a, b=b, variant=variant, match=match)
     ids = [i for i in (a, b) if i]
     if not conversion or not ids:
         msg = "choose a conversion and at least one evaluated set (or press Evaluate)"
@@ -102,6 +113,45 @@ def _update(conversion, a, b, variant):
     figs = [F.routing_heatmap(heat, 0), F.routing_heatmap(heat, 1) if two else pair_msg,
             F.routing_difference(heat, 0, 1) if two else pair_msg, F.routing_js_line(heat, 0, 1) if two else pair_msg, F.load_cv_by_layer(heat)]
     return (*figs, *[store] * 5, error_box(None), search)
+
+
+def _same_text(evaluations: list[dict], like: dict | None) -> dict | None:
+    """The ready evaluation among ``evaluations`` on the text ``like`` read (the same windows × tokens
+    first, then the same text at another size): routing shares are comparable on one text only."""
+    ready = [e for e in evaluations if e["status"] == "ready"]
+    if like is None:
+        return ready[0] if ready else None
+    return (next((e for e in ready if F.heldout_key(e) == F.heldout_key(like)), None)
+            or next((e for e in ready if F.heldout_of(e)["source"] == F.heldout_of(like)["source"]), None))
+
+
+@callback(Output(f"{N}-match-map", "figure"), Output(f"{N}-match-b", "figure"),
+          Output({"type": "csv-data", "name": f"{N}-match-map"}, "data"), Output({"type": "csv-data", "name": f"{N}-match-b"}, "data"),
+          Input(f"{N}-conversion", "value"), Input(f"{N}-match", "value"), Input(f"{N}-a", "value"), Input(f"{N}-variant", "value"))
+def _matched(conversion, match, a, variant):
+    """B's experts matched to this conversion's, and B's routing on set A's text at A's matched ids."""
+    if not conversion or not match:
+        fig = F.message_figure("choose conversion B (another conversion of this model) to match its experts to these")
+        return fig, fig, None, None
+    try:
+        matching = api().expert_matching(conversion, match)
+    except ApiError as exc:
+        fig = F.message_figure(str(exc))
+        return fig, fig, None, None
+    store = {"kind": "matching", "data": matching, "filename": f"matching_{conversion}_{match}"}
+    try:
+        by_id = {e["id"]: e for e in api().evaluations(conversion)}
+        twin = _same_text(api().evaluations(match), by_id.get(a))
+        if twin is None:
+            text = F.heldout_label(by_id[a]) if a in by_id else "any text"
+            return F.matching_by_layer(matching), F.message_figure(f"conversion B has no evaluation on {text}: choose B above "
+                                                                   "as the conversion and press Evaluate"), store, None
+        heat = api().conversion_routing(match, [twin["id"]], variant=variant)
+    except ApiError as exc:
+        return F.matching_by_layer(matching), F.message_figure(str(exc)), store, None
+    heat = {**heat, "sets": [F.heldout_label(twin)]}
+    return (F.matching_by_layer(matching), F.routing_at_matched_ids(heat, matching), store,
+            {"kind": "routing", "data": heat, "filename": f"routing_{match}"})
 
 
 @callback(Output(f"{N}-job-id", "data"), Output(f"{N}-poll", "disabled"), Output(f"{N}-job", "children", allow_duplicate=True),

@@ -3,6 +3,10 @@ expert it is routed to, layer by layer, for one conversion or two side by side (
 sets' conversions, or the paper recipe against the best one). Each conversion's routing is a
 short probe job on the worker (the API runs no model). Choosing an expert shows that expert's
 view: only the tokens routed to it are coloured.
+Expert ids of two conversions are unrelated labels, so B's experts are named and coloured after the
+A experts they are matched to by their dense neurons (``GET /conversions/{a}/matching/{b}``: "B e7 ≙ A
+e3 (J=0.62)"), the expert field picks A's expert and B's matched one, and the layer's overlap matrix
+is drawn below; layers or methods without neuron sets say why they are not matched.
 State in the URL: ?a=…&b=…&pa=…&pb=…&source=…&sample=…&layer=…&expert=… (conversions, their probes, the
 held-out sample they read, the view); a shared URL opens with its controls set from these (and the
 probe's own text when it routed a typed text)."""
@@ -14,8 +18,9 @@ from typing import Any
 import dash
 from dash import Input, Output, State, callback, dcc, html, no_update
 
+from frontend import figures as F
 from frontend.api_client import ApiError, api
-from frontend.components import error_box, options_or_error, progress, to_search
+from frontend.components import GRAPH_CONFIG, error_box, options_or_error, progress, to_search
 from frontend.token_view import expert_card, routed_layers, routed_tokens
 
 dash.register_page(__name__, path="/tokens", name="Token routing", order=6)
@@ -102,6 +107,7 @@ def layout(a: str | None = None, b: str | None = None, pa: str | None = None, pb
                                                                debounce=True, style={"width": 90})]),
         ]),
         html.Div(id=f"{N}-view", className="row"),
+        html.Div(id=f"{N}-match"),
         html.Div(id=f"{N}-error"),
     ])
 
@@ -148,32 +154,71 @@ def _layers(probes, layer):
     return [{"label": str(i), "value": i} for i in layers], (layer if layer in layers else (layers[len(layers) // 2] if layers else None))
 
 
-@callback(Output(f"{N}-view", "children"), Output(f"{N}-url", "search"),
+def _matching(conversions: dict[str, str], layer: int) -> tuple[dict[str, Any] | None, str | None]:
+    """B's experts matched to A's in ``layer`` (the matching's entry), or why they are not."""
+    if not conversions.get("a") or not conversions.get("b"):
+        return None, None
+    unrelated = "the expert ids of A and B are unrelated labels: equal numbers are not the same expert"
+    try:
+        matching = api().expert_matching(conversions["a"], conversions["b"], layer)
+    except ApiError as exc:
+        return None, f"B's experts are not matched to A's ({exc}); {unrelated}"
+    entry = F.matched_layer(matching, layer)
+    if entry is None:
+        return None, f"B's experts are not matched to A's in layer {layer}: {F.skipped_reason(matching, layer)}; {unrelated}"
+    return entry, None
+
+
+def _side(side: str, probe: dict[str, Any], result: dict[str, Any], layer: int, expert: int | None,
+          entry: dict[str, Any] | None) -> html.Div:
+    """One conversion's tokens (B's experts under A's matched ids and colours) and, for a chosen expert
+    (A's numbering), its card with its best match in the other conversion."""
+    title = f"{side.upper()}: {probe['conversion_id']} ({result.get('method')}, {len(result['tokens'])} tokens)"
+    own, note = expert, None
+    colour_ids = labels = None
+    if entry is not None:
+        labels = {e["expert"]: F.matched_label(entry, side, e["expert"]) for e in entry[side]}
+        colour_ids = F.matched_colour_ids(entry) if side == "b" else None
+        if side == "b" and expert is not None:  # the expert field names A's expert: B shows the one matched to it
+            own = entry["a"][expert]["match"] if 0 <= expert < entry["n_a"] else None
+            if own is None:
+                note = f"A's expert {expert} has no match in B: B's tokens are shown unfiltered"
+    children = [html.Div(note, className="note") if note else None,
+                routed_tokens(result, layer, own, title=title, colour_ids=colour_ids, labels=labels)]
+    if own is not None:  # the expert's card: its neurons, linked to the neuron explorer
+        try:
+            children.append(expert_card(api().expert_neurons(probe["conversion_id"], layer), own))
+        except ApiError as exc:
+            children.append(html.Div(str(exc), className="note"))
+        if entry is not None and 0 <= own < len(entry[side]):
+            children.append(html.Div(F.best_match_text(entry, side, own), className="note best-match"))
+    return html.Div(children, className="col")
+
+
+@callback(Output(f"{N}-view", "children"), Output(f"{N}-match", "children"), Output(f"{N}-url", "search"),
           Input(f"{N}-ready", "data"), Input(f"{N}-layer", "value"), Input(f"{N}-expert", "value"),
           State(f"{N}-a", "value"), State(f"{N}-b", "value"))
 def _view(probes, layer, expert, a, b):
     search = to_search(a=a, b=b, pa=(probes or {}).get("a"), pb=(probes or {}).get("b"), layer=layer, expert=expert)
     if not probes or layer is None:
-        return html.Div("Route a text to see its tokens.", className="note"), search
-    cards = []
+        return html.Div("Route a text to see its tokens.", className="note"), None, search
+    cards, shown = [], {}
     for side, pid in probes.items():
         if not pid:
             continue
         try:
-            probe, result = api().probe(pid), api().probe_result(pid)
+            shown[side] = api().probe(pid), api().probe_result(pid)
         except ApiError as exc:
             cards.append(error_box(f"conversion {side.upper()}: {exc}"))
-            continue
-        params = probe.get("params") or {}
-        if side == "a" and params.get("sample_source"):  # the URL says which held-out sample (a typed text is in the probe)
-            search = to_search(a=a, b=b, pa=probes.get("a"), pb=probes.get("b"), source=params["sample_source"],
-                               sample=params.get("sample", 0), layer=layer, expert=expert)
-        title = f"{side.upper()}: {probe['conversion_id']} ({result.get('method')}, {len(result['tokens'])} tokens)"
-        children = [routed_tokens(result, layer, _int(expert), title=title)]
-        if _int(expert) is not None:  # the expert's card: its neurons, linked to the neuron explorer
-            try:
-                children.append(expert_card(api().expert_neurons(probe["conversion_id"], layer), _int(expert)))
-            except ApiError as exc:
-                children.append(html.Div(str(exc), className="note"))
-        cards.append(html.Div(children, className="col"))
-    return cards, search
+    if "a" in shown and (params := shown["a"][0].get("params") or {}).get("sample_source"):
+        # the URL says which held-out sample (a typed text is in the probe)
+        search = to_search(a=a, b=b, pa=probes.get("a"), pb=probes.get("b"), source=params["sample_source"],
+                           sample=params.get("sample", 0), layer=layer, expert=expert)
+    entry, why = _matching({side: probe["conversion_id"] for side, (probe, _) in shown.items()}, layer)
+    cards += [_side(side, probe, result, layer, _int(expert), entry) for side, (probe, result) in shown.items()]
+    match = None
+    if entry is not None:
+        match = html.Div([dcc.Graph(id=f"{N}-overlap", figure=F.expert_overlap(entry), config=GRAPH_CONFIG)], className="card")
+    elif why:
+        match = html.Div(why, className="note")
+    return cards, match, search

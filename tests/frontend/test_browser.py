@@ -170,7 +170,7 @@ def evaluated(api, profile_id):
     return c["id"], [e["id"] for e in evs]
 
 
-def test_routing_compares_two_sets_and_compare_page(page, live, api, evaluated):
+def test_routing_compares_two_sets_and_compare_page(page, live, api, evaluated, profile_id):
     conversion, (a, b) = evaluated
     page.goto(f"{live['ui']}/routing?conversion={conversion}&a={a}&b={b}")
     wait_figures(page, "rx-heat-a", "rx-heat-b", "rx-diff", "rx-js", "rx-loadcv")
@@ -203,4 +203,23 @@ def test_routing_compares_two_sets_and_compare_page(page, live, api, evaluated):
             assert all("× dense)" in t for t in trace["text"])
     assert "expertweaver · 8 experts" in page.inner_text("#cc-table")  # a name, not only the id
     shot(page, "compare")
+    no_errors(page)
+
+    # another conversion of the model (k-means seed 1), evaluated on set A's text: its experts matched to these
+    other = api.post("/conversions", json={"profile_id": profile_id, "expertweaver": {"n_experts": 8, "alpha_max": 0.5, "seed": 1}}).json()
+    wait_job(api, other["job_id"])
+    e = api.post("/evaluations", json={"conversion_id": other["id"], "source": "builtin:code", "n_windows": 2, "seq_len": 32,
+                                       "baselines": False, "multiple_choice_per_task": 0}).json()
+    wait_job(api, e["job_id"])
+    page.goto(f"{live['ui']}/routing?conversion={conversion}&a={a}&b={b}&match={other['id']}")
+    wait_figures(page, "rx-match-map", "rx-match-b")
+    matching = api.get(f"/conversions/{conversion}/matching/{other['id']}").json()
+    cells = figure(page, "rx-match-map")["data"][0]["text"]
+    width = max(m["n_a"] for m in matching["layers"])  # layers with fewer experts are padded with blank cells
+    assert cells == [[f"B e{x['match']}" if x["match"] is not None else "–" for x in m["a"]] + [""] * (width - m["n_a"])
+                     for m in matching["layers"]]
+    hover = [h for row in figure(page, "rx-match-b")["data"][0]["customdata"] for h in row if h]
+    assert hover and all(" ≙ A e" in h or "unmatched" in h for h in hover), hover
+    assert "at A's expert ids" in figure(page, "rx-match-b")["title"]
+    shot(page, "routing-matched")
     no_errors(page)

@@ -2,7 +2,8 @@
 shown, coloured by the expert the API's probe says it is routed to, in black or white text,
 whichever reads on that colour (WCAG contrast ≥ 4.5 for every colour of the palette); an expert's
 view colours exactly the tokens routed to it; a shared URL opens with the controls it was made with;
-the playground shows both models' text and speed as measured."""
+the playground shows both models' text and speed as measured; a second conversion's experts are named
+and coloured after the first one's matched experts."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 import pytest
 
 import frontend.app  # noqa: F401  (instantiates the Dash app: the page modules register with it)
+from frontend import figures as F
 from frontend.pages.tokens import DEFAULT_TEXT, initial_controls
 from frontend.token_view import PALETTE, contrast_ratio, expert_colour, relative_luminance, routed_tokens, text_colour
 
@@ -67,9 +69,12 @@ def _rgb(hex_colour: str) -> str:
     return "rgb({}, {}, {})".format(*(int(h[i:i + 2], 16) for i in (0, 2, 4)))
 
 
+EW = {"n_experts": 4, "alpha_max": 0.5, "sparsity": 0.5}
+
+
 @pytest.fixture(scope="module")
 def conversion(api, profile_id) -> str:
-    c = api.post("/conversions", json={"profile_id": profile_id, "expertweaver": {"n_experts": 4, "alpha_max": 0.5, "sparsity": 0.5}}).json()
+    c = api.post("/conversions", json={"profile_id": profile_id, "expertweaver": EW}).json()
     assert wait_job(api, c["job_id"])["state"] == "succeeded"
     return c["id"]
 
@@ -107,7 +112,7 @@ def test_token_routing_page_colours_every_token(page, live, api, conversion):
 
 
 @pytest.mark.slow
-def test_shared_url_opens_with_its_controls(page, live, api, conversion):
+def test_shared_url_opens_with_its_controls(page, live, api, conversion, profile_id):
     sampled = api.post("/probes", json={"conversion_id": conversion, "kind": "routing", "sample_source": "builtin:code", "sample": 3}).json()
     wait_job(api, sampled["job_id"])
     layer = [x["layer"] for x in api.get(f"/probes/{sampled['id']}/result").json()["layers"]][-1]
@@ -128,6 +133,25 @@ def test_shared_url_opens_with_its_controls(page, live, api, conversion):
     page.wait_for_selector(".token-text .tok")
     assert page.input_value("#tk-text") == text  # the routed text, not the default one
     assert "type a text" in page.inner_text("#tk-source") and page.input_value("#tk-expert") == ""
+    assert page.errors == [], page.errors
+
+    # B, another conversion of the model (k-means seed 1): its experts named and coloured after A's matched ones
+    other = api.post("/conversions", json={"profile_id": profile_id, "expertweaver": {**EW, "seed": 1}}).json()
+    wait_job(api, other["job_id"])
+    b_probe = api.post("/probes", json={"conversion_id": other["id"], "kind": "routing", "sample_source": "builtin:code", "sample": 3}).json()
+    wait_job(api, b_probe["job_id"])
+    page.goto(f"{live['ui']}/tokens?pa={sampled['id']}&pb={b_probe['id']}&layer={layer}")
+    page.wait_for_selector("#tk-overlap .js-plotly-plot")
+    entry = api.get(f"/conversions/{conversion}/matching/{other['id']}", params={"layer": layer}).json()["layers"][0]
+    best = [x[0] for x in next(x for x in api.get(f"/probes/{b_probe['id']}/result").json()["layers"] if x["layer"] == layer)["experts"]]
+    shown = page.evaluate("() => [...document.querySelectorAll('#tk-view > .col')[1].querySelectorAll('.token-text .tok')]"
+                          ".map(s => [s.dataset.expert, getComputedStyle(s).backgroundColor])")
+    colours = F.matched_colour_ids(entry)
+    assert [(int(e), c) for e, c in shown] == [(e, _rgb(expert_colour(colours[e]))) for e in best]
+    chips = page.locator("#tk-view > .col").nth(1).locator(".legend .chip").all_inner_texts()
+    assert chips and all(c.startswith(F.matched_label(entry, "b", int(re.match(r"B e(\d+)", c).group(1)))) for c in chips), chips
+    assert any("≙ A e" in c for c in chips), chips
+    page.screenshot(path=str(ARTIFACTS / "token-routing-matched.png"), full_page=True)
     assert page.errors == [], page.errors
 
 
