@@ -257,6 +257,15 @@ class ApiClient:
     def task_similarity(self, profile_id: str, layer: int | None = None) -> dict[str, Any]:
         return self.get(f"/profiles/{profile_id}/charts/task-similarity", layer=layer)
 
+    def compare_profiles(self, a: str, b: str, layer: int | None = None, threshold: float | None = None,
+                         top: int | None = None, snippets: int | None = None) -> dict[str, Any]:
+        """Two profiles of one model neuron by neuron: set-specificity d, shares per layer, top neurons of each side."""
+        return self.get("/profiles/compare", a=a, b=b, layer=layer, threshold=threshold, top=top, snippets=snippets)
+
+    def search_neurons(self, profile_id: str, **filters: Any) -> dict[str, Any]:
+        """Neurons by cv_min/cv_max, rate_min/rate_max, vs + min_specificity, token text; sort, offset, limit."""
+        return self.get(f"/profiles/{profile_id}/neurons/search", **filters)
+
     def layer_similarity(self, profile_id: str, **dense2moe: Any) -> dict[str, Any]:
         """S_L, S_M and the fusion a dense2moe conversion with these parameters (delta, n_fused, layer, …) would pick."""
         return self.get(f"/profiles/{profile_id}/charts/layer-similarity", **dense2moe)

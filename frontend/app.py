@@ -16,7 +16,7 @@ from dash import Dash, dcc, html
 
 from moelab.settings import get_settings
 
-NAV = [("Workspace", "/"), ("Calibration sets", "/calibration"), ("Neuron explorer", "/neurons"),
+NAV = [("Workspace", "/"), ("Calibration sets", "/calibration"), ("Neuron explorer", "/neurons"), ("Compare profiles", "/profiles/compare"),
        ("Layer similarity", "/layers"), ("Conversion designer", "/designer"), ("Fine-tune", "/finetune"), ("Routing explorer", "/routing"),
        ("Token routing", "/tokens"), ("Compare conversions", "/compare"), ("Playground", "/playground")]
 

@@ -16,6 +16,7 @@ from . import (
     methods,
     models,
     probes,
+    profile_compare,
     profiles,
 )
 
@@ -25,7 +26,8 @@ def api_router() -> APIRouter:
     balancers must see it without a secret; it names no user data)."""
     router = APIRouter(prefix="/api/v1")
     router.include_router(health.router)
-    for module in (methods, models, calibration_sets, profiles, conversions, exports, evaluations, finetunes, probes, jobs,
+    # profile_compare before profiles: its /profiles/compare would otherwise be read as /profiles/{profile_id}
+    for module in (methods, models, calibration_sets, profile_compare, profiles, conversions, exports, evaluations, finetunes, probes, jobs,
                    artifacts, charts):
         router.include_router(module.router, dependencies=[Depends(require_token)])  # one level: matching stays flat
     return router
