@@ -41,7 +41,7 @@ log = logging.getLogger("moelab.api")
 WAIT_S = 15.0
 _LISTING = {"models": "models", "calibration_sets": "calibration-sets", "profiles": "profiles",
             "conversions": "conversions", "evaluations": "evaluations", "finetunes": "finetunes", "probes": "probes",
-            "exports": "exports"}
+            "activation_probes": "activation-probes", "exports": "exports"}
 
 
 class DeleteGuard:

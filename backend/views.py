@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moelab.store.db import CalibrationSet, Conversion, Evaluation, Export, Finetune, Job, Model, Probe, Profile, utcnow
+from moelab.store.db import ActivationProbe, CalibrationSet, Conversion, Evaluation, Export, Finetune, Job, Model, Probe, Profile, utcnow
 from .schemas import (
     ArtifactFile,
     CalibrationSetOut,
@@ -16,6 +16,7 @@ from .schemas import (
     JobOut,
     ModelOut,
     ProbeOut,
+    ActivationProbeOut,
     ProfileOut,
     ProgressOut,
 )
@@ -113,3 +114,7 @@ def finetune_out(row: Finetune) -> FinetuneOut:
 
 def probe_out(row: Probe) -> ProbeOut:
     return ProbeOut(**_common(row), conversion_id=row.conversion_id, summary=row.summary)
+
+
+def activation_probe_out(row: ActivationProbe) -> ActivationProbeOut:
+    return ActivationProbeOut(**_common(row), profile_id=row.profile_id, summary=row.summary)

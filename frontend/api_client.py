@@ -237,6 +237,16 @@ class ApiClient:
     def probe_result(self, probe_id: str) -> dict[str, Any]:
         return self.get(f"/probes/{probe_id}/result")
 
+    def create_activation_probe(self, profile_id: str, layer: int, neurons: list[int], **body: Any) -> dict[str, Any]:
+        """``text=…`` or ``sample_source="builtin:NAME", sample=i``: neurons' h on every token (a job)."""
+        return self.post("/activation-probes", {"profile_id": profile_id, "layer": layer, "neurons": neurons, **body})
+
+    def activation_probe(self, probe_id: str) -> dict[str, Any]:
+        return self.get(f"/activation-probes/{probe_id}")
+
+    def activation_result(self, probe_id: str) -> dict[str, Any]:
+        return self.get(f"/activation-probes/{probe_id}/result")
+
     def cv_histogram(self, profile_id: str) -> dict[str, Any]:
         return self.get(f"/profiles/{profile_id}/charts/cv-histogram")
 

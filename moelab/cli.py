@@ -481,6 +481,50 @@ def export(src: str, fmt: str, gguf_type: str, out: Path, as_json: bool) -> None
                f"model card: {Path(out) / 'README.md'}")
 
 
+# --------------------------------------------------------------------------- probes
+
+
+@main.group()
+def probe() -> None:
+    """Short looks at a model on one text."""
+
+
+@probe.command("activation")
+@click.option("--profile", "profile_dir", type=click.Path(path_type=Path), required=True,
+              help="a profile directory: its dense model computes the activations")
+@click.option("--layer", type=click.IntRange(min=0), required=True)
+@click.option("--neuron", "neurons", type=click.IntRange(min=0), multiple=True, required=True,
+              help="a neuron of the layer; repeat for more (at most 64)")
+@click.option("--text", default=None, help="the text (at most 512 tokens)")
+@click.option("--sample-source", default=None, help="builtin:NAME: a held-out sample of that set instead of --text")
+@click.option("--sample", type=click.IntRange(min=0), default=0, show_default=True, help="which held-out sample")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--quiet", is_flag=True)
+def probe_activation(profile_dir: Path, layer: int, neurons: tuple[int, ...], text: str | None, sample_source: str | None,
+                     sample: int, as_json: bool, quiet: bool) -> None:
+    """Each neuron's activation h = act(x W_gate) * (x W_up) on every token of a text (the profile's quantity)."""
+    from workers.engine.runs import heldout_sample, run_activation_probe
+
+    if (text is None) == (sample_source is None):
+        raise click.UsageError("give exactly one of --text or --sample-source builtin:NAME")
+    cfg = get_settings()
+    _quiet_transformers()
+    with _progress(quiet) as progress:
+        if text is None:
+            text = heldout_sample(sample_source, sample, data_dir=cfg.data_dir)
+        out = run_activation_probe(profile_dir, text=text, layer=layer, neurons=list(neurons), data_dir=cfg.data_dir,
+                                   device=cfg.device, progress=progress)
+    if as_json:
+        click.echo(json.dumps(out, indent=2))
+        return
+    click.echo("token  piece" + "".join(f"  {'n' + str(n):>10}" for n in out["neurons"]))
+    for t, piece in enumerate(out["tokens"]):
+        click.echo(f"{t:5d}  {piece!r:<16}" + "".join(f"  {a[t]:+10.4f}" for a in out["activations"]))
+    for ref in out["reference"]:
+        top = "unknown" if ref["top_value"] is None else f"{ref['top_value']:+.4f}"
+        click.echo(f"  neuron {ref['neuron']}: profile's top h {top}, mean gate activation {ref['gate_mean']:+.4f}, rate {ref['rate']:.3f}")
+
+
 # --------------------------------------------------------------------------- data
 
 

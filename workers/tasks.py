@@ -349,6 +349,32 @@ def probe(ctx: JobContext) -> Outcome:
     return Outcome(summary=summary, timings=result.get("timings"))
 
 
+def activation_probe(ctx: JobContext) -> Outcome:
+    """Neurons of one layer of a profile's dense model on one text (``runs.run_activation_probe``); the
+    whole result is the artifact ``activation-probes/<id>/activations.json``, the summary a digest."""
+    from moelab.store.jsonsafe import jsonable
+    from workers.engine.runs import heldout_sample, run_activation_probe
+
+    row = ctx.resource()
+    p = row.params
+    s = ctx.settings
+    prof = ctx.row(Profile, row.profile_id)
+    model = ctx.row(Model, prof.model_id)
+    text = p["text"] if p.get("text") is not None else heldout_sample(p["sample_source"], p["sample"], data_dir=s.data_dir)
+    with model_cache.job_models(give_back=True):
+        result = run_activation_probe(
+            ctx.store.path("profiles", prof.id), text=text, layer=p["layer"], neurons=p["neurons"], data_dir=s.data_dir,
+            device=s.device, trust_remote_code=_trust(ctx, model), progress=ctx.progress, loader=model_cache.cached_load_model,
+        )
+    result = jsonable(result)
+    with atomic_directory(ctx.store.path("activation-probes", row.id)) as tmp:
+        write_json_atomic(tmp / "activations.json", result)
+    peaks = [max((abs(v) for v in acts if v is not None), default=None) for acts in result["activations"]]
+    summary = {"kind": "activation", "layer": result["layer"], "neurons": result["neurons"], "n_tokens": len(result["tokens"]),
+               "max_abs": peaks, "text": text[:200]}
+    return Outcome(summary=summary, timings=result.get("timings"))
+
+
 def export(ctx: JobContext) -> Outcome:
     """A ready conversion as a GGUF file (``gguf_export.export_gguf``): the .gguf, an Ollama Modelfile
     and a model card, published atomically into ``conversions/<conv-id>/exports/<exp-id>/``. Refused
@@ -400,6 +426,7 @@ convert_task = _task("conversion", convert)
 evaluate_task = _task("evaluation", evaluate)
 finetune_task = _task("finetune", finetune)
 probe_task = _task("probe", probe)
+activation_probe_task = _task("activation_probe", activation_probe)
 export_task = _task("export", export)
 
 CONVERT_LAYERS = "moelab.convert_layers"

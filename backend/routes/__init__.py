@@ -4,6 +4,7 @@ from fastapi import APIRouter, Depends
 
 from ..deps import require_token
 from . import (
+    activation_probes,
     artifacts,
     calibration_sets,
     charts,
@@ -27,7 +28,7 @@ def api_router() -> APIRouter:
     router = APIRouter(prefix="/api/v1")
     router.include_router(health.router)
     # profile_compare before profiles: its /profiles/compare would otherwise be read as /profiles/{profile_id}
-    for module in (methods, models, calibration_sets, profile_compare, profiles, conversions, exports, evaluations, finetunes, probes, jobs,
-                   artifacts, charts):
+    for module in (methods, models, calibration_sets, profile_compare, profiles, conversions, exports, evaluations, finetunes, probes,
+                   activation_probes, jobs, artifacts, charts):
         router.include_router(module.router, dependencies=[Depends(require_token)])  # one level: matching stays flat
     return router

@@ -14,16 +14,16 @@ from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from moelab.store.artifacts import KINDS, ArtifactMissing
-from moelab.store.db import CalibrationSet, Conversion, Evaluation, Finetune, Job, Probe, Profile
+from moelab.store.db import ActivationProbe, CalibrationSet, Conversion, Evaluation, Finetune, Job, Probe, Profile
 from ..deps import SessionDep, StoreDep
 from ..errors import ApiError
 from ..schemas import ArtifactFile, ArtifactList, ArtifactOut, ArtifactSummary
 
 router = APIRouter(prefix="/artifacts", tags=["artifacts"])
 
-Kind = Literal["calibration-sets", "profiles", "conversions", "evaluations", "finetunes", "probes"]
+Kind = Literal["calibration-sets", "profiles", "conversions", "evaluations", "finetunes", "probes", "activation-probes"]
 TABLES = {"calibration-sets": CalibrationSet, "profiles": Profile, "conversions": Conversion, "evaluations": Evaluation,
-          "finetunes": Finetune, "probes": Probe}
+          "finetunes": Finetune, "probes": Probe, "activation-probes": ActivationProbe}
 assert tuple(TABLES) == KINDS
 
 

@@ -1,6 +1,7 @@
 """Neuron explorer (one profile): CV histogram of a layer, CV by layer (EW Fig. 2), neuron × task
 map sortable by CV (EW Fig. 1a), task × task similarity (EW Fig. 1b); click a neuron column (or type
-a neuron index) for its card: CV, rate, per-task profile and the calibration text it fires on most.
+a neuron index) for its card: CV, rate, per-task profile, the calibration text it fires on most and
+its activation on any text (an activation probe job, ``frontend.neuron_activation``).
 State in the URL: ?profile=…&layer=…&neuron=…&order=…&tau=…&normalize=…"""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dash import Input, Output, State, callback, dcc, html
 
 from frontend import figures as F
 from frontend import snippets as S
+from frontend import neuron_activation
 from frontend.api_client import ApiError, api
 from frontend.components import error_box, figure_card, num, profile_picker, to_search
 
@@ -58,6 +60,7 @@ def layout(profile: str | None = None, layer: str = "0", order: str = "cv", tau:
             html.Div(className="row", children=[figure_card(f"{N}-neuron", "Mean activation of the neuron per task (or sample)"),
                                                 html.Div(className="card", children=[html.Span("Top-activating tokens", className="card-title"),
                                                                                      dcc.Loading(html.Div(id=f"{N}-snippets"), type="dot")])]),
+            neuron_activation.section(),
         ]),
         html.Div(className="row", children=[figure_card(f"{N}-rates", "Activation rate of the layer's neurons"), figure_card(f"{N}-hvals", "h-value histogram of the layer")]),
         html.Div(className="row", children=[figure_card(f"{N}-tasksim", "Similarity of the tasks (or samples) the CV is taken across")]),

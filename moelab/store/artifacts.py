@@ -40,7 +40,7 @@ from workers.engine.atomic import (
     write_json_atomic,
 )
 
-KINDS = ("calibration-sets", "profiles", "conversions", "evaluations", "finetunes", "probes")
+KINDS = ("calibration-sets", "profiles", "conversions", "evaluations", "finetunes", "probes", "activation-probes")
 #: the folder of a conversion's artifact holding its exports (``Export`` rows: GGUF files …)
 EXPORTS_DIR = "exports"
 _ID = re.compile(r"^[a-z]{2,5}-[0-9a-f]{16}$")

@@ -35,6 +35,7 @@ TASKS: dict[str, tuple[str, str]] = {
     "evaluation": ("moelab.evaluate", GPU_QUEUE),
     "finetune": ("moelab.finetune", GPU_QUEUE),
     "probe": ("moelab.probe", GPU_QUEUE),
+    "activation_probe": ("moelab.activation_probe", GPU_QUEUE),
     "export": ("moelab.export", GPU_QUEUE),  # loads the whole converted model: model work
 }
 

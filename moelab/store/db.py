@@ -76,7 +76,7 @@ class Job(Base):
     __tablename__ = "jobs"
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(32))  # inspect_model | build_calibration | profile | conversion | evaluation | finetune | probe | export
+    kind: Mapped[str] = mapped_column(String(32))  # inspect_model | build_calibration | profile | conversion | evaluation | finetune | probe | activation_probe | export
     queue: Mapped[str] = mapped_column(String(16))
     resource_type: Mapped[str] = mapped_column(String(32))
     resource_id: Mapped[str] = mapped_column(String(40), index=True)
@@ -177,6 +177,19 @@ class Probe(_Resource, Base):
     job: Mapped[Job | None] = relationship(lazy="joined")
 
 
+class ActivationProbe(_Resource, Base):
+    """Chosen neurons of one layer of a profile's dense model on one text: their FFN activation h on
+    every token (``params``: text or held-out sample, layer, neurons); its result is the artifact
+    ``activation-probes/<id>/activations.json``. A table of its own, not a ``Probe`` kind: probes
+    target a conversion (their ``conversion_id`` is required), a neuron's activation belongs to the
+    dense model a profile describes."""
+
+    __tablename__ = "activation_probes"
+
+    profile_id: Mapped[str] = mapped_column(ForeignKey("profiles.id"), index=True)
+    job: Mapped[Job | None] = relationship(lazy="joined")
+
+
 class Export(_Resource, Base):
     """A conversion written in another format (``format`` ``gguf``: one ``.gguf`` file for llama.cpp /
     Ollama, of ``type`` f32 | f16 | q8_0), stored inside the conversion's artifact
@@ -208,6 +221,7 @@ RESOURCE_TABLES: dict[str, type[_Resource]] = {
     "evaluations": Evaluation,
     "finetunes": Finetune,
     "probes": Probe,
+    "activation_probes": ActivationProbe,
     "exports": Export,
 }
 

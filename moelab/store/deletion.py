@@ -28,7 +28,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from .artifacts import ArtifactStore
-from .db import CalibrationSet, Conversion, Evaluation, Export, Finetune, Model, Probe, Profile
+from .db import ActivationProbe, CalibrationSet, Conversion, Evaluation, Export, Finetune, Model, Probe, Profile
 
 #: resource type (as in ``Job.resource_type``) → (table, name in messages, artifact kind or None)
 RESOURCES: dict[str, tuple[type, str, str | None]] = {
@@ -39,6 +39,7 @@ RESOURCES: dict[str, tuple[type, str, str | None]] = {
     "evaluations": (Evaluation, "evaluation", "evaluations"),
     "finetunes": (Finetune, "fine-tune", "finetunes"),
     "probes": (Probe, "probe", "probes"),
+    "activation_probes": (ActivationProbe, "activation probe", "activation-probes"),
     "exports": (Export, "export", None),  # stored inside its conversion's artifact (``ArtifactStore.export_path``)
 }
 
@@ -80,6 +81,7 @@ def dependants(session: Session, node: Node) -> list[Node]:
         direct = _ids(session, Conversion.profile_id, node.id)
         extra = _ids_where_params(session, Conversion, lambda p: node.id in (p.get("extra_profile_ids") or []))
         out += [Node("conversions", i) for i in dict.fromkeys(direct + extra)]
+        out += [Node("activation_probes", i) for i in _ids(session, ActivationProbe.profile_id, node.id)]
     elif node.type == "conversions":
         out += [Node("evaluations", i) for i in _ids(session, Evaluation.conversion_id, node.id)]
         out += [Node("finetunes", i) for i in _ids(session, Finetune.conversion_id, node.id)]

@@ -320,6 +320,31 @@ def run_probe(
     return out
 
 
+def run_activation_probe(
+    profile_dir: Path, *, text: str, layer: int, neurons: Sequence[int], data_dir: Path, device: str = "auto",
+    trust_remote_code: bool = False, progress: Progress = NO_PROGRESS, loader: ModelLoader = load_model,
+) -> dict[str, Any]:
+    """h (CM Eq. 1, as the profiler's top tokens) of ``neurons`` of ``layer`` on every token of ``text``,
+    computed by the profile's dense model (``evaluation.activations``), with each neuron's profile
+    statistics for scale. A neuron's activation is a property of the dense model, not of a
+    conversion, so this takes a profile (which names the model and its layer widths): the layer and
+    neurons are checked against the profile's manifest before any model is loaded."""
+    from .evaluation.activations import check_activation_request, neuron_activations, profile_reference
+
+    t0 = time.perf_counter()
+    profile = StoredProfile.open(profile_dir)
+    neurons = [int(n) for n in neurons]
+    check_activation_request([int(d) for d in profile.manifest["d_ffn"]], layer, neurons)
+    model = profile.manifest["model"]
+    adapter = loader(model["source"], data_dir=data_dir, device=device, dtype="float32",
+                     trust_remote_code=trust_remote_code, progress=progress)
+    with progress.step("neuron activations"):
+        out = neuron_activations(adapter, text, layer, neurons)
+    out.update(kind="activation", text=text, reference=profile_reference(profile, layer, neurons),
+               timings={"total_s": time.perf_counter() - t0})
+    return out
+
+
 HELDOUT_PICK = 48  # held-out samples a probe can pick from, per built-in set (a fixed, seeded draw)
 
 
