@@ -43,11 +43,16 @@ def layout(ids: str | None = None, **_):
     ])
 
 
+#: sizes a user sets with any recipe (the portable recipe's 16 experts is a default, not what makes it portable)
+SIZE_KEYS = ("n_experts", "sparsity")
+
+
 def recipe_of(method: dict[str, Any] | None, params: dict[str, Any]) -> str | None:
     """The designer recipe a conversion's parameters follow: a recipe whose every override the
     parameters have ('best'), else 'paper' when none of the recipes' parameters differs from its
     default, else None (its own mix). None also for a method without recipes beyond 'paper'."""
-    recipes = (method or {}).get("recipes") or {}
+    recipes = {name: {k: v for k, v in over.items() if k not in SIZE_KEYS}
+               for name, over in ((method or {}).get("recipes") or {}).items()}
     if len(recipes) < 2:
         return None
     for name, over in sorted(recipes.items(), key=lambda kv: -len(kv[1])):

@@ -58,6 +58,7 @@ installed transformers writes for that architecture (including its weight conver
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -320,11 +321,28 @@ def export_native(moe: MoelabForCausalLM, out_dir: Path, tokenizer: Any = None, 
     out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:
         model.save_pretrained(tmp)
+        if layout["expert_size"] % GROUPED_MM_ALIGN:
+            pin_eager_experts(tmp / "config.json")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         write_json_atomic(tmp / "conversion.json", record)
         write_model_card(tmp, record, moe, fmt="native", evaluation=evaluation)
     return out_dir
+
+
+#: transformers runs a MoE's experts with torch's grouped_mm by default, which needs every operand's row
+#: stride in whole 16 bytes: an expert width that is a multiple of 8 works in fp32 and in 16-bit types
+GROUPED_MM_ALIGN = 8
+
+
+def pin_eager_experts(config_path: Path) -> None:
+    """Make transformers load the model with its ``eager`` experts (a loop over the selected experts):
+    grouped_mm fails ("strides should be multiple of 16 bytes") on experts whose width is not a multiple
+    of ``GROUPED_MM_ALIGN``. ``experts_implementation`` is read from config.json by ``PretrainedConfig``
+    but not written by ``save_pretrained``, hence written here."""
+    config = json.loads(config_path.read_text())
+    config["experts_implementation"] = "eager"
+    write_json_atomic(config_path, config)
 
 
 FORMATS = ("moelab", "native", "gguf")
