@@ -46,7 +46,7 @@ from moelab.settings import get_settings  # noqa: E402
 from workers.engine.core.allocation import plan_flops_fraction  # noqa: E402
 from workers.engine.core.fitting import collect_inputs, profile_token_windows  # noqa: E402
 from workers.engine.core.slicing import abstopk_modules, partition_modules  # noqa: E402
-from workers.engine.data.builtin import bigbench_installed  # noqa: E402
+from workers.engine.data.builtin import MIXED_PARTS, bigbench_installed  # noqa: E402
 from workers.engine.evaluation.metrics import bigbench_choice_items, evaluate_models, evaluate_variants, heldout_windows  # noqa: E402
 from workers.engine.methods import cmoe, expertweaver, get_method  # noqa: E402
 from workers.engine.methods.cmoe import CMoEParams  # noqa: E402
@@ -57,6 +57,10 @@ from workers.engine.runs import run_conversion  # noqa: E402
 from workers.engine.runtime.export import load_exported  # noqa: E402
 
 DOMAINS = ("builtin:code", "builtin:prose", "builtin:literature", "builtin:chat")
+#: leave-domain-out folds: each scored domain with the parts of builtin:mixed left out of calibration along
+#: with it (code takes HumanEval with it; prose takes the stdlib code whose docstrings it is cut from)
+LEAVE_OUT = {"builtin:code": ("code", "code_problems"), "builtin:prose": ("prose", "code"),
+             "builtin:literature": ("literature",), "builtin:chat": ("chat",)}
 RESULTS = ROOT / "tests" / "benchmarks" / "results"
 
 
@@ -92,12 +96,14 @@ def configurations(level: float, d_model: int, profile: Any, candidates: bool = 
         "portable": portable,
     }
     if candidates:  # for the recipe: finer experts (more choice at the same cost; the router costs 2×),
-        # and four times the fit tokens for the ridge router and the error curves
-        out |= {"best-e128": replace(best, n_experts=128), "best-fit16k": replace(best, fit_tokens=16384)}
+        # and a quarter of the fit tokens for the ridge router and the error curves (the recipe before this round)
+        out |= {"best-e128": replace(best, n_experts=128), "best-fit4k": replace(best, fit_tokens=4096)}
         # portable's router, α basis and shared share (the leading plan uses the layers' mean α)
         out |= {"portable-centroid": replace(portable, router="centroid"),
                 "portable-total": replace(portable, alpha_basis="total"),
-                **{f"portable-a{a:g}": replace(portable, alpha_min=a, alpha_max=a) for a in (0.0, 0.25, 0.5, 0.75)}}
+                **{f"portable-a{a:g}": replace(portable, alpha_min=a, alpha_max=a) for a in (0.0, 0.25, 0.5, 0.75)},
+                # coarser experts: fewer, larger matmuls and fewer top-k sums in llama.cpp (bench_llamacpp --experts)
+                **{f"portable-e{e}": replace(portable, n_experts=e) for e in (32, 16, 8)}}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -197,68 +203,32 @@ def tables(report: dict[str, Any], out: Path) -> None:
     names = sorted({n for lv in report["levels"].values() for n in lv})
     lines = ["| cost ≤ | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for level, rows in sorted(report["levels"].items(), key=lambda kv: -float(kv[0])):
-        cells = [f"{rows[n]['ratio_geomean']:.2f}× ({rows[n]['ffn_flops_fraction']:.3f})" if n in rows else "-" for n in names]
+        cells = [("-" if n not in rows else f"{rows[n]['ratio_in']:.2f}× / {rows[n]['ratio_out']:.2f}× ({rows[n]['ffn_flops_fraction']:.3f})"
+                  if "ratio_out" in rows[n] else f"{rows[n]['ratio_geomean']:.2f}× ({rows[n]['ffn_flops_fraction']:.3f})") for n in names]
         lines.append(f"| {level} | " + " | ".join(cells) + " |")
-    for name, r in report["own_cost"].items():
+    if report.get("protocol") == "leave-domain-out":
+        lines.insert(0, "Each cell: in-domain / out-of-domain perplexity ratio to dense (geomean over the folds), mean cost.\n")
+    for name, r in report.get("own_cost", {}).items():
         lines.append(f"\n{name} (own cost {r['ffn_flops_fraction']:.3f}): {r['ratio_geomean']:.2f}× dense")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     points = {n: [(rows[n]["ffn_flops_fraction"], rows[n]["ratio_geomean"]) for rows in report["levels"].values() if n in rows]
               for n in names}
     held = next(iter(report["heldout"].values()))
+    kind = "each left out of calibration in turn" if report.get("protocol") == "leave-domain-out" else "training-free"
     svg_plot(points, out.with_suffix(".svg"), f"{report['model']}: held-out {', '.join(DOMAINS)} "
-             f"({held['windows']}×{held['seq_len']} tokens each), training-free")
+             f"({held['windows']}×{held['seq_len']} tokens each), {kind}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--profile", type=Path, default=ROOT / "runs" / "p1")
-    ap.add_argument("--levels", type=float, nargs="+", default=[0.75, 0.5, 0.6, 0.85])
-    ap.add_argument("--windows", type=int, default=3, help="held-out windows per domain")
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--no-dense2moe", action="store_true")
-    ap.add_argument("--out", type=Path, default=RESULTS / "bench_frontier.json")
-    ap.add_argument("--candidates", action="store_true", help="also measure variants of --recipe best")
-    ap.add_argument("--resume", action="store_true",
-                    help="keep the (level, variant) results already in --out when its profile and held-out text match")
-    ap.add_argument("--only", nargs="+", default=None, metavar="NAME",
-                    help="measure only these variants (with --resume, the others already in --out are kept)")
-    args = ap.parse_args()
-    torch.manual_seed(0)
-    t_start = time.perf_counter()
-    data_dir = get_settings().data_dir
-    profile = StoredProfile.open(args.profile)
-    adapter = load_model(profile.manifest["model"]["source"], data_dir=data_dir, dtype="float32")
+def measure_levels(adapter: Any, profile: Any, windows: dict[str, torch.Tensor], items: Any, args: Any,
+                   levels: dict[str, dict[str, Any]], fit_for: Any, dense_ppl: dict[str, float], save: Any,
+                   data_dir: Path) -> None:
+    """Every configuration at every level of ``args.levels`` built from ``profile`` and scored on
+    ``windows``; ``levels`` (level -> name -> row) is filled in place, ``save`` called after each level."""
     d = adapter.d_model
     d_macs = 3 * d * adapter.d_ffn
     dense_macs = d_macs * adapter.n_layers
-    windows = {dom: heldout_windows(adapter.tokenizer, data_dir, seq_len=args.seq_len, n_windows=args.windows, source=dom)
-               for dom in DOMAINS}
-    items = bigbench_choice_items(data_dir, per_task=30) if bigbench_installed(data_dir) else None
-    fit_inputs = collect_inputs(adapter, profile_token_windows(adapter, profile, ExpertWeaverParams().fit_tokens, data_dir))
-    fit_cache = {fit_inputs.n_tokens: fit_inputs}
-
-    def fit_for(n_tokens: int) -> Any:
-        """The calibration inputs of ``n_tokens`` fit tokens, collected once (the same a conversion collects)."""
-        if n_tokens not in fit_cache:
-            fit_cache[n_tokens] = collect_inputs(adapter, profile_token_windows(adapter, profile, n_tokens, data_dir))
-        return fit_cache[n_tokens]
-
-    report: dict[str, Any] = {
-        "model": profile.manifest["model"]["source"], "profile": str(args.profile),
-        "calibration": profile.manifest["calibration"], "fit_tokens": fit_inputs.n_tokens,
-        "heldout": {dom: {"windows": int(len(w)), "seq_len": args.seq_len} for dom, w in windows.items()},
-        "cost": "ffn_flops_fraction: FFN multiply-adds per token, router and scoring included, over the dense FFN's",
-        "levels": {}, "own_cost": {},
-    }
-    previous = _previous(args.out, report) if args.resume else {}
-    dense_by_domain = {dom: evaluate_variants(adapter, {"dense": None}, w, choice_items=items if dom == DOMAINS[0] else None)["dense"]
-                       for dom, w in windows.items()}
-    dense_ppl = {dom: r["perplexity"] for dom, r in dense_by_domain.items()}
-    report["dense"] = dense_by_domain
-    report["levels"] = previous.get("levels", {})
-    report["own_cost"] = previous.get("own_cost", {})
     for level in args.levels:
-        done = report["levels"].setdefault(str(level), {})
+        done = levels.setdefault(str(level), {})
         variants: dict[str, Any] = {}
         meta: dict[str, Any] = {}
         wanted = lambda name: name not in done and (args.only is None or name in args.only)  # noqa: E731
@@ -283,15 +253,151 @@ def main() -> None:
             k = max(1, int(math.floor((level - 1 / 3) * 1.5 * adapter.d_ffn)))
             variants["abstopk"] = abstopk_modules(adapter, k / adapter.d_ffn)
             meta["abstopk"] = {"ffn_flops_fraction": _ffn_cost(variants["abstopk"], dense_macs, adapter.n_layers, d_macs)}
+        for name, allocation in (("teal", "greedy"), ("teal-uniform", "uniform")):  # input thresholds, attention dense
+            if wanted(name):
+                from workers.engine.core.teal import teal_modules
+
+                variants[name] = teal_modules(adapter, fit_for(ExpertWeaverParams().fit_tokens), level, allocation)
+                meta[name] = {"ffn_flops_fraction": _ffn_cost(variants[name], dense_macs, adapter.n_layers, d_macs)}
         if variants:
             by_domain = {dom: evaluate_variants(adapter, variants, w, reconstruction=False,
                                                 choice_items=items if dom == DOMAINS[0] else None)
                          for dom, w in windows.items()}
             done.update({name: {**meta[name], **score(by_domain, name, dense_ppl)} for name in variants})
-        write(report, args.out)  # after every level: a long run that is stopped keeps what it measured
+        save()  # after every level: a long run that is stopped keeps what it measured
         print(f"level {level}: " + ", ".join(f"{n} {r['ratio_geomean']:.2f}x@{r['ffn_flops_fraction']:.3f}"
-                                              for n, r in report["levels"][str(level)].items()), flush=True)
+                                              for n, r in levels[str(level)].items()), flush=True)
         del variants
+
+
+def fold_calibration(domain: str) -> str:
+    """The calibration set of ``domain``'s fold: equal parts of ``builtin:mixed`` without it."""
+    return "builtin:" + "+".join(p for p in MIXED_PARTS if p not in LEAVE_OUT[domain])
+
+
+def fold_summary(folds: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per level and variant, over the folds: ``ratio_out`` the geomean of each fold's ratio on its left-out
+    domain, ``ratio_in`` the geomean of each fold's geomean over the domains it calibrated on; cost the
+    mean over folds (each fold sizes its configurations from its own profile)."""
+    out: dict[str, dict[str, Any]] = {}
+    levels = {lv for f in folds.values() for lv in f["levels"]}
+    for level in levels:
+        rows = {dom: f["levels"].get(level, {}) for dom, f in folds.items()}
+        names = set.intersection(*(set(r) for r in rows.values()))
+        for name in sorted(names):
+            by = {dom: r[name]["ratio_by_domain"] for dom, r in rows.items()}
+            ins = {dom: _geomean([v for o, v in by[dom].items() if LEAVE_OUT[o][0] not in LEAVE_OUT[dom]]) for dom in by}
+            outs = {dom: by[dom][dom] for dom in by}
+            costs = [r[name]["ffn_flops_fraction"] for r in rows.values()]
+            out.setdefault(level, {})[name] = {
+                "ffn_flops_fraction": sum(costs) / len(costs), "ffn_flops_fraction_range": [min(costs), max(costs)],
+                "ratio_out": _geomean(list(outs.values())), "ratio_in": _geomean(list(ins.values())),
+                "ratio_geomean": _geomean(list(outs.values())), "ratio_out_by_domain": outs, "ratio_in_by_fold": ins}
+    return out
+
+
+def leave_domain_out(adapter: Any, windows: dict[str, torch.Tensor], items: Any, args: Any, dense_ppl: dict[str, float],
+                     report: dict[str, Any], data_dir: Path) -> None:
+    """The leave-domain-out protocol: for each domain of ``DOMAINS`` a profile of ``args.samples`` samples of
+    ``fold_calibration(domain)`` (kept under ``args.work``), every configuration built from it and scored on
+    every domain; ``report["folds"]`` keeps each fold, ``report["levels"]`` the in/out summary."""
+    from workers.engine.profiling.profiler import ProfileSettings
+    from workers.engine.runs import run_profile
+
+    for dom in DOMAINS:
+        spec = fold_calibration(dom)
+        pdir = args.work / f"profile-without-{dom.split(':', 1)[1]}"
+        if not (pdir / "manifest.json").is_file():
+            run_profile(report["model"], spec, pdir, ProfileSettings(), samples=args.samples, data_dir=data_dir)
+        fold = report["folds"].setdefault(dom, {"calibration": spec, "profile": str(pdir), "levels": {}})
+        profile = StoredProfile.open(pdir)
+        cache: dict[int, Any] = {}
+
+        def fit_for(n_tokens: int) -> Any:
+            if n_tokens not in cache:
+                cache[n_tokens] = collect_inputs(adapter, profile_token_windows(adapter, profile, n_tokens, data_dir))
+            return cache[n_tokens]
+
+        print(f"fold {dom}: calibrated on {spec}", flush=True)
+        measure_levels(adapter, profile, windows, items, args, fold["levels"], fit_for, dense_ppl,
+                       save=lambda: write(report, args.out), data_dir=data_dir)
+        report["levels"] = fold_summary(report["folds"]) if len(report["folds"]) == len(DOMAINS) else {}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", type=Path, default=ROOT / "runs" / "p1")
+    ap.add_argument("--levels", type=float, nargs="+", default=[0.75, 0.5, 0.6, 0.85])
+    ap.add_argument("--windows", type=int, default=3, help="held-out windows per domain")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--no-dense2moe", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS / "bench_frontier.json")
+    ap.add_argument("--candidates", action="store_true", help="also measure variants of --recipe best")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the (level, variant) results already in --out when its profile and held-out text match")
+    ap.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                    help="measure only these variants (with --resume, the others already in --out are kept)")
+    ap.add_argument("--protocol", choices=("in-domain", "leave-domain-out"), default="in-domain",
+                    help="in-domain: calibrated on --profile, scored on every domain; leave-domain-out: each domain "
+                         "scored by conversions calibrated without it (a profile per fold, under --work)")
+    ap.add_argument("--model", default="default", help="leave-domain-out: the model profiled for each fold")
+    ap.add_argument("--samples", type=int, default=240, help="leave-domain-out: calibration samples of each fold's profile")
+    ap.add_argument("--work", type=Path, default=ROOT / "runs" / "frontier_ldo", help="leave-domain-out: the folds' profiles")
+    args = ap.parse_args()
+    if args.protocol == "leave-domain-out" and args.out == RESULTS / "bench_frontier.json":
+        args.out = RESULTS / "bench_frontier_ldo.json"
+    torch.manual_seed(0)
+    t_start = time.perf_counter()
+    data_dir = get_settings().data_dir
+    ldo = args.protocol == "leave-domain-out"
+    profile = None if ldo else StoredProfile.open(args.profile)
+    model = args.model if ldo else profile.manifest["model"]["source"]
+    adapter = load_model(model, data_dir=data_dir, dtype="float32")
+    windows = {dom: heldout_windows(adapter.tokenizer, data_dir, seq_len=args.seq_len, n_windows=args.windows, source=dom)
+               for dom in DOMAINS}
+    items = bigbench_choice_items(data_dir, per_task=30) if bigbench_installed(data_dir) else None
+    if ldo:
+        report: dict[str, Any] = {"model": model, "protocol": "leave-domain-out", "samples": args.samples,
+                                  "folds_left_out": {dom: list(parts) for dom, parts in LEAVE_OUT.items()},
+                                  "heldout": {dom: {"windows": int(len(w)), "seq_len": args.seq_len} for dom, w in windows.items()},
+                                  "cost": "ffn_flops_fraction: FFN multiply-adds per token, router and scoring included, over the dense FFN's"}
+        old = json.loads(args.out.read_text()) if args.resume and args.out.is_file() else {}
+        same = all(old.get(k) == report[k] for k in ("model", "samples", "folds_left_out", "heldout"))
+        report["folds"] = old.get("folds", {}) if same else {}
+        report["dense"] = {dom: evaluate_variants(adapter, {"dense": None}, w)["dense"] for dom, w in windows.items()}
+        leave_domain_out(adapter, windows, items, args, {d: r["perplexity"] for d, r in report["dense"].items()}, report, data_dir)
+        report["seconds"] = time.perf_counter() - t_start
+        write(report, args.out)
+        tables(report, args.out)
+        print("bench_frontier (leave-domain-out): ppl/dense in / out of domain at ffn_flops_fraction ≤ " + "; ".join(
+            f"{lv}: " + ", ".join(f"{n} {r['ratio_in']:.2f}x/{r['ratio_out']:.2f}x" for n, r in sorted(rows.items()))
+            for lv, rows in report["levels"].items()) + f" ({report['seconds']:.0f}s)")
+        return
+    fit_inputs = collect_inputs(adapter, profile_token_windows(adapter, profile, ExpertWeaverParams().fit_tokens, data_dir))
+    fit_cache = {fit_inputs.n_tokens: fit_inputs}
+
+    def fit_for(n_tokens: int) -> Any:
+        """The calibration inputs of ``n_tokens`` fit tokens, collected once (the same a conversion collects)."""
+        if n_tokens not in fit_cache:
+            fit_cache[n_tokens] = collect_inputs(adapter, profile_token_windows(adapter, profile, n_tokens, data_dir))
+        return fit_cache[n_tokens]
+
+    report = {
+        "model": model, "profile": str(args.profile),
+        "calibration": profile.manifest["calibration"], "fit_tokens": fit_inputs.n_tokens,
+        "heldout": {dom: {"windows": int(len(w)), "seq_len": args.seq_len} for dom, w in windows.items()},
+        "cost": "ffn_flops_fraction: FFN multiply-adds per token, router and scoring included, over the dense FFN's",
+        "levels": {}, "own_cost": {},
+    }
+    previous = _previous(args.out, report) if args.resume else {}
+    dense_by_domain = {dom: evaluate_variants(adapter, {"dense": None}, w, choice_items=items if dom == DOMAINS[0] else None)["dense"]
+                       for dom, w in windows.items()}
+    dense_ppl = {dom: r["perplexity"] for dom, r in dense_by_domain.items()}
+    report["dense"] = dense_by_domain
+    report["levels"] = previous.get("levels", {})
+    report["own_cost"] = previous.get("own_cost", {})
+    measure_levels(adapter, profile, windows, items, args, report["levels"], fit_for, dense_ppl,
+                   save=lambda: write(report, args.out), data_dir=data_dir)
     if not args.no_dense2moe and "dense2moe" not in report["own_cost"]:
         with tempfile.TemporaryDirectory() as tmp:
             params = get_method("dense2moe").recipe("paper")
