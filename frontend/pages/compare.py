@@ -43,8 +43,8 @@ def layout(ids: str | None = None, **_):
     ])
 
 
-#: sizes a user sets with any recipe (the portable recipe's 16 experts is a default, not what makes it portable)
-SIZE_KEYS = ("n_experts", "sparsity")
+#: sizes a user sets with any recipe (portable's 16 experts and best's 16,384 fit tokens are defaults, not what makes them)
+SIZE_KEYS = ("n_experts", "sparsity", "fit_tokens")
 
 
 def recipe_of(method: dict[str, Any] | None, params: dict[str, Any]) -> str | None:
