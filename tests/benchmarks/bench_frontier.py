@@ -28,6 +28,7 @@ prints one summary line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -270,6 +271,16 @@ def measure_levels(adapter: Any, profile: Any, windows: dict[str, torch.Tensor],
         del variants
 
 
+def fit_inputs_for(adapter: Any, profile: Any, data_dir: Path) -> Any:
+    """``fit_for(n_tokens)``: the calibration inputs of ``n_tokens`` fit tokens of ``profile``, collected once
+    per count (the same a conversion collects)."""
+    @functools.cache
+    def fit_for(n_tokens: int) -> Any:
+        return collect_inputs(adapter, profile_token_windows(adapter, profile, n_tokens, data_dir))
+
+    return fit_for
+
+
 def fold_calibration(domain: str) -> str:
     """The calibration set of ``domain``'s fold: equal parts of ``builtin:mixed`` without it."""
     return "builtin:" + "+".join(p for p in MIXED_PARTS if p not in LEAVE_OUT[domain])
@@ -311,13 +322,7 @@ def leave_domain_out(adapter: Any, windows: dict[str, torch.Tensor], items: Any,
             run_profile(report["model"], spec, pdir, ProfileSettings(), samples=args.samples, data_dir=data_dir)
         fold = report["folds"].setdefault(dom, {"calibration": spec, "profile": str(pdir), "levels": {}})
         profile = StoredProfile.open(pdir)
-        cache: dict[int, Any] = {}
-
-        def fit_for(n_tokens: int) -> Any:
-            if n_tokens not in cache:
-                cache[n_tokens] = collect_inputs(adapter, profile_token_windows(adapter, profile, n_tokens, data_dir))
-            return cache[n_tokens]
-
+        fit_for = fit_inputs_for(adapter, profile, data_dir)
         print(f"fold {dom}: calibrated on {spec}", flush=True)
         measure_levels(adapter, profile, windows, items, args, fold["levels"], fit_for, dense_ppl,
                        save=lambda: write(report, args.out), data_dir=data_dir)
@@ -373,15 +378,8 @@ def main() -> None:
             f"{lv}: " + ", ".join(f"{n} {r['ratio_in']:.2f}x/{r['ratio_out']:.2f}x" for n, r in sorted(rows.items()))
             for lv, rows in report["levels"].items()) + f" ({report['seconds']:.0f}s)")
         return
-    fit_inputs = collect_inputs(adapter, profile_token_windows(adapter, profile, ExpertWeaverParams().fit_tokens, data_dir))
-    fit_cache = {fit_inputs.n_tokens: fit_inputs}
-
-    def fit_for(n_tokens: int) -> Any:
-        """The calibration inputs of ``n_tokens`` fit tokens, collected once (the same a conversion collects)."""
-        if n_tokens not in fit_cache:
-            fit_cache[n_tokens] = collect_inputs(adapter, profile_token_windows(adapter, profile, n_tokens, data_dir))
-        return fit_cache[n_tokens]
-
+    fit_for = fit_inputs_for(adapter, profile, data_dir)
+    fit_inputs = fit_for(ExpertWeaverParams().fit_tokens)
     report = {
         "model": model, "profile": str(args.profile),
         "calibration": profile.manifest["calibration"], "fit_tokens": fit_inputs.n_tokens,
