@@ -389,3 +389,24 @@ def routing_heatmap(evaluations: Sequence[tuple[str, str, dict[str, Any]]], vari
         "load_cv": finite_list(cv, 5),  # [set][layer]
         "note": "share of each layer's routed selections per expert; None: layer is static or has fewer experts",
     }
+
+
+def layer_curves(record: dict[str, Any], variant: str = "converted") -> dict[str, Any]:
+    """One evaluation's per-layer curves, for overlaying runs: the relative reconstruction error of
+    each layer's FFN on the dense model's inputs (0 where the layer stayed dense), its routing's load
+    CV (MI Eq. 7) and its token share per expert (``routing_heatmap``'s, one set), from which two
+    runs' Jensen–Shannon divergence per layer is drawn. KeyError names a variant the record lacks."""
+    results = record.get("results", {})
+    if variant not in results:
+        raise KeyError(f"no variant {variant!r} in this evaluation (has {', '.join(results)})")
+    errors = [float(v) for v in results[variant].get("reconstruction_error") or []]
+    heat = routing_heatmap([("", "", record)], variant)
+    layers = sorted(set(range(len(errors))) | set(heat["layers"]))
+    routed = {layer: i for i, layer in enumerate(heat["layers"])}
+    return {
+        "variant": variant,
+        "layers": layers,
+        "reconstruction_error": [errors[layer] if layer < len(errors) else None for layer in layers],
+        "load_cv": [heat["load_cv"][0][routed[layer]] if layer in routed else None for layer in layers],
+        "share": [heat["share"][0][routed[layer]] if layer in routed else None for layer in layers],
+    }

@@ -4,7 +4,7 @@ and lookups that turn an unknown id into a 404 that says where to find valid one
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Query, Request, Response, Security
@@ -84,6 +84,7 @@ def encoded(model: BaseModel) -> Response:
 
 CascadeQ = Annotated[bool, Query(description="also delete everything that depends on it (otherwise such a resource is "
                                               "refused with 409 naming its dependants)")]
+TagQ = Annotated[str | None, Query(max_length=40, description="only resources carrying this tag (PATCH …/notes sets tags)")]
 SessionDep = Annotated[Session, Depends(get_session)]
 StoreDep = Annotated[ArtifactStore, Depends(get_store)]
 QueueDep = Annotated[JobQueue, Depends(get_queue)]
@@ -131,3 +132,12 @@ def require_ready(row: Any, what: str) -> None:
         409, f"{what} {row.id} has no usable result: its job {job.id} {job.state}{reason}. "
         f"Re-run it with POST /api/v1/jobs/{job.id}/retry or create a new one",
     )
+
+
+def with_tag(rows: Sequence[T], tag: str | None) -> list[T]:
+    """The rows (table rows or response models) carrying ``tag``; all of them when None. Filtered
+    here, not in SQL: JSON containment is spelled differently on SQLite and Postgres, and a
+    collection is small enough to read whole."""
+    if not tag:
+        return list(rows)
+    return [r for r in rows if tag in (getattr(r, "tags", None) or [])]

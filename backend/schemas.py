@@ -39,6 +39,54 @@ class _In(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+# --------------------------------------------------------------------------- notes and tags
+
+TAG_PATTERN = r"^[\w][\w .:+/-]{0,39}$"
+MAX_TAGS = 16
+MAX_NOTES = 20_000
+Tag = Annotated[str, Field(pattern=TAG_PATTERN, description="1–40 characters: letters, digits, _ . : + / - and spaces, "
+                                                                   "starting with a letter, digit or _")]
+
+
+class _Noted(BaseModel):
+    """What every stored resource carries of its user's own: notes and tags (``PATCH`` sets them)."""
+
+    notes: str | None = Field(None, description="the user's free-text notes on this resource")
+    tags: list[str] = Field(default_factory=list, description="the user's labels, to find it again (lists filter by ?tag=)")
+
+
+class NotesUpdate(_In):
+    """Replace a resource's notes and/or tags; a field left out stays as it is."""
+
+    notes: str | None = Field(None, max_length=MAX_NOTES, description="new notes ('' clears them)")
+    tags: list[Tag] | None = Field(None, max_length=MAX_TAGS, description=f"the new tags, at most {MAX_TAGS} (replaces the old ones; [] clears them)")
+    add_tags: list[Tag] = Field(default_factory=list, max_length=MAX_TAGS, description="tags to add to the present ones")
+    remove_tags: list[Tag] = Field(default_factory=list, max_length=MAX_TAGS, description="tags to take away")
+
+    @model_validator(mode="after")
+    def _one_way(self) -> NotesUpdate:
+        if self.tags is not None and (self.add_tags or self.remove_tags):
+            raise ValueError("give either tags (replaces them all) or add_tags / remove_tags, not both")
+        if self.notes is None and self.tags is None and not self.add_tags and not self.remove_tags:
+            raise ValueError("nothing to change: give notes, tags, add_tags or remove_tags")
+        return self
+
+
+class NotesOut(_Noted):
+    id: str
+    resource: str = Field(description="the collection, e.g. 'evaluations'")
+
+
+class TagCount(BaseModel):
+    tag: str
+    count: int = Field(description="resources carrying it")
+    resources: dict[str, int] = Field(description="how many in each collection")
+
+
+class TagList(BaseModel):
+    items: list[TagCount]
+
+
 # --------------------------------------------------------------------------- jobs
 
 
@@ -47,6 +95,7 @@ class ProgressOut(BaseModel):
     current: int = 0
     total: int = 0
     fraction: float | None = Field(None, description="current / total within the stage, when total > 0")
+    stage_s: float | None = Field(None, description="seconds the present stage has run (or ran, once the job ended)")
 
 
 class JobOut(BaseModel):
@@ -66,6 +115,8 @@ class JobOut(BaseModel):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     heartbeat_at: datetime | None = None
+    progress_at: datetime | None = Field(None, description="when the worker last reported progress (at least every few seconds "
+                                         "while it runs: MOELAB_PROGRESS_TICK_S)")
     queued_s: float | None = Field(None, description="seconds from creation to start (or until now)")
     run_s: float | None = Field(None, description="seconds from start to end (or until now)")
     timings: dict[str, Any] | None = Field(None, description="engine timings of a finished job")
@@ -89,7 +140,7 @@ class ModelCreate(_In):
     trust_remote_code: bool = Field(False, description="run the model repository's own code (the server must allow it)")
 
 
-class ModelOut(BaseModel):
+class ModelOut(_Noted):
     id: str
     name: str
     source: str
@@ -159,7 +210,7 @@ class HFCalibrationCreate(_In):
 CalibrationCreate = Annotated[BuiltinCalibrationCreate | HFCalibrationCreate, Field(discriminator="source")]
 
 
-class CalibrationSetOut(BaseModel):
+class CalibrationSetOut(_Noted):
     id: str
     name: str
     origin: Literal["builtin", "upload", "hf"]
@@ -253,7 +304,7 @@ class _ProfileRequest(_In):
 ProfileCreate = declared_model(ProfileSettings, "ProfileCreate", base=_ProfileRequest)
 
 
-class ProfileOut(BaseModel):
+class ProfileOut(_Noted):
     id: str
     model_id: str
     calibration_set_id: str
@@ -403,7 +454,7 @@ class ExportCreate(_In):
     type: GgufType = Field("f16", description="weight type of the file: f32 (exact), f16 or q8_0 (8-bit, about a quarter of f32)")  # type: ignore[valid-type]
 
 
-class ExportOut(BaseModel):
+class ExportOut(_Noted):
     id: str
     conversion_id: str
     format: Literal["gguf"]
@@ -428,7 +479,7 @@ class ExportList(BaseModel):
     gguf: GgufCheck | None = Field(None, description="the conversion's GGUF check (listing one conversion's exports only)")
 
 
-class ConversionOut(BaseModel):
+class ConversionOut(_Noted):
     id: str
     method: str = Field(description="expertweaver, cmoe, dense2moe, midas or hierarchical")
     profile_id: str | None = Field(None, description="the profile it was made from (null for hierarchical)")
@@ -474,7 +525,7 @@ class EvaluationCreate(_In):
         return self
 
 
-class EvaluationOut(BaseModel):
+class EvaluationOut(_Noted):
     id: str
     conversion_id: str
     params: dict[str, Any]
@@ -533,7 +584,7 @@ class _FinetuneRequest(_In):
 FinetuneCreate = declared_model(FinetuneParams, "FinetuneCreate", base=_FinetuneRequest)
 
 
-class FinetuneOut(BaseModel):
+class FinetuneOut(_Noted):
     id: str
     conversion_id: str = Field(description="the conversion being fine-tuned")
     params: dict[str, Any] = Field(description="the engine's parameters (mode resolved)")
@@ -667,7 +718,7 @@ class ProbeCreate(_In):
         return self
 
 
-class ProbeOut(BaseModel):
+class ProbeOut(_Noted):
     id: str
     conversion_id: str
     params: dict[str, Any]
@@ -739,7 +790,7 @@ class ActivationResult(BaseModel):
     timings: dict[str, Any]
 
 
-class ActivationProbeOut(BaseModel):
+class ActivationProbeOut(_Noted):
     id: str
     profile_id: str
     params: dict[str, Any]
@@ -1053,6 +1104,20 @@ class RoutingHeatmap(BaseModel):
     counts: list[list[list[Num]]]
     load_cv: list[list[Num]] = Field(description="[set][layer] MI Eq. 7 load CV")
     note: str
+
+
+class LayerCurves(BaseModel):
+    """One evaluation's per-layer curves (``charts.layer_curves``); None where a layer has no value
+    (no routed expert, or the variant left it dense)."""
+
+    evaluation_id: str
+    conversion_id: str
+    text: str = Field(description="the held-out text it was scored on")
+    variant: str
+    layers: list[int]
+    reconstruction_error: list[Num | None] = Field(description="relative L2 error of each layer's FFN on the dense model's inputs")
+    load_cv: list[Num | None] = Field(description="MI Eq. 7 load CV of each layer's routing")
+    share: list[list[Num] | None] = Field(description="[layer][expert] share of the layer's routed selections")
 
 
 for _model in (ExportOut, ExportList, ConversionOut, ConversionList):  # ExportOut.files are ArtifactFile, defined further down

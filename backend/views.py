@@ -38,10 +38,11 @@ def job_out(job: Job) -> JobOut:
         progress=ProgressOut(
             stage=job.stage, current=job.current, total=job.total,
             fraction=(job.current / job.total) if job.total else None,
+            stage_s=(end - job.stage_at).total_seconds() if job.stage_at else None,
         ),
         cancel_requested=job.cancel_requested, error=job.error, error_type=job.error_type, worker=job.worker,
         retry_of=job.retry_of, created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
-        heartbeat_at=job.heartbeat_at,
+        heartbeat_at=job.heartbeat_at, progress_at=job.progress_at,
         queued_s=((job.started_at or end) - job.created_at).total_seconds(),
         run_s=(end - job.started_at).total_seconds() if job.started_at else None,
         timings=job.timings,
@@ -52,6 +53,7 @@ def _common(row: Any) -> dict[str, Any]:
     return {
         "id": row.id, "params": row.params or {}, "status": status_of(row.job), "job_id": row.job_id,
         "job": job_out(row.job) if row.job is not None else None, "created_at": row.created_at,
+        "notes": row.notes, "tags": list(row.tags or []),
     }
 
 

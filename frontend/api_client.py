@@ -128,8 +128,20 @@ class ApiClient:
         """Every conversion method with its parameters (the designer builds its panels from this)."""
         return self.get("/methods")["items"]
 
-    def evaluations(self, conversion_id: str | None = None) -> list[dict[str, Any]]:
-        return self.get("/evaluations", conversion_id=conversion_id)["items"]
+    def evaluations(self, conversion_id: str | None = None, **filters: Any) -> list[dict[str, Any]]:
+        """Newest first; ``filters``: tag, method, text, status, q (words in the id, text, notes, tags)."""
+        return self.get("/evaluations", conversion_id=conversion_id, **filters)["items"]
+
+    def layer_curves(self, evaluation_id: str, variant: str = "converted") -> dict[str, Any]:
+        """Per-layer reconstruction error, load CV and expert shares of one evaluation (run overlays)."""
+        return self.get(f"/evaluations/{evaluation_id}/charts/layers", variant=variant)
+
+    def set_notes(self, kind: str, ident: str, **body: Any) -> dict[str, Any]:
+        """PATCH the notes and tags of any resource: ``notes``, ``tags`` (replace) or ``add_tags`` / ``remove_tags``."""
+        return self.request("PATCH", f"/{kind}/{ident}/notes", json={k: v for k, v in body.items() if v is not None})
+
+    def tags(self) -> list[dict[str, Any]]:
+        return self.get("/tags")["items"]
 
     def create_evaluation(self, conversion_id: str, source: str = "builtin:mixed", n_windows: int = 8, seq_len: int = 128,
                           baselines: bool = False, multiple_choice_per_task: int = 0) -> dict[str, Any]:

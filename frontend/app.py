@@ -18,7 +18,8 @@ from moelab.settings import get_settings
 
 NAV = [("Workspace", "/"), ("Calibration sets", "/calibration"), ("Neuron explorer", "/neurons"), ("Compare profiles", "/profiles/compare"),
        ("Layer similarity", "/layers"), ("Conversion designer", "/designer"), ("Fine-tune", "/finetune"), ("Routing explorer", "/routing"),
-       ("Token routing", "/tokens"), ("Compare conversions", "/compare"), ("Playground", "/playground")]
+       ("Token routing", "/tokens"), ("Compare conversions", "/compare"), ("Evaluations", "/evaluations"),
+       ("Playground", "/playground")]
 
 
 def create_app() -> Dash:

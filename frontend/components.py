@@ -60,6 +60,8 @@ def progress(job: dict[str, Any] | None, name: str | None = None, title: str | N
         label += f" in {job['run_s']:.1f} s"
     if p.get("stage") and job["state"] == "running":
         label += f" — {p['stage']} {p.get('current', 0)}/{p.get('total', 0)}"
+        if isinstance(p.get("stage_s"), (int, float)) and p["stage_s"] >= 1:  # a long step still moves on screen
+            label += f" · {p['stage_s']:.0f} s"
     children = [html.Div(label, className=f"job-label state-{job['state']}"),
                 html.Progress(value=str(frac or 0), max="1", className="bar")]
     if job.get("error"):

@@ -99,10 +99,15 @@ class Settings(BaseSettings):
         120.0, gt=0, description="grace after job_time_limit_s before a worker stuck in one step kills itself",
     )
     progress_interval_s: float = Field(0.5, ge=0, description="minimum seconds between progress writes to a job row")
+    progress_tick_s: float = Field(4.0, ge=0, description="a running job's progress moves at least this often: when its engine "
+                                   "step reports nothing for this long, the worker records that the stage still runs (0: off)")
     visibility_timeout_s: int = Field(
         43200, ge=60, description="Redis redelivers an unacknowledged job after this long: keep above the longest job"
     )
-    model_cache_size: int = Field(1, ge=0, description="loaded models a worker keeps between jobs")
+    model_cache_size: int = Field(3, ge=0, description="loaded models (dense or converted) a worker keeps between jobs, so a "
+                                  "probe or an evaluation of a model just used starts without loading it")
+    model_cache_memory: str | None = Field(None, description="the most bytes of weights those cached models may hold, e.g. 4GiB "
+                                           "(default: half of MOELAB_MAX_MEMORY when set, else a quarter of this machine's memory)")
     workers: int = Field(1, ge=1, le=64, description="worker processes `moelab serve` starts (`--workers N`); a conversion "
                          "shares its per-layer work with every idle one")
     conversion_fanout: bool = Field(True, description="a partition conversion (ExpertWeaver, CMoE) builds its layers on every "
@@ -111,7 +116,7 @@ class Settings(BaseSettings):
         1.0, gt=0, description="how often a running job's worker reads its cancel flag (a cancel lands within this + one step)"
     )
 
-    @field_validator("max_memory", mode="before")
+    @field_validator("max_memory", "model_cache_memory", mode="before")
     @classmethod
     def _readable_size(cls, value: Any) -> Any:
         """A bad MOELAB_MAX_MEMORY fails at start-up, not in every profiling job."""
@@ -148,6 +153,16 @@ class Settings(BaseSettings):
 
     def resolved_api_url(self) -> str:
         return self.api_url or f"http://{self.host}:{self.port}/api/v1"
+
+    def model_cache_bytes(self) -> int:
+        """The worker's model cache budget in bytes (``model_cache_memory``, else its default)."""
+        from workers.engine.sizes import parse_size
+
+        if self.model_cache_memory:
+            return parse_size(self.model_cache_memory)
+        if self.max_memory:
+            return parse_size(self.max_memory) // 2
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
 
     def token(self) -> str | None:
         """The API token, or None when the server is open."""

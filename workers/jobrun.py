@@ -98,10 +98,11 @@ class Heartbeat(threading.Thread):
     """
 
     def __init__(self, db: Database, job_id: str, interval: float, kill_at: float | None = None,
-                 limit_s: float | None = None) -> None:
+                 limit_s: float | None = None, tracker: JobProgress | None = None, tick_s: float = 0.0) -> None:
         super().__init__(name=f"heartbeat-{job_id}", daemon=True)
         self.db, self.job_id, self.interval = db, job_id, interval
         self.kill_at, self.limit_s = kill_at, limit_s
+        self.tracker, self.tick_s = tracker, tick_s  # progress ticks between beats (``JobProgress.tick``)
         self.stop = threading.Event()
 
     def _overran(self) -> None:
@@ -119,9 +120,17 @@ class Heartbeat(threading.Thread):
             os._exit(EXIT_TIME_LIMIT)
 
     def run(self) -> None:
-        while not self.stop.wait(self.interval):
+        ticking = self.tracker is not None and self.tick_s > 0
+        wake = min(self.interval, self.tick_s / 2) if ticking else self.interval
+        next_beat = time.monotonic() + self.interval
+        while not self.stop.wait(wake):
             if self.kill_at is not None and time.monotonic() >= self.kill_at and not self.stop.is_set():
                 self._overran()
+            if ticking:
+                self.tracker.tick(self.tick_s)
+            if time.monotonic() < next_beat:
+                continue
+            next_beat = time.monotonic() + self.interval
             try:
                 with self.db.session() as session:
                     jobs.beat(session, self.job_id)
@@ -148,11 +157,23 @@ class JobProgress:
         if stage != self._last_stage or current >= total or now - self._last_write >= self.interval:
             try:
                 with self.db.session() as session:
-                    jobs.record_progress(session, self.job_id, stage, current, total)
+                    jobs.record_progress(session, self.job_id, stage, current, total, new_stage=stage != self._last_stage)
             except Exception:  # progress is best effort: a locked or briefly unreachable database must not fail the job
                 log.warning("progress of %s not recorded", self.job_id, exc_info=True)
                 return
             self._last_write, self._last_stage = now, stage
+
+    def tick(self, every_s: float) -> None:
+        """From the heartbeat thread: when the engine has not reported for ``every_s``, say the stage
+        still runs (``jobs.touch_progress``), so a watcher sees the job move at least that often."""
+        if self._last_stage is None or time.monotonic() - self._last_write < every_s:
+            return
+        try:
+            with self.db.session() as session:
+                jobs.touch_progress(session, self.job_id)
+            self._last_write = time.monotonic()
+        except Exception:
+            log.warning("progress tick of %s not recorded", self.job_id, exc_info=True)
 
     def past_deadline(self) -> bool:
         """The job's soft time limit passed (it then stops like a cancelled one, recorded as time_limit)."""
@@ -299,7 +320,7 @@ def run_job(job_id: str, worker: str, body: Callable[[JobContext], Outcome]) -> 
     ctx = JobContext(job_id, resource_type, resource_id, settings, db, store(),
                      Progress(callback=tracker.update, should_cancel=tracker.should_cancel), worker=worker)
     beat = Heartbeat(db, job_id, settings.heartbeat_s, kill_at=started + settings.job_time_limit_s + settings.job_kill_after_s,
-                     limit_s=settings.job_time_limit_s)
+                     limit_s=settings.job_time_limit_s, tracker=tracker, tick_s=settings.progress_tick_s)
     beat.start()
     # the watch also enforces the time limit inside a long engine step, not only at its next progress call
     watch = CancelWatch(lambda: tracker.past_deadline() or _cancel_flag(db, job_id), threading.get_ident(),

@@ -254,6 +254,7 @@ def evaluate(ctx: JobContext) -> Outcome:
             seq_len=p["seq_len"], baselines=p["baselines"], source=source, device=ctx.settings.device,
             progress=ctx.progress, write=False, mc_per_task=p.get("multiple_choice_per_task", 50),
             loader=model_cache.cached_load_model, max_tokens=ctx.settings.max_eval_tokens,
+            load_converted=model_cache.cached_load_converted,
         )
     report["heldout"]["source"] = p["source"]  # the id or builtin name, not a server path
     with atomic_directory(ctx.store.path("evaluations", row.id)) as tmp:
@@ -337,6 +338,7 @@ def probe(ctx: JobContext) -> Outcome:
         result = run_probe(
             ctx.store.path("conversions", row.conversion_id), kind=p["kind"], text=text, max_new_tokens=p["max_new_tokens"],
             data_dir=s.data_dir, device=s.device, progress=ctx.progress, loader=model_cache.cached_load_model,
+            load_converted=model_cache.cached_load_converted,
         )
     result = jsonable(result)
     with atomic_directory(ctx.store.path("probes", row.id)) as tmp:
@@ -518,7 +520,8 @@ def _on_ready(sender: Any = None, **_: Any) -> None:
     from moelab.settings import get_settings
 
     name = getattr(sender, "hostname", None) or "worker"
-    model_cache.install(get_settings().model_cache_size)
+    s = get_settings()
+    model_cache.install(s.model_cache_size, s.model_cache_bytes())
     # The engine's imports (torch, transformers: seconds) now, not in the first job: a worker
     # that helps another's conversion (``workers.fanout``) must be ready when the layers are.
     import workers.engine.core.slicing  # noqa: F401

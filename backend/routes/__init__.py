@@ -16,6 +16,7 @@ from . import (
     jobs,
     methods,
     models,
+    notes,
     probes,
     profile_compare,
     profiles,
@@ -29,6 +30,6 @@ def api_router() -> APIRouter:
     router.include_router(health.router)
     # profile_compare before profiles: its /profiles/compare would otherwise be read as /profiles/{profile_id}
     for module in (methods, models, calibration_sets, profile_compare, profiles, conversions, exports, evaluations, finetunes, probes,
-                   activation_probes, jobs, artifacts, charts):
+                   activation_probes, jobs, artifacts, charts, notes):
         router.include_router(module.router, dependencies=[Depends(require_token)])  # one level: matching stays flat
     return router

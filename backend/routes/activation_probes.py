@@ -13,7 +13,7 @@ from sqlalchemy import select
 from moelab.store.db import ActivationProbe, Profile
 from moelab.store.jobs import new_id
 from ..deletion import delete_resource
-from ..deps import CascadeQ, QueueDep, SessionDep, StoreDep, launch, lookup, require_ready
+from ..deps import CascadeQ, QueueDep, SessionDep, StoreDep, TagQ, launch, lookup, require_ready, with_tag
 from ..errors import ApiError
 from ..schemas import ActivationProbeCreate, ActivationProbeList, ActivationProbeOut, ActivationResult, DeleteOut
 from ..views import activation_probe_out
@@ -51,11 +51,12 @@ def get_activation_probe(probe_id: str, session: SessionDep) -> ActivationProbeO
 
 
 @router.get("", response_model=ActivationProbeList, summary="Activation probes of a profile (or all), newest first")
-def list_activation_probes(session: SessionDep, profile_id: str | None = None) -> ActivationProbeList:
+def list_activation_probes(session: SessionDep, profile_id: str | None = None, tag: TagQ = None) -> ActivationProbeList:
     query = select(ActivationProbe).order_by(ActivationProbe.created_at.desc())
     if profile_id:
         query = query.where(ActivationProbe.profile_id == profile_id)
     rows = session.execute(query).scalars().unique().all()
+    rows = with_tag(rows, tag)
     return ActivationProbeList(items=[activation_probe_out(r) for r in rows], total=len(rows))
 
 

@@ -36,9 +36,11 @@ from ..deps import (
     SessionDep,
     SettingsDep,
     StoreDep,
+    TagQ,
     launch,
     lookup,
     require_ready,
+    with_tag,
 )
 from ..deletion import delete_resource
 from ..errors import ApiError
@@ -166,8 +168,9 @@ def _stored_upload(session: Session, store: ArtifactStore, cset: CalibrationSet)
 
 
 @router.get("", response_model=CalibrationSetList, summary="Stored calibration sets")
-def list_sets(session: SessionDep) -> CalibrationSetList:
+def list_sets(session: SessionDep, tag: TagQ = None) -> CalibrationSetList:
     rows = session.execute(select(CalibrationRow).order_by(CalibrationRow.created_at.desc())).scalars().unique().all()
+    rows = with_tag(rows, tag)
     return CalibrationSetList(items=[calibration_out(r) for r in rows], total=len(rows))
 
 

@@ -43,6 +43,7 @@ from ..schemas import (
     ActivationTiles,
     CVHistogram,
     CVSummary,
+    LayerCurves,
     LayerSimilarity,
     METHOD_PARAMS,
     MethodPreview,
@@ -458,3 +459,18 @@ def evaluation_routing(
     except KeyError as exc:
         raise ApiError(422, f"variant: {exc.args[0]}") from exc
     return RoutingHeatmap(conversion_id=ev.conversion_id, **out)
+
+
+@router.get("/evaluations/{evaluation_id}/charts/layers", response_model=LayerCurves, tags=["evaluations"],
+            summary="Per-layer curves of one evaluation: reconstruction error, load CV, token share per expert (for run overlays)")
+def evaluation_layers(
+    evaluation_id: str, session: SessionDep, store: StoreDep,
+    variant: Annotated[str, Query(max_length=40)] = "converted",
+) -> LayerCurves:
+    ev = lookup(session, Evaluation, evaluation_id, "evaluation", "evaluations")
+    require_ready(ev, "evaluation")
+    try:
+        out = charts.layer_curves(_evaluation_record(store, ev), variant)
+    except KeyError as exc:
+        raise ApiError(422, f"variant: {exc.args[0]}") from exc
+    return LayerCurves(evaluation_id=ev.id, conversion_id=ev.conversion_id, text=_label(ev), **out)

@@ -12,7 +12,7 @@ from workers.engine.core.params import ConversionError
 from workers.engine.methods import get_method, params_from_dict
 
 from moelab.store.db import CalibrationSet, Conversion, Model, Profile
-from ..deps import CascadeQ, QueueDep, SessionDep, StoreDep, launch, lookup, require_ready
+from ..deps import CascadeQ, QueueDep, SessionDep, StoreDep, TagQ, launch, lookup, require_ready, with_tag
 from ..deletion import delete_resource
 from ..errors import ApiError
 from workers.engine.limits import profile_duplicates_problem
@@ -113,11 +113,12 @@ def _calibration_spec(session, ref: str) -> str:
 
 
 @router.get("", response_model=ConversionList, summary="Conversions, newest first, each saying whether it exports to GGUF")
-def list_conversions(session: SessionDep, store: StoreDep, profile_id: str | None = None) -> ConversionList:
+def list_conversions(session: SessionDep, store: StoreDep, profile_id: str | None = None, tag: TagQ = None) -> ConversionList:
     query = select(Conversion).order_by(Conversion.created_at.desc())
     if profile_id:
         query = query.where(Conversion.profile_id == profile_id)
     rows = session.execute(query).scalars().unique().all()
+    rows = with_tag(rows, tag)
     exports = exports_of(session, [r.id for r in rows] if profile_id else None)
     return ConversionList(items=[conversion_out(r, gguf=gguf_check(store, r), exports=exports.get(r.id)) for r in rows],
                           total=len(rows))

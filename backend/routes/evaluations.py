@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Query
 from sqlalchemy import select
 
 from workers.engine.data.builtin import bigbench_installed
+from workers.engine.methods import method_of, normalise_params
 
 from moelab.store.db import CalibrationSet, Conversion, Evaluation
-from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, launch, lookup, require_ready
+from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, TagQ, launch, lookup, require_ready, with_tag
 from ..deletion import delete_resource
 from ..errors import ApiError
 from workers.engine.limits import conversion_config, eval_tokens_problem, seq_len_problem
 from moelab.store.jobs import new_id
-from ..schemas import DeleteOut, EvaluationCreate, EvaluationList, EvaluationOut
-from ..views import evaluation_out
+from ..schemas import DeleteOut, EvaluationCreate, EvaluationList, EvaluationOut, ResourceStatus
+from ..views import evaluation_out, status_of
 
 router = APIRouter(prefix="/evaluations", tags=["evaluations"])
 
@@ -50,13 +53,36 @@ def create_evaluation(body: EvaluationCreate, session: SessionDep, queue: QueueD
     return evaluation_out(row)
 
 
-@router.get("", response_model=EvaluationList, summary="Evaluations, newest first")
-def list_evaluations(session: SessionDep, conversion_id: str | None = None) -> EvaluationList:
+@router.get("", response_model=EvaluationList, summary="Evaluations, newest first, filterable")
+def list_evaluations(
+    session: SessionDep, conversion_id: str | None = None, tag: TagQ = None,
+    method: Annotated[str | None, Query(max_length=40, description="only evaluations of conversions by this method")] = None,
+    text: Annotated[str | None, Query(max_length=200, description="only those scored on this held-out text (builtin:NAME, a set id or its name)")] = None,
+    status: ResourceStatus | None = None,
+    q: Annotated[str | None, Query(max_length=200, description="words found in the id, the text, the notes or the tags (case-insensitive)")] = None,
+) -> EvaluationList:
     query = select(Evaluation).order_by(Evaluation.created_at.desc())
     if conversion_id:
         query = query.where(Evaluation.conversion_id == conversion_id)
-    rows = session.execute(query).scalars().unique().all()
+    rows = with_tag(session.execute(query).scalars().unique().all(), tag)
+    if method:
+        methods = {c.id: method_of(normalise_params(c.params or {}))
+                   for c in session.execute(select(Conversion).where(Conversion.id.in_({r.conversion_id for r in rows}))).scalars()}
+        rows = [r for r in rows if methods.get(r.conversion_id) == method]
+    if text:
+        rows = [r for r in rows if text in ((r.params or {}).get("source"), (r.params or {}).get("label"))]
+    if status:
+        rows = [r for r in rows if status_of(r.job) == status]
+    if q:
+        words = q.lower().split()
+        rows = [r for r in rows if all(w in _searchable(r) for w in words)]
     return EvaluationList(items=[evaluation_out(r) for r in rows], total=len(rows))
+
+
+def _searchable(row: Evaluation) -> str:
+    p = row.params or {}
+    return " ".join([row.id, row.conversion_id, str(p.get("source", "")), str(p.get("label", "")), row.notes or "",
+                     *(row.tags or [])]).lower()
 
 
 @router.get("/{evaluation_id}", response_model=EvaluationOut, summary="One evaluation and its summary")

@@ -35,7 +35,7 @@ from workers.engine.limits import gguf_export_footprint, memory_problem
 from workers.engine.runtime.gguf_layout import GGUF_TYPES, gguf_refusal
 
 from ..deletion import delete_resource
-from ..deps import QueueDep, SessionDep, SettingsDep, StoreDep, launch, lookup, require_ready
+from ..deps import QueueDep, SessionDep, SettingsDep, StoreDep, TagQ, launch, lookup, require_ready, with_tag
 from ..errors import ApiError
 from ..schemas import ArtifactFile, DeleteOut, ExportCreate, ExportList, ExportOut, GgufCheck
 from ..views import export_out
@@ -166,8 +166,9 @@ def list_conversion_exports(conversion_id: str, session: SessionDep, store: Stor
 
 
 @router.get("/exports", response_model=ExportList, summary="Exports of every conversion, newest first")
-def list_exports(session: SessionDep, conversion_id: str | None = None) -> ExportList:
+def list_exports(session: SessionDep, conversion_id: str | None = None, tag: TagQ = None) -> ExportList:
     items = [e for group in exports_of(session, [conversion_id] if conversion_id else None).values() for e in group]
+    items = with_tag(items, tag)
     items.sort(key=lambda e: e.created_at, reverse=True)
     return ExportList(items=items, total=len(items))
 

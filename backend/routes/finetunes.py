@@ -19,7 +19,7 @@ from workers.engine.data.builtin import bigbench_installed
 
 from moelab.store.artifacts import ArtifactStore
 from moelab.store.db import CalibrationSet, Conversion, Finetune
-from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, launch, lookup, require_ready
+from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, TagQ, launch, lookup, require_ready, with_tag
 from ..deletion import delete_resource
 from ..errors import ApiError
 from workers.engine.limits import conversion_config, eval_tokens_problem, lora_rank_problem, seq_len_problem
@@ -118,11 +118,12 @@ def create_finetune(body: FinetuneCreate, session: SessionDep, queue: QueueDep, 
 
 
 @router.get("", response_model=FinetuneList, summary="Fine-tunes, newest first")
-def list_finetunes(session: SessionDep, conversion_id: str | None = None) -> FinetuneList:
+def list_finetunes(session: SessionDep, conversion_id: str | None = None, tag: TagQ = None) -> FinetuneList:
     query = select(Finetune).order_by(Finetune.created_at.desc())
     if conversion_id:
         query = query.where(Finetune.conversion_id == conversion_id)
     rows = session.execute(query).scalars().unique().all()
+    rows = with_tag(rows, tag)
     return FinetuneList(items=[finetune_out(r) for r in rows], total=len(rows))
 
 

@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 from moelab.store.dataroots import DataRootError, http_status, resolve_model_source
 from moelab.store.db import Model
-from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, encoded, launch, lookup
+from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, TagQ, encoded, launch, lookup, with_tag
 from ..deletion import delete_resource
 from ..errors import ApiError
 from moelab.store.jobs import new_id
@@ -67,8 +67,9 @@ def register_model(body: ModelCreate, response: Response, session: SessionDep, q
 
 
 @router.get("", response_model=ModelList, summary="Registered models")
-def list_models(session: SessionDep) -> Response:
+def list_models(session: SessionDep, tag: TagQ = None) -> Response:
     rows = session.execute(select(Model).order_by(Model.created_at.desc())).scalars().unique().all()
+    rows = with_tag(rows, tag)
     return encoded(ModelList(items=[model_out(r) for r in rows], total=len(rows)))  # no second thread-pool trip
 
 

@@ -12,7 +12,7 @@ from sqlalchemy import select
 from moelab.store.db import Conversion, Probe
 from moelab.store.jobs import new_id
 from ..deletion import delete_resource
-from ..deps import CascadeQ, QueueDep, SessionDep, StoreDep, launch, lookup, require_ready
+from ..deps import CascadeQ, QueueDep, SessionDep, StoreDep, TagQ, launch, lookup, require_ready, with_tag
 from ..errors import ApiError
 from ..schemas import DeleteOut, ProbeCreate, ProbeList, ProbeOut
 from ..views import probe_out
@@ -32,11 +32,12 @@ def create_probe(body: ProbeCreate, session: SessionDep, queue: QueueDep) -> Pro
 
 
 @router.get("", response_model=ProbeList, summary="Probes, newest first")
-def list_probes(session: SessionDep, conversion_id: str | None = None, kind: str | None = None) -> ProbeList:
+def list_probes(session: SessionDep, conversion_id: str | None = None, kind: str | None = None, tag: TagQ = None) -> ProbeList:
     query = select(Probe).order_by(Probe.created_at.desc())
     if conversion_id:
         query = query.where(Probe.conversion_id == conversion_id)
     rows = [r for r in session.execute(query).scalars().unique().all() if kind is None or (r.params or {}).get("kind") == kind]
+    rows = with_tag(rows, tag)
     return ProbeList(items=[probe_out(r) for r in rows], total=len(rows))
 
 

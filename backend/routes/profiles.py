@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from sqlalchemy import select
 
 from moelab.store.db import CalibrationSet, Model, Profile
-from ..deps import CascadeQ, QueueDep, SessionDep, StoreDep, launch, lookup, require_ready
+from ..deps import CascadeQ, QueueDep, SessionDep, StoreDep, TagQ, launch, lookup, require_ready, with_tag
 from ..deletion import delete_resource
 from ..errors import ApiError
 from workers.engine.limits import atopk_problem
@@ -56,11 +56,12 @@ def create_profile(body: ProfileCreate, session: SessionDep, queue: QueueDep) ->
 
 
 @router.get("", response_model=ProfileList, summary="Profiles, newest first")
-def list_profiles(session: SessionDep, model_id: str | None = None) -> ProfileList:
+def list_profiles(session: SessionDep, model_id: str | None = None, tag: TagQ = None) -> ProfileList:
     query = select(Profile).order_by(Profile.created_at.desc())
     if model_id:
         query = query.where(Profile.model_id == model_id)
     rows = session.execute(query).scalars().unique().all()
+    rows = with_tag(rows, tag)
     return ProfileList(items=[profile_out(r) for r in rows], total=len(rows))
 
 

@@ -40,7 +40,7 @@ from sqlalchemy.orm import (
     sessionmaker,
 )
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5  # 5: notes and tags on every resource, jobs.stage_at
 
 
 def utcnow() -> datetime:
@@ -95,6 +95,7 @@ class Job(Base):
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
     heartbeat_at: Mapped[datetime | None] = mapped_column(default=None)
     progress_at: Mapped[datetime | None] = mapped_column(default=None)
+    stage_at: Mapped[datetime | None] = mapped_column(default=None)  # when the present stage began (schema 5)
 
 
 class _Resource:
@@ -105,6 +106,9 @@ class _Resource:
     params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"), default=None)
+    # the user's own words on a run (schema 5): free text and short labels to find it again
+    notes: Mapped[str | None] = mapped_column(Text, default=None)
+    tags: Mapped[list[str] | None] = mapped_column(JSON, default=None)
 
 
 class Model(_Resource, Base):

@@ -57,13 +57,21 @@ def beat(session: Session, job_id: str) -> None:
     session.commit()
 
 
-def record_progress(session: Session, job_id: str, stage: str, current: int, total: int) -> None:
+def record_progress(session: Session, job_id: str, stage: str, current: int, total: int, new_stage: bool = False) -> None:
+    """Write the engine's ``(stage, current, total)``; ``new_stage`` starts the stage's clock (``stage_at``)."""
     now = utcnow()
-    session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.state == RUNNING)
-        .values(stage=stage[:200], current=int(current), total=int(total), progress_at=now, heartbeat_at=now)
-    )
+    values: dict[str, Any] = {"stage": stage[:200], "current": int(current), "total": int(total), "progress_at": now, "heartbeat_at": now}
+    if new_stage:
+        values["stage_at"] = now
+    session.execute(update(Job).where(Job.id == job_id, Job.state == RUNNING).values(**values))
+    session.commit()
+
+
+def touch_progress(session: Session, job_id: str) -> None:
+    """The stage still runs: ``progress_at`` moves (the job answers how long its stage has taken) while
+    one engine step has no natural point to report from (a model loading, one large layer clustering)."""
+    now = utcnow()
+    session.execute(update(Job).where(Job.id == job_id, Job.state == RUNNING).values(progress_at=now, heartbeat_at=now))
     session.commit()
 
 

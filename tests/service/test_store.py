@@ -132,7 +132,7 @@ def test_migration_to_unique_upload_keys_keeps_duplicates_of_old(tmp_path):
     with db.engine.begin() as conn:
         keys = dict(conn.execute(text("SELECT id, upload_key FROM calibration_sets")).all())
         assert keys == {"cal-a": "cs-1", "cal-b": None, "cal-c": None, "cal-d": "cs-2", "cal-e": None, "cal-h": None}
-        assert conn.execute(text("SELECT value FROM moelab_meta")).scalar() == str(SCHEMA_VERSION) == "4"
+        assert conn.execute(text("SELECT value FROM moelab_meta")).scalar() == str(SCHEMA_VERSION) == "5"
     with pytest.raises(IntegrityError):
         with db.engine.begin() as conn:
             conn.execute(text("INSERT INTO calibration_sets (id, created_at, params, name, origin, content_id, upload_key) "
@@ -312,3 +312,29 @@ def test_processes_migrating_one_fresh_database_at_once_all_succeed(tmp_path, ba
         if backend == "postgres":
             with admin.begin() as conn:
                 conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+
+
+def test_migration_to_notes_tags_and_stage_clock_keeps_rows(tmp_path):
+    """Schema 4 -> 5: every resource table gains notes and tags, jobs gain stage_at; old rows read as
+    no notes and no tags."""
+    from backend.views import model_out
+
+    url = f"sqlite:///{tmp_path / 'v4.sqlite'}"
+    db = Database(url)
+    db.init()
+    with db.session() as s:
+        s.add(Model(id="mod-old", name="old", source="default", kind="default"))
+    with db.engine.begin() as conn:  # back to schema 4
+        for table in ("models", "calibration_sets", "profiles", "conversions", "evaluations", "finetunes", "probes",
+                      "activation_probes", "exports"):
+            conn.execute(text(f"ALTER TABLE {table} DROP COLUMN notes"))
+            conn.execute(text(f"ALTER TABLE {table} DROP COLUMN tags"))
+        conn.execute(text("ALTER TABLE jobs DROP COLUMN stage_at"))
+        conn.execute(text("UPDATE moelab_meta SET value = '4' WHERE key = 'schema_version'"))
+    db.dispose()
+    db = Database(url)
+    db.init()
+    with db.session() as s:
+        out = model_out(s.get(Model, "mod-old"))
+        assert (out.notes, out.tags, out.name) == (None, [], "old")
+    db.dispose()

@@ -165,19 +165,22 @@ def run_evaluation(
     conversion_dir: Path, *, data_dir: Path, n_windows: int = 32, seq_len: int = 256, baselines: bool = True,
     source: str = "builtin:mixed", device: str = "auto", progress: Progress = NO_PROGRESS, write: bool = True,
     mc_per_task: int = 50, loader: ModelLoader = load_model, max_tokens: int | None = None,
+    load_converted: Callable[[Path], Any] = load_exported,
 ) -> dict[str, Any]:
     """Perplexity dense vs converted (vs the method's baselines, e.g. AbsTopK for EW/CMoE, and TEAL at the
     conversion's cost wherever the method has baselines) in one run, plus reconstruction and routing; BIG-bench multiple-choice accuracy too when that set is installed
     (``moelab data install bigbench``); plus the method's own extra numbers (MIDAS: load CV per set).
 
     ``max_tokens``: the most held-out tokens (``n_windows × seq_len``) this run may read (the caller's
-    MOELAB_MAX_EVAL_TOKENS); a ``seq_len`` beyond the model's ``max_position_embeddings`` is refused too."""
+    MOELAB_MAX_EVAL_TOKENS); a ``seq_len`` beyond the model's ``max_position_embeddings`` is refused too.
+    ``loader`` / ``load_converted``: where the dense and the converted model come from (a worker passes its
+    cache's, which keep them loaded between jobs; the evaluation leaves both as it found them)."""
     t0 = time.perf_counter()
     record = read_conversion(conversion_dir)
     check_evaluation_limits(conversion_dir, n_windows=n_windows, seq_len=seq_len, max_tokens=max_tokens)
     method = get_method(method_of(record["params"]))
     with progress.step("load converted model"):  # stages all the way: a watcher never sees 'starting' for a minute
-        converted = load_exported(conversion_dir)
+        converted = load_converted(conversion_dir)
     timings: dict[str, float] = {}
     extra: dict[str, Any] = {}
     notes: dict[str, str] = {}
@@ -281,7 +284,7 @@ PROBE_KINDS = ("routing", "generate")
 
 def run_probe(
     conversion_dir: Path, *, kind: str, text: str, max_new_tokens: int = 32, data_dir: Path, device: str = "auto",
-    progress: Progress = NO_PROGRESS, loader: ModelLoader = load_model,
+    progress: Progress = NO_PROGRESS, loader: ModelLoader = load_model, load_converted: Callable[[Path], Any] = load_exported,
 ) -> dict[str, Any]:
     """A short look at one conversion on one text (``evaluation.probes``).
 
@@ -299,7 +302,7 @@ def run_probe(
     t0 = time.perf_counter()
     record = read_conversion(conversion_dir)
     with progress.step("load converted model"):
-        converted = load_exported(conversion_dir).eval()
+        converted = load_converted(conversion_dir).eval()
         tokenizer = AutoTokenizer.from_pretrained(str(conversion_dir), trust_remote_code=True)  # our own export, as load_exported
     out: dict[str, Any] = {"kind": kind, "method": record["params"].get("method"), "text": text}
     if kind == "routing":
