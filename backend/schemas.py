@@ -184,6 +184,8 @@ class BuiltinSetOut(BaseModel):
     name: str
     description: str
     spec: str
+    domains: list[str] = Field(default_factory=list, description="the built-in sources it draws from (mixed: all six); a held-out "
+                               "text of none of a conversion's calibration domains is out of domain")
 
 
 class BuiltinCalibrationCreate(_In):

@@ -694,7 +694,7 @@ def compare_perplexity(rows: list[dict[str, Any]]) -> go.Figure:
 
 
 #: Columns of the quality-vs-cost CSV: exactly what each plotted point is.
-QUALITY_COST_COLUMNS = ("conversion_id", "conversion", "label", "calibration_set", "method", "recipe", "text", "evaluation_id",
+QUALITY_COST_COLUMNS = ("conversion_id", "conversion", "label", "calibration_set", "method", "recipe", "text", "domain", "evaluation_id",
                         "ffn_flops_fraction", "perplexity_ratio")
 
 
@@ -704,6 +704,10 @@ def quality_cost_points(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: p.get(k) for k in QUALITY_COST_COLUMNS} for p in points
             if p.get("ffn_flops_fraction") is not None and p.get("perplexity_ratio") is not None]
 
+
+#: The marker of a point by whether its text is of the conversion's calibration domains (``names.domain_relation``).
+DOMAIN_SYMBOLS = {"in domain": "circle", "partly in domain": "triangle-up", "out of domain": "x"}
+DOMAIN_MARKS = {"in domain": "●", "partly in domain": "▲", "out of domain": "✕"}
 
 #: One colour per held-out text in the quality-vs-cost chart (markers and their labels).
 TEXT_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
@@ -754,14 +758,20 @@ def quality_vs_cost(points: list[dict[str, Any]]) -> go.Figure:
         colour = TEXT_COLOURS[n % len(TEXT_COLOURS)]  # a label in its text's colour: which text it was measured on
         traces.append(go.Scatter(
             x=[p["ffn_flops_fraction"] for p in pts], y=[p["perplexity_ratio"] for p in pts], mode="markers+text", marker_color=colour,
+            marker_symbol=[DOMAIN_SYMBOLS.get(p.get("domain"), "circle") for p in pts], marker_size=10,
             text=[p["label"] for p in pts], textposition=[where[i] for i in mine], textfont={"size": 11, "color": colour},
             cliponaxis=False, name=t,
-            customdata=[[p.get("conversion") or p["label"], p.get("conversion_id") or ""] for p in pts],
+            customdata=[[p.get("conversion") or p["label"], p.get("conversion_id") or "",
+                         p.get("domain") or "calibration domains unknown"] for p in pts],
             hovertemplate="%{customdata[0]}<br>%{customdata[1]}<br>cost %{x:.3f} of dense FFN<br>%{y:.3f}× dense perplexity"
-                          "<extra>" + t + "</extra>"))
+                          "<br>%{customdata[2]}<extra>" + t + "</extra>"))
     fig = go.Figure(traces)
     fig.add_hline(y=1, line_dash="dot", line_color="gray")
-    return _layout(fig, "Quality vs cost", "lower-left is better; compare points measured on the same text only",
+    marks = sorted({p.get("domain") for p in points} - {None}, key=list(DOMAIN_SYMBOLS).index)
+    key = "; ".join(f"{DOMAIN_MARKS[d]} {d} (text {'of' if d == 'in domain' else 'not of' if d == 'out of domain' else 'partly of'} "
+                    "the conversion's calibration set)" for d in marks)
+    return _layout(fig, "Quality vs cost", "lower-left is better; compare points measured on the same text only"
+                   + (f"<br>{key}" if key else ""),
                    xaxis_title="ffn_flops_fraction (FFN MACs/token ÷ dense, router included)",
                    xaxis_range=[x_lo - x_pad, x_hi + x_pad], yaxis_range=[y_lo - y_pad, y_hi + 2 * y_pad],
                    yaxis_title="perplexity / dense", yaxis_type="log",

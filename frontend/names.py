@@ -160,3 +160,31 @@ def job_subject(job: dict[str, Any], subjects: Mapping[str, str]) -> str:
     if rid in subjects:
         return subjects[rid]
     return f"{JOB_RESOURCE.get(job.get('kind', ''), job.get('kind', 'job'))} (deleted)"
+
+
+def builtin_spec(set_record: Mapping[str, Any] | None) -> str | None:
+    """``builtin:NAME`` of a calibration set built from a built-in source; None for an upload or a Hub set."""
+    if not set_record or set_record.get("origin") != "builtin":
+        return None
+    name = (set_record.get("params") or {}).get("name")
+    return f"builtin:{name}" if name else None
+
+
+def domains_of(spec: str | None, builtin_domains: Mapping[str, Sequence[str]]) -> set[str] | None:
+    """The built-in sources a ``builtin:NAME`` (or ``builtin:a+b``) spec draws from (``GET
+    /calibration-sets/builtins``' ``domains``); None for anything else (its domains are unknown)."""
+    if not spec or not spec.startswith("builtin:"):
+        return None
+    return {d for part in spec.removeprefix("builtin:").split("+") for d in builtin_domains.get(part, [part])}
+
+
+def domain_relation(calibration: str | None, text: str | None, builtin_domains: Mapping[str, Sequence[str]]) -> str | None:
+    """Whether a held-out ``text`` is of the domains a conversion was calibrated on (both ``builtin:`` specs):
+    'in domain' (all of its sources were calibrated on), 'out of domain' (none), 'partly in domain', or
+    None when either is not a built-in set (unknown)."""
+    cal, held = domains_of(calibration, builtin_domains), domains_of(text, builtin_domains)
+    if not cal or not held:
+        return None
+    if held <= cal:
+        return "in domain"
+    return "out of domain" if not held & cal else "partly in domain"

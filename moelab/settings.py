@@ -99,7 +99,7 @@ class Settings(BaseSettings):
         120.0, gt=0, description="grace after job_time_limit_s before a worker stuck in one step kills itself",
     )
     progress_interval_s: float = Field(0.5, ge=0, description="minimum seconds between progress writes to a job row")
-    progress_tick_s: float = Field(4.0, ge=0, description="a running job's progress moves at least this often: when its engine "
+    progress_tick_s: float = Field(3.0, ge=0, description="a running job's progress moves at least this often: when its engine "
                                    "step reports nothing for this long, the worker records that the stage still runs (0: off)")
     visibility_timeout_s: int = Field(
         43200, ge=60, description="Redis redelivers an unacknowledged job after this long: keep above the longest job"

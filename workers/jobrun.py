@@ -121,7 +121,7 @@ class Heartbeat(threading.Thread):
 
     def run(self) -> None:
         ticking = self.tracker is not None and self.tick_s > 0
-        wake = min(self.interval, self.tick_s / 2) if ticking else self.interval
+        wake = min(self.interval, self.tick_s / 3) if ticking else self.interval  # a gap of at most tick_s + tick_s / 3
         next_beat = time.monotonic() + self.interval
         while not self.stop.wait(wake):
             if self.kill_at is not None and time.monotonic() >= self.kill_at and not self.stop.is_set():

@@ -19,7 +19,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from workers.engine.data.builtin import BUILTIN_SETS, bigbench_installed
+from workers.engine.data.builtin import BUILTIN_SETS, bigbench_installed, builtin_domains
 from workers.engine.data.calibration import (
     CalibrationError,
     CalibrationSet,
@@ -69,7 +69,7 @@ class BuiltinSetStatus(BuiltinSetOut):
 
 @router.get("/builtins", response_model=list[BuiltinSetStatus], summary="Built-in offline sets, and whether each is installed")
 def builtins(settings: SettingsDep) -> list[BuiltinSetStatus]:
-    return [BuiltinSetStatus(name=n, description=d, spec=f"builtin:{n}",
+    return [BuiltinSetStatus(name=n, description=d, spec=f"builtin:{n}", domains=list(builtin_domains(n)),
                              installed=n != "bigbench" or bigbench_installed(settings.data_dir))
             for n, d in BUILTIN_SETS.items()]
 

@@ -15,7 +15,7 @@ from dash import Input, Output, callback, dcc, html
 from frontend import figures as F
 from frontend.api_client import ApiError, api
 from frontend.components import error_box, figure_card, named_options, page_names, to_search
-from frontend.names import Names, fmt, fmt_pct, key_params, with_id
+from frontend.names import Names, builtin_spec, domain_relation, fmt, fmt_pct, key_params, with_id
 
 dash.register_page(__name__, path="/compare", name="Compare conversions", order=6)
 
@@ -73,6 +73,21 @@ def calibration_of(c: dict[str, Any], names: Names) -> str:
     return names.set(cal) if cal else "?"
 
 
+def calibration_spec(c: dict[str, Any], names: Names) -> str | None:
+    """``builtin:NAME`` of the built-in set a conversion was calibrated on (None: an upload or Hub set)."""
+    prof = names.profiles.get(c.get("profile_id") or "")
+    if prof:
+        return builtin_spec(names.sets.get(prof.get("calibration_set_id") or ""))
+    cal = (c.get("params") or {}).get("calibration")
+    return cal if cal and cal.startswith("builtin:") else builtin_spec(names.sets.get(cal or ""))
+
+
+def heldout_spec(e: dict[str, Any], names: Names) -> str | None:
+    """``builtin:NAME`` of an evaluation's held-out text (a stored set: the built-in it was made from)."""
+    source = (e.get("params") or {}).get("source") or ""
+    return source if source.startswith("builtin:") else builtin_spec(names.sets.get(source))
+
+
 def chart_label(c: dict[str, Any], names: Names, methods: dict[str, dict[str, Any]]) -> tuple[str, str | None]:
     """A conversion's short name on charts, 'code · expertweaver best': calibration set, method and
     recipe (or, for a method without recipes, its first key parameter), and the recipe itself."""
@@ -104,8 +119,9 @@ def _update(ids):
         return None, fig, fig, fig, None, None, None, error_box(str(exc)), search
     try:
         methods = {m["name"]: m for m in api().methods()}
-    except ApiError:  # recipes are a help for the labels, not the data
-        methods = {}
+        builtins = {b["name"]: b.get("domains") or [b["name"]] for b in api().builtin_sets()}
+    except ApiError:  # recipes and domains are a help for the labels, not the data
+        methods, builtins = {}, {}
     keys = ["n_experts", "alpha_min", "alpha_max", "tau", "plan", "shared", "active"]
     header = html.Tr([html.Th(h) for h in ("conversion", "id", "status", "method", "router", HEADERS["sparsity"])]
                      + [html.Th(HEADERS.get(k, k)) for k in keys]
@@ -127,6 +143,7 @@ def _update(ids):
             if load_cv is None and isinstance(cv, (int, float)):
                 load_cv = f"{cv:.3f} on {r['text']}"
             cost_points.append({"conversion_id": c["id"], "conversion": label[c["id"]], "label": short[c["id"]][0],
+                                "domain": domain_relation(calibration_spec(c, names), heldout_spec(ev, names), builtins),
                                 "calibration_set": calibration_of(c, names), "method": c.get("method"), "recipe": short[c["id"]][1],
                                 "text": r["text"], "evaluation_id": r["evaluation_id"],
                                 "ffn_flops_fraction": s.get("ffn_flops_fraction"), "perplexity_ratio": r["ratio_to_dense"]})

@@ -181,6 +181,20 @@ def test_evaluation_has_a_teal_row_at_the_conversions_cost(conversion, data_dir,
     assert len(teal["reconstruction_error"]) == 3
 
 
+def test_a_second_evaluation_reuses_the_stored_thresholds_for_the_same_numbers(conversion, data_dir, one_thread):
+    from workers.engine.evaluation import reference_scores
+    from workers.engine.runs import run_evaluation
+
+    kw = dict(data_dir=data_dir, n_windows=2, seq_len=16, write=False, mc_per_task=0)
+    for stale in (data_dir / reference_scores.TEAL_DIR).glob("*.json"):
+        stale.unlink()  # thresholds an earlier run of the suite stored: this test calibrates first
+    first = run_evaluation(conversion, **kw)["results"]["teal"]
+    again = run_evaluation(conversion, **kw)["results"]["teal"]
+    assert "thresholds_reused" not in first and again["thresholds_reused"] is True
+    for key in ("perplexity", "s_in", "s_mid", "calibration_error", "ffn_flops_fraction", "calibration_tokens"):
+        assert again[key] == pytest.approx(first[key], rel=1e-6, nan_ok=True), key
+
+
 def test_evaluation_goes_on_without_teal_when_the_profile_is_gone(tiny, tmp_path):
     from workers.engine.runs import _teal_baseline
 

@@ -443,3 +443,13 @@ def test_calibration_card_plots_characters_and_says_so(page, live, api, profile_
     assert by_name["by domain"] == {k: v["chars"] for k, v in stats["domains"].items()}
     assert "token" not in page.inner_text(".card:has(#cs-tokens) .card-title").lower()
     assert page.errors == [], page.errors
+
+
+def test_quality_vs_cost_marks_points_in_and_out_of_the_calibration_domains():
+    points = [{**p, "ffn_flops_fraction": 0.75, "domain": d} for p, d in zip(_points()[:2], ("in domain", "out of domain"), strict=True)]
+    fig = F.quality_vs_cost(points)
+    (trace,) = fig.data
+    assert list(trace.marker.symbol) == ["circle", "x"] and [c[2] for c in trace.customdata] == ["in domain", "out of domain"]
+    title = fig.layout.title.text
+    assert "● in domain (text of the conversion's calibration set)" in title and "✕ out of domain (text not of" in title
+    assert [r["domain"] for r in F.quality_cost_points(points)] == ["in domain", "out of domain"]

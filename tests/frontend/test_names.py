@@ -70,3 +70,17 @@ def test_names_are_a_help_a_list_the_api_does_not_answer_leaves_ids(monkeypatch)
     monkeypatch.setattr(api_client, "api", lambda: Api())
     (opt,) = components.named_options("profiles")
     assert opt == {"label": "m-1 · cal-1 · 256 tokens/sample — pr-e06989ec8ade3ce0", "value": "pr-e06989ec8ade3ce0"}
+
+
+def test_a_text_is_in_out_or_partly_in_the_calibration_domains():
+    from frontend.names import builtin_spec, domain_relation
+
+    builtins = {"mixed": ["code", "prose", "literature", "chat", "code_problems", "math"], "code": ["code"], "prose": ["prose"]}
+    assert domain_relation("builtin:mixed", "builtin:code", builtins) == "in domain"
+    assert domain_relation("builtin:code", "builtin:prose", builtins) == "out of domain"
+    assert domain_relation("builtin:code+chat", "builtin:code+prose", builtins) == "partly in domain"  # a mix: its parts
+    assert domain_relation("builtin:prose+literature", "builtin:mixed", builtins) == "partly in domain"
+    assert domain_relation(None, "builtin:code", builtins) is None  # an uploaded set: unknown, never guessed
+    assert domain_relation("builtin:code", "cal-123", builtins) is None
+    assert builtin_spec({"origin": "builtin", "params": {"name": "code"}}) == "builtin:code"
+    assert builtin_spec({"origin": "upload", "params": {}}) is None

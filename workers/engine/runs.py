@@ -195,7 +195,7 @@ def run_evaluation(
                 variants.update(method.baselines(adapter, record, progress.within("baselines"), data_dir))
             t2 = time.perf_counter()
             with progress.step("build baselines"):  # TEAL at the conversion's cost: 'baselines: teal: thresholds i/L'
-                teal, teal_info = _teal_baseline(adapter, record, converted, progress.within("baselines"))
+                teal, teal_info = _teal_baseline(adapter, record, converted, progress.within("baselines"), data_dir)
             timings["baselines_build_s"], timings["teal_build_s"] = time.perf_counter() - t1, time.perf_counter() - t2
             notes["teal"] = teal_info["note"]
             if teal:
@@ -245,28 +245,43 @@ TEAL_NOTE = ("TEAL's saving needs sparse (column-skipping) kernels at decode and
              "experts run on stock MoE kernels at any batch size")
 
 
-def _teal_baseline(adapter: ModelAdapter, record: dict[str, Any], converted: Any, progress: Progress) -> tuple[dict[int, Any] | None, dict[str, Any]]:
+def _teal_baseline(adapter: ModelAdapter, record: dict[str, Any], converted: Any, progress: Progress,
+                   data_dir: Path | None = None) -> tuple[dict[int, Any] | None, dict[str, Any]]:
     """TEAL (``core.teal``, greedy allocation) at the conversion's own ``ffn_flops_fraction``, calibrated on
     the profile's calibration text (as stored in the profile) and as many tokens as the conversion's fit
     reads (``fit_tokens``). Returns its modules (None when the profile or its text is gone: the rest of
     the evaluation goes on) and ``{"note", "variant"}``: the note the evaluation carries, the numbers its
-    results entry gains (its cost, calibration tokens and per-layer sparsities)."""
+    results entry gains (its cost, calibration tokens and per-layer sparsities). The thresholds are kept
+    under ``data_dir`` (``reference_scores.TEAL_DIR``) and reused by the next evaluation at the same cost
+    on the same profile: the same modules, without the calibration."""
     from .core.fitting import collect_inputs, stored_token_windows
     from .core.params import ConversionError
-    from .core.teal import teal_flops_fraction, teal_layers, teal_modules
+    from .core.teal import MAX_TOKENS, STEP, teal_flops_fraction, teal_from_thresholds, teal_layers, teal_modules, teal_thresholds
 
     dense_macs = sum(3 * adapter.d_model * lay.d_ffn for lay in adapter.layers)
     cost = record["summary"].get("ffn_flops_fraction")
     cost = ffn_flops_fraction(converted, dense_macs) if cost is None else float(cost)
+    n_tokens = int(record["params"].get("fit_tokens", TEAL_FIT_TOKENS))
     try:
         profile = StoredProfile.open(record["profile"])
-        windows = stored_token_windows(adapter, profile, int(record["params"].get("fit_tokens", TEAL_FIT_TOKENS)))
+        key = reference_scores.teal_key(record.get("model", {}), adapter.model, {**profile.manifest["calibration"],
+                                        "written": profile.manifest.get("created_at")},
+                                        {"tokens": n_tokens, "cost": round(cost, 9), "allocation": "greedy", "step": STEP,
+                                         "max_tokens": MAX_TOKENS})
+        stored = reference_scores.load_teal(data_dir, key)
+        if stored is not None:
+            with progress.step("teal: stored thresholds"):
+                modules, n_read = teal_from_thresholds(adapter, stored["layers"]), stored["calibration_tokens"]
+        else:
+            windows = stored_token_windows(adapter, profile, n_tokens)
     except (ProfileNotFound, ConversionError, KeyError) as exc:
         return None, {"note": f"TEAL not built: its calibration text could not be read ({exc})"}
-    inputs = collect_inputs(adapter, windows, progress.within("teal"))  # 'baselines: teal: fit: calibration forward'
-    modules = teal_modules(adapter, inputs, cost, "greedy", progress=progress)
+    if stored is None:
+        inputs = collect_inputs(adapter, windows, progress.within("teal"))  # 'baselines: teal: fit: calibration forward'
+        modules, n_read = teal_modules(adapter, inputs, cost, "greedy", progress=progress), inputs.n_tokens
+        reference_scores.save_teal(data_dir, key, {"layers": teal_thresholds(modules), "calibration_tokens": n_read})
     variant = {"ffn_flops_fraction": teal_flops_fraction(modules, dense_macs), "allocation": "greedy",
-               "calibration_tokens": inputs.n_tokens, **teal_layers(modules)}
+               "calibration_tokens": n_read, **teal_layers(modules), **({"thresholds_reused": True} if stored is not None else {})}
     return modules, {"note": TEAL_NOTE, "variant": variant}
 
 

@@ -204,3 +204,20 @@ def teal_flops_fraction(modules: dict[int, TealGLU], dense_ffn_macs: int) -> flo
     it does not replace count as dense)."""
     replaced = sum(3 * m.d_model * m.d_ffn for m in modules.values())
     return (sum(m.active_param_count() for m in modules.values()) + dense_ffn_macs - replaced) / dense_ffn_macs
+
+
+def teal_thresholds(modules: dict[int, TealGLU]) -> dict[str, dict[str, float]]:
+    """What rebuilds ``modules`` from the dense weights (``teal_from_thresholds``): per layer its
+    thresholds, sparsities and calibration error."""
+    return {str(i): {"t_in": m.t_in, "t_mid": m.t_mid, "s_in": m.s_in, "s_mid": m.s_mid,
+                     "calibration_error": getattr(m, "calibration_error", float("nan"))} for i, m in modules.items()}
+
+
+def teal_from_thresholds(adapter: ModelAdapter, layers: dict[str, dict[str, float]]) -> dict[int, TealGLU]:
+    """The ``TealGLU`` modules ``teal_thresholds`` described, on ``adapter``'s dense weights: no calibration."""
+    out: dict[int, TealGLU] = {}
+    for key, t in layers.items():
+        i = int(key)
+        out[i] = TealGLU.from_dense(*dense_weights(adapter, i), adapter.activation, t["t_in"], t["t_mid"], t["s_in"], t["s_mid"])
+        out[i].calibration_error = t.get("calibration_error", float("nan"))
+    return out

@@ -93,6 +93,13 @@ BUILTIN_SETS: dict[str, str] = {
 }
 MIXED_PARTS = ("code", "prose", "literature", "chat", "code_problems", "math")
 
+
+def builtin_domains(name: str) -> tuple[str, ...]:
+    """The built-in sources a built-in set (or a ``+`` mix of them) draws from: what an evaluation's
+    held-out text is compared with to say whether it is in or out of a conversion's calibration domains."""
+    parts = name.removeprefix("builtin:").split("+")
+    return tuple(dict.fromkeys(d for p in parts for d in (MIXED_PARTS if p == "mixed" else (p,))))
+
 Units = tuple[str, ...]
 Built = list[tuple[Units, Sample]]  # every sample with the source units it was made from
 

@@ -51,6 +51,32 @@ def load(data_dir: Path | None, key: str) -> dict[str, Any] | None:
             "reused": {"measured_at": stored.get("measured_at"), "key": key}}
 
 
+#: TEAL thresholds kept between evaluations (``runs._teal_baseline``): calibrating them reads thousands of
+#: calibration tokens through the dense model and searches every layer's split, about 45 s on the default
+#: model, and they depend only on the model, the profile's text, the token count and the cost
+TEAL_DIR = "teal-thresholds"
+
+
+def teal_key(model_record: dict[str, Any], model: nn.Module, calibration: dict[str, Any], protocol: dict[str, Any]) -> str:
+    """A key for TEAL thresholds: the model (as ``fingerprint``), the profile's calibration text (its
+    content id and when the profile was written) and the protocol (tokens, cost, allocation, step)."""
+    return fingerprint(model_record, model, torch.zeros(0, dtype=torch.int64), {"calibration": calibration, **protocol})
+
+
+def load_teal(data_dir: Path | None, key: str) -> dict[str, Any] | None:
+    if data_dir is None:
+        return None
+    try:
+        return json.loads((Path(data_dir) / TEAL_DIR / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def save_teal(data_dir: Path | None, key: str, entry: dict[str, Any]) -> None:
+    if data_dir is not None:
+        write_json_atomic(Path(data_dir) / TEAL_DIR / f"{key}.json", entry)
+
+
 def save(data_dir: Path | None, key: str, entry: dict[str, Any]) -> None:
     if data_dir is None or "reused" in entry:
         return
