@@ -7,7 +7,6 @@ router and scoring included, over the dense FFN's."""
 
 from __future__ import annotations
 
-from typing import Any
 
 import dash
 from dash import Input, Output, callback, dcc, html
@@ -15,7 +14,7 @@ from dash import Input, Output, callback, dcc, html
 from frontend import figures as F
 from frontend.api_client import ApiError, api
 from frontend.components import error_box, figure_card, named_options, page_names, to_search
-from frontend.names import Names, builtin_spec, domain_relation, fmt, fmt_pct, key_params, with_id
+from frontend.names import calibration_of, calibration_spec, chart_label, domain_relation, fmt, fmt_pct, heldout_spec, with_id
 
 dash.register_page(__name__, path="/compare", name="Compare conversions", order=6)
 
@@ -41,63 +40,6 @@ def layout(ids: str | None = None, **_):
         html.Div(className="row", children=[figure_card(f"{N}-ppl", "Perplexity")]),  # full width: one panel per text
         html.Div(className="row", children=[figure_card(f"{N}-cost", "Quality vs cost"), figure_card(f"{N}-active", "Active share per layer")]),
     ])
-
-
-#: sizes a user sets with any recipe (portable's 16 experts and best's 16,384 fit tokens are defaults, not what makes them)
-SIZE_KEYS = ("n_experts", "sparsity", "fit_tokens")
-
-
-def recipe_of(method: dict[str, Any] | None, params: dict[str, Any]) -> str | None:
-    """The designer recipe a conversion's parameters follow: a recipe whose every override the
-    parameters have ('best'), else 'paper' when none of the recipes' parameters differs from its
-    default, else None (its own mix). None also for a method without recipes beyond 'paper'."""
-    recipes = {name: {k: v for k, v in over.items() if k not in SIZE_KEYS}
-               for name, over in ((method or {}).get("recipes") or {}).items()}
-    if len(recipes) < 2:
-        return None
-    for name, over in sorted(recipes.items(), key=lambda kv: -len(kv[1])):
-        if over and all(params.get(k) == v for k, v in over.items()):
-            return name
-    defaults = {p["name"]: p["default"] for p in method["params"]}
-    keys = {k for over in recipes.values() for k in over}
-    return "paper" if all(params.get(k, defaults.get(k)) == defaults.get(k) for k in keys) else None
-
-
-def calibration_of(c: dict[str, Any], names: Names) -> str:
-    """The name of the calibration set a conversion was built from (its profile's; a conversion of
-    an MoE model names its ``calibration`` parameter)."""
-    prof = names.profiles.get(c.get("profile_id") or "")
-    if prof:
-        return names.set(prof.get("calibration_set_id"))
-    cal = (c.get("params") or {}).get("calibration")
-    return names.set(cal) if cal else "?"
-
-
-def calibration_spec(c: dict[str, Any], names: Names) -> str | None:
-    """``builtin:NAME`` of the built-in set a conversion was calibrated on (None: an upload or Hub set)."""
-    prof = names.profiles.get(c.get("profile_id") or "")
-    if prof:
-        return builtin_spec(names.sets.get(prof.get("calibration_set_id") or ""))
-    cal = (c.get("params") or {}).get("calibration")
-    return cal if cal and cal.startswith("builtin:") else builtin_spec(names.sets.get(cal or ""))
-
-
-def heldout_spec(e: dict[str, Any], names: Names) -> str | None:
-    """``builtin:NAME`` of an evaluation's held-out text (a stored set: the built-in it was made from)."""
-    source = (e.get("params") or {}).get("source") or ""
-    return source if source.startswith("builtin:") else builtin_spec(names.sets.get(source))
-
-
-def chart_label(c: dict[str, Any], names: Names, methods: dict[str, dict[str, Any]]) -> tuple[str, str | None]:
-    """A conversion's short name on charts, 'code · expertweaver best': calibration set, method and
-    recipe (or, for a method without recipes, its first key parameter), and the recipe itself."""
-    params = c.get("params") or {}
-    method = c.get("method") or params.get("method") or "expertweaver"
-    recipe = recipe_of(methods.get(method), params)
-    what = recipe if recipe else key_params(method, params).split(", ")[0]
-    if recipe is None and method in methods and len(methods[method].get("recipes") or {}) > 1:
-        what = "own recipe"
-    return f"{calibration_of(c, names)} · {method} {what}", recipe
 
 
 @callback(Output(f"{N}-table", "children"), Output(f"{N}-ppl", "figure"), Output(f"{N}-active", "figure"), Output(f"{N}-cost", "figure"),

@@ -15,7 +15,7 @@ from frontend import figures as F
 from frontend.api_client import ApiError, api
 from frontend.components import error_box, figure_card, page_names, to_search
 from frontend.names import fmt, heldout_text, with_id
-from frontend.pages.compare import chart_label
+from frontend.names import chart_label
 
 dash.register_page(__name__, path="/evaluations", name="Evaluations", order=7)
 

@@ -98,7 +98,9 @@ def configurations(level: float, d_model: int, profile: Any, candidates: bool = 
     }
     if candidates:  # for the recipe: finer experts (more choice at the same cost; the router costs 2×),
         # and a quarter of the fit tokens for the ridge router and the error curves (the recipe before this round)
-        out |= {"best-e128": replace(best, n_experts=128), "best-fit4k": replace(best, fit_tokens=4096)}
+        out |= {"best-e128": replace(best, n_experts=128), "best-fit4k": replace(best, fit_tokens=4096),
+                "best-fit32k": replace(best, fit_tokens=32768),  # more (and more varied) calibration tokens still
+                "best-refit": replace(best, refit="converted_inputs")}  # fitted on the converted model's own inputs
         # portable's router, α basis and shared share (the leading plan uses the layers' mean α)
         out |= {"portable-centroid": replace(portable, router="centroid"),
                 "portable-total": replace(portable, alpha_basis="total"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -252,3 +253,41 @@ def test_an_unknown_recipe_is_refused_with_the_known_ones():
 def test_paper_recipe_is_the_defaults():
     assert get_method("expertweaver").recipe("paper") == ExpertWeaverParams()
     assert get_method("cmoe").recipe("paper", active=3) == CMoEParams(active=3)
+
+
+def test_collect_inputs_with_replaced_mlps_reads_what_the_converted_layers_produce(fitted):
+    _, adapter, prof, calib = fitted
+    params = ExpertWeaverParams(n_experts=8, sparsity=0.5, router="ridge", alpha_basis="active")
+    rows = expertweaver.plan_for(prof, params)
+    _, _, modules, _ = partition_modules(adapter, prof, params, rows, expertweaver.layer_builder(prof, params), calib=calib)
+    torch.manual_seed(0)
+    windows = torch.randint(0, 1000, (4, 64))
+    dense = collect_inputs(adapter, windows)
+    converted = collect_inputs(adapter, windows, replaced=modules)
+    first = min(modules)
+    # up to the first converted layer the inputs are the dense model's; after it, the converted model's own
+    assert torch.equal(converted.mlp_inputs[first], dense.mlp_inputs[first])
+    assert not torch.allclose(converted.mlp_inputs[first + 1], dense.mlp_inputs[first + 1])
+    assert all(adapter.layers[i].block.mlp is adapter.layers[i].mlp for i in modules)  # the dense model is given back
+    with __import__("workers.engine.evaluation.metrics", fromlist=["swapped_mlps"]).swapped_mlps(adapter, modules):
+        from_model = collect_inputs(adapter, windows, replaced=modules)
+    assert torch.equal(from_model.mlp_inputs[first + 1], converted.mlp_inputs[first + 1])
+
+
+def test_refit_on_the_converted_inputs_changes_only_the_fits_and_keeps_the_plan(fitted, data_dir):
+    _, adapter, prof, calib = fitted
+    base = ExpertWeaverParams(n_experts=8, sparsity=0.5, router="ridge", alpha_basis="active", plan="budget",
+                              compensation="skipped_mean", fit_tokens=256)
+    refit = replace(base, refit="converted_inputs")
+    rows = expertweaver.plan_for(prof, base)
+    r0, e0, m0, f0 = partition_modules(adapter, prof, base, rows, expertweaver.layer_builder(prof, base), data_dir=data_dir)
+    r1, e1, m1, f1 = partition_modules(adapter, prof, refit, rows, expertweaver.layer_builder(prof, refit), data_dir=data_dir)
+    assert [e.top_k for e in e0] == [e.top_k for e in e1] and f1["refit"] == "converted_inputs" and "refit" not in f0
+    first = min(i for i, e in enumerate(e0) if len(e.routed))
+    # the first routed layer sees the dense inputs either way: its fit is the same; a later one is fitted anew
+    assert np.allclose(e0[first].router_weights["router_weight"], e1[first].router_weights["router_weight"], atol=1e-5)
+    later = [i for i, e in enumerate(e0) if len(e.routed) and i > first]
+    assert later and not np.allclose(e0[later[-1]].router_weights["router_weight"], e1[later[-1]].router_weights["router_weight"])
+    assert "skip_mean" in e1[later[-1]].router_weights
+    with pytest.raises(ConversionError, match="refit 'converted_inputs'"):
+        ExpertWeaverParams(refit="converted_inputs").check()  # the paper's centroid router has nothing to refit

@@ -22,7 +22,7 @@ import pytest
 import frontend.app  # noqa: F401  (instantiates the Dash app: the page modules register with it)
 from frontend import figures as F
 from frontend.names import Names
-from frontend.pages.compare import calibration_of, chart_label, recipe_of
+from frontend.names import calibration_of, chart_label, recipe_of
 from frontend.pages.designer import (
     bound_text,
     budget_banner,

@@ -84,3 +84,17 @@ def test_a_text_is_in_out_or_partly_in_the_calibration_domains():
     assert domain_relation("builtin:code", "cal-123", builtins) is None
     assert builtin_spec({"origin": "builtin", "params": {"name": "code"}}) == "builtin:code"
     assert builtin_spec({"origin": "upload", "params": {}}) is None
+
+
+def test_no_page_module_is_imported_twice_by_the_app():
+    """Dash imports each page as ``pages.NAME``; a page that imports another page as ``frontend.pages.NAME``
+    registers that page a second time and every request to its path fails ('duplicate paths'). Shared
+    helpers live in ``frontend.names`` and friends, never in a page."""
+    import subprocess
+    import sys
+
+    code = ("import sys, frontend.app, dash; "
+            "twice = sorted(m for m in sys.modules if m.startswith('frontend.pages.') and m != 'frontend.pages.__init__'); "
+            "print(twice)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+    assert out == "[]", out

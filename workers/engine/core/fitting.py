@@ -108,11 +108,14 @@ def text_token_windows(adapter: ModelAdapter, texts: list[str], n_tokens: int, w
 
 @torch.no_grad()
 def collect_inputs(adapter: ModelAdapter, windows: torch.Tensor, progress: Progress = NO_PROGRESS,
-                   batch: int = 4) -> CalibrationInputs:
-    """One dense forward pass over ``windows``, keeping every layer's MLP input and residual norm."""
+                   batch: int = 4, replaced: dict[int, torch.nn.Module] | None = None) -> CalibrationInputs:
+    """One forward pass over ``windows``, keeping every layer's MLP input and residual norm: of the dense
+    model, or with the layers' MLPs in ``replaced`` run instead (each later layer then sees the inputs the
+    converted layers before it produce)."""
+    replaced = replaced or {}
     xs: dict[int, list[torch.Tensor]] = {lay.index: [] for lay in adapter.layers}
     res: dict[int, list[torch.Tensor]] = {lay.index: [] for lay in adapter.layers}
-    handles = []
+    handles, originals = [], {}
     for lay in adapter.layers:
         def mlp_hook(_m, args, i=lay.index):
             xs[i].append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())
@@ -121,7 +124,10 @@ def collect_inputs(adapter: ModelAdapter, windows: torch.Tensor, progress: Progr
             h = args[0] if args else kwargs["hidden_states"]
             res[i].append(h.float().pow(2).sum(-1).reshape(-1).cpu())
 
-        handles.append(lay.mlp.register_forward_pre_hook(mlp_hook))
+        if lay.index in replaced:
+            originals[lay.index] = lay.block.mlp
+            lay.block.mlp = replaced[lay.index]
+        handles.append(replaced.get(lay.index, lay.mlp).register_forward_pre_hook(mlp_hook))
         handles.append(lay.block.register_forward_pre_hook(block_hook, with_kwargs=True))
     try:
         chunks = windows.split(batch)
@@ -131,6 +137,8 @@ def collect_inputs(adapter: ModelAdapter, windows: torch.Tensor, progress: Progr
     finally:
         for h in handles:
             h.remove()
+        for i, mlp in originals.items():
+            adapter.layers[i].block.mlp = mlp
     n = int(windows.numel())
     return CalibrationInputs({i: torch.cat(v) for i, v in xs.items()}, {i: torch.cat(v) for i, v in res.items()}, n)
 
@@ -339,6 +347,31 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
             progress.update("fit: skipped-expert compensation", n + 1, len(experts))
         record["compensation"] = "skipped_mean"
     return rows, experts, record
+
+
+def refit_on_converted(adapter: ModelAdapter, params: Any, experts: list[Any], modules: dict[int, torch.nn.Module],
+                       windows: torch.Tensor, progress: Progress = NO_PROGRESS) -> dict[str, Any]:
+    """``refit="converted_inputs"``: the fitted router and the skipped-expert means of every layer fitted
+    again, on the MLP inputs the converted model itself produces on the same calibration windows (one
+    more calibration forward, every converted layer in place), as GPTQ-style methods quantise each
+    layer on the inputs the already-quantised layers before it give. The plan (top-k per layer) is
+    kept. One pass, not layer by layer: layer ℓ's new inputs come from the first fit of the layers
+    before it, which costs one forward instead of one per layer. Updates ``experts`` in place; returns
+    the record's entry."""
+    calib = collect_inputs(adapter, windows, progress.within("refit"), replaced=modules)
+    compensate = getattr(params, "compensation", "none") == "skipped_mean"
+    for n, ex in enumerate(experts):
+        if len(ex.routed):
+            gate_w, up_w, down_w = (w.detach().float().cpu() for w in dense_weights(adapter, ex.layer))
+            x = calib.mlp_inputs[ex.layer]
+            fitted = fit_router(x, ex.router, gate_w, up_w, ex.routed, adapter.activation)
+            weights = {k: v for k, v in ex.router_weights.items() if k != "skip_mean"} | (fitted or {})
+            if compensate and ex.top_k < len(ex.routed):
+                scores = router_scores(x, ex.router, weights, gate_w, ex.routed, adapter.activation)
+                weights["skip_mean"] = skipped_means(x, gate_w, up_w, down_w, ex.routed, scores, ex.top_k, adapter.activation)
+            ex.router_weights = weights
+        progress.update("refit: routers on the converted model's inputs", n + 1, len(experts))
+    return {"refit": "converted_inputs", "refit_tokens": calib.n_tokens}
 
 
 def _budget_rows(params: Any, rows: list[Any], experts: list[Any], curves: list[np.ndarray], fixed: list[int],

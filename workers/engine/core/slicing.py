@@ -22,7 +22,7 @@ from ..runtime.export import build_moe_model
 from ..runtime.modeling_moelab import AbsTopKGLU, MoeFFN
 from ..runtime.param_count import parameter_counts
 from .allocation import LayerPlan, summarize
-from .fitting import fit_layers
+from .fitting import fit_layers, profile_token_windows, refit_on_converted
 from .params import ConversionError, MethodParams, needs_fitting
 from .partition import LayerExperts
 
@@ -97,7 +97,12 @@ def partition_modules(adapter: ModelAdapter, profile: Any, params: MethodParams,
     fit: dict[str, Any] = {}
     if needs_fitting(params):
         rows, experts, fit = fit_layers(adapter, profile, params, rows, experts, data_dir, progress, calib)
-    return rows, experts, build_modules(adapter, experts, params.combine), fit  # type: ignore[attr-defined]
+    modules = build_modules(adapter, experts, params.combine)  # type: ignore[attr-defined]
+    if getattr(params, "refit", "none") == "converted_inputs":
+        windows = profile_token_windows(adapter, profile, params.fit_tokens, data_dir)  # type: ignore[attr-defined]
+        fit |= refit_on_converted(adapter, params, experts, modules, windows, progress)
+        modules = build_modules(adapter, experts, params.combine)  # type: ignore[attr-defined]
+    return rows, experts, modules, fit
 
 
 def convert_partition(adapter: ModelAdapter, profile: Any, params: MethodParams, rows: list[LayerPlan],

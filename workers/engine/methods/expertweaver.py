@@ -37,7 +37,7 @@ import numpy as np
 
 from ..core.allocation import LayerPlan, check_experts_fit, layer_plan, model_width, plan_record, validate_partition, specialisation_ratio
 from ..runtime.moelab_routers import PARTITION_ROUTERS
-from ..core.params import ConversionError, MethodParams, check_compensation, param
+from ..core.params import ConversionError, MethodParams, check_compensation, needs_fitting, param
 from ..core.partition import LayerExperts, cluster_routed, finish, split_shared
 from .base import ConversionInputs, Method, Recovery
 
@@ -77,6 +77,10 @@ class ExpertWeaverParams(MethodParams):
     max_iter: int = param(50, "balanced k-means iteration cap", paper="EW App. G", ge=1, le=10000, advanced=True)
     fit_tokens: int = param(4096, "calibration tokens the ridge router and the budget plan are fitted on",
                             ge=256, le=1_000_000, advanced=True)
+    refit: Literal["none", "converted_inputs"] = param(
+        "none", "none: the ridge router and skipped-expert means are fitted on the dense model's MLP inputs; "
+        "converted_inputs: fitted again on the inputs the converted model produces (one more calibration forward; moelab's)",
+        advanced=True)
 
     def flops_budget(self) -> float:
         """The budget plan's cap on ``ffn_flops_fraction``."""
@@ -84,6 +88,9 @@ class ExpertWeaverParams(MethodParams):
 
     def _check(self) -> None:
         check_compensation(self)
+        if self.refit != "none" and not needs_fitting(self):
+            raise ConversionError(f"refit {self.refit!r} fits the ridge router and the skipped-expert means again: use "
+                                  "router 'ridge' or compensation 'skipped_mean' (--recipe best), or refit 'none'")
         if self.alpha_min > self.alpha_max:
             raise ConversionError(f"alpha_min ({self.alpha_min}) must not exceed alpha_max ({self.alpha_max}): swap or lower alpha_min")
         if round((1 - self.sparsity) * self.n_experts) < 1:
