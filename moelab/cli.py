@@ -525,6 +525,69 @@ def probe_activation(profile_dir: Path, layer: int, neurons: tuple[int, ...], te
         click.echo(f"  neuron {ref['neuron']}: profile's top h {top}, mean gate activation {ref['gate_mean']:+.4f}, rate {ref['rate']:.3f}")
 
 
+# --------------------------------------------------------------------------- the running service's runs
+
+NOTED = ("models", "calibration-sets", "profiles", "conversions", "evaluations", "finetunes", "probes", "activation-probes", "exports")
+
+
+def _service() -> Any:
+    """A client of the running service's API (MOELAB_API_URL, MOELAB_API_TOKEN), failing in words."""
+    from frontend.api_client import ApiClient
+
+    return ApiClient()
+
+
+@main.group()
+def runs() -> None:
+    """The running service's evaluations, notes and tags (through its HTTP API: MOELAB_API_URL)."""
+
+
+@runs.command("list")
+@click.option("--tag", default=None)
+@click.option("--method", default=None)
+@click.option("--text", default=None, help="held-out text: builtin:NAME, a set id or name")
+@click.option("--status", default=None, type=click.Choice(["queued", "running", "ready", "failed", "cancelled"]))
+@click.option("--q", "words", default=None, help="words found in the id, the text, the notes or the tags")
+@click.option("--json", "as_json", is_flag=True)
+def runs_list(tag: str | None, method: str | None, text: str | None, status: str | None, words: str | None, as_json: bool) -> None:
+    """Evaluations, newest first, filtered as the Evaluations page filters them."""
+    from frontend.api_client import ApiError
+
+    try:
+        items = _service().evaluations(tag=tag, method=method, text=text, status=status, q=words)
+    except ApiError as exc:
+        raise _fail(exc) from exc
+    if as_json:
+        click.echo(json.dumps(items, indent=2, default=str))
+        return
+    for e in items:
+        v = ((e.get("summary") or {}).get("variants") or {}).get("converted") or {}
+        ratio = v.get("perplexity_ratio")
+        click.echo(f"{e['id']}  {e['status']:<9} {e['conversion_id']}  {(e.get('params') or {}).get('source', '?'):<18} "
+                   f"{'' if ratio is None else f'{ratio:.3f}x dense':<14} {','.join(e.get('tags') or [])}"
+                   + (f"  # {e['notes']}" if e.get("notes") else ""))
+    click.echo(f"{len(items)} evaluation(s)")
+
+
+@runs.command("note")
+@click.argument("collection", type=click.Choice(NOTED))
+@click.argument("ident")
+@click.option("--notes", default=None, help="the new notes ('' clears them)")
+@click.option("--tag", "tags", multiple=True, help="a tag to add; repeat for more")
+@click.option("--untag", "untags", multiple=True, help="a tag to take away; repeat for more")
+def runs_note(collection: str, ident: str, notes: str | None, tags: tuple[str, ...], untags: tuple[str, ...]) -> None:
+    """Set the notes of a stored resource and add or remove its tags."""
+    from frontend.api_client import ApiError
+
+    if notes is None and not tags and not untags:
+        raise click.UsageError("nothing to change: give --notes, --tag or --untag")
+    try:
+        out = _service().set_notes(collection, ident, notes=notes, add_tags=list(tags) or None, remove_tags=list(untags) or None)
+    except ApiError as exc:
+        raise _fail(exc) from exc
+    click.echo(f"{collection} {out['id']}: tags {', '.join(out['tags']) or '(none)'}" + (f"; notes: {out['notes']}" if out.get("notes") else ""))
+
+
 # --------------------------------------------------------------------------- data
 
 

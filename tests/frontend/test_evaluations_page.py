@@ -51,6 +51,8 @@ def test_overlay_notes_and_tag_filter(page, live, api, evaluated):  # noqa: F811
     page.click("#ev-edit")
     page.keyboard.type(a)
     page.keyboard.press("Enter")
+    page.wait_for_selector(f"#ev-edit:has-text('{a}')")
+    page.wait_for_load_state("networkidle")  # the chosen run's stored notes load into the fields first
     page.fill("#ev-notes", "code routes differently from prose in the last layer")
     page.fill("#ev-tags", "browser-note, code")
     page.click("#ev-save")
@@ -62,3 +64,27 @@ def test_overlay_notes_and_tag_filter(page, live, api, evaluated):  # noqa: F811
     rows = page.locator("#ev-table tr").all_inner_texts()
     assert len(rows) == 2 and a in rows[1] and "browser-note, code" in rows[1] and "code routes differently" in rows[1]
     no_errors(page)
+
+
+def test_cli_notes_and_lists_runs_through_the_live_api(live, api, evaluated):  # noqa: F811
+    import os
+    import subprocess
+    import sys
+
+    _, (a, b) = evaluated
+    env = {**os.environ, "MOELAB_API_URL": live["api"]}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "moelab.cli", "runs", *args], env=env, capture_output=True, text=True)
+
+    done = cli("note", "evaluations", b, "--notes", "prose run from the CLI", "--tag", "cli-tag", "--tag", "prose")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"evaluations {b}: tags cli-tag, prose; notes: prose run from the CLI"
+    got = api.get(f"/evaluations/{b}").json()
+    assert got["notes"] == "prose run from the CLI" and got["tags"] == ["cli-tag", "prose"]
+    listed = cli("list", "--tag", "cli-tag")
+    assert listed.returncode == 0 and listed.stdout.splitlines()[0].startswith(b) and "1 evaluation(s)" in listed.stdout
+    assert "# prose run from the CLI" in listed.stdout and "cli-tag,prose" in listed.stdout
+    bad = cli("note", "evaluations", "ev-nothere", "--tag", "x")
+    assert bad.returncode != 0 and "no evaluation with id 'ev-nothere'" in bad.stderr
+    assert cli("note", "evaluations", b).returncode == 2  # nothing to change: a usage error
