@@ -412,6 +412,21 @@ def _evaluation_record(store, ev: Evaluation) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def _ready_record(session: Any, store: Any, evaluation_id: str) -> tuple[Evaluation, dict[str, Any]]:
+    """A ready evaluation and its stored report (404 unknown, 409 not ready or without a report)."""
+    ev = lookup(session, Evaluation, evaluation_id, "evaluation", "evaluations")
+    require_ready(ev, "evaluation")
+    return ev, _evaluation_record(store, ev)
+
+
+def _for_variant(chart: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``chart()``; a variant the report lacks (KeyError) is the client's 422."""
+    try:
+        return chart()
+    except KeyError as exc:
+        raise ApiError(422, f"variant: {exc.args[0]}") from exc
+
+
 def _label(ev: Evaluation) -> str:
     return str(ev.params.get("label") or ev.params.get("source") or ev.id)
 
@@ -439,10 +454,7 @@ def conversion_routing(
         ).scalars().unique().all()
         if not evs:
             raise ApiError(409, f"conversion {conversion_id} has no succeeded evaluation yet; POST /api/v1/evaluations first")
-    try:
-        out = charts.routing_heatmap([(ev.id, _label(ev), _evaluation_record(store, ev)) for ev in evs], variant)
-    except KeyError as exc:
-        raise ApiError(422, f"variant: {exc.args[0]}") from exc
+    out = _for_variant(lambda: charts.routing_heatmap([(ev.id, _label(ev), _evaluation_record(store, ev)) for ev in evs], variant))
     return RoutingHeatmap(conversion_id=conversion.id, **out)
 
 
@@ -452,12 +464,8 @@ def evaluation_routing(
     evaluation_id: str, session: SessionDep, store: StoreDep,
     variant: Annotated[str, Query(max_length=40)] = "converted",
 ) -> RoutingHeatmap:
-    ev = lookup(session, Evaluation, evaluation_id, "evaluation", "evaluations")
-    require_ready(ev, "evaluation")
-    try:
-        out = charts.routing_heatmap([(ev.id, _label(ev), _evaluation_record(store, ev))], variant)
-    except KeyError as exc:
-        raise ApiError(422, f"variant: {exc.args[0]}") from exc
+    ev, record = _ready_record(session, store, evaluation_id)
+    out = _for_variant(lambda: charts.routing_heatmap([(ev.id, _label(ev), record)], variant))
     return RoutingHeatmap(conversion_id=ev.conversion_id, **out)
 
 
@@ -467,10 +475,6 @@ def evaluation_layers(
     evaluation_id: str, session: SessionDep, store: StoreDep,
     variant: Annotated[str, Query(max_length=40)] = "converted",
 ) -> LayerCurves:
-    ev = lookup(session, Evaluation, evaluation_id, "evaluation", "evaluations")
-    require_ready(ev, "evaluation")
-    try:
-        out = charts.layer_curves(_evaluation_record(store, ev), variant)
-    except KeyError as exc:
-        raise ApiError(422, f"variant: {exc.args[0]}") from exc
+    ev, record = _ready_record(session, store, evaluation_id)
+    out = _for_variant(lambda: charts.layer_curves(record, variant))
     return LayerCurves(evaluation_id=ev.id, conversion_id=ev.conversion_id, text=_label(ev), **out)
