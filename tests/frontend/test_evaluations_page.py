@@ -46,11 +46,8 @@ def test_overlay_notes_and_tag_filter(page, live, api, evaluated):  # noqa: F811
     no_errors(page)
 
     # notes and tags typed in the page reach the API; the tag filter then lists that run alone
-    page.goto(f"{live['ui']}/evaluations")
-    page.wait_for_selector("#ev-table tr td")
-    page.click("#ev-edit")
-    page.keyboard.type(a)
-    page.keyboard.press("Enter")
+    page.goto(f"{live['ui']}/evaluations?q={a}")  # the words filter: one run listed, the editor opens on it
+    page.wait_for_selector("#ev-count:has-text('1 evaluation matches the filters')")
     page.wait_for_selector(f"#ev-edit:has-text('{a}')")
     page.wait_for_load_state("networkidle")  # the chosen run's stored notes load into the fields first
     page.fill("#ev-notes", "code routes differently from prose in the last layer")

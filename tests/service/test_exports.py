@@ -167,7 +167,7 @@ def test_a_schema_3_database_gains_the_exports_table(tmp_path):
     db.init()
     assert "uq_exports_conversion_format_type" in {i["name"] for i in inspect(db.engine).get_indexes("exports")}
     with db.engine.begin() as conn:
-        assert conn.execute(text("SELECT value FROM moelab_meta")).scalar() == str(SCHEMA_VERSION) == "4"
+        assert conn.execute(text("SELECT value FROM moelab_meta")).scalar() == str(SCHEMA_VERSION) == "5"
         conn.execute(text("INSERT INTO exports (id, created_at, params, conversion_id, format, type) VALUES "
                           "('exp-1', '2026-11-20 10:00:00.000000', '{}', 'conv-1', 'gguf', 'f16')"))
     with pytest.raises(IntegrityError), db.engine.begin() as conn:  # one export per conversion, format and type
