@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -84,26 +84,33 @@ def _key(spec: str, data_dir: Path, device: str, dtype: str, trust_remote_code: 
     return (spec, str(Path(data_dir).resolve()), str(dev), str(resolve_dtype(dtype, dev)), bool(trust_remote_code))
 
 
+def _checked_out(key: Key, what: str, load: Callable[[], Any], on_hit: Callable[[], None] = lambda: None) -> Any:
+    """The cached model under ``key`` when a job scope (``job_models``) allows it, else ``load()``; either
+    way recorded as the job's, to be given back when it ends cleanly."""
+    checked_out = getattr(_local, "checked_out", None)
+    model = CACHE.take(key) if checked_out is not None else None
+    if model is not None:
+        log.info("%s from the worker cache", what)
+        on_hit()
+    else:
+        model = load()
+    if checked_out is not None:
+        checked_out.append((key, model))
+    return model
+
+
 def cached_load_model(spec: str = "default", *, data_dir: Path, device: str = "auto", dtype: str = "auto",
                       trust_remote_code: bool = False, progress: Any = None, **kwargs: Any) -> Any:
     """Drop-in for ``workers.engine.models.load_model`` that reuses a cached model when allowed."""
+    from workers.engine.models import load_model
     from workers.engine.progress import NO_PROGRESS
 
     progress = progress or NO_PROGRESS
-    key = _key(spec, data_dir, device, dtype, trust_remote_code)
-    checked_out = getattr(_local, "checked_out", None)
-    adapter = CACHE.take(key) if checked_out is not None else None
-    if adapter is not None:
-        log.info("model %s from the worker cache", spec)
-        progress.update("load model", 1, 1)
-    else:
-        from workers.engine.models import load_model
-
-        adapter = load_model(spec, data_dir=data_dir, device=device, dtype=dtype,
-                                     trust_remote_code=trust_remote_code, progress=progress, **kwargs)
-    if checked_out is not None:
-        checked_out.append((key, adapter))
-    return adapter
+    return _checked_out(
+        _key(spec, data_dir, device, dtype, trust_remote_code), f"model {spec}",
+        lambda: load_model(spec, data_dir=data_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                           progress=progress, **kwargs),
+        on_hit=lambda: progress.update("load model", 1, 1))
 
 
 def _converted_key(conversion_dir: Path) -> Key:
@@ -116,18 +123,10 @@ def _converted_key(conversion_dir: Path) -> Key:
 
 def cached_load_converted(conversion_dir: Path) -> Any:
     """Drop-in for ``workers.engine.runtime.export.load_exported`` that reuses a cached converted model."""
-    key = _converted_key(conversion_dir)
-    checked_out = getattr(_local, "checked_out", None)
-    model = CACHE.take(key) if checked_out is not None else None
-    if model is not None:
-        log.info("conversion %s from the worker cache", Path(conversion_dir).name)
-    else:
-        from workers.engine.runtime.export import load_exported
+    from workers.engine.runtime.export import load_exported
 
-        model = load_exported(conversion_dir)
-    if checked_out is not None:
-        checked_out.append((key, model))
-    return model
+    return _checked_out(_converted_key(conversion_dir), f"conversion {Path(conversion_dir).name}",
+                        lambda: load_exported(conversion_dir))
 
 
 @contextmanager

@@ -269,7 +269,9 @@ def test_collect_inputs_with_replaced_mlps_reads_what_the_converted_layers_produ
     assert torch.equal(converted.mlp_inputs[first], dense.mlp_inputs[first])
     assert not torch.allclose(converted.mlp_inputs[first + 1], dense.mlp_inputs[first + 1])
     assert all(adapter.layers[i].block.mlp is adapter.layers[i].mlp for i in modules)  # the dense model is given back
-    with __import__("workers.engine.evaluation.metrics", fromlist=["swapped_mlps"]).swapped_mlps(adapter, modules):
+    from workers.engine.evaluation.metrics import swapped_mlps
+
+    with swapped_mlps(adapter, modules):
         from_model = collect_inputs(adapter, windows, replaced=modules)
     assert torch.equal(from_model.mlp_inputs[first + 1], converted.mlp_inputs[first + 1])
 
