@@ -158,9 +158,15 @@ class LayerFanOut:
         error = self.client.get(self.keys["error"])
         if error:
             raise ConversionError(error.decode())
-        owners = {int(k): v.decode() for k, v in self.client.hgetall(self.keys["owner"]).items()}
+        # Files first, then the queue and the owners in one transaction: a claim moves a layer from the
+        # queue to the owners atomically, so reading the two apart could see it in neither ("lost").
         missing = [i for i in layers if not _layer_file(self.scratch, i).is_file()]
-        queued = {int(v) for v in self.client.lrange(self.keys["todo"], 0, -1)}
+        pipe = self.client.pipeline(transaction=True)
+        pipe.lrange(self.keys["todo"], 0, -1)
+        pipe.hgetall(self.keys["owner"])
+        todo, owned = pipe.execute()
+        queued = {int(v) for v in todo}
+        owners = {int(k): v.decode() for k, v in owned.items()}
         retry = f"re-run the job with POST /api/v1/jobs/{self.job_id}/retry"
         lost = [i for i in missing if i not in owners and i not in queued]
         if lost:

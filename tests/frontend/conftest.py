@@ -75,7 +75,7 @@ def wait_job(api: httpx.Client, job_id: str, timeout: float = 180) -> dict:
     while time.monotonic() < deadline:
         job = api.get(f"/jobs/{job_id}").json()
         if job["state"] in TERMINAL:
-            assert job["state"] == "succeeded", job
+            assert job["state"] == "succeeded", (job.get("error"), job)
             return job
         time.sleep(0.2)
     raise AssertionError(f"job {job_id} not finished after {timeout} s")

@@ -112,3 +112,29 @@ def test_layers_the_broker_lost_fail_the_job_instead_of_hanging(fanout):
 
     with pytest.raises(ConversionError, match=r"layer\(s\) 1, 2, 3 .* neither built, queued nor held"):
         _lead(leader, _build_while(redis_loses_the_keys))
+
+
+def test_a_layer_claimed_while_the_leader_looks_is_never_called_lost(fanout, redis_url):
+    """A claim moves a layer from the queue to the owners in one step; the leader reads both in one
+    transaction too. (CI once failed a browser test's conversion: the leader read the owners, a helper
+    claimed a layer, then the leader read the queue and saw the layer in neither.)"""
+    leader, client, prefix = fanout
+    layers = list(range(400))
+    leader.start(layers)
+    presence = liveness.client_for(redis_url, name=liveness.connection_name(prefix, "helper@h"))
+    presence.ping()
+    liveness.announce(client, prefix, "helper@h", ttl_s=30)
+    claims = _Claims(redis.Redis.from_url(redis_url), _keys(prefix, "job-x"), "helper@h")
+
+    def helper() -> None:
+        while (layer := claims.next()) is not None:
+            save_layer_experts(_experts(layer), _layer_file(leader.scratch, layer))
+
+    thread = threading.Thread(target=helper, daemon=True)
+    thread.start()
+    checks = 0
+    while thread.is_alive():
+        leader._check_helpers(layers)  # raises "neither built, queued nor held" on a torn read
+        checks += 1
+    presence.close()
+    assert checks > 10
