@@ -270,7 +270,7 @@ def _recovery_modes() -> list[str]:
 @click.option("--calib", help="hierarchical: calibration set spec, e.g. builtin:mixed")
 @click.option("--recipe", type=click.Choice(["paper", "best", "portable"]), default="paper", show_default=True,
               help="paper: the method's paper settings; best: the best training-free conversion measured "
-                   "(expertweaver: ridge router, per-layer budget plan, skipped-expert compensation; with --sparsity S its "
+                   "(expertweaver: 128 experts, ridge router, per-layer budget plan, skipped-expert compensation; with --sparsity S its "
                    "ffn_flops_fraction is ≤ 1 − S); portable (expertweaver): the best one that exports to GGUF / native "
                    "HF after `moelab finetune --mode expertweaver` (one top-k, leading dense layers, no compensation)")
 @_method_param_options

@@ -96,9 +96,9 @@ def configurations(level: float, d_model: int, profile: Any, candidates: bool = 
         "best-no-compensation": replace(best, compensation="none"),  # what the skipped-expert means add
         "portable": portable,
     }
-    if candidates:  # for the recipe: finer experts (more choice at the same cost; the router costs 2×),
-        # and a quarter of the fit tokens for the ridge router and the error curves (the recipe before this round)
-        out |= {"best-e128": replace(best, n_experts=128), "best-fit4k": replace(best, fit_tokens=4096),
+    if candidates:  # for the recipe: coarser experts (64, the recipe before 128: less choice, half the router),
+        # and a quarter of the fit tokens for the ridge router and the error curves (the recipe before 16,384)
+        out |= {"best-e64": replace(best, n_experts=64), "best-fit4k": replace(best, fit_tokens=4096),
                 "best-fit32k": replace(best, fit_tokens=32768),  # more (and more varied) calibration tokens still
                 "best-refit": replace(best, refit="converted_inputs")}  # fitted on the converted model's own inputs
         # portable's router, α basis and shared share (the leading plan uses the layers' mean α)

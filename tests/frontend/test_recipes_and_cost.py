@@ -22,7 +22,8 @@ def test_choosing_best_sets_every_control_and_names_the_differences():
     chosen = {i["name"]: v for i, v in zip(ids, values)}
     assert chosen["router"] == "ridge" and chosen["plan"] == "budget" and chosen["alpha_basis"] == "active"
     assert chosen["sparsity"] == 0.5  # the cost asked for is kept
-    assert chosen["tau"] == 0.6 and chosen["n_experts"] == 64  # everything else: the paper's
+    assert chosen["n_experts"] == 128 and "n_experts: 64 → 128" in text  # finer experts
+    assert chosen["tau"] == 0.6 and chosen["alpha_min"] == 0.2  # everything else: the paper's
     assert "router: centroid → ridge" in text and "plan: paper → budget" in text and "ffn_flops_fraction ≤ 1 − sparsity" in text
     values, text = _recipe("paper", ids, values, _methods())
     assert {i["name"]: v for i, v in zip(ids, values)}["router"] == "centroid" and text == "paper: the paper's settings"

@@ -52,7 +52,7 @@ ROWS: dict[str, tuple[str, dict[str, Any], dict[str, str | None]]] = {
     "expertweaver · paper · centroid": ("expertweaver", {"n_experts": 8}, {"expertweaver": None, "cmoe": None, "dense2moe": None, "midas": KIND_LOWRANK}),
     "expertweaver · paper · gate_mass": ("expertweaver", {"n_experts": 8, "router": "gate_mass"}, {"expertweaver": None, "midas": KIND_LOWRANK}),
     "expertweaver · paper · ridge": ("expertweaver", {"n_experts": 8, "router": "ridge"}, {"expertweaver": None, "midas": KIND_LOWRANK}),
-    "expertweaver · best": ("expertweaver", {"n_experts": 8, **_best("expertweaver")}, {"expertweaver": None, "cmoe": None, "midas": KIND_LOWRANK}),
+    "expertweaver · best": ("expertweaver", {**_best("expertweaver"), "n_experts": 8}, {"expertweaver": None, "cmoe": None, "midas": KIND_LOWRANK}),
     "expertweaver · portable": ("expertweaver", {"n_experts": 8, **_best("expertweaver", "portable")},
                                 {"expertweaver": None, "cmoe": None, "midas": KIND_LOWRANK}),
     "cmoe · paper · representative": ("cmoe", {}, {"cmoe": None, "midas": KIND_LOWRANK}),
