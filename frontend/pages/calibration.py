@@ -12,6 +12,7 @@ from dash import Input, Output, State, callback, dcc, html, no_update
 from frontend import figures as F
 from frontend.api_client import ApiError, api
 from frontend.components import builtin_options, error_box, figure_card, options, progress, to_search
+from frontend.defaults import CALIBRATION_NOTE, CALIBRATION_SAMPLES, default_builtin
 
 dash.register_page(__name__, path="/calibration", name="Calibration sets", order=1)
 
@@ -33,11 +34,12 @@ def layout(set: str | None = None, **_):  # noqa: A002  (the URL parameter's nam
         html.Div(className="card", children=[
             html.Div(className="controls", children=[
                 html.Div([html.Label("built-in"), dcc.Dropdown(id=f"{N}-builtin", options=builtin_options(builtins, describe=True),
-                                                              value=builtins[0]["name"] if builtins else None, style={"width": 420})]),
-                html.Div([html.Label("samples"), dcc.Input(id=f"{N}-samples", type="number", min=1, value=240, style={"width": 90})]),
+                                                              value=default_builtin([b["name"] for b in builtins]), style={"width": 420})]),
+                html.Div([html.Label("samples"), dcc.Input(id=f"{N}-samples", type="number", min=1, value=CALIBRATION_SAMPLES, style={"width": 90})]),
                 html.Button("Build", id=f"{N}-build"),
                 dcc.Upload(id=f"{N}-upload", children=html.Button("Upload .jsonl / .txt"), multiple=False),
             ]),
+            html.Div(CALIBRATION_NOTE, id=f"{N}-proposed", className="note"),
             html.Div(id=f"{N}-created"),
             dcc.Store(id=f"{N}-pending"), dcc.Interval(id=f"{N}-poll", interval=1000, disabled=True),
         ]),
@@ -80,7 +82,7 @@ def _create(_n, contents, filename, builtin, samples):
             created = api().upload_set(filename or "upload.txt", raw)
             msg = f"uploaded {created['id']} ({filename})"
         else:
-            created = api().create_builtin_set(builtin, int(samples or 240))
+            created = api().create_builtin_set(builtin, int(samples or CALIBRATION_SAMPLES))
             msg = f"building {created['id']} (job {created['job_id']}); it appears in the list when ready"
         opts = options(api().calibration_sets())
     except ApiError as exc:

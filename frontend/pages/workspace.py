@@ -18,6 +18,7 @@ from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
 from frontend.api_client import ApiError, api
 from frontend import figures as F
 from frontend.components import baselines_choice, builtin_options, error_box, options, progress, source_options, wants_baselines
+from frontend.defaults import CALIBRATION_NOTE, CALIBRATION_SAMPLES, CALIBRATION_SET, CALIBRATION_TOKENS
 from frontend.downloads import download_url, export_download_url
 from frontend.names import (Names, evaluation_name, finetune_name, fmt, fmt_pct, heldout_text, job_subject, probe_name,
                             with_id)
@@ -42,14 +43,15 @@ def layout(**_):
             html.Div(className="controls", children=[
                 html.Div([html.Label("model source ('default', org/name or a server path)"), dcc.Input(id=f"{N}-model-source", value="default", style={"width": 300})]),
                 html.Button("Add model", id=f"{N}-add-model"),
-                html.Div([html.Label("built-in calibration set"), dcc.Dropdown(id=f"{N}-builtin", options=["mixed"], value="mixed", clearable=False, style={"width": 420})]),
-                html.Div([html.Label("samples"), dcc.Input(id=f"{N}-samples", type="number", value=240, min=1, style={"width": 90})]),
+                html.Div([html.Label("built-in calibration set"), dcc.Dropdown(id=f"{N}-builtin", options=[CALIBRATION_SET], value=CALIBRATION_SET, clearable=False, style={"width": 420})]),
+                html.Div([html.Label("samples"), dcc.Input(id=f"{N}-samples", type="number", value=CALIBRATION_SAMPLES, min=1, style={"width": 90})]),
                 html.Button("Build set", id=f"{N}-add-set"),
             ]),
+            html.Div(CALIBRATION_NOTE, id=f"{N}-proposed", className="note"),
             html.Div(className="controls", children=[
                 html.Div([html.Label("model"), dcc.Dropdown(id=f"{N}-model", style={"width": 300})]),
                 html.Div([html.Label("calibration set"), dcc.Dropdown(id=f"{N}-set", style={"width": 300})]),
-                html.Div([html.Label("max tokens / sample"), dcc.Input(id=f"{N}-max-tokens", type="number", value=256, min=2, style={"width": 90})]),
+                html.Div([html.Label("max tokens / sample"), dcc.Input(id=f"{N}-max-tokens", type="number", value=CALIBRATION_TOKENS, min=2, style={"width": 90})]),
                 html.Div([html.Label("CV across"), dcc.Dropdown(id=f"{N}-group-by", options=GROUP_BY, value="auto", clearable=False, style={"width": 130})]),
                 html.Button("Profile", id=f"{N}-add-profile"),
                 dcc.Link("Design a conversion →", href="/designer"),
@@ -562,7 +564,7 @@ def _create(_m, _s, _p, _e, source, builtin, samples, model, cset, max_tokens, g
         if ctx.triggered_id == f"{N}-add-model":
             created = c.create_model(source or "default")
         elif ctx.triggered_id == f"{N}-add-set":
-            created = c.create_builtin_set(builtin, int(samples or 240))
+            created = c.create_builtin_set(builtin, int(samples or CALIBRATION_SAMPLES))
         elif ctx.triggered_id == f"{N}-add-eval":
             if not conversion or not eval_source:
                 return error_box("choose a ready conversion and a held-out text first")

@@ -23,6 +23,12 @@ peak RSS. Runs (``RUNS``):
 * dense2moe: the defaults (D2 §4.2: n* = 5 pruned blocks, 6 experts, top-1; δ 0.3);
 * midas: one expert per built-in set (code, prose, literature, chat), keep ratio 0.25, top-2.
 
+``--leave-out DOMAIN`` (code, prose, literature or chat): the run out of domain, as
+``bench_frontier --protocol leave-domain-out`` measures it: converted from that fold's profile
+(``--fold-work``, built there when missing), fine-tuned on the fold's calibration text (every part of
+``builtin:mixed`` but the domain and its companions) and scored on the left-out domain's held-out
+text; recorded as ``NAME@without-DOMAIN``.
+
 "≤ 15 minutes of CPU fine-tuning": 90 steps of 4 × 256 tokens at ≈ 9 s a step on 2 idle cores;
 ``train_s`` is the wall time measured (longer when the machine is shared).
 
@@ -79,9 +85,9 @@ def profile(work: Path, calib: str, samples: int, data_dir: Path) -> Path:
     return out
 
 
-def conversion(work: Path, name: str, samples: int, data_dir: Path, mixed: Path | None) -> Path:
-    """The run's conversion, made once (``mixed``: a stored builtin:mixed profile to convert from)."""
-    out = work / "conversions" / name
+def conversion(work: Path, name: str, samples: int, data_dir: Path, mixed: Path | None, tag: str = "") -> Path:
+    """The run's conversion, made once (``mixed``: a stored profile to convert from; ``tag``: its fold)."""
+    out = work / "conversions" / (name + tag)
     params = RUNS[name][1]
     if (out / "conversion.json").is_file() and json.loads((out / "conversion.json").read_text())["params"] == params.to_dict():
         return out
@@ -126,32 +132,46 @@ def main() -> None:
     ap.add_argument("--router-lr", type=float, default=None)
     ap.add_argument("--fresh", action="store_true", help="re-run runs already in the results file")
     ap.add_argument("--prepare", action="store_true", help="only make the profiles and conversions")
+    ap.add_argument("--leave-out", choices=("code", "prose", "literature", "chat"), default=None,
+                    help="out of domain: convert and fine-tune without this domain, score on it")
+    ap.add_argument("--fold-work", type=Path, default=ROOT / "runs" / "frontier_ldo", help="the folds' profiles")
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "benchmarks" / "results" / "bench_recovery.json")
     args = ap.parse_args()
+    fold: dict[str, str] = {}
+    if args.leave_out:
+        from bench_frontier import fold_calibration
+
+        domain = f"builtin:{args.leave_out}"
+        args.profile = args.fold_work / f"profile-without-{args.leave_out}"
+        if not (args.profile / "manifest.json").is_file():
+            run_profile("default", fold_calibration(domain), args.profile, ProfileSettings(), samples=240,
+                        data_dir=get_settings().data_dir)
+        fold = {"source": fold_calibration(domain), "eval_source": domain}
+    tag = f"@without-{args.leave_out}" if args.leave_out else ""
 
     data_dir = get_settings().data_dir
     report = json.loads(args.out.read_text()) if args.out.is_file() and not args.fresh else {"runs": {}}
     if args.prepare:
         for name in args.runs:
-            conversion(args.work, name, args.samples, data_dir, args.profile)
+            conversion(args.work, name, args.samples, data_dir, args.profile, tag)
         return
     overrides = {k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("router_lr", args.router_lr)) if v is not None}
     for name in args.runs:
         mode, conv_params = RUNS[name]
-        params = FinetuneParams(mode=mode, **overrides)
-        done = report["runs"].get(name)
+        params = FinetuneParams(mode=mode, **overrides, **fold)
+        done = report["runs"].get(name + tag)
         if done and done["params"] == params.to_dict() and done.get("conversion_params") == conv_params.to_dict():
             continue
-        print(f"{name}:", flush=True)
-        conv = conversion(args.work, name, args.samples, data_dir, args.profile)
-        out = args.work / "finetunes" / name
+        print(f"{name}{tag}:", flush=True)
+        conv = conversion(args.work, name, args.samples, data_dir, args.profile, tag)
+        out = args.work / "finetunes" / (name + tag)
         if out.exists() and (read_train_log(out) or {}).get("params") != params.to_dict():
             shutil.rmtree(out)  # a different configuration: start over (same one: resume)
         summary = run_finetune(conv, params, out, data_dir=data_dir)
         log = read_train_log(out)
         steps = log["steps"]
         conv_summary = json.loads((conv / "conversion.json").read_text())["summary"]
-        report["runs"][name] = {
+        report["runs"][name + tag] = {
             **summary,
             "conversion_params": conv_params.to_dict(),
             "conversion_summary": conv_summary,

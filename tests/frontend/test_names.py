@@ -98,3 +98,10 @@ def test_no_page_module_is_imported_twice_by_the_app():
             "print(twice)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
     assert out == "[]", out
+
+
+def test_the_proposed_calibration_is_the_mix_when_the_server_has_it():
+    from frontend.defaults import CALIBRATION_SAMPLES, default_builtin
+
+    assert default_builtin(["code", "prose", "mixed"]) == "mixed" and CALIBRATION_SAMPLES == 240
+    assert default_builtin(["code", "prose"]) == "code" and default_builtin([]) is None
