@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "frontier_ldo")
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_calibration_choice.json")
+    ap.add_argument("--resume", action="store_true", help="keep the folds already in --out at the same level and parameters")
     args = ap.parse_args()
     t0 = time.perf_counter()
     data_dir = get_settings().data_dir
@@ -75,8 +76,13 @@ def main() -> None:
     params = get_method("expertweaver").recipe("best", sparsity=round(1 - args.level, 6))
     report: dict[str, Any] = {"model": "default", "level": args.level, "params": params.to_dict(), "dense": dense,
                               "heldout": {"windows": args.windows, "seq_len": 256}, "folds": {}}
+    old = json.loads(args.out.read_text()) if args.resume and args.out.is_file() else {}
+    if all(old.get(k) == report[k] for k in ("level", "params", "dense", "heldout")):
+        report["folds"] = old.get("folds", {})
     for fold in args.folds:
         domain = f"builtin:{fold}"
+        if domain in report["folds"]:
+            continue
         rows = report["folds"][domain] = {}
         for name, (spec, samples, pdir) in calibrations(domain, args.work).items():
             if not (pdir / "manifest.json").is_file():

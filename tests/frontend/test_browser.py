@@ -104,7 +104,7 @@ def test_pages_render_figures(page, live, profile_id):
     page.wait_for_selector(".sample")
     # what the page proposes is the calibration that generalised best, and it says why
     assert page.inner_text("#cs-builtin").strip().startswith("mixed: equal parts of code, prose")
-    assert page.input_value("#cs-samples") == "240" and "holds up on text it never saw" in page.inner_text("#cs-proposed")
+    assert page.input_value("#cs-samples") == "240" and "holds up across text" in page.inner_text("#cs-proposed")
     rows = "\n".join(json.dumps({"text": f"sample {i} about {t}", "task": t}) for i, t in enumerate(["cooking", "orbits"] * 3))
     page.set_input_files("#cs-upload input[type=file]", files=[{"name": "mine.jsonl", "mimeType": "application/json", "buffer": rows.encode()}])
     page.wait_for_selector("#cs-created >> text=uploaded cal-")
