@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from moelab.settings import get_settings
+from frontend.defaults import CALIBRATION_SAMPLES
 
 
 #: resource collections that answer DELETE /{kind}/{id}[?cascade=true] (and, but models, have artifacts)
@@ -95,7 +96,7 @@ class ApiClient:
     def calibration_set(self, set_id: str) -> dict[str, Any]:
         return self.get(f"/calibration-sets/{set_id}")
 
-    def create_builtin_set(self, name: str, samples: int = 240, split: str = "calibration") -> dict[str, Any]:
+    def create_builtin_set(self, name: str, samples: int = CALIBRATION_SAMPLES, split: str = "calibration") -> dict[str, Any]:
         return self.post("/calibration-sets", {"source": "builtin", "name": name, "samples": samples, "split": split})
 
     def upload_set(self, filename: str, content: bytes, name: str | None = None) -> dict[str, Any]:

@@ -30,17 +30,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_frontier import DOMAINS, LEAVE_OUT, RESULTS, _geomean, fold_calibration  # noqa: E402
+from bench_frontier import (DOMAINS, LEAVE_OUT, RESULTS, _geomean, fit_inputs_for, fold_calibration,  # noqa: E402
+                            fold_profile_dir, profile_at)
 
 from moelab.settings import get_settings  # noqa: E402
-from workers.engine.core.fitting import collect_inputs, profile_token_windows  # noqa: E402
 from workers.engine.core.slicing import partition_modules  # noqa: E402
 from workers.engine.evaluation.metrics import evaluate_variants, heldout_windows  # noqa: E402
 from workers.engine.methods import expertweaver, get_method  # noqa: E402
 from workers.engine.models import load_model  # noqa: E402
-from workers.engine.profiling.profiler import ProfileSettings  # noqa: E402
-from workers.engine.profiling.store import StoredProfile  # noqa: E402
-from workers.engine.runs import run_profile  # noqa: E402
 
 
 def single_part(domain: str) -> str:
@@ -52,7 +49,7 @@ def calibrations(domain: str, work: Path) -> dict[str, tuple[str, int, Path]]:
     """Name -> (calibration spec, samples, profile directory) of one fold."""
     name = domain.split(":", 1)[1]
     mix = fold_calibration(domain)
-    return {"mix-240": (mix, 240, work / f"profile-without-{name}"),
+    return {"mix-240": (mix, 240, fold_profile_dir(work, domain)),
             "mix-60": (mix, 60, work / f"profile-without-{name}-60"),
             "one-240": (single_part(domain), 240, work / f"profile-{single_part(domain).split(':')[1]}-for-{name}")}
 
@@ -85,11 +82,8 @@ def main() -> None:
             continue
         rows = report["folds"][domain] = {}
         for name, (spec, samples, pdir) in calibrations(domain, args.work).items():
-            if not (pdir / "manifest.json").is_file():
-                run_profile("default", spec, pdir, ProfileSettings(), samples=samples, data_dir=data_dir)
-            profile = StoredProfile.open(pdir)
-            windows_fit = profile_token_windows(adapter, profile, params.fit_tokens, data_dir)
-            calib = collect_inputs(adapter, windows_fit)
+            profile = profile_at(pdir, "default", spec, samples, data_dir)
+            calib = fit_inputs_for(adapter, profile, data_dir)(params.fit_tokens)
             _, _, modules, _ = partition_modules(adapter, profile, params, expertweaver.plan_for(profile, params),
                                                  expertweaver.layer_builder(profile, params), data_dir=data_dir, calib=calib)
             ratios = {dom: evaluate_variants(adapter, {name: modules}, w, reconstruction=False)[name]["perplexity"] / dense[dom]

@@ -309,21 +309,31 @@ def fold_summary(folds: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def fold_profile_dir(work: Path, domain: str) -> Path:
+    """Where the fold leaving ``domain`` out keeps its profile (shared by the benchmarks that reuse it)."""
+    return work / f"profile-without-{domain.split(':', 1)[1]}"
+
+
+def profile_at(pdir: Path, model: str, calibration: str, samples: int, data_dir: Path) -> Any:
+    """The profile stored at ``pdir``, made there first (``samples`` samples of ``calibration``) when missing."""
+    from workers.engine.profiling.profiler import ProfileSettings
+    from workers.engine.runs import run_profile
+
+    if not (pdir / "manifest.json").is_file():
+        run_profile(model, calibration, pdir, ProfileSettings(), samples=samples, data_dir=data_dir)
+    return StoredProfile.open(pdir)
+
+
 def leave_domain_out(adapter: Any, windows: dict[str, torch.Tensor], items: Any, args: Any, dense_ppl: dict[str, float],
                      report: dict[str, Any], data_dir: Path) -> None:
     """The leave-domain-out protocol: for each domain of ``DOMAINS`` a profile of ``args.samples`` samples of
     ``fold_calibration(domain)`` (kept under ``args.work``), every configuration built from it and scored on
     every domain; ``report["folds"]`` keeps each fold, ``report["levels"]`` the in/out summary."""
-    from workers.engine.profiling.profiler import ProfileSettings
-    from workers.engine.runs import run_profile
-
     for dom in DOMAINS:
         spec = fold_calibration(dom)
-        pdir = args.work / f"profile-without-{dom.split(':', 1)[1]}"
-        if not (pdir / "manifest.json").is_file():
-            run_profile(report["model"], spec, pdir, ProfileSettings(), samples=args.samples, data_dir=data_dir)
+        pdir = fold_profile_dir(args.work, dom)
+        profile = profile_at(pdir, report["model"], spec, args.samples, data_dir)
         fold = report["folds"].setdefault(dom, {"calibration": spec, "profile": str(pdir), "levels": {}})
-        profile = StoredProfile.open(pdir)
         fit_for = fit_inputs_for(adapter, profile, data_dir)
         print(f"fold {dom}: calibrated on {spec}", flush=True)
         measure_levels(adapter, profile, windows, items, args, fold["levels"], fit_for, dense_ppl,

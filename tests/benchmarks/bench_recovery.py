@@ -139,13 +139,11 @@ def main() -> None:
     args = ap.parse_args()
     fold: dict[str, str] = {}
     if args.leave_out:
-        from bench_frontier import fold_calibration
+        from bench_frontier import fold_calibration, fold_profile_dir, profile_at
 
         domain = f"builtin:{args.leave_out}"
-        args.profile = args.fold_work / f"profile-without-{args.leave_out}"
-        if not (args.profile / "manifest.json").is_file():
-            run_profile("default", fold_calibration(domain), args.profile, ProfileSettings(), samples=240,
-                        data_dir=get_settings().data_dir)
+        args.profile = fold_profile_dir(args.fold_work, domain)
+        profile_at(args.profile, "default", fold_calibration(domain), 240, get_settings().data_dir)
         fold = {"source": fold_calibration(domain), "eval_source": domain}
     tag = f"@without-{args.leave_out}" if args.leave_out else ""
 
