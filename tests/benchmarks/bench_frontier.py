@@ -96,11 +96,14 @@ def configurations(level: float, d_model: int, profile: Any, candidates: bool = 
         "best-no-compensation": replace(best, compensation="none"),  # what the skipped-expert means add
         "portable": portable,
     }
-    if candidates:  # for the recipe: coarser experts (64, the recipe before 128: less choice, half the router),
+    if candidates:  # for the recipe: coarser or finer experts (64, the recipe before 128; 256),
         # and a quarter of the fit tokens for the ridge router and the error curves (the recipe before 16,384)
         out |= {"best-e64": replace(best, n_experts=64), "best-fit4k": replace(best, fit_tokens=4096),
+                "best-e256": replace(best, n_experts=256),  # finer still: 6 neurons an expert, the router 2x again
                 "best-fit32k": replace(best, fit_tokens=32768),  # more (and more varied) calibration tokens still
-                "best-refit": replace(best, refit="converted_inputs")}  # fitted on the converted model's own inputs
+                "best-refit": replace(best, refit="converted_inputs"),  # fitted on the converted model's own inputs
+                "best-fisher": replace(best, plan_error="fisher"),  # the plan's error in units of calibration loss
+                "best-output": replace(best, plan_error="output")}  # every layer's relative FFN error alike
         # portable's router, α basis and shared share (the leading plan uses the layers' mean α)
         out |= {"portable-centroid": replace(portable, router="centroid"),
                 "portable-total": replace(portable, alpha_basis="total"),
@@ -329,7 +332,7 @@ def leave_domain_out(adapter: Any, windows: dict[str, torch.Tensor], items: Any,
     """The leave-domain-out protocol: for each domain of ``DOMAINS`` a profile of ``args.samples`` samples of
     ``fold_calibration(domain)`` (kept under ``args.work``), every configuration built from it and scored on
     every domain; ``report["folds"]`` keeps each fold, ``report["levels"]`` the in/out summary."""
-    for dom in DOMAINS:
+    for dom in args.folds or DOMAINS:
         spec = fold_calibration(dom)
         pdir = fold_profile_dir(args.work, dom)
         profile = profile_at(pdir, report["model"], spec, args.samples, data_dir)
@@ -360,6 +363,8 @@ def main() -> None:
     ap.add_argument("--model", default="default", help="leave-domain-out: the model profiled for each fold")
     ap.add_argument("--samples", type=int, default=240, help="leave-domain-out: calibration samples of each fold's profile")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "frontier_ldo", help="leave-domain-out: the folds' profiles")
+    ap.add_argument("--folds", nargs="+", default=None, choices=DOMAINS, metavar="DOMAIN",
+                    help="leave-domain-out: only these folds (a variant is summarised over the folds once all four have it)")
     args = ap.parse_args()
     if args.protocol == "leave-domain-out" and args.out == RESULTS / "bench_frontier.json":
         args.out = RESULTS / "bench_frontier_ldo.json"
@@ -385,7 +390,8 @@ def main() -> None:
         leave_domain_out(adapter, windows, items, args, {d: r["perplexity"] for d, r in report["dense"].items()}, report, data_dir)
         report["seconds"] = time.perf_counter() - t_start
         write(report, args.out)
-        tables(report, args.out)
+        if report["levels"]:  # summarised once every fold is in
+            tables(report, args.out)
         print("bench_frontier (leave-domain-out): ppl/dense in / out of domain at ffn_flops_fraction ≤ " + "; ".join(
             f"{lv}: " + ", ".join(f"{n} {r['ratio_in']:.2f}x/{r['ratio_out']:.2f}x" for n, r in sorted(rows.items()))
             for lv, rows in report["levels"].items()) + f" ({report['seconds']:.0f}s)")

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from moelab.cli import main
 from workers.engine.core.allocation import plan_flops_fraction
-from workers.engine.core.fitting import collect_inputs, error_curve, fit_router, greedy_budget, router_scores, skipped_means
+from workers.engine.core.fitting import (_curve_weights, collect_inputs, error_curve, fit_router, greedy_budget, output_fisher, router_scores,
+                                         skipped_means)
 from workers.engine.runtime.moelab_routers import ROUTERS
 from workers.engine.core.params import ConversionError
 from workers.engine.core.slicing import dense_weights, partition_modules
@@ -61,16 +62,20 @@ def test_error_curve_is_the_brute_force_error_of_the_top_k_experts():
     routed = np.arange(E * m).reshape(E, m)
     scores = torch.randn(T, E)
     w = torch.rand(T) + 0.5
+    w_dim = torch.rand(T, d)  # per token and output dimension (plan_error="fisher")
     err = error_curve(x, g, u, dn, routed, scores, "silu", chunk=7)
     err_w = error_curve(x, g, u, dn, routed, scores, "silu", chunk=7, weights=w)
+    err_dim = error_curve(x, g, u, dn, routed, scores, "silu", chunk=7, weights=w_dim)
     h = torch.nn.functional.silu(x @ g.T) * (x @ u.T)
     y = h @ dn.T
     for k in range(E + 1):
         top = scores.topk(k, dim=1).indices if k else torch.zeros(T, 0, dtype=torch.long)
         keep = torch.zeros(T, E).scatter_(1, top, 1.0).repeat_interleave(m, dim=1)
-        per_token = ((y - (h * keep) @ dn.T) ** 2).sum(-1)
+        sq = (y - (h * keep) @ dn.T) ** 2
+        per_token = sq.sum(-1)
         assert err[k] == pytest.approx(float(per_token.sum()), rel=1e-4, abs=1e-6)
         assert err_w[k] == pytest.approx(float((per_token * w).sum()), rel=1e-4, abs=1e-6)
+        assert err_dim[k] == pytest.approx(float((sq * w_dim).sum()), rel=1e-4, abs=1e-6)
     assert err[E] == pytest.approx(0, abs=1e-6) and np.all(np.diff(err) <= 1e-6)
 
 
@@ -293,3 +298,60 @@ def test_refit_on_the_converted_inputs_changes_only_the_fits_and_keeps_the_plan(
     assert "skip_mean" in e1[later[-1]].router_weights
     with pytest.raises(ConversionError, match="refit 'converted_inputs'"):
         ExpertWeaverParams(refit="converted_inputs").check()  # the paper's centroid router has nothing to refit
+
+
+def test_output_fisher_is_the_squared_gradient_of_the_loss_by_finite_differences(tiny_model, data_dir):
+    """Each entry is (∂L/∂y)² for the MLP output y of one token and dimension, L the summed next-token
+    loss; checked by central differences on a few entries of three layers, the paths through the
+    later layers' MLPs included."""
+    adapter = load_model(str(tiny_model("llama")), data_dir=data_dir, dtype="float32")
+    adapter.model.double()
+    torch.manual_seed(1)
+    ids = torch.randint(0, 1000, (2, 12))
+    flags = [p.requires_grad for p in adapter.model.parameters()]
+    fisher = output_fisher(adapter, ids, batch=1)
+    assert [p.requires_grad for p in adapter.model.parameters()] == flags  # the weights' flags are restored
+    assert set(fisher) == {lay.index for lay in adapter.layers}
+    assert fisher[0].shape == (24, adapter.d_model) and fisher[0].dtype == torch.float32
+
+    def loss(layer, delta):
+        hook = adapter.layers[layer].mlp.register_forward_hook(lambda _m, _a, out: out + delta)
+        try:
+            with torch.no_grad():
+                logits = adapter.model(input_ids=ids, use_cache=False).logits
+            return float(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum"))
+        finally:
+            hook.remove()
+
+    eps = 1e-3  # the RMS norms compute in float32 even in a float64 model: a smaller step is rounding noise
+    for layer in (0, adapter.n_layers // 2, adapter.n_layers - 1):
+        for b, t, i in ((0, 3, 5), (1, 11, 0), (1, 0, 7)):
+            delta = torch.zeros(2, 12, adapter.d_model, dtype=torch.float64)
+            delta[b, t, i] = eps
+            g = (loss(layer, delta) - loss(layer, -delta)) / (2 * eps)
+            assert float(fisher[layer][b * 12 + t, i]) == pytest.approx(g * g, rel=1e-3, abs=1e-10)
+
+
+@pytest.mark.parametrize("plan_error", ["output", "fisher"])
+def test_the_plan_errors_keep_the_cost_and_record_what_they_weighed(fitted, data_dir, plan_error):
+    _, adapter, prof, calib = fitted
+    base = ExpertWeaverParams(n_experts=8, sparsity=0.5, router="ridge", alpha_basis="active", plan="budget",
+                              compensation="skipped_mean", fit_tokens=256)
+    other = replace(base, plan_error=plan_error)
+    rows = expertweaver.plan_for(prof, base)
+    r0, e0, m0, f0 = partition_modules(adapter, prof, base, rows, expertweaver.layer_builder(prof, base), data_dir=data_dir)
+    r1, e1, m1, f1 = partition_modules(adapter, prof, other, rows, expertweaver.layer_builder(prof, other), data_dir=data_dir)
+    d = adapter.d_model
+    assert plan_flops_fraction(r1, "ridge", d) <= 0.5 + 1e-9
+    assert plan_flops_fraction(r1, "ridge", d) == pytest.approx(plan_flops_fraction(r0, "ridge", d), abs=0.05)
+    assert (f0["budget"]["plan_error"], f1["budget"]["plan_error"]) == ("residual", plan_error)
+    assert f1["budget"]["error_at_k"] != f0["budget"]["error_at_k"]  # another quantity was equalised
+    assert [e.top_k for e in e1] == f1["budget"]["top_k"]
+
+def test_the_output_plan_weighs_each_token_by_the_dense_mlps_own_output(fitted):
+    _, adapter, _, calib = fitted
+    tokens, weights = _curve_weights(adapter, calib, "output")
+    for layer in (0, adapter.n_layers - 1):
+        with torch.no_grad():
+            y = adapter.layers[layer].mlp(calib.mlp_inputs[layer][tokens])  # the model's own module
+        assert torch.allclose(weights(layer), 1 / y.pow(2).sum(-1), rtol=1e-4)

@@ -26,6 +26,15 @@ the FFN) prediction of every neuron's gate and up was worse than ridge; the orac
   or in layers 2, 11, 28, 29) for a worse perplexity than the uniform plan. Starting
   from ``k = 0`` everywhere, one expert at a time goes to the layer with the largest error
   decrease per multiply-add until the budget is spent.
+  ``plan_error="fisher"`` weighs the error by its effect on the calibration loss instead:
+  ``err_ℓ(k) = mean_t Σ_i F_ℓti (y_ti − ŷ_ti(k))²`` with ``F`` the squared gradient of the
+  next-token loss w.r.t. the MLP output (``output_fisher``), the loss increase to second order
+  under a diagonal empirical Fisher (as Fisher-weighted quantisation allocates bits): units that
+  compare across layers whatever a model family's residual norms do, where the residual
+  normalisation is a proxy chosen on the default model. Measured there, it is worse: the squared
+  gradients fall by orders of magnitude with depth, so it runs the first layers almost dense and
+  starves layers 12–19 (``--recipe best`` at 0.5, code left out of calibration: 3.43× dense on code
+  against 2.74×, every domain worse; docs/methods.md). An option, off.
 * **Leading plan** (``plan="leading"``, ``--recipe portable``): the layout GGUF and native HF exports
   hold, one ``top_k`` for every MoE layer and dense layers only in front (``methods.expertweaver.plan``).
   From the same error curves, every ``(L, k)`` — layers ``0 … L−1`` dense, the rest at ``k`` — is
@@ -69,6 +78,7 @@ class CalibrationInputs:
     mlp_inputs: dict[int, torch.Tensor]
     residual_sq: dict[int, torch.Tensor]
     n_tokens: int
+    windows: torch.Tensor | None = None  # the ``[n, FIT_SEQ_LEN]`` token ids the inputs were read on
 
 
 def profile_token_windows(adapter: ModelAdapter, profile: Any, n_tokens: int, data_dir: Any) -> torch.Tensor:
@@ -140,7 +150,45 @@ def collect_inputs(adapter: ModelAdapter, windows: torch.Tensor, progress: Progr
         for i, mlp in originals.items():
             adapter.layers[i].block.mlp = mlp
     n = int(windows.numel())
-    return CalibrationInputs({i: torch.cat(v) for i, v in xs.items()}, {i: torch.cat(v) for i, v in res.items()}, n)
+    return CalibrationInputs({i: torch.cat(v) for i, v in xs.items()}, {i: torch.cat(v) for i, v in res.items()}, n,
+                             windows)
+
+
+def output_fisher(adapter: ModelAdapter, windows: torch.Tensor, batch: int = 4) -> dict[int, torch.Tensor]:
+    """Per layer, ``[T, d]``: the squared gradient of the calibration loss (next-token cross-entropy,
+    summed over ``windows``) with respect to each token's MLP output, the diagonal of the empirical
+    Fisher. To second order a perturbation ``δ`` of that output raises the loss by ``½ Σ F δ²``
+    (the budget plan's ``plan_error="fisher"``). Read through a zero added to every MLP output, so the
+    gradient keeps every path downstream, later MLPs included; the weights get no gradient."""
+    grads: dict[int, list[torch.Tensor]] = {lay.index: [] for lay in adapter.layers}
+    zeros: dict[int, torch.Tensor] = {}
+    frozen = [(p, p.requires_grad) for p in adapter.model.parameters()]
+    handles = []
+    for lay in adapter.layers:
+        def add_zero(_m, _args, out, i=lay.index):
+            zeros[i] = torch.zeros_like(out, requires_grad=True)
+            return out + zeros[i]
+
+        handles.append(lay.mlp.register_forward_hook(add_zero))
+    try:
+        for p, _ in frozen:
+            p.requires_grad_(False)
+        for ids in windows.split(batch):
+            ids = ids.to(adapter.device)
+            with torch.enable_grad():
+                logits = adapter.model(input_ids=ids, use_cache=False).logits
+                loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(),
+                                                         reduction="sum")
+                order = sorted(zeros)
+                for i, g in zip(order, torch.autograd.grad(loss, [zeros[i] for i in order])):
+                    grads[i].append(g.float().pow(2).reshape(-1, g.shape[-1]).cpu())
+            zeros.clear()
+    finally:
+        for h in handles:
+            h.remove()
+        for p, req in frozen:
+            p.requires_grad_(req)
+    return {i: torch.cat(v) for i, v in grads.items()}
 
 
 def _hidden(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, act: str) -> torch.Tensor:
@@ -186,7 +234,8 @@ def error_curve(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_
                 weights: torch.Tensor | None = None) -> np.ndarray:
     """``err[k]`` for k = 0 … E: ``Σ_t w_t ‖y_t − ŷ_t(k)‖²`` where ``ŷ(k)`` keeps the k best-scored
     routed experts of each token (the shared part is always computed, so it cancels); ``w_t = 1``
-    unless ``weights`` ``[T]`` are given."""
+    unless ``weights`` are given: ``[T]`` per token, or ``[T, d]`` per token and output dimension
+    (``Σ_t Σ_i w_ti (y_ti − ŷ_ti(k))²``)."""
     E = routed.shape[0]
     g, u, dn = _routed_weights(gate_w, up_w, down_w, routed)
     err = torch.zeros(E + 1, dtype=torch.float64)
@@ -196,9 +245,12 @@ def error_curve(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_
         sorted_c = contrib.gather(1, order[..., None].expand_as(contrib))
         # missing part after k experts = sum of the experts ranked k+1 … E
         missing = sorted_c.flip(1).cumsum(1).flip(1)  # missing[:, k] = Σ_{j ≥ k}
-        sq = missing.pow(2).sum(dim=2)  # [t, E]
-        if weights is not None:
-            sq = sq * weights[s : s + chunk, None]
+        if weights is not None and weights.dim() == 2:
+            sq = torch.einsum("ted,td->te", missing.pow(2), weights[s : s + chunk])
+        else:
+            sq = missing.pow(2).sum(dim=2)  # [t, E]
+            if weights is not None:
+                sq = sq * weights[s : s + chunk, None]
         err[:E] += sq.double().sum(dim=0)
     return err.numpy()
 
@@ -308,6 +360,7 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
     compensate = getattr(params, "compensation", "none") == "skipped_mean"
     d = adapter.d_model
     curves, fixed, unit, scores = [], [], [], {}
+    curve_tokens: torch.Tensor | None = None
 
     def weights_of(layer: int) -> tuple[torch.Tensor, ...]:
         return tuple(w.detach().float().cpu() for w in dense_weights(adapter, layer))
@@ -324,9 +377,10 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
             fixed.append(f)
             unit.append(c)
             if len(ex.routed):
-                every = max(1, len(x) // CURVE_TOKENS)  # an even subsample: the curve is a mean, the cost is T·E·d
-                weights = 1 / calib.residual_sq[row.layer][::every].clamp_min(1e-12)
-                err = error_curve(x[::every], gate_w, up_w, down_w, ex.routed, scores[row.layer][::every],
+                if curve_tokens is None:
+                    curve_tokens, token_weights = _curve_weights(adapter, calib, getattr(params, "plan_error", "residual"))
+                weights = token_weights(row.layer)
+                err = error_curve(x[curve_tokens], gate_w, up_w, down_w, ex.routed, scores[row.layer][curve_tokens],
                                   adapter.activation, weights=weights)
                 curves.append(err / len(weights))
             else:
@@ -347,6 +401,36 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
             progress.update("fit: skipped-expert compensation", n + 1, len(experts))
         record["compensation"] = "skipped_mean"
     return rows, experts, record
+
+
+def _curve_weights(adapter: ModelAdapter, calib: CalibrationInputs, plan_error: str) -> tuple[torch.Tensor, Any]:
+    """The calibration tokens the plan's error curves are measured on (``CURVE_TOKENS``, an even
+    subsample: the curve is a mean, its cost is T·E·d) and, per layer, their weights (module docstring):
+    ``residual``, each token's error over its residual stream's squared norm ``[T]``; ``output``, over
+    the squared norm of the dense FFN's own output on it ``[T]`` (every layer's relative error counts
+    alike); ``fisher``, each
+    output dimension's by the empirical Fisher of the calibration loss ``[T, d]`` (``output_fisher``,
+    read on ``4 · CURVE_TOKENS`` tokens of windows spread over the calibration set, every fourth kept)."""
+    if plan_error in ("residual", "output"):
+        every = max(1, calib.n_tokens // CURVE_TOKENS)
+        tokens = torch.arange(0, calib.n_tokens, every)
+        if plan_error == "residual":
+            return tokens, lambda layer: 1 / calib.residual_sq[layer][tokens].clamp_min(1e-12)
+
+        def over_output(layer: int) -> torch.Tensor:
+            gate_w, up_w, down_w = (w.detach().float().cpu() for w in dense_weights(adapter, layer))
+            y = _hidden(calib.mlp_inputs[layer][tokens], gate_w, up_w, adapter.activation) @ down_w.T
+            return 1 / y.pow(2).sum(-1).clamp_min(1e-12)
+
+        return tokens, over_output
+    if calib.windows is None:
+        raise ConversionError("plan_error 'fisher' needs the calibration windows the inputs were read on")
+    n_win, seq = calib.windows.shape
+    pick = torch.linspace(0, n_win - 1, min(n_win, max(1, 4 * CURVE_TOKENS // seq))).round().long().unique()
+    every = max(1, len(pick) * seq // CURVE_TOKENS)
+    tokens = (pick[:, None] * seq + torch.arange(seq)).reshape(-1)[::every]
+    fisher = output_fisher(adapter, calib.windows[pick])
+    return tokens, lambda layer: fisher[layer][::every]
 
 
 def refit_on_converted(adapter: ModelAdapter, params: Any, experts: list[Any], modules: dict[int, torch.nn.Module],
@@ -396,6 +480,7 @@ def _budget_rows(params: Any, rows: list[Any], experts: list[Any], curves: list[
                                    row.clamped, note))
         ex.top_k = k if len(ex.routed) else 0
     record["budget"] = {"ffn_flops_fraction": cap, "paper_plan_ffn_flops_fraction": paper_cost,
+                        "plan_error": getattr(params, "plan_error", "residual"),
                         "error_at_k": [float(c[k]) for c, k in zip(curves, ks)], "top_k": ks}
     return new_rows
 

@@ -75,6 +75,11 @@ class ExpertWeaverParams(MethodParams):
                                                 advanced=True)
     seed: int = param(0, "k-means++ seeding of the balanced clustering", paper="EW App. G", ge=0, advanced=True)
     max_iter: int = param(50, "balanced k-means iteration cap", paper="EW App. G", ge=1, le=10000, advanced=True)
+    plan_error: Literal["residual", "output", "fisher"] = param(
+        "residual", "how the budget and leading plans weigh a layer's calibration error: residual (each token's error "
+        "over its residual stream's squared norm), output (over the dense FFN output's: every layer's relative error "
+        "alike) or fisher (each output dimension by the squared gradient of the calibration loss: the loss increase "
+        "to second order; one backward pass more; moelab's)", advanced=True)
     fit_tokens: int = param(4096, "calibration tokens the ridge router and the budget plan are fitted on",
                             ge=256, le=1_000_000, advanced=True)
     refit: Literal["none", "converted_inputs"] = param(
