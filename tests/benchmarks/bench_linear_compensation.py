@@ -35,12 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_threshold_routing import DOMAINS, expert_outputs  # noqa: E402
+from bench_threshold_routing import DOMAINS, expert_outputs, study_routed_layers  # noqa: E402
 from moelab.settings import get_settings  # noqa: E402
-from workers.engine.core.fitting import collect_inputs, profile_token_windows  # noqa: E402
-from workers.engine.core.slicing import partition_modules  # noqa: E402
-from workers.engine.evaluation.metrics import heldout_windows  # noqa: E402
-from workers.engine.methods import expertweaver, get_method  # noqa: E402
+from workers.engine.methods import get_method  # noqa: E402
 from workers.engine.models import load_model  # noqa: E402
 from workers.engine.profiling.store import StoredProfile  # noqa: E402
 
@@ -97,18 +94,7 @@ def main() -> None:
     profile = StoredProfile.open(args.profile)
     adapter = load_model(profile.manifest["model"]["source"], data_dir=data_dir, dtype="float32")
     params = replace(get_method("expertweaver").recipe("best", sparsity=args.sparsity), fit_tokens=args.fit_tokens)
-    _, _, modules, _ = partition_modules(adapter, profile, params, expertweaver.plan_for(profile, params),
-                                         expertweaver.layer_builder(profile, params), data_dir=data_dir)
-    calib = collect_inputs(adapter, profile_token_windows(adapter, profile, args.calib_tokens, data_dir))
-    held = {dom: collect_inputs(adapter, heldout_windows(adapter.tokenizer, data_dir, n_windows=args.windows, source=dom))
-            for dom in DOMAINS}
-    layers = {}
-    for lay in adapter.layers:
-        m = modules.get(lay.index)
-        if m is None or m.n_routed == 0 or m.top_k in (0, m.n_routed):
-            continue  # nothing dropped
-        layers[lay.index] = layer_study(m, lay.mlp, calib.mlp_inputs[lay.index],
-                                        {dom: h.mlp_inputs[lay.index] for dom, h in held.items()})
+    _, _, layers = study_routed_layers(adapter, profile, params, args.calib_tokens, args.windows, layer_study)
     summary = {dom: {key: math.exp(sum(math.log(max(row[dom][key], 1e-12)) for row in layers.values()) / len(layers))
                      for key in next(iter(layers.values()))[dom]} for dom in DOMAINS}
     report = {"profile": str(args.profile), "calibration": profile.manifest["calibration"].get("source"),

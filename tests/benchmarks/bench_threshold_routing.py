@@ -126,6 +126,28 @@ def layer_study(module: Any, dense_mlp: Any, calib_x: torch.Tensor, texts: dict[
     return out
 
 
+def study_routed_layers(adapter: Any, profile: Any, params: Any, calib_tokens: int, windows: int,
+                        study: Any) -> tuple[dict[int, Any], Any, dict[int, Any]]:
+    """One ``params`` conversion built in process from ``profile``; ``study(module, dense_mlp, calib_x,
+    {domain: x})`` on every layer that drops experts, fed the dense model's MLP inputs on ``calib_tokens``
+    of the profile's text and ``windows`` held-out windows of each domain. Returns the modules, the
+    calibration inputs and the studies by layer."""
+    data_dir = get_settings().data_dir
+    _, _, modules, _ = partition_modules(adapter, profile, params, expertweaver.plan_for(profile, params),
+                                         expertweaver.layer_builder(profile, params), data_dir=data_dir)
+    calib = collect_inputs(adapter, profile_token_windows(adapter, profile, calib_tokens, data_dir))
+    held = {dom: collect_inputs(adapter, heldout_windows(adapter.tokenizer, data_dir, n_windows=windows, source=dom))
+            for dom in DOMAINS}
+    layers = {}
+    for lay in adapter.layers:
+        m = modules.get(lay.index)
+        if m is None or m.n_routed == 0 or m.top_k in (0, m.n_routed):
+            continue  # nothing to choose, nothing dropped
+        layers[lay.index] = study(m, lay.mlp, calib.mlp_inputs[lay.index],
+                                  {dom: h.mlp_inputs[lay.index] for dom, h in held.items()})
+    return modules, calib, layers
+
+
 SELECTIONS = ("topk", "threshold", "threshold@equal", "top_p")
 
 
@@ -215,18 +237,7 @@ def main() -> None:
         from dataclasses import replace
 
         params = replace(params, n_experts=args.n_experts)
-    _, _, modules, _ = partition_modules(adapter, profile, params, expertweaver.plan_for(profile, params),
-                                         expertweaver.layer_builder(profile, params), data_dir=data_dir)
-    calib = collect_inputs(adapter, profile_token_windows(adapter, profile, args.calib_tokens, data_dir))
-    held = {dom: collect_inputs(adapter, heldout_windows(adapter.tokenizer, data_dir, n_windows=args.windows, source=dom))
-            for dom in DOMAINS}
-    layers = {}
-    for lay in adapter.layers:
-        m = modules.get(lay.index)
-        if m is None or m.n_routed == 0 or m.top_k in (0, m.n_routed):
-            continue  # nothing to choose
-        layers[lay.index] = layer_study(m, lay.mlp, calib.mlp_inputs[lay.index],
-                                        {dom: h.mlp_inputs[lay.index] for dom, h in held.items()})
+    modules, calib, layers = study_routed_layers(adapter, profile, params, args.calib_tokens, args.windows, layer_study)
     summary = summarize(layers)
     if args.perplexity:
         ppl_windows = {dom: heldout_windows(adapter.tokenizer, data_dir, seq_len=256, n_windows=3, source=dom) for dom in DOMAINS}
