@@ -34,7 +34,9 @@ the FFN) prediction of every neuron's gate and up was worse than ridge; the orac
   normalisation is a proxy chosen on the default model. Measured there, it is worse: the squared
   gradients fall by orders of magnitude with depth, so it runs the first layers almost dense and
   starves layers 12–19 (``--recipe best`` at 0.5, code left out of calibration: 3.43× dense on code
-  against 2.74×, every domain worse; docs/methods.md). An option, off.
+  against 2.74×, every domain worse; docs/methods.md). ``plan_error="output"`` (each token's error
+  over the dense FFN output's squared norm: every layer's relative error alike) is worse still
+  (6.02× on code). Both options, off: the residual stream is the yardstick that held.
 * **Leading plan** (``plan="leading"``, ``--recipe portable``): the layout GGUF and native HF exports
   hold, one ``top_k`` for every MoE layer and dense layers only in front (``methods.expertweaver.plan``).
   From the same error curves, every ``(L, k)`` — layers ``0 … L−1`` dense, the rest at ``k`` — is
