@@ -348,6 +348,15 @@ def test_the_plan_errors_keep_the_cost_and_record_what_they_weighed(fitted, data
     assert f1["budget"]["error_at_k"] != f0["budget"]["error_at_k"]  # another quantity was equalised
     assert [e.top_k for e in e1] == f1["budget"]["top_k"]
 
+def test_a_plan_error_without_a_plan_that_uses_it_is_refused(tmp_path):
+    with pytest.raises(ConversionError, match="plan_error 'fisher'.*use plan 'budget'"):
+        ExpertWeaverParams(plan_error="fisher").check()
+    ExpertWeaverParams(plan="budget", router="ridge", plan_error="fisher").check()
+    result = CliRunner().invoke(main, ["convert", "--profile", str(tmp_path), "--method", "expertweaver",
+                                       "--plan-error", "output", "--out", str(tmp_path / "c")])
+    assert result.exit_code != 0 and "plan_error 'output'" in result.output
+
+
 def test_the_output_plan_weighs_each_token_by_the_dense_mlps_own_output(fitted):
     _, adapter, _, calib = fitted
     tokens, weights = _curve_weights(adapter, calib, "output")

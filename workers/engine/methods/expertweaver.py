@@ -96,6 +96,10 @@ class ExpertWeaverParams(MethodParams):
         if self.refit != "none" and not needs_fitting(self):
             raise ConversionError(f"refit {self.refit!r} fits the ridge router and the skipped-expert means again: use "
                                   "router 'ridge' or compensation 'skipped_mean' (--recipe best), or refit 'none'")
+        if self.plan_error != "residual" and self.plan == "paper":
+            raise ConversionError(f"plan_error {self.plan_error!r} weighs the errors the budget and leading plans choose "
+                                  "top-k by; the paper plan has none: use plan 'budget' (--recipe best) or 'leading', "
+                                  "or plan_error 'residual'")
         if self.alpha_min > self.alpha_max:
             raise ConversionError(f"alpha_min ({self.alpha_min}) must not exceed alpha_max ({self.alpha_max}): swap or lower alpha_min")
         if round((1 - self.sparsity) * self.n_experts) < 1:
