@@ -35,11 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_threshold_routing import DOMAINS, expert_outputs, study_routed_layers  # noqa: E402
-from moelab.settings import get_settings  # noqa: E402
+from bench_threshold_routing import DOMAINS, expert_outputs, open_profile_and_model, study_routed_layers  # noqa: E402
 from workers.engine.methods import get_method  # noqa: E402
-from workers.engine.models import load_model  # noqa: E402
-from workers.engine.profiling.store import StoredProfile  # noqa: E402
 
 OUT = ROOT / "tests" / "benchmarks" / "results" / "bench_linear_compensation.json"
 RANKS = (16, 32, 64, 128)
@@ -90,9 +87,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     t0 = time.perf_counter()
-    data_dir = get_settings().data_dir
-    profile = StoredProfile.open(args.profile)
-    adapter = load_model(profile.manifest["model"]["source"], data_dir=data_dir, dtype="float32")
+    profile, adapter = open_profile_and_model(args.profile)
     params = replace(get_method("expertweaver").recipe("best", sparsity=args.sparsity), fit_tokens=args.fit_tokens)
     _, _, layers = study_routed_layers(adapter, profile, params, args.calib_tokens, args.windows, layer_study)
     summary = {dom: {key: math.exp(sum(math.log(max(row[dom][key], 1e-12)) for row in layers.values()) / len(layers))

@@ -126,6 +126,12 @@ def layer_study(module: Any, dense_mlp: Any, calib_x: torch.Tensor, texts: dict[
     return out
 
 
+def open_profile_and_model(path: Path) -> tuple[Any, Any]:
+    """The stored profile at ``path`` and its model, in float32."""
+    profile = StoredProfile.open(path)
+    return profile, load_model(profile.manifest["model"]["source"], data_dir=get_settings().data_dir, dtype="float32")
+
+
 def study_routed_layers(adapter: Any, profile: Any, params: Any, calib_tokens: int, windows: int,
                         study: Any) -> tuple[dict[int, Any], Any, dict[int, Any]]:
     """One ``params`` conversion built in process from ``profile``; ``study(module, dense_mlp, calib_x,
@@ -230,8 +236,7 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.perf_counter()
     data_dir = get_settings().data_dir
-    profile = StoredProfile.open(args.profile)
-    adapter = load_model(profile.manifest["model"]["source"], data_dir=data_dir, dtype="float32")
+    profile, adapter = open_profile_and_model(args.profile)
     params = get_method("expertweaver").recipe("best", sparsity=args.sparsity)
     if args.n_experts:
         from dataclasses import replace
