@@ -11,7 +11,7 @@ config.json) stays the word that counts; this one reads the rules those exports 
 * a bias-free linear router with the weighted combine: recovery fine-tuning in mode expertweaver
   (EW Eq. 11) makes the training-free ``sum`` combine that, whatever the router; a ``weighted``
   combine with the ``centroid`` or ``softmax`` router is that already;
-* no skipped-expert compensation;
+* no skipped-expert compensation, and whole experts (``down_keep`` 1);
 * a source family whose attention llama.cpp's deepseek (GGUF: Llama, Mistral) or transformers'
   Qwen MoE classes (native: also Qwen2, Qwen3, Gemma) compute.
 """
@@ -26,7 +26,7 @@ GGUF_FAMILIES = ("llama", "mistral")
 NATIVE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 #: ExpertWeaver's defaults (its parameters the rules read), for parameters left empty in the designer
 EW_DEFAULTS = {"plan": "paper", "alpha_min": 0.2, "alpha_max": 0.7, "compensation": "none", "combine": "sum",
-               "router": "centroid"}
+               "router": "centroid", "down_keep": 1.0}
 
 
 def planned_export(method: str | None, params: Mapping[str, Any] | None, family: str | None = None) -> tuple[str, str]:
@@ -65,6 +65,9 @@ def _blocker(p: Mapping[str, Any]) -> str | None:
     if p["compensation"] != "none":
         return (f"compensation {p['compensation']!r} adds the skipped experts' means, which llama.cpp and transformers "
                 "do not compute: use compensation none")
+    if _num(p["down_keep"]) != 1:
+        return (f"down_keep {p['down_keep']} runs only part of each active expert's down projection, and llama.cpp and "
+                "transformers run experts whole: use down_keep 1")
     if p["combine"] != "sum" and not (p["combine"] == "weighted" and p["router"] in ("centroid", "softmax")):
         return (f"combine {p['combine']!r} with the {p['router']!r} router is neither a stock softmax gate nor what recovery "
                 "in mode expertweaver starts from (combine sum): use combine sum")

@@ -58,6 +58,8 @@ def key_params(method: str | None, params: Mapping[str, Any]) -> str:
         parts.append(f"{p['plan']} plan")
     if p.get("compensation") and p.get("compensation") != "none":
         parts.append("skipped-expert means")
+    if p.get("down_keep") is not None and p["down_keep"] < 1:
+        parts.append(f"down {fmt_pct(p['down_keep'])} kept")
     return ", ".join(parts)
 
 

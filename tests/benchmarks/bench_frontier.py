@@ -103,7 +103,9 @@ def configurations(level: float, d_model: int, profile: Any, candidates: bool = 
                 "best-fit32k": replace(best, fit_tokens=32768),  # more (and more varied) calibration tokens still
                 "best-refit": replace(best, refit="converted_inputs"),  # fitted on the converted model's own inputs
                 "best-fisher": replace(best, plan_error="fisher"),  # the plan's error in units of calibration loss
-                "best-output": replace(best, plan_error="output")}  # every layer's relative FFN error alike
+                "best-output": replace(best, plan_error="output"),  # every layer's relative FFN error alike
+                # TEAL inside the experts (the recipe keeps 0.5 of each active expert's down inputs); 1: the recipe before
+                **{f"best-keep{round(q * 100)}": replace(best, down_keep=q) for q in (0.3, 0.5, 0.7, 1.0)}}
         # portable's router, α basis and shared share (the leading plan uses the layers' mean α)
         out |= {"portable-centroid": replace(portable, router="centroid"),
                 "portable-total": replace(portable, alpha_basis="total"),

@@ -3,6 +3,7 @@ conversion directory, a prefill of ``--prompt-tokens`` tokens and a greedy decod
 
     python tests/benchmarks/bench_generate.py [--profile runs/p1] [--sparsity 0.5] [--experts 64 16]
         [--prompt-tokens 512] [--new-tokens 64] [--repeats 3] [--threads 2] [--devices cpu cuda] [--work DIR]
+        [--conversion NAME=DIR ...]
 
 The conversions are real ones of the default model (``moelab convert --method cmoe``: 1/8 of the
 experts shared, the rest routed by CMoE's representative neurons, top-k set by ``--sparsity``; the
@@ -124,7 +125,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", type=Path, default=None, help="a profile of the default model (default: make a small one)")
     ap.add_argument("--sparsity", type=float, default=0.5)
-    ap.add_argument("--experts", type=int, nargs="+", default=[64, 16])
+    ap.add_argument("--experts", type=int, nargs="*", default=[64, 16], help="CMoE conversions to make and time (none: only --conversion)")
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--short-tokens", type=int, default=8, help="prompt of the decode runs")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -133,6 +134,8 @@ def main() -> None:
     ap.add_argument("--model-cache", type=Path, default=ROOT / ".moelab" / "test-data", help="MOELAB_DATA_DIR holding the default model")
     ap.add_argument("--work", type=Path, default=None, help="keep the profile and conversions here (default: a temporary dir)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--conversion", nargs="+", default=[], metavar="NAME=DIR",
+                    help="also time these conversion directories (e.g. --recipe best with and without --down-keep)")
     ap.add_argument("--devices", nargs="+", choices=("cpu", "cuda"), default=None,
                     help="default: cpu, and cuda when a CUDA device is present")
     args = ap.parse_args()
@@ -156,6 +159,12 @@ def main() -> None:
         else:  # a conversion kept from an earlier run: time the runtime of this checkout, not the one it bundled
             copy_runtime(out)
         conversions[f"cmoe {experts} experts"] = out
+    for item in args.conversion:
+        name, sep, path = item.partition("=")
+        if not sep or not (Path(path) / "conversion.json").is_file():
+            raise SystemExit(f"--conversion {item!r}: use NAME=DIR, DIR a conversion directory (with conversion.json)")
+        copy_runtime(Path(path))
+        conversions[name] = Path(path)
 
     dense_dir = cache_default_model(args.model_cache)  # the dequantised checkpoint the conversions start from
     tokenizer = AutoTokenizer.from_pretrained(dense_dir)

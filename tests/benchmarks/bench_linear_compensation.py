@@ -88,7 +88,8 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.perf_counter()
     profile, adapter = open_profile_and_model(args.profile)
-    params = replace(get_method("expertweaver").recipe("best", sparsity=args.sparsity), fit_tokens=args.fit_tokens)
+    params = replace(get_method("expertweaver").recipe("best", sparsity=args.sparsity), fit_tokens=args.fit_tokens,
+                     down_keep=1.0)  # whole experts: what this study models
     _, _, layers = study_routed_layers(adapter, profile, params, args.calib_tokens, args.windows, layer_study)
     summary = {dom: {key: math.exp(sum(math.log(max(row[dom][key], 1e-12)) for row in layers.values()) / len(layers))
                      for key in next(iter(layers.values()))[dom]} for dom in DOMAINS}

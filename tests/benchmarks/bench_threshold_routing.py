@@ -237,7 +237,7 @@ def main() -> None:
     t0 = time.perf_counter()
     data_dir = get_settings().data_dir
     profile, adapter = open_profile_and_model(args.profile)
-    params = get_method("expertweaver").recipe("best", sparsity=args.sparsity)
+    params = replace(get_method("expertweaver").recipe("best", sparsity=args.sparsity), down_keep=1.0)  # whole experts: what this study models
     if args.n_experts:
         from dataclasses import replace
 

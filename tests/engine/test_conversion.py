@@ -38,7 +38,7 @@ def convert(adapter, prof, params):
     method = expertweaver if params.method == "expertweaver" else cmoe
     rows = method.plan_for(prof, params)
     experts = partition_layers(adapter, prof, rows, method.layer_builder(prof, params))
-    return SimpleNamespace(plan=rows, experts=experts, modules=build_modules(adapter, experts, params.combine))
+    return SimpleNamespace(plan=rows, experts=experts, modules=build_modules(adapter, experts, params))
 
 
 def partition_ok(e, d_ffn):

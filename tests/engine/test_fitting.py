@@ -189,6 +189,8 @@ def test_moe_ffn_ridge_router_scores_with_its_offset():
     ExpertWeaverParams(n_experts=8, sparsity=0.5, router="ridge", alpha_basis="active", compensation="skipped_mean"),
     CMoEParams(n_experts=8, shared=2, active=2),
     CMoEParams(n_experts=8, shared=1, active=3, router="gate_mass"),
+    ExpertWeaverParams(n_experts=8, sparsity=0.5, router="ridge", alpha_basis="active", plan="budget", down_keep=0.5),
+    ExpertWeaverParams(n_experts=8, sparsity=0.25, router="gate_mass", down_keep=0.3),
 ])
 def test_the_planned_cost_is_what_the_built_modules_spend(fitted, params):
     _, adapter, prof, calib = fitted
@@ -196,7 +198,27 @@ def test_the_planned_cost_is_what_the_built_modules_spend(fitted, params):
     rows = method.plan_for(prof, params)
     rows, _, modules, _ = partition_modules(adapter, prof, params, rows, method.layer_builder(prof, params), calib=calib)
     built = sum(m.active_param_count() for m in modules.values()) / sum(3 * adapter.d_model * r.d_ffn for r in rows)
-    assert plan_flops_fraction(rows, params.router, adapter.d_model) == pytest.approx(built, rel=1e-12)
+    keep = getattr(params, "down_keep", 1.0)
+    assert plan_flops_fraction(rows, params.router, adapter.d_model, down_keep=keep) == pytest.approx(built, rel=1e-12)
+    assert all(getattr(m, "down_keep", 1.0) == keep for m in modules.values())
+
+
+def test_down_keep_buys_more_experts_within_the_same_budget(fitted):
+    """What ``down_keep`` saves on the down projections the budget plan spends on routed experts; the
+    cost stays under the cap. The leading plan, made for the export layouts, refuses it."""
+    _, adapter, prof, calib = fitted
+    out = {}
+    for keep in (1.0, 0.5):
+        p = ExpertWeaverParams(n_experts=8, sparsity=0.5, router="ridge", alpha_basis="active", plan="budget",
+                               down_keep=keep)
+        rows, _, modules, fit = partition_modules(adapter, prof, p, expertweaver.plan_for(prof, p),
+                                                  expertweaver.layer_builder(prof, p), calib=calib)
+        cost = sum(m.active_param_count() for m in modules.values()) / sum(3 * adapter.d_model * r.d_ffn for r in rows)
+        assert cost <= 0.5 + 1e-9
+        out[keep] = sum(fit["budget"]["top_k"])
+    assert out[0.5] > out[1.0]
+    with pytest.raises(ConversionError, match="leading plan"):
+        ExpertWeaverParams(sparsity=0.5, plan="leading", down_keep=0.5).check()
 
 
 def test_the_budget_plan_at_the_paper_plans_cost_has_no_more_calibration_error(fitted):

@@ -66,6 +66,7 @@ def test_a_uniform_layout_maps_with_the_shared_part_padded_to_whole_experts():
     ((MOE, {**MOE, "combine": "sum"}, MOE), {}, "combines its experts with 'sum'"),
     ((MOE, {**MOE, "combine": "normalized"}, MOE), {}, "combines its experts with 'normalized'"),
     ((MOE, {**MOE, "skip_mean": True}, MOE), {}, "skipped_mean"),
+    ((MOE, {**MOE, "down_keep": 0.5}, MOE), {}, "part of each active expert's down projection (down_keep 0.5)"),
     ((MOE, {**MOE, "top_k": 0}, MOE), {}, "runs no routed expert"),
     ((MOE, {"kind": "lowrank_moe"}, MOE), {}, "MIDAS low-rank"),
     ((MOE, {"kind": "abstopk"}, MOE), {}, "AbsTopK"),

@@ -217,9 +217,10 @@ ALL_ROUTERS = ("centroid", "representative", "gate_mass", "softmax", "ridge")
 COMBINES = ("sum", "weighted", "normalized", "scaled")
 
 
-def kernel_moe(router, combine, d_model=32, d_ffn=72, d_shared=8, n_experts=16, top_k=3, seed=0):
+def kernel_moe(router, combine, d_model=32, d_ffn=72, d_shared=8, n_experts=16, top_k=3, seed=0, **kw):
     """A MoeFFN with expert_size 4 (grouped_mm-compatible strides); scaled combine with nonzero u and b."""
-    kw = {"router_offset": torch.randn(n_experts, generator=torch.Generator().manual_seed(seed))} if router == "ridge" else {}
+    if router == "ridge":
+        kw["router_offset"] = torch.randn(n_experts, generator=torch.Generator().manual_seed(seed))
     mod, *_ = make_moe(d_model, d_ffn, d_shared, n_experts, top_k, router, "sum" if combine == "scaled" else combine,
                        seed=seed, **kw)
     if combine == "scaled":
@@ -281,20 +282,22 @@ def test_accelerator_decode_path_equals_the_loop_on_cpu(router, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("down_keep", [1.0, 0.5])
 @pytest.mark.parametrize("combine", COMBINES)
 @pytest.mark.parametrize("router", ALL_ROUTERS)
-def test_cuda_kernels_equal_the_cpu_reference_loop(router, combine, monkeypatch):
+def test_cuda_kernels_equal_the_cpu_reference_loop(router, combine, down_keep, monkeypatch):
     """On a CUDA device every kernel (gather for one and for several tokens, grouped_mm, sorted,
     auto, which picks gather for few pairs and grouped_mm or sorted above GATHER_MAX_PAIRS) gives
-    the CPU reference loop's output (fp32, 1e-5), empty experts and every expert active included."""
+    the CPU reference loop's output (fp32, 1e-5), empty experts and every expert active included,
+    with every neuron's down projection and with half of them (``down_keep``)."""
     import copy
 
-    mod = kernel_moe(router, combine)
+    mod = kernel_moe(router, combine, down_keep=down_keep)
     g = torch.Generator().manual_seed(11)
     cases = {"batch": torch.randn(2, 9, 32, generator=g), "one token": torch.randn(1, 32, generator=g),
              "three tokens": torch.randn(3, 32, generator=g), "many tokens": torch.randn(200, 32, generator=g)}
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    for m in (mod, kernel_moe(router, combine, top_k=16)):
+    for m in (mod, kernel_moe(router, combine, top_k=16, down_keep=down_keep)):
         on_gpu = copy.deepcopy(m).cuda()
         for name, x in cases.items():
             ref = run_impl(m, x, "loop")
@@ -486,6 +489,54 @@ def test_spec_round_trip():
     assert isinstance(again, MoeFFN) and again.spec == spec
     assert {n: p.shape for n, p in again.named_parameters()} == {n: p.shape for n, p in mod.named_parameters()}
     assert build_layer_module({"kind": "dense"}) is None and layer_spec(None) == {"kind": "dense"}
+
+
+@pytest.mark.parametrize("router,combine", [("ridge", "sum"), ("gate_mass", "weighted"), ("softmax", "normalized")])
+def test_down_keep_runs_the_largest_neurons_of_each_active_expert(router, combine, monkeypatch):
+    """``down_keep``: per token, only the ``round(q·m)`` neurons of largest |act(gate)·up| of each selected
+    expert (and of the shared expert) reach the down projection. Checked against a per-token float64
+    reference built from the spec's own rule, for every kernel (the CPU decode kernel reads only the kept
+    rows), with every expert active, through a gradient, and in the cost and the spec."""
+    mod = kernel_moe(router, combine, down_keep=0.5)  # experts of 4 neurons: 2 kept; shared 8: 4 kept
+    assert mod.experts.down_keep == 2 and mod.shared_keep == 4 and mod.spec["down_keep"] == 0.5
+    assert build_layer_module(mod.spec).spec == mod.spec
+    full = kernel_moe(router, combine)
+    d, E, m = 32, 16, 4
+    assert full.active_param_count() - mod.active_param_count() == d * (4 + mod.top_k * 2)  # the skipped down rows
+    x = torch.randn(7, 32, generator=torch.Generator().manual_seed(3), dtype=torch.float32)
+    with torch.no_grad():
+        scores, _ = mod._route(x)
+        top = scores.topk(mod.top_k, dim=-1).indices
+        w = mod._routing_weights(scores, top)
+    xd = x.double()
+
+    def largest(h, n):
+        keep = torch.zeros_like(h)
+        i = h.abs().topk(n).indices
+        keep[i] = h[i]
+        return keep
+
+    want = torch.zeros(7, d, dtype=torch.float64)
+    G, U, D = (t.detach().double() for t in (mod.experts_gate, mod.experts_up, mod.experts_down))
+    for t in range(7):
+        hs = F.silu(mod.shared_gate.weight.double() @ xd[t]) * (mod.shared_up.weight.double() @ xd[t])
+        want[t] = mod.shared_down.weight.double() @ largest(hs, 4)
+        for j, e in enumerate(top[t].tolist()):
+            h = largest(F.silu(G[e] @ xd[t]) * (U[e] @ xd[t]), 2)
+            want[t] += (D[e] @ h) * (1.0 if w is None else float(w[t, j]))
+    for impl in ("loop", *FAST_IMPLS):
+        torch.testing.assert_close(run_impl(mod, x, impl), want.float(), rtol=1e-5, atol=1e-5, msg=impl)
+    monkeypatch.setitem(moelab_kernels.KERNELS, "gather", moelab_kernels.gather_pairs)
+    torch.testing.assert_close(run_impl(mod, x, "gather"), want.float(), rtol=1e-5, atol=1e-5)
+    every = kernel_moe(router, combine, top_k=16, down_keep=0.5)
+    assert not torch.allclose(run_impl(every, x, "loop"), run_impl(kernel_moe(router, combine, top_k=16), x, "loop"))
+    for impl in FAST_IMPLS:
+        torch.testing.assert_close(run_impl(every, x, impl), run_impl(every, x, "loop"), rtol=1e-5, atol=1e-5)
+    xg = x.clone().requires_grad_(True)
+    mod(xg).sum().backward()
+    assert xg.grad is not None and torch.isfinite(xg.grad).all() and xg.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="down_keep"):
+        kernel_moe(router, combine, down_keep=1.5)
 
 
 # ------------------------------------------------------------------ (f) real architectures

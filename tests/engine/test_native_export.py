@@ -390,3 +390,9 @@ def test_skipped_expert_compensation_is_refused(tiny_model, data_dir):
     moe = _hand_moe(adapter, skip_mean=torch.ones(4, adapter.d_model))
     with pytest.raises(NativeExportError, match="layer 0 adds the means of the experts a token skips .*compensation 'none'"):
         native_layout(moe)
+
+
+def test_part_of_each_experts_down_projection_is_refused(tiny_model, data_dir):
+    moe = _hand_moe(load_model(str(tiny_model("llama")), data_dir=data_dir), down_keep=0.5)
+    with pytest.raises(NativeExportError, match="runs only part of each active expert's down projection .*down_keep 1"):
+        native_layout(moe)

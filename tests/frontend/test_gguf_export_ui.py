@@ -36,6 +36,7 @@ def _row(page, conversion_id: str):
     ("expertweaver", {"plan": "budget"}, None, "no", "plan 'budget' gives layers their own"),
     ("expertweaver", {"plan": "someday"}, None, "no", "plan 'someday'"),  # a plan this check does not know: not promised
     ("expertweaver", {"plan": "leading", "compensation": "skipped_mean"}, None, "no", "compensation 'skipped_mean'"),
+    ("expertweaver", {"plan": "leading", "down_keep": 0.5}, None, "no", "down_keep 0.5 runs only part of each active expert"),
     ("expertweaver", {"plan": "leading", "combine": "weighted", "router": "ridge"}, None, "no", "use combine sum"),
     ("expertweaver", {"plan": "leading", "combine": "weighted"}, None, "as_converted", "exportable as converted"),
     ("expertweaver", {"plan": "leading"}, "qwen3", "after_recovery", "native transformers only: GGUF exports Llama and Mistral"),

@@ -33,6 +33,7 @@ def test_records_are_named_model_set_method_parameters():
     assert key_params("dense2moe", {"delta": 0.3, "layer": None, "n_fused": 0, "top_k": 1}) == "δ 0.3, l* auto, n* auto, top-1"
     assert key_params("midas", {"keep_ratio": 0.25, "top_k": 2}) == "keep 25%, top-2"
     assert key_params("expertweaver", {"n_experts": 8, "sparsity": 0.5}) == "8 experts, sparsity 50%"  # nothing shown blank
+    assert key_params("expertweaver", {"n_experts": 128, "sparsity": 0.5, "down_keep": 0.5}) == "128 experts, sparsity 50%, down 50% kept"
     assert Names().conversion(EW).startswith("expertweaver · 64 experts")  # unknown profile: still a name, never only an id
     assert with_id("mixed", "cal-1") == "mixed — cal-1" and with_id("", "cal-1") == "cal-1"
 

@@ -23,6 +23,7 @@ def test_choosing_best_sets_every_control_and_names_the_differences():
     assert chosen["router"] == "ridge" and chosen["plan"] == "budget" and chosen["alpha_basis"] == "active"
     assert chosen["sparsity"] == 0.5  # the cost asked for is kept
     assert chosen["n_experts"] == 128 and "n_experts: 64 → 128" in text  # finer experts
+    assert chosen["down_keep"] == 0.5 and "down_keep: 1.0 → 0.5" in text  # TEAL inside the experts
     assert chosen["tau"] == 0.6 and chosen["alpha_min"] == 0.2  # everything else: the paper's
     assert "router: centroid → ridge" in text and "plan: paper → budget" in text and "ffn_flops_fraction ≤ 1 − sparsity" in text
     values, text = _recipe("paper", ids, values, _methods())

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from ..runtime.moelab_routers import ffn_macs, router_kind
+from ..runtime.moelab_routers import ffn_macs, kept, router_kind
 from .params import ConversionError, MethodParams
 
 
@@ -86,29 +86,32 @@ def summarize(rows: list[LayerPlan]) -> dict[str, Any]:
     }
 
 
-def layer_cost(row: LayerPlan, router: str, d_model: int) -> tuple[int, int]:
+def layer_cost(row: LayerPlan, router: str, d_model: int, down_keep: float = 1.0) -> tuple[int, int]:
     """Per-token multiply-adds of a planned layer below all of its experts: ``(always-run part, one
     selected routed expert)``; the shared expert plus the router kind's scoring, and its per-expert
     cost (``moelab_routers.Router.macs``: gate_mass computes every routed neuron's gate to score,
-    after which a selected expert adds only its up and down rows). What the budget plan buys with."""
+    after which a selected expert adds only its up and down rows; under ``down_keep`` only the kept
+    neurons' down rows). What the budget plan buys with; ``ffn_macs`` of the same layer."""
     E, m, d = row.n_routed, row.d_expert, d_model
-    fixed = 3 * d * row.d_shared
+    fixed = ffn_macs(d, row.d_shared, 0, m, 0, router, down_keep=down_keep)
+    skipped_down = d * (m - kept(m, down_keep))
     if E == 0:
-        return fixed, 3 * d * m
+        return fixed, 3 * d * m - skipped_down
     scoring, per_expert = router_kind(router).macs(d, E, m)
-    return fixed + scoring, per_expert
+    return fixed + scoring, per_expert - skipped_down
 
 
-def plan_macs(row: LayerPlan, router: str, d_model: int, combine: str = "sum") -> int:
+def plan_macs(row: LayerPlan, router: str, d_model: int, combine: str = "sum", down_keep: float = 1.0) -> int:
     """Multiply-adds per token of a planned layer: ``moelab_routers.ffn_macs``, the function the
     converted layer counts its own cost with (``MoeFFN.active_param_count``)."""
-    return ffn_macs(d_model, row.d_shared, row.n_routed, row.d_expert, row.top_k, router, combine)
+    return ffn_macs(d_model, row.d_shared, row.n_routed, row.d_expert, row.top_k, router, combine, down_keep)
 
 
-def plan_flops_fraction(rows: Sequence[LayerPlan], router: str, d_model: int, combine: str = "sum") -> float:
+def plan_flops_fraction(rows: Sequence[LayerPlan], router: str, d_model: int, combine: str = "sum",
+                        down_keep: float = 1.0) -> float:
     """``ffn_flops_fraction`` of a plan: FFN multiply-adds per token, router and scoring included,
     over the dense FFN's ``3·d·d_ffn`` per layer."""
-    cost = sum(plan_macs(row, router, d_model, combine) for row in rows)
+    cost = sum(plan_macs(row, router, d_model, combine, down_keep) for row in rows)
     return cost / sum(3 * d_model * row.d_ffn for row in rows)
 
 
@@ -136,7 +139,8 @@ def plan_record(rows: list[LayerPlan], params: MethodParams, d_model: int | None
     summary = summarize(rows)
     if d_model:
         summary["ffn_flops_fraction"] = plan_flops_fraction(rows, getattr(params, "router", "centroid"), d_model,
-                                                            getattr(params, "combine", "sum"))
+                                                            getattr(params, "combine", "sum"),
+                                                            getattr(params, "down_keep", 1.0))
         plan = getattr(params, "plan", "paper")
         if plan == "budget":
             summary["plan_note"] = ("budget plan: this is the paper plan; the conversion redistributes top-k across "

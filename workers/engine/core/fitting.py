@@ -375,7 +375,7 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
         if len(ex.routed) and (budget_plan or compensate):
             scores[row.layer] = router_scores(x, ex.router, ex.router_weights, gate_w, ex.routed, adapter.activation)
         if budget_plan:
-            f, c = layer_cost(row, ex.router, d)
+            f, c = layer_cost(row, ex.router, d, getattr(params, "down_keep", 1.0))
             fixed.append(f)
             unit.append(c)
             if len(ex.routed):

@@ -72,9 +72,13 @@ def partition_layers(adapter: ModelAdapter, profile: Any, rows: list[LayerPlan],
     return (map_layers or map_in_process)(list(range(len(rows))), build_one_layer(adapter, rows, build_layer), progress)
 
 
-def build_modules(adapter: ModelAdapter, experts: list[LayerExperts], combine: str = "sum") -> dict[int, nn.Module]:
+def build_modules(adapter: ModelAdapter, experts: list[LayerExperts], params: Any = None) -> dict[int, nn.Module]:
     """One ``MoeFFN`` per layer, sliced from the dense weights (EW Eqs. 7–8, CM Eq. 5); a layer whose
-    experts hold every neuron as shared and none routed (``allocation.dense_plan``) keeps its dense MLP."""
+    experts hold every neuron as shared and none routed (``allocation.dense_plan``) keeps its dense MLP.
+    ``params``: the conversion's, for its ``combine`` (default ``sum``) and ``down_keep`` (default 1)."""
+    combine = getattr(params, "combine", "sum")
+    down_keep = getattr(params, "down_keep", 1.0)
+    extra = {"down_keep": down_keep} if down_keep < 1 else {}
     modules: dict[int, nn.Module] = {}
     for e in experts:
         gate_w, up_w, down_w = dense_weights(adapter, e.layer)
@@ -82,8 +86,8 @@ def build_modules(adapter: ModelAdapter, experts: list[LayerExperts], combine: s
             continue
         router_weights = {k: torch.as_tensor(v, dtype=gate_w.dtype, device=gate_w.device) for k, v in e.router_weights.items()}
         modules[e.layer] = MoeFFN.from_dense(
-            gate_w, up_w, down_w, adapter.activation, e.shared, e.routed, e.top_k, e.router, combine, **router_weights
-        )
+            gate_w, up_w, down_w, adapter.activation, e.shared, e.routed, e.top_k, e.router, combine, **router_weights,
+            **extra)
     return modules
 
 
@@ -97,11 +101,11 @@ def partition_modules(adapter: ModelAdapter, profile: Any, params: MethodParams,
     fit: dict[str, Any] = {}
     if needs_fitting(params):
         rows, experts, fit = fit_layers(adapter, profile, params, rows, experts, data_dir, progress, calib)
-    modules = build_modules(adapter, experts, params.combine)  # type: ignore[attr-defined]
+    modules = build_modules(adapter, experts, params)
     if getattr(params, "refit", "none") == "converted_inputs":
         windows = profile_token_windows(adapter, profile, params.fit_tokens, data_dir)  # type: ignore[attr-defined]
         fit |= refit_on_converted(adapter, params, experts, modules, windows, progress)
-        modules = build_modules(adapter, experts, params.combine)  # type: ignore[attr-defined]
+        modules = build_modules(adapter, experts, params)
     return rows, experts, modules, fit
 
 

@@ -122,7 +122,7 @@ def convert_streamed(plan: Any, profile: Any, params: MethodParams, method: Any,
             mlp = adapter.layers[i].mlp
             _load_tensors(hf, mlp, mlp_prefixes[i], ckpt)
             layer = build_one(i)
-            module = build_modules(adapter, [layer], params.combine)[i]  # type: ignore[attr-defined]
+            module = build_modules(adapter, [layer], params)[i]
             _unload(mlp)
             for name, t in module.state_dict().items():  # this layer's experts go to the export now, a shard of their own
                 shards.add(f"model.{mlp_prefixes[i]}{name}", t)

@@ -82,6 +82,11 @@ class ExpertWeaverParams(MethodParams):
         "to second order; one backward pass more; moelab's)", advanced=True)
     fit_tokens: int = param(4096, "calibration tokens the ridge router and the budget plan are fitted on",
                             ge=256, le=1_000_000, advanced=True)
+    down_keep: float = param(
+        1.0, "fraction of each active expert's neurons, shared expert included, whose down projection runs per token: "
+        "those of largest |act(gate)·up|, as TEAL sparsifies the down projection's input (1: all, EW Eq. 10; "
+        "moelab's). The budget plan spends what it saves on more experts. Its saving needs a kernel that skips the "
+        "other rows (moelab's CPU decode kernel does); GGUF and native exports refuse it", gt=0, le=1, advanced=True)
     refit: Literal["none", "converted_inputs"] = param(
         "none", "none: the ridge router and skipped-expert means are fitted on the dense model's MLP inputs; "
         "converted_inputs: fitted again on the inputs the converted model produces (one more calibration forward; moelab's)",
@@ -100,6 +105,9 @@ class ExpertWeaverParams(MethodParams):
             raise ConversionError(f"plan_error {self.plan_error!r} weighs the errors the budget and leading plans choose "
                                   "top-k by; the paper plan has none: use plan 'budget' (--recipe best) or 'leading', "
                                   "or plan_error 'residual'")
+        if self.down_keep < 1 and self.plan == "leading":
+            raise ConversionError(f"down_keep {self.down_keep} runs part of each expert, which no export layout holds, and "
+                                  "the leading plan exists for those layouts: use plan 'budget' (--recipe best) or down_keep 1")
         if self.alpha_min > self.alpha_max:
             raise ConversionError(f"alpha_min ({self.alpha_min}) must not exceed alpha_max ({self.alpha_max}): swap or lower alpha_min")
         if round((1 - self.sparsity) * self.n_experts) < 1:
@@ -218,12 +226,17 @@ def baselines(adapter: Any, record: dict[str, Any], progress: Any, data_dir: Any
 
     The uniform variant is built exactly as the conversion was (``partition_modules``): a ridge
     router, a budget plan or the skipped-expert compensation is fitted on the profile's calibration
-    tokens again, so every recipe, ``best`` included, has its baseline."""
+    tokens again, so every recipe, ``best`` included, has its baseline. A conversion whose experts run
+    only part of their down projections (``down_keep``) computes the gate and up rows of more neurons
+    than it pays for in full: its AbsTopK runs at its ``ffn_flops_fraction`` instead, equal multiply-adds."""
     from ..core.slicing import abstopk_modules, partition_modules
     from ..profiling.store import StoredProfile
 
     params = ExpertWeaverParams.from_dict(record["params"])
-    out = {"abstopk": abstopk_modules(adapter, record["summary"]["active_fraction"])}
+    fraction = record["summary"]["active_fraction"]
+    if params.down_keep < 1:
+        fraction = record["summary"].get("ffn_flops_fraction", fraction)
+    out = {"abstopk": abstopk_modules(adapter, fraction)}
     uniform = uniform_params(params, [row["alpha"] for row in record["layers"]])
     if uniform != params and params.plan != "leading":  # the leading plan's MoE layers share one α already
         profile = StoredProfile.open(record["profile"])
@@ -280,9 +293,11 @@ METHOD = Method(
     # and a sum per selected expert, and q8_0 cannot quantise rows of 24), 16 faster (bench_llamacpp --experts)
     # "best" fits on 16,384 calibration tokens: better in and out of domain than 4,096 (leave-domain-out frontier);
     # 128 finer experts (12 neurons on the default model; the router costs 2x, under 3% of the FFN): out of domain
-    # 1.50x / 2.77x dense at 0.75 / 0.5 against 64 experts' 1.57x / 2.96x, in domain better too (docs/quality.md)
+    # 1.50x / 2.77x dense at 0.75 / 0.5 against 64 experts' 1.57x / 2.96x, in domain better too (docs/quality.md);
+    # down_keep 0.5 (TEAL inside the experts: the budget plan spends the halved down projections on more experts):
+    # out of domain at 0.75 code 1.38x -> 1.20x, prose 1.39x -> 1.18x; 0.3 and 0.7 were worse (bench_frontier)
     recipes={"best": {"router": "ridge", "alpha_basis": "active", "plan": "budget", "compensation": "skipped_mean",
-                      "fit_tokens": 16384, "n_experts": 128},
+                      "fit_tokens": 16384, "n_experts": 128, "down_keep": 0.5},
              "portable": {"router": "ridge", "alpha_basis": "active", "plan": "leading", "compensation": "none",
                           "n_experts": 16}},
 )

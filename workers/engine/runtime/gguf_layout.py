@@ -91,6 +91,9 @@ def gguf_layout(config: dict[str, Any]) -> dict[str, Any]:
         if s.get("skip_mean"):
             raise GgufExportError(f"layer {i} adds the means of the experts a token skips (compensation 'skipped_mean'): "
                                   f"{EXPORTABLE_ROUTE}")
+        if float(s.get("down_keep", 1)) < 1:
+            raise GgufExportError(f"layer {i} runs only part of each active expert's down projection (down_keep "
+                                  f"{s['down_keep']}); llama.cpp's experts run whole: {EXPORTABLE_ROUTE}")
         groups = s.get("expert_groups")
         if groups is not None and len(set(groups)) != len(groups):
             raise GgufExportError(f"layer {i} holds grouped expert copies (at most one copy per token): {EXPORTABLE_ROUTE}")

@@ -25,7 +25,13 @@ best-scoring (ties: the lower index), so two copies never add up for one token; 
 exceed the number of groups. Optional ``skip_mean: true``: the buffer ``skip_mean`` ``[n_routed,
 d_model]`` holds each routed expert's mean output over the calibration tokens that skipped it, and a
 token adds the means of the experts it skips (``core.fitting``, skipped-expert compensation;
-moelab's own). Any other keys are kept and written back by ``MoeFFN.spec``.
+moelab's own). Optional ``down_keep`` (a fraction in (0, 1], default 1): activation sparsity inside
+the active experts, as TEAL thresholds the down projection's input: per token, only the
+``kept(m, down_keep)`` neurons of largest ``|act(gate) * up|`` of each selected routed expert, and
+the ``kept(d_shared, down_keep)`` of the shared expert, run their down projection (a count, not a
+threshold, so the cost does not depend on the text; moelab's). The CPU decode kernel reads only
+the kept rows; the other kernels zero the rest, so the saving needs such a kernel at every batch
+size, as TEAL's does. Any other keys are kept and written back by ``MoeFFN.spec``.
 
 Neuron order inside an expert is irrelevant to the result; with ``top_k == n_routed`` and
 ``combine == "sum"`` a MoeFFN computes exactly the dense GLU it was sliced from (up to float
@@ -43,8 +49,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .moelab_compat import load_legacy_expert_keys, register_load_pre_hook
-from .moelab_kernels import EXPERTS_IMPLS, decode_layout, every_expert, per_expert, run_kernel, select_kernel
-from .moelab_routers import COMBINES, ROUTERS, ffn_macs, router_kind
+from .moelab_kernels import EXPERTS_IMPLS, decode_layout, every_expert, keep_largest, per_expert, run_kernel, select_kernel
+from .moelab_routers import COMBINES, ROUTERS, ffn_macs, kept, router_kind
 
 DISPATCHES = ("auto", "loop", "padded")
 # "padded" (the retired capacity-padded batched matmul, a speed choice) runs the default kernels
@@ -98,6 +104,7 @@ class MoeExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(gate_up)
         self.down_proj = nn.Parameter(decode_layout(torch.empty(E, m, d).transpose(1, 2)))
         self.experts_impl = "auto"
+        self.down_keep = m  # neurons of an expert whose down projection runs per token (MoeFFN's down_keep)
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -107,7 +114,8 @@ class MoeExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, expert_size={self.expert_size}, d_model={self.d_model}, "
-                f"experts_impl={self.experts_impl}")
+                f"experts_impl={self.experts_impl}"
+                + (f", down_keep={self.down_keep}" if self.down_keep < self.expert_size else ""))
 
     def gate_activations(self, x: torch.Tensor) -> torch.Tensor:
         """``act(x W_gate)`` of every routed neuron, ``[T, E*m]`` (expert-major): the gate-mass
@@ -171,7 +179,7 @@ class MoeExperts(nn.Module):
                 a = gate_act[:, e * m : (e + 1) * m].index_select(0, te)
             else:
                 a = self.act_fn(F.linear(xe, gu[e][:m]))
-            h = a * F.linear(xe, gu[e][m:])
+            h = keep_largest(a * F.linear(xe, gu[e][m:]), self.down_keep)
             if w_sorted is not None:
                 h = h * w_sorted[s : s + c].to(h.dtype)
             y.index_add_(0, te, F.linear(h, dn[e]))
@@ -238,6 +246,11 @@ class MoeFFN(nn.Module):
         else:
             self.shared_gate = self.shared_up = self.shared_down = None
         self.experts = MoeExperts(E, m, d, self.act, column_major=scorer.column_major)
+        self.down_keep = float(spec.get("down_keep", 1.0))
+        if not 0 < self.down_keep <= 1:
+            raise ValueError(f"down_keep={self.down_keep}: a fraction in (0, 1] of each expert's neurons")
+        self.experts.down_keep = kept(m, self.down_keep)
+        self.shared_keep = kept(self.d_shared, self.down_keep)
         self.dispatch = dispatch
         for name, shape in scorer.parameters(E, d).items():
             self.register_parameter(name, nn.Parameter(torch.empty(shape)))
@@ -330,7 +343,8 @@ class MoeFFN(nn.Module):
             "n_routed": self.n_routed, "expert_size": self.expert_size, "top_k": self.top_k,
             "router": self.router, "combine": self.combine,
             **({"dispatch": self.dispatch} if self.dispatch != "auto" else {}),
-            **({"skip_mean": True} if self.compensated else {}), **self._extra,
+            **({"skip_mean": True} if self.compensated else {}),
+            **({"down_keep": self.down_keep} if self.down_keep < 1 else {}), **self._extra,
         }
 
     @classmethod
@@ -421,7 +435,7 @@ class MoeFFN(nn.Module):
         """Multiply-adds per token (``moelab_routers.ffn_macs``: shared expert, router, ``top_k`` routed
         experts), the same function the plan's cost is computed with."""
         return ffn_macs(self.d_model, self.d_shared, self.n_routed, self.expert_size, self.top_k, self.router,
-                        self.combine)
+                        self.combine, self.down_keep)
 
     def extra_repr(self) -> str:
         return (
@@ -435,7 +449,7 @@ class MoeFFN(nn.Module):
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         if self.d_shared == 0:
             return x.new_zeros(x.shape[0], self.d_model)
-        return self.shared_down(self.act_fn(self.shared_gate(x)) * self.shared_up(x))
+        return self.shared_down(keep_largest(self.act_fn(self.shared_gate(x)) * self.shared_up(x), self.shared_keep))
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Router scores ``[T, E]`` and, for gate_mass, act(gate) of every routed neuron ``[T, E*m]``."""
@@ -513,7 +527,7 @@ class MoeFFN(nn.Module):
 
 
 _MOE_KEYS = {"kind", "d_model", "act", "d_shared", "n_routed", "n_experts", "expert_size", "top_k", "router", "combine",
-             "dispatch", "skip_mean"}
+             "dispatch", "skip_mean", "down_keep"}
 
 
 def _expert_groups(groups: Any, E: int, k: int) -> torch.Tensor | None:

@@ -192,20 +192,29 @@ def router_kind(name: str) -> Router:
         raise ValueError(f"unknown router {name!r}; one of {tuple(ROUTERS)}") from None
 
 
-def ffn_macs(d: int, d_shared: int, E: int, m: int, k: int, router: str, combine: str = "sum") -> int:
+def kept(n: int, down_keep: float) -> int:
+    """Neurons of a block of ``n`` whose down projection runs per token under ``down_keep``
+    (``MoeFFN``): ``round(down_keep · n)``, at least one of a non-empty block."""
+    return n if down_keep >= 1 else min(n, max(1, round(down_keep * n)))
+
+
+def ffn_macs(d: int, d_shared: int, E: int, m: int, k: int, router: str, combine: str = "sum",
+             down_keep: float = 1.0) -> int:
     """Multiply-adds per token of a sparse block (shared expert, router, ``k`` of ``E`` routed experts
-    of ``m`` neurons); element-wise work (activations, combine weights, sums) is not counted.
+    of ``m`` neurons); element-wise work (activations, combine weights, sums) is not counted. Under
+    ``down_keep`` < 1 only ``kept`` neurons of each active expert pay their down projection's ``d``.
 
     A block that runs no routed expert (``k == 0``) runs no router; one that runs them all unweighted
     (``k ≥ E``, ``sum``) scores nothing; every other block scores all experts, so with ``k ≥ E`` and
     a weighted combine it pays the router too."""
-    shared = 3 * d * d_shared
+    shared = 3 * d * d_shared - d * (d_shared - kept(d_shared, down_keep))
     if k == 0 or E == 0:
         return shared
+    skipped_down = d * (m - kept(m, down_keep))
     if k >= E and combine == "sum":
-        return shared + 3 * d * m * E
+        return shared + (3 * d * m - skipped_down) * E
     scoring, per_expert = router_kind(router).macs(d, E, m)
-    return shared + scoring + min(k, E) * per_expert
+    return shared + scoring + min(k, E) * (per_expert - skipped_down)
 
 
 def _checked(value: Any, default: Any, shape: tuple[int, ...], name: str) -> Any:

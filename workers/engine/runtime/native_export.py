@@ -146,6 +146,9 @@ def native_layout(moe: MoelabForCausalLM) -> dict[str, Any]:
         if s.get("skip_mean"):
             raise _refuse(f"layer {i} adds the means of the experts a token skips (compensation 'skipped_mean'): a stock "
                           "sparse-MoE block has no such term; convert with compensation 'none'")
+        if float(s.get("down_keep", 1)) < 1:
+            raise _refuse(f"layer {i} runs only part of each active expert's down projection (down_keep "
+                          f"{s['down_keep']}): a stock sparse-MoE block runs its experts whole; convert with down_keep 1")
         if s.get("expert_groups") is not None and len(set(s["expert_groups"])) != len(s["expert_groups"]):
             raise _refuse(f"layer {i} holds grouped expert copies (at most one copy of an MLP per token)")
         if int(s.get("top_k", 0)) < 1 or int(s.get("n_routed", s.get("n_experts", 0))) < 1:
