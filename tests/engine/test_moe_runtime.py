@@ -501,7 +501,7 @@ def test_down_keep_runs_the_largest_neurons_of_each_active_expert(router, combin
     assert mod.experts.down_keep == 2 and mod.shared_keep == 4 and mod.spec["down_keep"] == 0.5
     assert build_layer_module(mod.spec).spec == mod.spec
     full = kernel_moe(router, combine)
-    d, E, m = 32, 16, 4
+    d = 32
     assert full.active_param_count() - mod.active_param_count() == d * (4 + mod.top_k * 2)  # the skipped down rows
     x = torch.randn(7, 32, generator=torch.Generator().manual_seed(3), dtype=torch.float32)
     with torch.no_grad():
