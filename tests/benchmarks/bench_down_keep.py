@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe_ffn import DenseGLU, bench_text, calibrate_inner, timed_interleaved  # noqa: E402
 from workers.engine.models import load_model  # noqa: E402
 from workers.engine.runtime.modeling_moelab import MoeFFN  # noqa: E402
+from workers.engine.runtime.moelab_routers import ffn_macs  # noqa: E402
 
 OUT = ROOT / "tests" / "benchmarks" / "results" / "bench_down_keep.json"
 
@@ -49,17 +50,13 @@ def layer_at_cost(weights: tuple[torch.Tensor, ...], act: str, n_experts: int, c
     shared_n = n_experts // 8
     perm = torch.randperm(d_ffn, generator=torch.Generator().manual_seed(0))
     shared, routed = perm[: shared_n * m], perm[shared_n * m : n_experts * m].reshape(n_experts - shared_n, m)
-    offset = torch.zeros(len(routed))
-    best = None
-    for k in range(1, len(routed)):
-        mod = MoeFFN.from_dense(gate_w, up_w, down_w, act, shared, routed, k, "ridge", "sum", router_offset=offset,
-                                **({"down_keep": down_keep} if down_keep < 1 else {}))
-        if mod.active_param_count() > cost * 3 * d * d_ffn:
-            break
-        best = mod
-    if best is None:
+    fits = [k for k in range(1, len(routed))
+            if ffn_macs(d, len(shared), len(routed), m, k, "ridge", "sum", down_keep) <= cost * 3 * d * d_ffn]
+    if not fits:
         raise SystemExit(f"no top-k fits cost {cost} with {n_experts} experts")
-    return best.eval()
+    return MoeFFN.from_dense(gate_w, up_w, down_w, act, shared, routed, fits[-1], "ridge", "sum",
+                             router_offset=torch.zeros(len(routed)),
+                             **({"down_keep": down_keep} if down_keep < 1 else {})).eval()
 
 
 def main() -> None:

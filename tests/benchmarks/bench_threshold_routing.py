@@ -238,10 +238,9 @@ def main() -> None:
     t0 = time.perf_counter()
     data_dir = get_settings().data_dir
     profile, adapter = open_profile_and_model(args.profile)
-    params = replace(get_method("expertweaver").recipe("best", sparsity=args.sparsity), down_keep=1.0)  # whole experts: what this study models
+    # whole experts: what this study models
+    params = replace(get_method("expertweaver").recipe("best", sparsity=args.sparsity), down_keep=1.0)
     if args.n_experts:
-        from dataclasses import replace
-
         params = replace(params, n_experts=args.n_experts)
     modules, calib, layers = study_routed_layers(adapter, profile, params, args.calib_tokens, args.windows, layer_study)
     summary = summarize(layers)

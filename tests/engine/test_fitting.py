@@ -370,6 +370,7 @@ def test_the_plan_errors_keep_the_cost_and_record_what_they_weighed(fitted, data
     assert f1["budget"]["error_at_k"] != f0["budget"]["error_at_k"]  # another quantity was equalised
     assert [e.top_k for e in e1] == f1["budget"]["top_k"]
 
+
 def test_a_plan_error_without_a_plan_that_uses_it_is_refused(tmp_path):
     with pytest.raises(ConversionError, match="plan_error 'fisher'.*use plan 'budget'"):
         ExpertWeaverParams(plan_error="fisher").check()
