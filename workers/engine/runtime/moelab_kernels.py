@@ -154,11 +154,20 @@ def keep_largest(g: torch.Tensor, n: int) -> torch.Tensor:
     """``g`` with all but the ``n`` entries of largest magnitude along its last dimension set to 0:
     the down projection's input inside an expert (``MoeFFN``'s ``down_keep``), whose zeros a kernel
     that reads only the kept rows of the down projection skips (``gather_rows``). A gradient flows
-    through the kept entries."""
-    if n >= g.shape[-1]:
+    through the kept entries.
+
+    The mask is chosen without a gradient, by the ``n``-th largest magnitude, and multiplied in: its
+    backward is one multiply. A ``topk`` of the entries scattered into zeros gave the same values,
+    but fine-tuning through it (``masked_dense``: 1,024 tokens × 128 experts × 12 neurons a layer)
+    spent 2.9x longer in this function, forward and backward (77 ms against 27 ms, 2 threads). Entries that tie at the
+    threshold are all kept: float products tie with probability about 0."""
+    m = g.shape[-1]
+    if n >= m:
         return g
-    idx = g.abs().topk(n, dim=-1, sorted=False).indices
-    return torch.zeros_like(g).scatter(-1, idx, g.gather(-1, idx))
+    with torch.no_grad():
+        a = g.abs()
+        keep = a >= a.kthvalue(m - n + 1, dim=-1, keepdim=True).values
+    return g * keep
 
 
 def glu(experts, h: torch.Tensor, keep: bool = True) -> torch.Tensor:

@@ -500,7 +500,9 @@ class MoeFFN(nn.Module):
         self._record(top, lead)
         y = y + self.experts(xt, top, self._routing_weights(scores, top), act_gate)
         if self.compensated:  # Σ_{e∉top} μ_e as (Σ_e μ_e) − Σ_{e∈top} μ_e: k + 1 additions per token
-            y = y + (self.skip_mean.sum(0) - self.skip_mean[top].sum(1))
+            # summed as they are read (embedding_bag): ``skip_mean[top]`` wrote [T, k, d] first, 4 ms
+            # against 200 ms a layer for 1,024 tokens at top-91 of 128
+            y = y + (self.skip_mean.sum(0) - F.embedding_bag(top, self.skip_mean, mode="sum"))
         return y.reshape(x.shape)
 
     def _routing_weights(self, scores: torch.Tensor, top: torch.Tensor | None) -> torch.Tensor | None:
