@@ -387,3 +387,34 @@ def test_the_output_plan_weighs_each_token_by_the_dense_mlps_own_output(fitted):
         with torch.no_grad():
             y = adapter.layers[layer].mlp(calib.mlp_inputs[layer][tokens])  # the model's own module
         assert torch.allclose(weights(layer), 1 / y.pow(2).sum(-1), rtol=1e-4)
+
+
+def test_the_residual_plan_weighs_a_normed_mlp_output_as_it_reaches_the_stream(tiny_model, data_dir):
+    """Gemma 3 renormalises the MLP output before the residual add: the plan's weights must give, to first
+    order, the error that reaches the stream (an error across y: along y the norm removes it), and must not
+    change when the MLP output is scaled (the model's function does not: that mistake starved every layer
+    whose output happened to be small)."""
+    adapter = load_model(str(tiny_model("gemma3_text")), data_dir=data_dir)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for lay in adapter.layers:
+            lay.post_norm.weight.copy_(torch.randn(D_MODEL))
+            lay.down_proj.weight.mul_(100.0)  # MLP outputs far above the norm's ε, as in real models
+    calib = collect_inputs(adapter, torch.randint(0, 1000, (4, 64)))
+    tokens, weights = _curve_weights(adapter, calib, "residual")
+    layer = 1
+    lay = adapter.layers[layer]
+    w = weights(layer)
+    assert w.shape == (len(tokens), D_MODEL)
+    with torch.no_grad():
+        y = lay.mlp(calib.mlp_inputs[layer][tokens])
+        r = torch.randn_like(y)
+        e = 1e-3 * (r - (r * y).sum(-1, keepdim=True) / y.pow(2).sum(-1, keepdim=True) * y) * y.norm(dim=-1, keepdim=True) / r.norm(dim=-1, keepdim=True)
+        reached = (lay.post_norm(y + e) - lay.post_norm(y)).pow(2).sum(-1) / calib.residual_sq[layer][tokens]
+        torch.testing.assert_close((w * e.pow(2)).sum(-1), reached, rtol=2e-2, atol=0)
+        lay.down_proj.weight.mul_(50.0)
+    torch.testing.assert_close(weights(layer), w / 50.0 ** 2, rtol=1e-4, atol=0)
+    llama = load_model(str(tiny_model("llama")), data_dir=data_dir)
+    llama_calib = collect_inputs(llama, torch.randint(0, 1000, (2, 64)))
+    toks, plain = _curve_weights(llama, llama_calib, "residual")
+    assert torch.equal(plain(0), 1 / llama_calib.residual_sq[0][toks].clamp_min(1e-12))  # no norm: per token, as before

@@ -26,6 +26,25 @@ def test_adapter_finds_glu_of_every_family(family, tiny_model, data_dir):
             torch.testing.assert_close(h @ lay.down_weight().T, lay.mlp(x), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_norm_on_the_mlp_output_is_found_with_its_gain(family, tiny_model, data_dir):
+    """Gemma 2/3 and OLMo 2 add ``post_feedforward_layernorm(mlp(x))`` to the stream; the gain is
+    ``1 + w`` in Gemma's parametrisation and ``w`` in OLMo 2's."""
+    adapter = load_model(str(tiny_model(family)), data_dir=data_dir)
+    for lay in adapter.layers:
+        y = torch.randn(5, 64) * torch.tensor([1e-4, 1e-3, 1e-2, 1.0, 10.0])[:, None]  # where ε matters too
+        if family not in ("gemma2", "gemma3_text", "olmo2"):
+            assert lay.post_norm is None and lay.output_gain(y) is None
+            continue
+        norm = lay.post_norm
+        assert norm is lay.block.post_feedforward_layernorm
+        with torch.no_grad():
+            norm.weight.copy_(torch.linspace(-0.5, 2.0, 64))
+        eps = getattr(norm, "eps", None) or norm.variance_epsilon
+        g = 1 + norm.weight.detach() if family.startswith("gemma") else norm.weight.detach()
+        torch.testing.assert_close(lay.output_gain(y), g / (y.pow(2).mean(-1, keepdim=True) + eps).sqrt(), rtol=1e-4, atol=0)
+
+
 def test_non_gated_model_is_refused_by_type():
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100))
     with pytest.raises(ModelError, match="gpt2"):

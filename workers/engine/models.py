@@ -59,6 +59,7 @@ class GLULayer:
     gate_proj: nn.Linear | None = None  # separate projections (Llama-style)
     up_proj: nn.Linear | None = None
     gate_up_proj: nn.Linear | None = None  # fused projection (Phi-3): rows [gate; up]
+    post_norm: nn.Module | None = None  # RMSNorm of the MLP output before the residual add (Gemma 2/3, OLMo 2)
 
     @property
     def d_ffn(self) -> int:
@@ -78,6 +79,21 @@ class GLULayer:
     def down_weight(self) -> torch.Tensor:
         """``W_down`` as ``[d_model, d_ffn]``."""
         return self.down_proj.weight
+
+    @torch.no_grad()
+    def output_gain(self, y: torch.Tensor) -> torch.Tensor | None:
+        """How ``post_norm`` scales a small error of the MLP output ``y [T, d]`` across ``y`` (along ``y``
+        it is normalised away): ``[T, d]``, ``g / sqrt(mean(y²) + ε)`` for ``N(v) = g ⊙ v / sqrt(mean(v²) + ε)``,
+        float32 on the CPU; None without a norm. Read from the module itself, whatever it stores (Gemma's
+        ``g = 1 + w``, OLMo 2's ``g = w``) and its ε: ``g = N(1)`` (to a relative ε/2), and each token's
+        ``1 / sqrt(mean(y²) + ε) = ‖N(y)‖ / ‖g ⊙ y‖``."""
+        if self.post_norm is None:
+            return None
+        p = next(self.post_norm.parameters())
+        g = self.post_norm(torch.ones(y.shape[-1], dtype=p.dtype, device=p.device)).float().cpu()
+        n = self.post_norm(y.to(p.device, p.dtype)).float().cpu()
+        scale = n.norm(dim=-1, keepdim=True) / (g * y.float().cpu()).norm(dim=-1, keepdim=True).clamp_min(1e-30)
+        return g * scale
 
     def gate_bias(self) -> torch.Tensor | None:
         if self.gate_up_proj is not None:
@@ -202,7 +218,10 @@ def adapt(model: nn.Module, tokenizer: Any = None, source: str = "") -> ModelAda
                 "linear unit (needs gate, up and down projections); moelab converts GLU models "
                 "such as Llama, Mistral, Qwen2/3, Gemma, OLMo and Phi-3"
             )
-        layers.append(GLULayer(i, block, mlp, act, down, gate, up, fused))
+        post = getattr(block, "post_feedforward_layernorm", None)
+        # only an RMS norm is a per-dimension gain over rms(v): a LayerNorm also subtracts the mean
+        post = post if post is not None and type(post).__name__.endswith("RMSNorm") else None
+        layers.append(GLULayer(i, block, mlp, act, down, gate, up, fused, post))
     if len({id(lay.act_fn) for lay in layers}) != len(layers):
         # Profiling hooks the activation module per layer; a shared one would mix layers.
         raise ModelError(f"model type {family!r}: layers share one activation module, unsupported")

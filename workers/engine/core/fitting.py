@@ -408,7 +408,8 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
 def _curve_weights(adapter: ModelAdapter, calib: CalibrationInputs, plan_error: str) -> tuple[torch.Tensor, Any]:
     """The calibration tokens the plan's error curves are measured on (``CURVE_TOKENS``, an even
     subsample: the curve is a mean, its cost is T·E·d) and, per layer, their weights (module docstring):
-    ``residual``, each token's error over its residual stream's squared norm ``[T]``; ``output``, over
+    ``residual``, each token's error over its residual stream's squared norm ``[T]`` (``[T, d]`` where a
+    norm rescales the MLP output before it joins the stream: as it reaches the stream); ``output``, over
     the squared norm of the dense FFN's own output on it ``[T]`` (every layer's relative error counts
     alike); ``fisher``, each
     output dimension's by the empirical Fisher of the calibration loss ``[T, d]`` (``output_fisher``,
@@ -416,15 +417,22 @@ def _curve_weights(adapter: ModelAdapter, calib: CalibrationInputs, plan_error: 
     if plan_error in ("residual", "output"):
         every = max(1, calib.n_tokens // CURVE_TOKENS)
         tokens = torch.arange(0, calib.n_tokens, every)
-        if plan_error == "residual":
-            return tokens, lambda layer: 1 / calib.residual_sq[layer][tokens].clamp_min(1e-12)
-
-        def over_output(layer: int) -> torch.Tensor:
+        def dense_output(layer: int) -> torch.Tensor:
             gate_w, up_w, down_w = (w.detach().float().cpu() for w in dense_weights(adapter, layer))
-            y = _hidden(calib.mlp_inputs[layer][tokens], gate_w, up_w, adapter.activation) @ down_w.T
-            return 1 / y.pow(2).sum(-1).clamp_min(1e-12)
+            return _hidden(calib.mlp_inputs[layer][tokens], gate_w, up_w, adapter.activation) @ down_w.T
 
-        return tokens, over_output
+        def over_residual(layer: int) -> torch.Tensor:
+            w = 1 / calib.residual_sq[layer][tokens].clamp_min(1e-12)
+            lay = adapter.layers[layer]
+            if lay.post_norm is None:
+                return w
+            # A norm on the MLP output (Gemma 2/3, OLMo 2) adds g ⊙ y / rms(y) to the stream: to first
+            # order, an error e of y adds g ⊙ e / rms(y) (less its part along y), whatever y's own scale.
+            return lay.output_gain(dense_output(layer)).pow(2) * w[:, None]
+
+        if plan_error == "residual":
+            return tokens, over_residual
+        return tokens, lambda layer: 1 / dense_output(layer).pow(2).sum(-1).clamp_min(1e-12)
     if calib.windows is None:
         raise ConversionError("plan_error 'fisher' needs the calibration windows the inputs were read on")
     n_win, seq = calib.windows.shape
