@@ -306,6 +306,22 @@ def test_cuda_kernels_equal_the_cpu_reference_loop(router, combine, down_keep, m
                 torch.testing.assert_close(got.cpu(), ref, rtol=1e-5, atol=1e-5, msg=f"cuda {impl} on {name}")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("router", ALL_ROUTERS)
+def test_cuda_skipped_expert_means_equal_the_cpu_reference_loop(router):
+    """The skipped-expert means (summed through ``embedding_bag``) on a CUDA device, with half of each
+    expert's down projection kept: every kernel gives the CPU reference loop's output."""
+    import copy
+
+    g = torch.Generator().manual_seed(5)
+    mod = kernel_moe(router, "sum", down_keep=0.5, skip_mean=torch.randn(16, 32, generator=g))
+    x = torch.randn(200, 32, generator=g)
+    ref = run_impl(mod, x, "loop")
+    on_gpu = copy.deepcopy(mod).cuda()
+    for impl in FAST_IMPLS:
+        torch.testing.assert_close(run_impl(on_gpu, x.cuda(), impl).cpu(), ref, rtol=1e-5, atol=1e-5, msg=f"cuda {impl}")
+
+
 def test_every_expert_busy_and_odd_expert_size():
     """Each expert gets tokens (large batch, k close to E); expert_size 5 breaks grouped_mm's
     16-byte stride rule, so grouped_mm falls back to the sorted segments and still agrees."""
