@@ -417,6 +417,7 @@ def _curve_weights(adapter: ModelAdapter, calib: CalibrationInputs, plan_error: 
     if plan_error in ("residual", "output"):
         every = max(1, calib.n_tokens // CURVE_TOKENS)
         tokens = torch.arange(0, calib.n_tokens, every)
+
         def dense_output(layer: int) -> torch.Tensor:
             gate_w, up_w, down_w = (w.detach().float().cpu() for w in dense_weights(adapter, layer))
             return _hidden(calib.mlp_inputs[layer][tokens], gate_w, up_w, adapter.activation) @ down_w.T
