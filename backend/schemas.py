@@ -607,8 +607,9 @@ class FinetuneList(BaseModel):
 
 class TrainStep(BaseModel):
     step: int
-    loss: float | None = Field(None, description="total loss L_NTP + λ·L_LB (EW Eq. 12)")
+    loss: float | None = Field(None, description="total loss (1 − w)·L_NTP + w·L_KD + λ·L_LB (EW Eq. 12; w = distill)")
     ntp_loss: float | None = Field(None, description="next-token prediction loss")
+    kd_loss: float | None = Field(None, description="distillation loss KL(dense ‖ converted) per token; null when distill is 0")
     aux_loss: float | None = Field(None, description="load-balancing loss L_LB (EW Eq. 12); null when the routers have no probabilities")
     load_cv: float | None = Field(None, description="mean over layers of the step's expert-load CV (MI Eq. 7)")
     lr: float | None = None

@@ -827,7 +827,7 @@ def finetune_eval_text(params: dict[str, Any]) -> str:
 
 def finetune_loss(log: dict[str, Any]) -> go.Figure:
     """Training curve of a fine-tune (the ``/finetunes/{id}/log`` payload): total loss
-    L_NTP + λ·L_LB (EW Eq. 12) and next-token loss on the left axis, the load-balancing loss
+    (1 − w)·L_NTP + w·L_KD + λ·L_LB (EW Eq. 12), next-token loss and distillation loss on the left axis, the load-balancing loss
     L_LB on the right one (its scale differs by orders of magnitude); a dashed line where a
     re-run resumed from a checkpoint."""
     steps = log.get("steps") or []
@@ -838,6 +838,9 @@ def finetune_loss(log: dict[str, Any]) -> go.Figure:
     traces = [go.Scatter(x=x, y=[s.get("loss") for s in steps], mode="lines+markers", name="loss (total)")]
     if any(s.get("ntp_loss") is not None and s.get("ntp_loss") != s.get("loss") for s in steps):
         traces.append(go.Scatter(x=x, y=[s.get("ntp_loss") for s in steps], mode="lines", name="next-token loss", line={"dash": "dot"}))
+    if any(s.get("kd_loss") is not None for s in steps):
+        traces.append(go.Scatter(x=x, y=[s.get("kd_loss") for s in steps], mode="lines", name="distillation loss KL(dense ‖ converted)",
+                                 line={"dash": "dash"}))
     if any(s.get("aux_loss") is not None for s in steps):
         traces.append(go.Scatter(x=x, y=[s.get("aux_loss") for s in steps], mode="lines", name="aux loss L_LB", yaxis="y2"))
     notes = [f"{log.get('n_steps', len(steps))}/{log.get('total_steps', '?')} steps"]
@@ -986,7 +989,7 @@ def table(kind: str, data: dict[str, Any], **kw: Any) -> list[dict[str, Any]]:
     if kind == "specific-shares":
         return [dict(r) for r in data["layers"]]
     if kind == "finetune-log":
-        return [{k: st.get(k) for k in ("step", "loss", "ntp_loss", "aux_loss", "lr", "tokens", "elapsed_s")} for st in data["steps"]]
+        return [{k: st.get(k) for k in ("step", "loss", "ntp_loss", "kd_loss", "aux_loss", "lr", "tokens", "elapsed_s")} for st in data["steps"]]
     raise ValueError(f"no table for {kind!r}")
 
 

@@ -32,7 +32,7 @@ router = APIRouter(prefix="/finetunes", tags=["finetunes"])
 MODES: tuple[str, ...] = get_args(FinetuneMode)
 LOG_FILE = "train_log.json"
 #: step fields averaged over a bucket when a long log is thinned; the others keep the bucket's last value
-_MEAN_FIELDS = ("loss", "ntp_loss", "aux_loss", "load_cv", "lr")
+_MEAN_FIELDS = ("loss", "ntp_loss", "kd_loss", "aux_loss", "load_cv", "lr")
 _LAST_FIELDS = ("step", "tokens", "elapsed_s")
 
 

@@ -46,6 +46,7 @@ BUDGET: list[tuple[str, str, float, float, float, float | str]] = [
     ("lora_rank", "LoRA rank", 8, 0, 4096, 1),
     ("lb_coef", "λ load-balance loss (EW Eq. 12)", 0.01, 0, 100, "any"),
     ("bias_step", "γ bias step (CM §3.3)", 0.001, 0, 1, "any"),
+    ("distill", "distillation w (dense teacher)", 0.0, 0, 1, "any"),
 ]
 
 

@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="override FinetuneParams.steps")
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--router-lr", type=float, default=None)
+    ap.add_argument("--distill", type=float, default=None, help="override FinetuneParams.distill (dense teacher's weight)")
     ap.add_argument("--fresh", action="store_true", help="re-run runs already in the results file")
     ap.add_argument("--prepare", action="store_true", help="only make the profiles and conversions")
     ap.add_argument("--leave-out", choices=("code", "prose", "literature", "chat"), default=None,
@@ -153,7 +154,8 @@ def main() -> None:
         for name in args.runs:
             conversion(args.work, name, args.samples, data_dir, args.profile, tag)
         return
-    overrides = {k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("router_lr", args.router_lr)) if v is not None}
+    overrides = {k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("router_lr", args.router_lr),
+                                    ("distill", args.distill)) if v is not None}
     for name in args.runs:
         mode, conv_params = RUNS[name]
         params = FinetuneParams(mode=mode, **overrides, **fold)

@@ -21,7 +21,7 @@ from workers.engine.methods.expertweaver import EW_INIT_LOGIT_STD, ExpertWeaverP
 from workers.engine.methods.dense2moe import Dense2MoEParams
 from workers.engine.runtime.export import load_exported
 from workers.engine.training.finetune import (
-    FinetuneError, FinetuneParams, RoutingTap, apply_mode, load_balancing_loss,
+    FinetuneError, FinetuneParams, RoutingTap, apply_mode, distillation_loss, load_balancing_loss,
     load_conversion_for_training, merge_adapters, read_train_log, run_finetune,
     lr_factor, update_router_bias, window_indices,
 )
@@ -100,7 +100,7 @@ def trainable(model) -> set[str]:
     ({"lb_coef": -1.0}, "lb_coef"), ({"seq_len": 4}, "seq_len"), ({"lora_rank": 0}, "lora_rank"),
     ({"source": "  "}, "source"), ({"source": "/data/set", "eval_source": "/data/other"}, "eval_source"),
     ({"checkpoint_every": 0}, "checkpoint_every"), ({"batch_size": 2.5}, "batch_size"),
-    ({"warmup": 1.0}, "warmup"), ({"router_first": -0.1}, "router_first"),
+    ({"warmup": 1.0}, "warmup"), ({"router_first": -0.1}, "router_first"), ({"distill": 1.5}, "distill"),
 ])
 def test_bad_params_say_what_to_fix(change, words):
     with pytest.raises(FinetuneError, match=words):
@@ -142,6 +142,18 @@ def test_load_balancing_loss_is_eq12_on_a_hand_example():
     p = probs.clone().requires_grad_(True)
     load_balancing_loss(p, selected, 3).backward()  # the gradient reaches P only: 3·f_i/T
     torch.testing.assert_close(p.grad, torch.tensor([[0.375, 0.75, 0.375]] * 2))
+
+
+def test_distillation_loss_is_the_kl_from_the_dense_distribution_per_position():
+    student = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0]]])
+    teacher = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0]]])
+    # position 1: KL(p_t ‖ p_s) with p_t, p_s mirror images: Σ p_t log p_t − Σ p_t log p_s
+    pt = torch.softmax(teacher[0, 1], -1)
+    kl1 = float((pt * (pt.log() - torch.log_softmax(student[0, 1], -1))).sum())
+    assert kl1 > 0.5
+    assert float(distillation_loss(student, teacher)) == pytest.approx(kl1 / 2, rel=1e-6), "mean over the 2 positions"
+    assert float(distillation_loss(teacher + 3.0, teacher)) == pytest.approx(0.0, abs=1e-6), "logits are shift-invariant"
+    assert float(distillation_loss(student, student)) == pytest.approx(0.0, abs=1e-7)
 
 
 def test_bias_update_direction():
@@ -376,6 +388,42 @@ def test_cancel_then_resume_equals_an_uninterrupted_run(cmoe_run, convs, data_di
     wa, wb = load_file(str(full / "model" / "model.safetensors")), load_file(str(out / "model" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert summary["perplexity_after"] == a["perplexity_after"]
+
+
+def test_distillation_keeps_the_conversion_near_the_dense_model(cmoe_run, convs, data_dir, tiny_model, tmp_path_factory):
+    """distill = 1: the loss is L_KD alone (logged beside L_NTP), and the run stays near the dense model where the same
+    run on L_NTP alone (``cmoe_run``: same text, steps and rates) drifts toward its repetitive training text; measured
+    by the KL to the dense model on ids neither run saw. distill = 0.5 mixes the two terms."""
+    params, plain, _ = cmoe_run
+    root = tmp_path_factory.mktemp("ft-distill")
+    run_finetune(convs["cmoe"], quick("cmoe", params.source, steps=6, distill=1.0), root / "kd", data_dir=data_dir,
+                 device="cpu")
+    steps = read_train_log(root / "kd")["steps"]
+    assert all(s["loss"] == pytest.approx(s["kd_loss"], rel=1e-6) and math.isfinite(s["ntp_loss"]) for s in steps)
+    assert all(s["kd_loss"] is None for s in read_train_log(plain)["steps"])
+    dense = logits(load_model(str(tiny_model("llama")), data_dir=data_dir).model)
+    kl = {run: float(distillation_loss(logits(load_exported(out / "model")), dense)) for run, out in
+          (("kd", root / "kd"), ("ntp", plain))}
+    print("KL", kl)
+    assert kl["kd"] < 0.5 * kl["ntp"], kl
+
+    run_finetune(convs["cmoe"], quick("cmoe", params.source, steps=2, distill=0.5), root / "mix", data_dir=data_dir,
+                 device="cpu")
+    for s in read_train_log(root / "mix")["steps"]:
+        assert s["loss"] == pytest.approx(0.5 * s["ntp_loss"] + 0.5 * s["kd_loss"], rel=1e-5)
+
+
+def test_distillation_needs_the_dense_model_the_record_names(convs, text, data_dir, tmp_path):
+    import shutil
+
+    conv = tmp_path / "conv"
+    shutil.copytree(convs["cmoe"], conv)
+    record = json.loads((conv / "conversion.json").read_text())
+    record["model"].pop("source", None)
+    (conv / "conversion.json").write_text(json.dumps(record))
+    with pytest.raises(FinetuneError, match="dense model the conversion was made from.*use distill 0"):
+        run_finetune(conv, quick("cmoe", text, steps=1, distill=0.5), tmp_path / "out", data_dir=data_dir, device="cpu")
+    assert not (tmp_path / "out" / "train_log.json").exists()
 
 
 def test_expertweaver_and_dense2moe_runs(convs, text, data_dir, tmp_path_factory):

@@ -29,6 +29,14 @@ def test_loss_curve_has_total_ntp_and_aux_loss_on_its_own_axis():
     assert [sh.x0 for sh in resumed.layout.shapes] == [2] and resumed.layout.annotations[0].text == "resumed at 2"
 
 
+def test_loss_curve_shows_the_distillation_loss_beside_the_next_token_loss():
+    steps = [{**s, "kd_loss": 0.75 - 0.125 * s["step"], "aux_loss": None} for s in STEPS]
+    by_name = {t.name: t for t in F.finetune_loss({**LOG, "steps": steps}).data}
+    assert set(by_name) == {"loss (total)", "next-token loss", "distillation loss KL(dense ‖ converted)"}
+    assert list(by_name["distillation loss KL(dense ‖ converted)"].y) == [0.625, 0.5, 0.375, 0.25]
+    assert by_name["distillation loss KL(dense ‖ converted)"].yaxis in (None, "y")
+
+
 def test_loss_curve_without_aux_loss_or_ntp_split_has_one_trace_and_says_when_aggregated():
     steps = [{"step": s["step"], "loss": s["loss"], "ntp_loss": s["loss"], "aux_loss": None} for s in STEPS]
     fig = F.finetune_loss({**LOG, "steps": steps, "aggregated": True, "n_steps": 4000, "total_steps": 4000,
@@ -48,9 +56,9 @@ def test_summary_text_and_csv_rows():
         "perplexity 41.25 → 18.00"
     assert F.finetune_summary_text({"perplexity_before": None, "perplexity_after": None}) is None
     rows = F.table("finetune-log", LOG)
-    assert len(rows) == 4 and rows[0] == {"step": 1, "loss": 3.5, "ntp_loss": 3.4, "aux_loss": 0.11, "lr": 1e-4, "tokens": 512,
-                                          "elapsed_s": 0.3}
-    assert F.csv_text(rows).splitlines()[0] == "step,loss,ntp_loss,aux_loss,lr,tokens,elapsed_s"
+    assert len(rows) == 4 and rows[0] == {"step": 1, "loss": 3.5, "ntp_loss": 3.4, "kd_loss": None, "aux_loss": 0.11, "lr": 1e-4,
+                                          "tokens": 512, "elapsed_s": 0.3}
+    assert F.csv_text(rows).splitlines()[0] == "step,loss,ntp_loss,kd_loss,aux_loss,lr,tokens,elapsed_s"
 
 
 def test_the_pages_budget_defaults_are_the_apis():

@@ -53,6 +53,14 @@ Choices where the papers leave room (each tested in tests/engine/test_finetune.p
   ``P_i`` = mean router probability over the batch's tokens; ``L_LB`` is averaged over layers.
 * **Schedule.** AdamW (β = 0.9, 0.95 as CM §4; no weight decay), linear warm-up over the first
   ``warmup`` share of the steps (10% by default), cosine decay to 10%; gradient norm clipped at 1.
+* **Distillation** (``distill`` = w > 0; not in the papers, which train on L_NTP alone). The dense
+  model the conversion was made from is the teacher: ``L = (1 − w)·L_NTP + w·L_KD (+ λ·L_LB)``,
+  ``L_KD`` the mean over every position of ``KL(p_dense ‖ p_converted)`` at temperature 1 (the
+  full next-token distributions; as Minitron-style pruning recovery does). A converted model
+  starts as a perturbation of its teacher, so each token's whole distribution says how to move
+  back, where L_NTP gives one label; it is also the same signal on any text, which is what a
+  conversion scored off its training domains needs. The teacher's forward costs a step about a
+  third more on CPU (``bench_recovery`` measures both at equal wall time).
 * **Data.** Training windows of ``seq_len`` tokens are cut from the calibration split of
   ``source`` (samples joined by EOS, as ``evaluation.metrics.heldout_windows`` does on the held-out
   split), shuffled per epoch with ``seed``; when the text runs out the next epoch reshuffles.
@@ -165,6 +173,14 @@ def load_balancing_loss(probs: torch.Tensor, selected: torch.Tensor, n_experts: 
     sel = selected.reshape(-1)
     f = torch.bincount(sel, minlength=n_experts).to(probs.dtype) / max(1, sel.numel())
     return n_experts * (f * probs.reshape(-1, n_experts).mean(0)).sum()
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """``L_KD``: mean over positions of ``KL(p_teacher ‖ p_student)`` (temperature 1), logits ``[..., V]``;
+    0 when the two distributions are equal (module docstring, "Distillation")."""
+    s = F.log_softmax(student_logits.float().reshape(-1, student_logits.shape[-1]), -1)
+    t = F.log_softmax(teacher_logits.float().reshape(-1, teacher_logits.shape[-1]), -1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean")
 
 
 @torch.no_grad()
@@ -519,16 +535,15 @@ def run_finetune(
     ckpt_root = out / CHECKPOINT_DIR
     ckpt, log = _resumable(out, params)
     dev = resolve_device(device)
-    record = json.loads((conversion_dir / CONVERSION_FILE).read_text()) if (conversion_dir / CONVERSION_FILE).is_file() else None
+    record = _conversion_record(conversion_dir, params)
     moe, tokenizer, train_win, eval_win = _load_inputs(conversion_dir, params, dev, data_dir, progress)
-    if log is None or log.get("perplexity_before") is None:
-        log = {"params": params.to_dict(), "mode": params.mode, "status": "evaluating", "steps": [],
-               "conversion": str(conversion_dir.resolve()), "train_windows": int(len(train_win)),
-               "eval_windows": int(len(eval_win)), "eval_source": params.heldout_source(),
-               "lb_coef_used": params.lb_used, "resumed_at": [],
-               "perplexity_before": perplexity(moe, eval_win, progress=progress, stage="perplexity before")[0],
-               "dense_perplexity": _dense_perplexity(record, eval_win, data_dir, device, progress, loader)}
+    fresh = log is None or log.get("perplexity_before") is None
+    dense = _dense_model(record, data_dir, device, progress, loader) if fresh or params.distill > 0 else None
+    teacher = dense if params.distill > 0 else None
+    if fresh:
+        log = _fresh_log(conversion_dir, params, moe, dense, train_win, eval_win, progress)
         write_json_atomic(out / TRAIN_LOG, log)
+    del dense  # kept only as the teacher: the float32 dense model is as large as the conversion
 
     setup = _set_up(moe, params, train_win, eval_win, dev, log, progress)
     optimizer = _optimizer(setup, params)
@@ -561,8 +576,8 @@ def run_finetune(
             x = train_win[idx].to(dev)
             factor = _schedule(optimizer, setup, params, step)
             tap.reset()
-            loss_sum, ntp_sum, aux_sum = _accumulate_step(setup, params, tap, x,
-                                                          lambda: progress.update("train", step, params.steps))
+            sums = _accumulate_step(setup, params, tap, x, lambda: progress.update("train", step, params.steps),
+                                    teacher)
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -572,8 +587,7 @@ def run_finetune(
             step += 1
             elapsed += time.perf_counter() - t_step
             log["steps"].append({
-                "step": step, "loss": loss_sum, "ntp_loss": ntp_sum,
-                "aux_loss": aux_sum, "load_cv": tap.mean_load_cv(),
+                "step": step, **sums, "load_cv": tap.mean_load_cv(),
                 "lr": params.lr * factor if setup.groups.get("adapters") else params.router_lr * factor,
                 "tokens": step * params.batch_size * params.seq_len, "elapsed_s": elapsed,
             })
@@ -592,6 +606,28 @@ def run_finetune(
 
     return _export_finetuned(setup, conversion_dir, out, params, record, log, tokenizer, eval_win, step, elapsed, t0,
                              progress)
+
+
+def _conversion_record(conversion_dir: Path, params: FinetuneParams) -> dict | None:
+    """The conversion's record (None without one); distillation needs the dense model it names."""
+    path = conversion_dir / CONVERSION_FILE
+    record = json.loads(path.read_text()) if path.is_file() else None
+    if params.distill > 0 and not ((record or {}).get("model") or {}).get("source"):
+        raise FinetuneError(f"distill={params.distill:g} needs the dense model the conversion was made from, and "
+                            f"{conversion_dir}'s record names none: use distill 0")
+    return record
+
+
+def _fresh_log(conversion_dir: Path, params: FinetuneParams, moe: nn.Module, dense: nn.Module | None,
+               train_win: torch.Tensor, eval_win: torch.Tensor, progress: Progress) -> dict[str, Any]:
+    """A new run's log: what it trains on and the held-out perplexity before training, and the dense model's."""
+    return {"params": params.to_dict(), "mode": params.mode, "status": "evaluating", "steps": [],
+            "conversion": str(conversion_dir.resolve()), "train_windows": int(len(train_win)),
+            "eval_windows": int(len(eval_win)), "eval_source": params.heldout_source(),
+            "lb_coef_used": params.lb_used, "resumed_at": [],
+            "perplexity_before": perplexity(moe, eval_win, progress=progress, stage="perplexity before")[0],
+            "dense_perplexity": None if dense is None else
+            perplexity(dense, eval_win, progress=progress, stage="perplexity dense")[0]}
 
 
 def _validate(params: FinetuneParams, conversion_dir: Path) -> None:
@@ -661,29 +697,40 @@ def _resumable(out: Path, params: FinetuneParams) -> tuple[Any, dict | None]:
 
 
 def _accumulate_step(setup: TrainSetup, params: FinetuneParams, tap: RoutingTap, x: torch.Tensor,
-                     between: Any) -> tuple[float, float, float | None]:
-    """Forward and backward of one step's windows ``x``; returns ``(loss, ntp_loss, aux_loss)``.
+                     between: Any, teacher: nn.Module | None = None) -> dict[str, float | None]:
+    """Forward and backward of one step's windows ``x``; returns the step's mean ``loss``, ``ntp_loss``,
+    ``aux_loss`` (None without router probabilities) and ``kd_loss`` (None without a ``teacher``).
 
     A step of batch_size × seq_len tokens runs as micro-batches of at most STEP_TOKENS tokens (gradients
     accumulated, each weighted by its share of the windows): one forward/backward is bounded, and a cancel
-    is seen between them (``between()``, a progress update), not only after a step of unbounded size."""
+    is seen between them (``between()``, a progress update), not only after a step of unbounded size.
+    With a ``teacher`` the loss is ``(1 − w)·L_NTP + w·L_KD`` (w = ``distill``, module docstring)."""
     per = window_batch(len(x), params.seq_len, STEP_TOKENS)
-    ntp_sum, aux_sum, loss_sum = 0.0, None, 0.0
+    sums: dict[str, float | None] = {"loss": 0.0, "ntp_loss": 0.0, "aux_loss": None, "kd_loss": None}
+    w = float(params.distill) if teacher is not None else 0.0
     for start in range(0, len(x), per):
         if start:
             between()
         xb = x[start:start + per]
         weight = len(xb) / len(x)
-        ntp_b = setup.model(input_ids=xb, labels=xb, use_cache=False).loss
+        out = setup.model(input_ids=xb, labels=xb, use_cache=False)
+        terms = {"ntp_loss": out.loss}
+        loss_b = out.loss
+        if teacher is not None:
+            with torch.no_grad():
+                target = teacher(input_ids=xb, use_cache=False).logits
+            terms["kd_loss"] = distillation_loss(out.logits, target)
+            loss_b = terms["kd_loss"] if w >= 1 else (1 - w) * out.loss + w * terms["kd_loss"]
         aux_b = tap.aux_loss()
         tap.terms.clear()
-        loss_b = ntp_b + params.lb_used * aux_b if aux_b is not None and params.lb_used > 0 else ntp_b
-        (loss_b * weight if weight != 1 else loss_b).backward()
-        ntp_sum += weight * float(ntp_b.detach())
-        loss_sum += weight * float(loss_b.detach())
         if aux_b is not None:
-            aux_sum = (aux_sum or 0.0) + weight * float(aux_b.detach())
-    return loss_sum, ntp_sum, aux_sum
+            terms["aux_loss"] = aux_b
+            if params.lb_used > 0:
+                loss_b = loss_b + params.lb_used * aux_b
+        (loss_b * weight if weight != 1 else loss_b).backward()
+        for key, value in {**terms, "loss": loss_b}.items():
+            sums[key] = (sums[key] or 0.0) + weight * float(value.detach())
+    return sums
 
 
 def _export_finetuned(setup: TrainSetup, conversion_dir: Path, out: Path, params: FinetuneParams, record: dict | None,
@@ -724,12 +771,15 @@ def _export_finetuned(setup: TrainSetup, conversion_dir: Path, out: Path, params
     return summary
 
 
-def _dense_perplexity(record: dict | None, windows: torch.Tensor, data_dir: Path | None, device: str,
-                      progress: Progress, loader: Any) -> float | None:
-    """The dense model's perplexity on the same windows (reference), when the record names it."""
+def _dense_model(record: dict | None, data_dir: Path | None, device: str, progress: Progress, loader: Any
+                 ) -> nn.Module | None:
+    """The dense model the conversion was made from (float32, eval mode; the perplexity reference and the
+    distillation teacher), None when the record names none."""
     source = ((record or {}).get("model") or {}).get("source")
     if not source:
         return None
-    adapter = loader(source, data_dir=data_dir, device=device, dtype="float32", progress=progress)
-    ppl, _ = perplexity(adapter.model, windows, progress=progress, stage="perplexity dense")
-    return ppl
+    model = loader(source, data_dir=data_dir, device=device, dtype="float32", progress=progress).model
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model

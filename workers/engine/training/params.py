@@ -66,6 +66,9 @@ class FinetuneParams(DeclaredParams):
                                     "split); unset: source when it is a built-in, else builtin:mixed")
     eval_windows: int = param(16, "held-out windows for perplexity before / after / dense", ge=1, le=4096)
     seed: int = param(0, "seed of the training-window order and of the adapters' initialisation", ge=0)
+    distill: float = param(0.0, "weight w of distillation from the dense model the conversion was made from: loss = "
+                           "(1 − w)·L_NTP + w·KL(dense ‖ converted) per token; 0: next-token loss alone, as the papers "
+                           "train", ge=0, le=1)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
