@@ -74,6 +74,7 @@ def cancelled_conversion_id(settings, profile_id) -> str:
     ({"source": "builtin:poetry"}, 422, "unknown built-in set 'builtin:poetry'"),
     ({"source": "cal-0000000000000000"}, 422, "neither builtin:NAME nor the id of a stored calibration set"),
     ({"stepz": 5}, 422, "stepz: unknown field"),
+    ({"distill": 1.5}, 422, "distill: Input should be less than or equal to 1"),
 ])
 def test_bad_requests_say_what_to_fix(client, conversion_id, body, status, words):
     before = client.get("/api/v1/finetunes").json()["total"]
@@ -230,3 +231,16 @@ def test_cancel_mid_run_then_rerun_resumes_from_the_checkpoint(client, settings,
     assert ft["status"] == "ready" and ft["job_id"] == r.json()["id"] and ft["result_conversion_id"]
     history = client.get("/api/v1/jobs", params={"resource_id": created["id"]}).json()["items"]
     assert [j["state"] for j in history] == ["succeeded", "cancelled"]
+
+
+def test_a_distilled_run_mixes_the_dense_teachers_kl_into_its_loss(client, conversion_id):
+    """distill 0.5 through the service: the worker loads the dense model the conversion names as the teacher, and
+    every logged step's loss is (1 − w)·L_NTP + w·L_KD + λ·L_LB (EW Eq. 12, λ = 0.01 by default)."""
+    wait_idle(client)
+    created = _create(client, conversion_id, steps=2, distill=0.5)
+    assert created["params"]["distill"] == 0.5
+    succeeded(client, created, timeout=180)
+    steps = _log(client, created["id"])["steps"]
+    assert len(steps) == 2 and all(st["kd_loss"] is not None and st["kd_loss"] > -1e-6 for st in steps)
+    for st in steps:
+        assert st["loss"] == pytest.approx(0.5 * st["ntp_loss"] + 0.5 * st["kd_loss"] + 0.01 * st["aux_loss"], rel=1e-5)
