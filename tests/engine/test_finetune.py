@@ -381,6 +381,10 @@ def test_cancel_then_resume_equals_an_uninterrupted_run(cmoe_run, convs, data_di
     assert not (out / "model").exists()
     with pytest.raises(FinetuneError, match="other parameters"):
         run_finetune(convs["cmoe"], quick("cmoe", params.source, steps=7), out, data_dir=data_dir, device="cpu")
+    state = out / "checkpoints" / "step-000004" / "state.json"  # written before ``distill`` existed: its default
+    old = json.loads(state.read_text())
+    old["params"].pop("distill")
+    state.write_text(json.dumps(old))
     summary = run_finetune(convs["cmoe"], params, out, data_dir=data_dir, device="cpu")
     a, b = read_train_log(full), read_train_log(out)
     assert [s["loss"] for s in b["steps"]] == [s["loss"] for s in a["steps"]], "bit-identical losses"

@@ -60,7 +60,8 @@ Choices where the papers leave room (each tested in tests/engine/test_finetune.p
   starts as a perturbation of its teacher, so each token's whole distribution says how to move
   back, where L_NTP gives one label; it is also the same signal on any text, which is what a
   conversion scored off its training domains needs. The teacher's forward costs a step about a
-  third more on CPU (``bench_recovery`` measures both at equal wall time).
+  third more on CPU. Measured on the default model out of domain (docs/quality.md, "Recovery
+  fine-tuning"), w = 1 ended worse than L_NTP alone at equal wall time, so the default stays 0.
 * **Data.** Training windows of ``seq_len`` tokens are cut from the calibration split of
   ``source`` (samples joined by EOS, as ``evaluation.metrics.heldout_windows`` does on the held-out
   split), shuffled per epoch with ``seed``; when the text runs out the next epoch reshuffles.
@@ -686,9 +687,10 @@ def _schedule(optimizer: torch.optim.Optimizer, setup: TrainSetup, params: Finet
 
 def _resumable(out: Path, params: FinetuneParams) -> tuple[Any, dict | None]:
     """The latest checkpoint in ``out`` and its training log (``(None, None)`` for a fresh run); a
-    checkpoint of a run with other parameters is refused."""
+    checkpoint of a run with other parameters is refused. A parameter added since the checkpoint was
+    written counts with its default, which is what that run trained with."""
     ckpt = latest_checkpoint(out / CHECKPOINT_DIR)
-    if ckpt is not None and ckpt.state.get("params") != params.to_dict():
+    if ckpt is not None and {**FinetuneParams().to_dict(), **(ckpt.state.get("params") or {})} != params.to_dict():
         raise FinetuneError(
             f"{out} holds checkpoints of a run with other parameters ({ckpt.state.get('params')}); "
             "resume with those parameters or use a new output directory"
