@@ -539,10 +539,11 @@ def run_finetune(
     record = _conversion_record(conversion_dir, params)
     moe, tokenizer, train_win, eval_win = _load_inputs(conversion_dir, params, dev, data_dir, progress)
     fresh = log is None or log.get("perplexity_before") is None
+    before = perplexity(moe, eval_win, progress=progress, stage="perplexity before")[0] if fresh else None
     dense = _dense_model(record, data_dir, device, progress, loader) if fresh or params.distill > 0 else None
     teacher = dense if params.distill > 0 else None
     if fresh:
-        log = _fresh_log(conversion_dir, params, moe, dense, train_win, eval_win, progress)
+        log = _fresh_log(conversion_dir, params, before, dense, train_win, eval_win, progress)
         write_json_atomic(out / TRAIN_LOG, log)
     del dense  # kept only as the teacher: the float32 dense model is as large as the conversion
 
@@ -619,15 +620,14 @@ def _conversion_record(conversion_dir: Path, params: FinetuneParams) -> dict | N
     return record
 
 
-def _fresh_log(conversion_dir: Path, params: FinetuneParams, moe: nn.Module, dense: nn.Module | None,
+def _fresh_log(conversion_dir: Path, params: FinetuneParams, before: float, dense: nn.Module | None,
                train_win: torch.Tensor, eval_win: torch.Tensor, progress: Progress) -> dict[str, Any]:
-    """A new run's log: what it trains on and the held-out perplexity before training, and the dense model's."""
+    """A new run's log: what it trains on, the held-out perplexity ``before`` training and the dense model's."""
     return {"params": params.to_dict(), "mode": params.mode, "status": "evaluating", "steps": [],
             "conversion": str(conversion_dir.resolve()), "train_windows": int(len(train_win)),
             "eval_windows": int(len(eval_win)), "eval_source": params.heldout_source(),
             "lb_coef_used": params.lb_used, "resumed_at": [],
-            "perplexity_before": perplexity(moe, eval_win, progress=progress, stage="perplexity before")[0],
-            "dense_perplexity": None if dense is None else
+            "perplexity_before": before, "dense_perplexity": None if dense is None else
             perplexity(dense, eval_win, progress=progress, stage="perplexity dense")[0]}
 
 
