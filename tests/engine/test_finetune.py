@@ -408,7 +408,6 @@ def test_distillation_keeps_the_conversion_near_the_dense_model(cmoe_run, convs,
     dense = logits(load_model(str(tiny_model("llama")), data_dir=data_dir).model)
     kl = {run: float(distillation_loss(logits(load_exported(out / "model")), dense)) for run, out in
           (("kd", root / "kd"), ("ntp", plain))}
-    print("KL", kl)
     assert kl["kd"] < 0.5 * kl["ntp"], kl
 
     run_finetune(convs["cmoe"], quick("cmoe", params.source, steps=2, distill=0.5), root / "mix", data_dir=data_dir,
