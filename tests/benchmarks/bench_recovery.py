@@ -29,8 +29,9 @@ peak RSS. Runs (``RUNS``):
 ``builtin:mixed`` but the domain and its companions) and scored on the left-out domain's held-out
 text; recorded as ``NAME@without-DOMAIN``.
 
-"≤ 15 minutes of CPU fine-tuning": 90 steps of 4 × 256 tokens at ≈ 9 s a step on 2 idle cores;
-``train_s`` is the wall time measured (longer when the machine is shared).
+"≤ 15 minutes of CPU fine-tuning" is a number of steps only on a given machine: ``--recipe best`` at 0.5 takes
+6.3 to 12.4 s a step of 4 × 256 tokens on 2 idle cores (9.5 s with ``--distill``, the teacher's forward); size
+``--steps`` from ``seconds_per_step``. ``train_s`` is the wall time measured (longer when the machine is shared).
 
 Writes tests/benchmarks/results/bench_recovery.json (a finished run is not re-run unless
 ``--fresh`` or its parameters changed) and prints one summary line.
