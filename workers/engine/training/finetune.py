@@ -614,7 +614,7 @@ def _conversion_record(conversion_dir: Path, params: FinetuneParams) -> dict | N
     """The conversion's record (None without one); distillation needs the dense model it names."""
     path = conversion_dir / CONVERSION_FILE
     record = json.loads(path.read_text()) if path.is_file() else None
-    if params.distill > 0 and not ((record or {}).get("model") or {}).get("source"):
+    if params.distill > 0 and not _dense_source(record):
         raise FinetuneError(f"distill={params.distill:g} needs the dense model the conversion was made from, and "
                             f"{conversion_dir}'s record names none: use distill 0")
     return record
@@ -773,11 +773,16 @@ def _export_finetuned(setup: TrainSetup, conversion_dir: Path, out: Path, params
     return summary
 
 
+def _dense_source(record: dict | None) -> str | None:
+    """The dense model a conversion's record says it was made from (None when it names none)."""
+    return ((record or {}).get("model") or {}).get("source") or None
+
+
 def _dense_model(record: dict | None, data_dir: Path | None, device: str, progress: Progress, loader: Any
                  ) -> nn.Module | None:
     """The dense model the conversion was made from (float32, eval mode; the perplexity reference and the
     distillation teacher), None when the record names none."""
-    source = ((record or {}).get("model") or {}).get("source")
+    source = _dense_source(record)
     if not source:
         return None
     model = loader(source, data_dir=data_dir, device=device, dtype="float32", progress=progress).model
