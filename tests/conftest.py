@@ -4,16 +4,38 @@ random-weight models of every supported family, built from their real transforme
 from __future__ import annotations
 
 import os
-
-# No test needs the Hub; without this, a Hub lookup spends ~20 s in retries before failing.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import shutil
 from pathlib import Path
 
-import pytest
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
+
+from tests.isolation import changes, isolated_environment, snapshot, suite_paths  # noqa: E402
+
+# Before anything reads settings or a cache path: this process and every child it starts keep to the
+# suite's directory. The user's real home is snapshotted now and compared when the session ends.
+REAL_HOME = Path(os.path.expanduser("~")).resolve()
+_HOME_BEFORE = snapshot(REAL_HOME)
+_ENV = isolated_environment(dict(os.environ), REPO)
+os.environ.clear()
+os.environ.update(_ENV)
+for _path in suite_paths(REPO).values():
+    _path.mkdir(parents=True, exist_ok=True)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Fail the run when it created, changed or removed anything in the user's real home."""
+    if REAL_HOME == suite_paths(REPO)["home"]:  # a run nested in the suite watches nothing of the user's
+        return
+    leaked = changes(_HOME_BEFORE, snapshot(REAL_HOME))
+    if leaked:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = [f"the suite reached outside its directory, into {REAL_HOME}:", *(f"  {c}" for c in leaked[:50])]
+        if reporter is not None:
+            reporter.write_line("\n".join(lines), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 TINY = dict(
     hidden_size=64,
@@ -41,10 +63,9 @@ FAMILIES = {
 
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
-    """Survives between runs so the default model is dequantised once per machine."""
-    path = Path(os.environ.get("MOELAB_TEST_DATA_DIR", REPO / ".moelab" / "test-data"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """Survives between runs so the default model is dequantised once per clone; it is also every
+    process's ``MOELAB_DATA_DIR`` unless a test gives it another."""
+    return suite_paths(REPO)["data"]
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -257,3 +258,40 @@ def test_finetune_cmoe_conversion_resumable_work_dir(tmp_path, tiny_profile, dat
     assert json.loads((work / "model" / "conversion.json").read_text())["finetune"]
     bad = moelab("finetune", str(conv), "--mode", "midas", "--steps", "1", "--out", str(tmp_path / "x"), data_dir=data_dir, check=False)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+def test_every_json_command_prints_json_alone_on_a_cold_cache(tmp_path):
+    """``--json`` means stdout is JSON only: every command that takes it, run as a user runs it (a real process)
+    in a data dir where nothing is cached yet, so the first command to touch the default model de-quantises it
+    (transformers' progress bar) and the first to read a built-in set builds it. Progress goes to stderr."""
+    cold = tmp_path / "cold"
+    assert not (cold / "models").exists()
+
+    def run(*args: str) -> dict | list:
+        proc = moelab(*args, "--json", data_dir=cold)
+        try:
+            return json.loads(proc.stdout)
+        except json.JSONDecodeError as exc:
+            raise AssertionError(f"moelab {' '.join(args)} --json: stdout is not JSON alone ({exc}):\n{proc.stdout[:2000]}")
+
+    exported = run("export", "default", "--format", "gguf", "--type", "f16", "--out", str(tmp_path / "gguf"))
+    assert exported["format"] == "gguf" and Path(exported["file"]).is_file()
+    assert (cold / "models").is_dir()  # the cold cache was filled by that command
+    assert json.loads(moelab("inspect", "default", data_dir=cold).stdout)["n_layers"] == 30  # JSON without the flag
+    assert {m["name"] for m in run("methods")} >= {"expertweaver", "cmoe", "dense2moe", "midas"}
+    assert run("data", "show", "builtin:mixed", "--samples", "8")["stats"]["n_samples"] == 8
+    prof = run("profile", "--model", "default", "--calib", "builtin:mixed", "--samples", "8", "--max-tokens", "32",
+               "--out", str(tmp_path / "p"))
+    assert prof["n_layers"] == 30
+    conv = run("convert", "--profile", str(tmp_path / "p"), "--method", "cmoe", "--experts", "8", "--shared", "2",
+               "--active", "2", "--out", str(tmp_path / "c"))
+    assert 0 < conv["summary"]["ffn_flops_fraction"] < 1
+    report = run("evaluate", str(tmp_path / "c"), "--windows", "2", "--seq-len", "32", "--no-baselines")
+    assert report["heldout"]["windows"] == 2
+    tuned = run("finetune", str(tmp_path / "c"), "--steps", "1", "--batch-size", "1", "--seq-len", "32", "--out", str(tmp_path / "ft"))
+    assert tuned["steps"] == 1
+    native = run("export", str(tmp_path / "ft" / "model"), "--format", "moelab", "--out", str(tmp_path / "x"))
+    assert Path(native["out"]).is_dir()
+    probe = run("probe", "activation", "--profile", str(tmp_path / "p"), "--layer", "0", "--neuron", "3", "--text", "def f(x):")
+    assert probe["neurons"] == [3]

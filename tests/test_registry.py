@@ -157,7 +157,7 @@ def test_methods_are_listed_by_the_cli_and_the_api(tmp_path):
 
     out = CliRunner().invoke(main, ["methods", "--json"])
     assert out.exit_code == 0, out.output
-    listed = json.loads(out.output)
+    listed = json.loads(out.stdout)
     assert [m["name"] for m in listed] == list(REGISTRY)
     ew = next(m for m in listed if m["name"] == "expertweaver")
     tau = next(p for p in ew["params"] if p["name"] == "tau")

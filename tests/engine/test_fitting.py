@@ -257,7 +257,7 @@ def test_recipe_best_from_the_cli_records_its_cost_and_the_export_reloads(fitted
                                     "--n-experts", "8", "--fit-tokens", "512", "--out", str(out), "--json", "--quiet"])
     get_settings.cache_clear()
     assert res.exit_code == 0, res.output
-    record = json.loads(res.output[res.output.index("{"):])
+    record = json.loads(res.stdout)
     assert record["params"]["router"] == "ridge" and record["params"]["plan"] == "budget"
     assert record["params"]["alpha_basis"] == "active" and record["params"]["compensation"] == "skipped_mean"
     model = load_exported(out)

@@ -149,7 +149,7 @@ def _torch_run(model, tokens, n_new):
 def _export(src, out, gguf_type="f32"):
     res = CliRunner().invoke(main, ["export", str(src), "--format", "gguf", "--type", gguf_type, "--out", str(out), "--json"])
     assert res.exit_code == 0, res.output
-    return json.loads(res.output)
+    return json.loads(res.stdout)
 
 
 @pytest.fixture(scope="module")

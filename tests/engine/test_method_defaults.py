@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _defaults() -> dict[str, dict]:
     out = CliRunner().invoke(main, ["methods", "--json"])
     assert out.exit_code == 0, out.output
-    return {m["name"]: {p["name"]: p["default"] for p in m["params"]} for m in json.loads(out.output)}
+    return {m["name"]: {p["name"]: p["default"] for p in m["params"]} for m in json.loads(out.stdout)}
 
 
 @pytest.fixture(scope="module")
