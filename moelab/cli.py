@@ -403,22 +403,46 @@ def _print_partition(record: dict[str, Any]) -> None:
 @click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
 @click.option("--source", default="builtin:mixed", show_default=True, help="built-in set whose held-out split is used")
 @click.option("--no-baselines", is_flag=True, help="skip AbsTopK-GLU, uniform allocation and TEAL (activation sparsity)")
+@click.option("--tasks", "task_names", default=None,
+              help="lm-evaluation-harness tasks, comma-separated (e.g. moelab_chat_qa,moelab_lastword,arc_easy): "
+                   "accuracy ± stderr of every model evaluated; `moelab tasks` lists them")
+@click.option("--num-fewshot", type=click.IntRange(min=0), default=None, help="few-shot examples per item (default: each task's own)")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="items per task (default: all)")
+@click.option("--task-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="a directory of your own lm-eval task YAMLs (lm-eval's include path)")
+@click.option("--online", is_flag=True, help="let lm-eval download task data (default: offline, installed or cached data only)")
+@click.option("--table", type=click.Choice(["markdown", "csv"]), default=None,
+              help="print the tasks as a paper-style table (one row per model, one column per task) instead of the report")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--quiet", is_flag=True)
-def evaluate(conversion_dir: Path, windows: int, seq_len: int, source: str, no_baselines: bool, as_json: bool, quiet: bool) -> None:
-    """Perplexity dense vs converted vs baselines on held-out text, reconstruction, routing."""
+def evaluate(conversion_dir: Path, windows: int, seq_len: int, source: str, no_baselines: bool, task_names: str | None,
+             num_fewshot: int | None, limit: int | None, task_dir: Path | None, online: bool, table: str | None,
+             as_json: bool, quiet: bool) -> None:
+    """Perplexity dense vs converted vs baselines on held-out text, reconstruction, routing; with --tasks, downstream
+    accuracy through lm-evaluation-harness."""
+    from workers.engine.evaluation.harness import TaskRequest, task_table
     from workers.engine.runs import run_evaluation
 
     cfg = get_settings()
     _quiet_transformers()
+    if table and not task_names:
+        raise click.UsageError("--table needs --tasks")
+    request = None
+    if task_names:
+        names = tuple(dict.fromkeys(t.strip() for t in task_names.split(",") if t.strip()))
+        request = TaskRequest(tasks=names, num_fewshot=num_fewshot, limit=limit, task_dir=task_dir, online=online)
     with _progress(quiet) as progress:  # bars on stderr even with --json (stdout stays the JSON): minutes of silence read as hung
         report = run_evaluation(
             conversion_dir, data_dir=cfg.data_dir, n_windows=windows, seq_len=seq_len,
             baselines=not no_baselines, source=source, device=cfg.device, progress=progress,
             max_tokens=cfg.max_eval_tokens,  # windows × seq-len beyond MOELAB_MAX_EVAL_TOKENS: refused before any model loads
+            tasks=request,
         )
     if as_json:
         click.echo(json.dumps(report, indent=2))
+        return
+    if table:
+        click.echo(task_table(report["tasks"], fmt=table), nl=False)
         return
     h = report["heldout"]
     click.echo(f"held-out {h['source']} ({h['windows']} windows x {h['seq_len']} tokens)")
@@ -438,6 +462,31 @@ def evaluate(conversion_dir: Path, windows: int, seq_len: int, source: str, no_b
                        + (f" (the conversion's: {own:.3f})" if isinstance(own, (int, float)) else ""))
     for name, note in (report.get("notes") or {}).items():
         click.echo(f"  note ({name}): {note}")
+    if report.get("tasks"):
+        click.echo("downstream accuracy (lm-evaluation-harness; % ± stderr)")
+        click.echo(task_table(report["tasks"]), nl=False)
+
+
+@main.command("tasks")
+@click.option("--task-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="also list the tasks of this directory of lm-eval task YAMLs")
+@click.option("--all", "show_all", is_flag=True, help="also list lm-eval's registry (their data must be cached, or --online)")
+@click.option("--json", "as_json", is_flag=True)
+def tasks_list(task_dir: Path | None, show_all: bool, as_json: bool) -> None:
+    """Tasks `moelab evaluate --tasks` can run: moelab's built-in ones (offline), a --task-dir's, lm-eval's."""
+    from workers.engine.evaluation.harness import list_tasks
+
+    with _engine_errors():
+        listed = list_tasks(task_dir)
+    registry = [t for t in listed if t["source"] == "lm-eval"]
+    shown = listed if show_all else [t for t in listed if t["source"] != "lm-eval"]
+    if as_json:
+        click.echo(json.dumps(shown, indent=2))
+        return
+    for t in shown:
+        click.echo(f"{t['name']:<40} {t['source']:<9} {'offline' if t['offline'] else 'needs its data cached or --online'}")
+    if not show_all:
+        click.echo(f"… and {len(registry)} tasks of lm-eval's registry (--all lists them; their data must be cached, or --online)")
 
 
 @main.command("export")

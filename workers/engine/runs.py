@@ -6,6 +6,7 @@ Each job reads its inputs from artifact directories, reports progress through ``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import time
@@ -18,7 +19,8 @@ from .data.calibration import CalibrationSet, load_calibration
 from .data.builtin import bigbench_installed
 from .evaluation import reference_scores
 from .limits import conversion_config, eval_tokens_problem, seq_len_problem
-from .evaluation.metrics import bigbench_choice_items, evaluate_models, evaluate_variants, heldout_windows
+from .evaluation.harness import TaskRequest, load_tasks, run_tasks
+from .evaluation.metrics import bigbench_choice_items, evaluate_models, evaluate_variants, heldout_windows, swapped_mlps
 from .methods import ConversionInputs, Method, check_conversion, get_method, method_of
 from .models import ModelAdapter, load_model
 from .runtime.export import CONVERSION_FILE, export_model, load_exported
@@ -165,7 +167,7 @@ def run_evaluation(
     conversion_dir: Path, *, data_dir: Path, n_windows: int = 32, seq_len: int = 256, baselines: bool = True,
     source: str = "builtin:mixed", device: str = "auto", progress: Progress = NO_PROGRESS, write: bool = True,
     mc_per_task: int = 50, loader: ModelLoader = load_model, max_tokens: int | None = None,
-    load_converted: Callable[[Path], Any] = load_exported,
+    load_converted: Callable[[Path], Any] = load_exported, tasks: TaskRequest | None = None,
 ) -> dict[str, Any]:
     """Perplexity dense vs converted (vs the method's baselines, e.g. AbsTopK for EW/CMoE, and TEAL at the
     conversion's cost wherever the method has baselines) in one run, plus reconstruction and routing; BIG-bench multiple-choice accuracy too when that set is installed
@@ -174,10 +176,16 @@ def run_evaluation(
     ``max_tokens``: the most held-out tokens (``n_windows × seq_len``) this run may read (the caller's
     MOELAB_MAX_EVAL_TOKENS); a ``seq_len`` beyond the model's ``max_position_embeddings`` is refused too.
     ``loader`` / ``load_converted``: where the dense and the converted model come from (a worker passes its
-    cache's, which keep them loaded between jobs; the evaluation leaves both as it found them)."""
+    cache's, which keep them loaded between jobs; the evaluation leaves both as it found them).
+    ``tasks``: lm-evaluation-harness tasks scored on every model evaluated (``evaluation.harness``); their data
+    is loaded before any model, so an unreachable task fails first."""
     t0 = time.perf_counter()
     record = read_conversion(conversion_dir)
     check_evaluation_limits(conversion_dir, n_windows=n_windows, seq_len=seq_len, max_tokens=max_tokens)
+    loaded_tasks = None
+    if tasks is not None:
+        with progress.step("load tasks"):
+            loaded_tasks = load_tasks(tasks)
     method = get_method(method_of(record["params"]))
     with progress.step("load converted model"):  # stages all the way: a watcher never sees 'starting' for a minute
         converted = load_converted(conversion_dir)
@@ -204,6 +212,9 @@ def run_evaluation(
             windows = heldout_windows(tokenizer, data_dir, seq_len=seq_len, n_windows=n_windows, source=source)
         key, known = _known_dense(record, dense, windows, items, data_dir)
         results = evaluate_variants(adapter, variants, windows, progress=progress, choice_items=items, known=known)
+        if loaded_tasks is not None:
+            task_scores = _task_scores({name: (adapter.model, mods) for name, mods in variants.items()}, tokenizer,
+                                       tasks, loaded_tasks, adapter, progress)
         if "teal" in variants:  # its cost beside its perplexity: TEAL is matched to the conversion's
             results["teal"].update(teal_info["variant"])
     else:
@@ -214,6 +225,9 @@ def run_evaluation(
         key, known = _known_dense(record, dense, windows, items, data_dir)
         results = evaluate_models({"dense": dense, "converted": converted}, tokenizer, windows, progress=progress,
                                   choice_items=items, known=known)
+        if loaded_tasks is not None:
+            task_scores = _task_scores({"dense": (dense, None), "converted": (converted, None)}, tokenizer, tasks,
+                                       loaded_tasks, None, progress)
     reference_scores.save(data_dir, key, results["dense"])
     if method.extra_evaluation is not None:
         extra = method.extra_evaluation(converted, tokenizer, record, data_dir=data_dir, n_windows=n_windows,
@@ -227,6 +241,7 @@ def run_evaluation(
         "heldout": {"source": source, "split": "heldout", "windows": int(len(windows)), "seq_len": seq_len},
         "results": results,
         **extra,
+        **({"tasks": task_scores, "task_settings": tasks.describe()} if tasks is not None else {}),
         **({"notes": notes} if notes else {}),
         "conversion_timings": record["timings"],
         "timings": timings,
@@ -236,6 +251,18 @@ def run_evaluation(
         from .runtime.model_card import write_model_card  # the card shows the numbers just measured
 
         write_model_card(Path(conversion_dir), record, converted, "moelab", out)
+    return out
+
+
+def _task_scores(models: dict[str, tuple[Any, dict[int, Any] | None]], tokenizer: Any, request: TaskRequest,
+                 loaded: dict[str, Any], adapter: ModelAdapter | None, progress: Progress) -> dict[str, dict[str, Any]]:
+    """``{task: {variant: metrics}}``: lm-eval's scores of each ``(model, swapped MLPs)``; a baseline is the
+    dense model with its MLPs swapped in for the time of its run (``swapped_mlps``)."""
+    out: dict[str, dict[str, Any]] = {name: {} for name in loaded}
+    for variant, (model, modules) in models.items():
+        with progress.step(f"tasks {variant}"), swapped_mlps(adapter, modules) if modules else contextlib.nullcontext():
+            for task, metrics in run_tasks(model, tokenizer, request, loaded).items():
+                out[task][variant] = metrics
     return out
 
 

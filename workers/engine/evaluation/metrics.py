@@ -330,10 +330,10 @@ def bigbench_choice_items(data_dir: Path, tasks: tuple[str, ...] = MC_TASKS, per
 
 
 @torch.inference_mode()
-def multiple_choice_accuracy(model: nn.Module, tokenizer: Any, items: list[ChoiceItem], batch_size: int = 16,
-                             progress: Progress = NO_PROGRESS, stage: str = "multiple choice") -> dict[str, Any]:
-    """Accuracy by length-normalised log-likelihood: each choice is scored by the mean log-prob
-    of its tokens after the prompt; the best-scoring choice is the model's answer."""
+def choice_loglikelihoods(model: nn.Module, tokenizer: Any, items: list[ChoiceItem], batch_size: int = 16,
+                          progress: Progress = NO_PROGRESS, stage: str = "multiple choice") -> tuple[np.ndarray, np.ndarray]:
+    """``(sums, counts)``, each ``[items, most choices]``: the summed log-prob of each choice's tokens
+    (``" " + choice``) after the prompt, and how many tokens that is (-inf / 0 where an item has fewer choices)."""
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     pairs = []  # (item index, choice index, token ids, number of prompt tokens)
@@ -342,7 +342,8 @@ def multiple_choice_accuracy(model: nn.Module, tokenizer: Any, items: list[Choic
         for j, choice in enumerate(item.choices):
             cont = tokenizer(" " + choice, add_special_tokens=False)["input_ids"]
             pairs.append((i, j, (prompt + cont)[-1024:], min(len(prompt), 1024 - len(cont))))
-    scores = np.full((len(items), max((len(it.choices) for it in items), default=0)), -np.inf)
+    sums = np.full((len(items), max((len(it.choices) for it in items), default=0)), -np.inf)
+    counts = np.zeros(sums.shape, dtype=np.int64)
     # batches of at most batch_size pairs and BATCH_TOKENS padded tokens (one long pair alone), in order
     chunks: list[list[Any]] = []
     for pair in pairs:
@@ -364,12 +365,21 @@ def multiple_choice_accuracy(model: nn.Module, tokenizer: Any, items: list[Choic
             target[r, n_prompt : len(seq)] = True
         logp = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits.float().log_softmax(-1)
         tok_lp = logp[:, :-1].gather(-1, ids[:, 1:, None].to(device)).squeeze(-1).cpu()
-        sel = target[:, 1:].float()
-        mean_lp = (tok_lp * sel).sum(1) / sel.sum(1).clamp_min(1)
+        sel = target[:, 1:]
+        sum_lp, n_tok = (tok_lp.double() * sel).sum(1), sel.sum(1)
         for r, (i, j, _, _) in enumerate(chunk):
-            scores[i, j] = float(mean_lp[r])
+            sums[i, j], counts[i, j] = float(sum_lp[r]), int(n_tok[r])
         done += len(chunk)
         progress.update(stage, done, len(pairs))  # choices scored
+    return sums, counts
+
+
+def multiple_choice_accuracy(model: nn.Module, tokenizer: Any, items: list[ChoiceItem], batch_size: int = 16,
+                             progress: Progress = NO_PROGRESS, stage: str = "multiple choice") -> dict[str, Any]:
+    """Accuracy by length-normalised log-likelihood: each choice is scored by the mean log-prob
+    of its tokens after the prompt; the best-scoring choice is the model's answer."""
+    sums, counts = choice_loglikelihoods(model, tokenizer, items, batch_size, progress, stage)
+    scores = sums / np.maximum(counts, 1)
     correct = scores.argmax(1) == np.array([it.answer for it in items])
     per_task = {}
     for name in sorted({it.task for it in items}):

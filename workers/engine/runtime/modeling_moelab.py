@@ -131,6 +131,11 @@ _SUB_CONFIGS = (
 )
 
 
+#: What ``MoelabConfig`` answers from its base model's config (``MoelabConfig.__getattr__``).
+STANDARD_ATTRIBUTES = frozenset({"vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings",
+                                 "num_attention_heads", "num_key_value_heads", "head_dim"})
+
+
 class MoelabConfig(PretrainedConfig):
     """``base_config``: the dense model's config (dict or config, with its model_type);
     ``moe_layers``: one spec per decoder layer (see module docstring); ``moelab``: free-form
@@ -154,6 +159,17 @@ class MoelabConfig(PretrainedConfig):
     def get_text_config(self, decoder=None, encoder=None):
         """Generation, caches and embeddings read the base model's text config."""
         return self.base_config if self.base_config is not None else self
+
+    def __getattr__(self, name: str) -> Any:
+        """The base model's standard attributes, read where tools look for them: transformers' generation,
+        PEFT, lm-eval and vLLM ask ``config.vocab_size`` (…) of the top-level config. Only consulted when
+        normal lookup fails, so nothing is copied and ``config.json`` is unchanged."""
+        if name in STANDARD_ATTRIBUTES:
+            base = self.__dict__.get("base_config")
+            value = base.get(name) if isinstance(base, dict) else getattr(base, name, None)
+            if value is not None:
+                return value
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
 
 def _base_causal_lm_class(base_config: PretrainedConfig) -> type:
