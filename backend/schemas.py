@@ -505,6 +505,21 @@ class ConversionList(BaseModel):
 # --------------------------------------------------------------------------- evaluations
 
 
+#: An lm-eval task name (its registry's names: letters, digits, ``_ - .``).
+TaskName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")]
+
+
+class TaskOut(BaseModel):
+    name: str
+    source: Literal["builtin", "task_dir", "lm-eval"] = Field(description="moelab's built-in tasks, the task_dir's, lm-eval's registry")
+    offline: bool = Field(description="runs without network: built-in and task_dir tasks; lm-eval's need their data cached")
+
+
+class TaskList(BaseModel):
+    items: list[TaskOut]
+    total: int = Field(description="tasks listed, before any paging of lm-eval's registry")
+
+
 class EvaluationCreate(_In):
     conversion_id: str
     source: str = Field(
@@ -518,6 +533,18 @@ class EvaluationCreate(_In):
                             "(activation sparsity) at the conversion's FFN cost")
     multiple_choice_per_task: int = Field(
         50, ge=0, le=10000, description="BIG-bench multiple-choice items per task when that set is installed (0: skip)"
+    )
+    tasks: list[TaskName] = Field(
+        default_factory=list, max_length=16,
+        description="lm-evaluation-harness tasks scored on every model evaluated (accuracy ± stderr): moelab's built-in "
+        "ones (GET /api/v1/tasks), lm-eval's registry (their data must be in the server's HF cache), or task_dir's",
+    )
+    num_fewshot: int | None = Field(None, ge=0, le=64, description="few-shot examples per item; unset: each task's own")
+    limit: int | None = Field(None, ge=1, le=100000, description="items per task; unset: all")
+    task_dir: str | None = Field(
+        None, min_length=1, max_length=4096,
+        description="a server directory of lm-eval task YAMLs inside MOELAB_DATA_ROOTS (not uploads: a task YAML may "
+        "run Python through !function, so only directories the server's administrator placed are read)",
     )
 
     @model_validator(mode="after")

@@ -243,10 +243,15 @@ def _mean(values: Any) -> float | None:
 
 
 def evaluate(ctx: JobContext) -> Outcome:
+    from workers.engine.evaluation.harness import TaskRequest
     from workers.engine.runs import run_evaluation
 
     row = ctx.resource()
     p = row.params
+    tasks = None
+    if p.get("tasks"):
+        tasks = TaskRequest(tasks=tuple(p["tasks"]), num_fewshot=p.get("num_fewshot"), limit=p.get("limit"),
+                            task_dir=Path(p["task_dir"]) if p.get("task_dir") else None)
     source = p["source"] if p["source"].startswith("builtin:") else str(ctx.store.path("calibration-sets", p["source"]))
     with model_cache.job_models(give_back=True):
         report = run_evaluation(
@@ -254,7 +259,7 @@ def evaluate(ctx: JobContext) -> Outcome:
             seq_len=p["seq_len"], baselines=p["baselines"], source=source, device=ctx.settings.device,
             progress=ctx.progress, write=False, mc_per_task=p.get("multiple_choice_per_task", 50),
             loader=model_cache.cached_load_model, max_tokens=ctx.settings.max_eval_tokens,
-            load_converted=model_cache.cached_load_converted,
+            load_converted=model_cache.cached_load_converted, tasks=tasks,
         )
     report["heldout"]["source"] = p["source"]  # the id or builtin name, not a server path
     with atomic_directory(ctx.store.path("evaluations", row.id)) as tmp:
@@ -273,7 +278,8 @@ def evaluate(ctx: JobContext) -> Outcome:
     }
     from moelab.store.jsonsafe import jsonable
 
-    return Outcome(summary=jsonable({"variants": variants, "heldout": report["heldout"]}), timings=report.get("timings"))
+    tasks_out = {"tasks": report["tasks"], "task_settings": report["task_settings"]} if "tasks" in report else {}
+    return Outcome(summary=jsonable({"variants": variants, "heldout": report["heldout"], **tasks_out}), timings=report.get("timings"))
 
 
 def finetune(ctx: JobContext) -> Outcome:

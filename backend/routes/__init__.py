@@ -20,6 +20,7 @@ from . import (
     probes,
     profile_compare,
     profiles,
+    tasks,
 )
 
 
@@ -30,6 +31,6 @@ def api_router() -> APIRouter:
     router.include_router(health.router)
     # profile_compare before profiles: its /profiles/compare would otherwise be read as /profiles/{profile_id}
     for module in (methods, models, calibration_sets, profile_compare, profiles, conversions, exports, evaluations, finetunes, probes,
-                   activation_probes, jobs, artifacts, charts, notes):
+                   activation_probes, jobs, artifacts, charts, notes, tasks):
         router.include_router(module.router, dependencies=[Depends(require_token)])  # one level: matching stays flat
     return router

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
+from fastapi.responses import PlainTextResponse
 from sqlalchemy import select
 
 from workers.engine.data.builtin import bigbench_installed
 from workers.engine.methods import method_of, normalise_params
+from workers.engine.sources import inside_roots
 
 from moelab.store.db import CalibrationSet, Conversion, Evaluation
 from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, TagQ, launch, lookup, require_ready, with_tag
@@ -37,6 +41,7 @@ def create_evaluation(body: EvaluationCreate, session: SessionDep, queue: QueueD
                               what=f"the model of conversion {conversion.id}")
     if problem:
         raise ApiError(422, problem)
+    _check_tasks(body, settings)
     label = body.source
     if body.source == "builtin:bigbench" and not bigbench_installed(settings.data_dir):
         raise ApiError(409, "builtin:bigbench is not installed on this server; run `moelab data install bigbench` there first")
@@ -51,6 +56,71 @@ def create_evaluation(body: EvaluationCreate, session: SessionDep, queue: QueueD
     session.add(row)
     launch(session, queue, row, "evaluations", "evaluation")
     return evaluation_out(row)
+
+
+def checked_task_dir(task_dir: str | None, settings: Any) -> Path | None:
+    """``task_dir``'s real path, when it is a directory inside MOELAB_DATA_ROOTS (not DATA_DIR/uploads: a task YAML
+    may run Python through ``!function``, so only directories the server's administrator placed are read); 422 else."""
+    if task_dir is None:
+        return None
+    roots = [Path(r).expanduser().resolve() for r in settings.data_roots]
+    if "\x00" in task_dir or not task_dir.startswith("/"):
+        raise ApiError(422, "task_dir: give the absolute path of a server directory of lm-eval task YAMLs")
+    if not roots or not inside_roots(task_dir, roots):
+        raise ApiError(422, f"task_dir: {task_dir!r} is outside MOELAB_DATA_ROOTS; the server's administrator places task "
+                            "directories there (uploads are not read: a task YAML may run Python)")
+    real = Path(os.path.realpath(task_dir))
+    if not real.is_dir():
+        raise ApiError(422, f"task_dir: {task_dir!r} is not a directory on the server")
+    return real
+
+
+def _check_tasks(body: EvaluationCreate, settings: Any) -> None:
+    """422 before queueing: unknown task names, a task directory outside the roots, an lm-eval task whose data this
+    server cannot read (offline: it must be in the HF cache). Torch-free (``evaluation.harness``)."""
+    from workers.engine.evaluation.harness import BUILTIN_TASKS, TaskError, TaskRequest, load_tasks, task_manager, unknown_tasks
+
+    task_dir = checked_task_dir(body.task_dir, settings)
+    if not body.tasks:
+        if task_dir is not None:
+            raise ApiError(422, "tasks: name the tasks of task_dir to run (GET /api/v1/tasks?task_dir=… lists them)")
+        return
+    try:
+        unknown = unknown_tasks(body.tasks, task_dir)
+    except TaskError as exc:
+        raise ApiError(422, f"task_dir: {exc}") from exc
+    if unknown:
+        raise ApiError(422, f"tasks: unknown task(s) {', '.join(unknown)}; GET /api/v1/tasks lists them")
+    index = task_manager(task_dir).task_index
+    registry = [t for t in body.tasks if t not in BUILTIN_TASKS and not _in_dir(index.get(t), task_dir)]
+    if registry:
+        try:
+            load_tasks(TaskRequest(tasks=tuple(registry)))
+        except TaskError as exc:
+            raise ApiError(422, f"tasks: {exc}") from exc
+
+
+def _in_dir(entry: Any, task_dir: Path | None) -> bool:
+    path = getattr(entry, "yaml_path", None)
+    return task_dir is not None and path is not None and Path(path).resolve().is_relative_to(task_dir)
+
+
+@router.get("/{evaluation_id}/tasks-table", summary="The evaluation's task accuracies as a paper-style table (CSV or Markdown)",
+            response_class=PlainTextResponse, responses={404: {}, 409: {}})
+def evaluation_task_table(evaluation_id: str, session: SessionDep,
+                          format: Annotated[Literal["csv", "markdown"], Query(description="csv or markdown")] = "markdown",
+                          ) -> PlainTextResponse:
+    """One row per model (dense, converted, the baselines), one column per task: accuracy in percent ± stderr."""
+    from workers.engine.evaluation.harness import task_table
+
+    row = lookup(session, Evaluation, evaluation_id, "evaluation", "evaluations")
+    require_ready(row, "evaluation")
+    tasks = (row.summary or {}).get("tasks")
+    if not tasks:
+        raise ApiError(409, f"evaluation {evaluation_id} ran no tasks; evaluate with tasks (e.g. [\"moelab_chat_qa\"])")
+    media = "text/csv" if format == "csv" else "text/markdown"
+    return PlainTextResponse(task_table(tasks, fmt=format), media_type=media,
+                             headers={"Content-Disposition": f'attachment; filename="{evaluation_id}-tasks.{"csv" if format == "csv" else "md"}"'})
 
 
 @router.get("", response_model=EvaluationList, summary="Evaluations, newest first, filterable")

@@ -19,9 +19,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:  # torch-free at import: the API checks task names with this module
+    from torch import nn
 
 BUILTIN_TASK_DIR = Path(__file__).with_name("lm_tasks")
 #: moelab's own tasks: what ``moelab tasks`` lists first, and what runs anywhere.
@@ -92,13 +93,19 @@ def _datasets_offline(offline: bool) -> Iterator[None]:
         cfg.HF_HUB_OFFLINE = saved
 
 
+def unknown_tasks(names: Sequence[str], task_dir: Path | None = None) -> list[str]:
+    """The names among ``names`` that no registry (built-in, ``task_dir``, lm-eval's) knows. Torch-free."""
+    known = set(task_manager(task_dir).all_tasks)
+    return [n for n in names if n not in known]
+
+
 def load_tasks(request: TaskRequest) -> dict[str, Any]:
     """``{name: lm-eval Task}`` with their data loaded, one task at a time so a failure names its task.
     Raised before any model runs: TaskError (unknown task, unreachable data)."""
     if not request.tasks:
         raise TaskError("no tasks given: name at least one (moelab tasks lists them)")
     manager = task_manager(request.task_dir)
-    unknown = [t for t in request.tasks if t not in manager.all_tasks]
+    unknown = unknown_tasks(request.tasks, request.task_dir)
     if unknown:
         raise TaskError(f"unknown task(s) {', '.join(unknown)}: `moelab tasks` lists the tasks (built-in, lm-eval's, "
                         "and those of --task-dir)")
@@ -136,7 +143,7 @@ def _metrics(entry: dict[str, Any]) -> dict[str, float | None]:
     return out
 
 
-def run_tasks(model: nn.Module, tokenizer: Any, request: TaskRequest, tasks: dict[str, Any] | None = None,
+def run_tasks(model: "nn.Module", tokenizer: Any, request: TaskRequest, tasks: dict[str, Any] | None = None,
               ) -> dict[str, dict[str, Any]]:
     """lm-eval's scores of ``model`` on the requested tasks: ``{task: {"acc": .., "acc_stderr": .., "n": ..}}``.
 
