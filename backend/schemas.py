@@ -513,6 +513,8 @@ class TaskOut(BaseModel):
     name: str
     source: Literal["builtin", "task_dir", "lm-eval"] = Field(description="moelab's built-in tasks, the task_dir's, lm-eval's registry")
     offline: bool = Field(description="runs without network: built-in and task_dir tasks; lm-eval's need their data cached")
+    domain: str | None = Field(None, description="a built-in task: the built-in set its text comes from (builtin:chat …), "
+                               "so a conversion's calibration tells whether the task is in its domain")
 
 
 class TaskList(BaseModel):

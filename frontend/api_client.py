@@ -145,11 +145,19 @@ class ApiClient:
         return self.get("/tags")["items"]
 
     def create_evaluation(self, conversion_id: str, source: str = "builtin:mixed", n_windows: int = 8, seq_len: int = 128,
-                          baselines: bool = False, multiple_choice_per_task: int = 0) -> dict[str, Any]:
+                          baselines: bool = False, multiple_choice_per_task: int = 0, tasks: list[str] | None = None,
+                          limit: int | None = None) -> dict[str, Any]:
         """``baselines``: also evaluate AbsTopK, the uniform α allocation and TEAL at the conversion's cost
-        (slower); off for a quick look."""
-        return self.post("/evaluations", {"conversion_id": conversion_id, "source": source, "n_windows": n_windows, "seq_len": seq_len,
-                                          "baselines": baselines, "multiple_choice_per_task": multiple_choice_per_task})
+        (slower); off for a quick look. ``tasks``: lm-evaluation-harness tasks (``limit`` items each)."""
+        body = {"conversion_id": conversion_id, "source": source, "n_windows": n_windows, "seq_len": seq_len,
+                "baselines": baselines, "multiple_choice_per_task": multiple_choice_per_task}
+        if tasks:
+            body.update(tasks=list(tasks), limit=limit)
+        return self.post("/evaluations", body)
+
+    def tasks(self) -> list[dict[str, Any]]:
+        """The lm-evaluation-harness tasks an evaluation can name without network (built-in ones first)."""
+        return self.get("/tasks")["items"]
 
     def evaluation_report(self, evaluation_id: str) -> dict[str, Any]:
         """The full evaluation record (per-layer reconstruction error, routing) from the artifact store."""

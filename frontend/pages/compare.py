@@ -14,6 +14,7 @@ from dash import Input, Output, callback, dcc, html
 from frontend import figures as F
 from frontend.api_client import ApiError, api
 from frontend.components import error_box, figure_card, named_options, page_names, to_search
+from frontend.task_accuracy import accuracy_figure, accuracy_points
 from frontend.names import calibration_of, calibration_spec, chart_label, domain_relation, fmt, fmt_pct, heldout_spec, with_id
 
 dash.register_page(__name__, path="/compare", name="Compare conversions", order=6)
@@ -39,7 +40,37 @@ def layout(ids: str | None = None, **_):
         html.Div(id=f"{N}-table", className="table-scroll"),  # a wide table scrolls in its own box, not the page
         html.Div(className="row", children=[figure_card(f"{N}-ppl", "Perplexity")]),  # full width: one panel per text
         html.Div(className="row", children=[figure_card(f"{N}-cost", "Quality vs cost"), figure_card(f"{N}-active", "Active share per layer")]),
+        html.Div(className="row", children=[figure_card(f"{N}-acc-cost", "Accuracy vs cost (lm-eval tasks)"),
+                                            figure_card(f"{N}-acc-speed", "Accuracy vs measured speed")]),
     ])
+
+
+@callback(Output(f"{N}-acc-cost", "figure"), Output(f"{N}-acc-speed", "figure"),
+          Output({"type": "csv-data", "name": f"{N}-acc-cost"}, "data"), Input(f"{N}-ids", "value"))
+def _accuracy(ids):
+    """Each conversion's newest evaluation with tasks: accuracy against FFN cost and against the speed measured
+    in that evaluation, the marker saying whether the task's text is in the conversion's calibration domain."""
+    if not ids:
+        fig = F.message_figure("choose conversions to compare")
+        return fig, fig, None
+    try:
+        convs = [api().conversion(i) for i in ids]
+        evals = {i: api().evaluations(i) for i in ids}
+        names = page_names()
+        task_sets = {t["name"]: t.get("domain") for t in api().tasks()}
+        builtins = {b["name"]: b.get("domains") or [b["name"]] for b in api().builtin_sets()}
+        methods = {m["name"]: m for m in api().methods()}
+    except ApiError as exc:
+        fig = F.message_figure(str(exc))
+        return fig, fig, None
+    labels = {c["id"]: chart_label(c, names, methods)[0] for c in convs}
+
+    def task_domain(c, task):
+        return domain_relation(calibration_spec(c, names), task_sets.get(task), builtins)
+
+    points = accuracy_points(convs, evals, labels, task_domain)
+    return (accuracy_figure(points, "ffn_flops_fraction"), accuracy_figure(points, "speed_ratio"),
+            {"rows": points, "filename": "accuracy"} if points else None)
 
 
 @callback(Output(f"{N}-table", "children"), Output(f"{N}-ppl", "figure"), Output(f"{N}-active", "figure"), Output(f"{N}-cost", "figure"),

@@ -16,6 +16,7 @@ from frontend.api_client import ApiError, api
 from frontend.components import error_box, figure_card, page_names, to_search
 from frontend.names import fmt, heldout_text, with_id
 from frontend.names import chart_label
+from frontend.task_accuracy import accuracy_cell, speed_ratio
 
 dash.register_page(__name__, path="/evaluations", name="Evaluations", order=7)
 
@@ -98,7 +99,8 @@ def run_label(e: dict[str, Any], named: dict[str, tuple[str, dict[str, Any]]]) -
 
 def _table(evals: list[dict[str, Any]], named: dict[str, tuple[str, dict[str, Any]]]) -> html.Table:
     header = html.Tr([html.Th(h) for h in ("evaluation", "id", "status", "method", "text", "FFN cost", "perplexity × dense",
-                                           "recon. error (mean)", "load CV (mean)", "tags", "notes", "created")])
+                                           "recon. error (mean)", "load CV (mean)", "speed × dense", "task accuracy (converted / dense)",
+                                           "tags", "notes", "created")])
     body = []
     for e in evals:
         conv = named.get(e["conversion_id"], ("", {}))[1]
@@ -108,7 +110,8 @@ def _table(evals: list[dict[str, Any]], named: dict[str, tuple[str, dict[str, An
             html.Td(run_label(e, named)), html.Td(e["id"], className="note"), html.Td(e["status"]), html.Td(conv.get("method") or ""),
             html.Td(heldout_text(e)), html.Td(fmt(((conv.get("summary") or {}).get("ffn_flops_fraction")), 3)),
             html.Td(fmt(d.get("perplexity_ratio"), 3)), html.Td(fmt(d.get("mean_reconstruction_error"), 3)),
-            html.Td(fmt(d.get("mean_load_cv"), 3)), html.Td(", ".join(e.get("tags") or []), className="tags"),
+            html.Td(fmt(d.get("mean_load_cv"), 3)), html.Td(fmt(speed_ratio(e.get("summary")), 3)),
+            html.Td(accuracy_cell(e.get("summary"))), html.Td(", ".join(e.get("tags") or []), className="tags"),
             html.Td(notes if len(notes) <= 80 else notes[:79] + "…", title=notes), html.Td(str(e.get("created_at", ""))[:16]),
         ]))
     return html.Table([header, *body], className="list")

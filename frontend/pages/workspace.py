@@ -20,12 +20,14 @@ from frontend import figures as F
 from frontend.components import baselines_choice, builtin_options, error_box, options, progress, source_options, wants_baselines
 from frontend.defaults import CALIBRATION_NOTE, CALIBRATION_SAMPLES, CALIBRATION_SET, CALIBRATION_TOKENS
 from frontend.downloads import download_url, export_download_url
+from frontend.task_accuracy import accuracy_cell
 from frontend.names import (Names, evaluation_name, finetune_name, fmt, fmt_pct, heldout_text, job_subject, probe_name,
                             with_id)
 
 dash.register_page(__name__, path="/", name="Workspace", order=0)
 
 N = "ws"
+TASK_ITEMS = 200  # items per task: accuracy ± stderr of about 3 points at 50%
 
 
 #: what the CV (EW Eq. 3) of a profile is taken across (``ProfileCreate.group_by``)
@@ -63,6 +65,11 @@ def layout(**_):
                 html.Div([html.Label("windows"), dcc.Input(id=f"{N}-eval-windows", type="number", value=8, min=1, style={"width": 80})]),
                 html.Div([html.Label("tokens / window"), dcc.Input(id=f"{N}-eval-seq-len", type="number", value=128, min=8, style={"width": 90})]),
                 baselines_choice(f"{N}-eval-baselines"),
+                html.Div([html.Label("downstream tasks (lm-evaluation-harness)"),
+                          dcc.Dropdown(id=f"{N}-eval-tasks", multi=True, options=[], placeholder="none: perplexity only",
+                                       style={"width": 360})]),
+                html.Div([html.Label("items / task"), dcc.Input(id=f"{N}-eval-task-limit", type="number", value=TASK_ITEMS, min=1,
+                                                                style={"width": 90})]),
                 html.Button("Evaluate", id=f"{N}-add-eval"),
             ]),
             html.Div(id=f"{N}-created"),
@@ -423,6 +430,17 @@ def _ratio(value) -> str:
     return f"{value:.3g}×" if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
 
 
+@callback(Output(f"{N}-eval-tasks", "options"), Input(f"{N}-poll", "n_intervals"), State(f"{N}-eval-tasks", "options"))
+def _task_options(_n, shown):
+    """The tasks an evaluation can run here (GET /tasks: built-in ones, offline), asked once per page."""
+    if shown:
+        return no_update
+    try:
+        return [{"label": t["name"] + (f" ({t['domain']})" if t.get("domain") else ""), "value": t["name"]} for t in api().tasks()]
+    except ApiError:
+        return no_update
+
+
 def evaluation_cells(e: dict, conversion: dict | None) -> dict[str, str]:
     """An evaluation's row in words: held-out text, windows × tokens per window (what was read),
     dense and converted perplexity, their ratio, the conversion's FFN cost (its ``ffn_flops_fraction``)."""
@@ -437,7 +455,8 @@ def evaluation_cells(e: dict, conversion: dict | None) -> dict[str, str]:
     return {"held-out text": heldout_text(e), "windows × seq_len": f"{fmt(held['windows'])} × {fmt(held['seq_len'])}",
             "dense ppl": ppl(dense), "converted ppl": ppl(conv.get("perplexity")), "ratio": _ratio(ratio),
             "ffn cost": fmt(((conversion or {}).get("summary") or {}).get("ffn_flops_fraction"), 3),
-            "baselines": ", ".join(extra) if extra else ("yes" if (e.get("params") or {}).get("baselines") else "no")}
+            "baselines": ", ".join(extra) if extra else ("yes" if (e.get("params") or {}).get("baselines") else "no"),
+            "tasks": accuracy_cell(e.get("summary"))}
 
 
 def _evaluation_table(evals: list[dict], convs: dict[str, dict], conv_names: dict[str, str], refusal: dict | None) -> html.Div:
@@ -456,7 +475,8 @@ def _evaluation_table(evals: list[dict], convs: dict[str, dict], conv_names: dic
 
     cols = [("conversion", conversion), ("id", lambda e: html.Span(e["id"], className="note")), ("held-out text", cell("held-out text")),
             ("windows × seq_len", cell("windows × seq_len")), ("dense ppl", cell("dense ppl")), ("converted ppl", cell("converted ppl")),
-            ("ratio", cell("ratio")), ("ffn cost", cell("ffn cost")), ("baselines", cell("baselines")), ("status", _status),
+            ("ratio", cell("ratio")), ("ffn cost", cell("ffn cost")), ("baselines", cell("baselines")),
+            ("task accuracy (converted / dense)", cell("tasks")), ("status", _status),
             ("open", actions)]
     return _table("Evaluations", evals, cols, "evaluations", refusal)
 
@@ -556,9 +576,10 @@ def _refresh(_n, _created, _deleted, _job_action, _exported, refusal, shown_dige
           State(f"{N}-builtin", "value"), State(f"{N}-samples", "value"), State(f"{N}-model", "value"), State(f"{N}-set", "value"),
           State(f"{N}-max-tokens", "value"), State(f"{N}-group-by", "value"), State(f"{N}-eval-conversion", "value"),
           State(f"{N}-eval-source", "value"), State(f"{N}-eval-windows", "value"), State(f"{N}-eval-seq-len", "value"),
-          State(f"{N}-eval-baselines", "value"), prevent_initial_call=True)
+          State(f"{N}-eval-baselines", "value"), State(f"{N}-eval-tasks", "value"), State(f"{N}-eval-task-limit", "value"),
+          prevent_initial_call=True)
 def _create(_m, _s, _p, _e, source, builtin, samples, model, cset, max_tokens, group_by, conversion, eval_source, windows, seq_len,
-            baselines):
+            baselines, tasks, task_limit):
     c = api()
     try:
         if ctx.triggered_id == f"{N}-add-model":
@@ -569,7 +590,8 @@ def _create(_m, _s, _p, _e, source, builtin, samples, model, cset, max_tokens, g
             if not conversion or not eval_source:
                 return error_box("choose a ready conversion and a held-out text first")
             created = c.create_evaluation(conversion, source=eval_source, n_windows=int(windows or 8), seq_len=int(seq_len or 128),
-                                          baselines=wants_baselines(baselines))
+                                          baselines=wants_baselines(baselines), tasks=tasks or None,
+                                          limit=int(task_limit) if task_limit else None)
         else:
             if not model or not cset:
                 return error_box("choose a ready model and calibration set first")

@@ -130,7 +130,7 @@ def test_a_users_task_directory_runs_through_the_cli(tmp_path, tiny_model, data_
         "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{q}}'\ndoc_to_choice: choices\ndoc_to_target: label\n"
         "metric_list:\n  - metric: acc\n")
     listed = json.loads(moelab("tasks", "--task-dir", str(tasks), "--json", data_dir=data_dir).stdout)
-    assert {"name": "my_sums", "source": "task_dir", "offline": True} in listed
+    assert {"name": "my_sums", "source": "task_dir", "offline": True, "domain": None} in listed
     prof, conv = tmp_path / "p", tmp_path / "c"
     moelab("profile", "--model", str(tiny_model("llama")), "--calib", "builtin:mixed", "--samples", "6", "--max-tokens", "32",
            "--out", str(prof), "--quiet", data_dir=data_dir)

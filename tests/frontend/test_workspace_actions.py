@@ -353,11 +353,11 @@ def test_evaluation_from_the_workspace_quick_then_named_and_listed(page, live, a
     assert cells[2:9] == ["builtin:mixed", f"{held['windows']} × {held['seq_len']}", ppl(variants["dense"]["perplexity"]),
                           ppl(variants["converted"]["perplexity"]), f"{variants['converted']['perplexity_ratio']:.3g}×",
                           fmt(conv["summary"]["ffn_flops_fraction"], 3), "no"], cells
-    assert cells[9].startswith("ready (")
+    assert cells[9] == "" and cells[10].startswith("ready (")  # no tasks were asked for
     assert row.locator(f"a[href='/compare?ids={conversion}']").count() == 1
     headers = page.locator("table.list", has=row).locator("th").all_inner_texts()
-    assert headers[:10] == ["conversion", "id", "held-out text", "windows × seq_len", "dense ppl", "converted ppl", "ratio", "ffn cost",
-                            "baselines", "status"], headers
+    assert headers[:11] == ["conversion", "id", "held-out text", "windows × seq_len", "dense ppl", "converted ppl", "ratio", "ffn cost",
+                            "baselines", "task accuracy (converted / dense)", "status"], headers
 
     jobs = page.locator("#ws-jobs")
     jobs.locator(f"text=evaluation of {name} on builtin:mixed — {ev_id} (job {ev['job_id']}): succeeded").wait_for()

@@ -27,6 +27,10 @@ if TYPE_CHECKING:  # torch-free at import: the API checks task names with this m
 BUILTIN_TASK_DIR = Path(__file__).with_name("lm_tasks")
 #: moelab's own tasks: what ``moelab tasks`` lists first, and what runs anywhere.
 BUILTIN_TASKS = ("moelab_chat_qa", "moelab_lastword", "moelab_humaneval")
+#: The built-in calibration set each built-in task's text comes from: whether a conversion was calibrated in the
+#: task's domain is this set against its calibration set's domains.
+BUILTIN_TASK_DOMAINS = {"moelab_chat_qa": "builtin:chat", "moelab_lastword": "builtin:literature",
+                        "moelab_humaneval": "builtin:code_problems"}
 #: The harness's metrics kept in an evaluation record (each with its ``_stderr``), in this order of preference.
 METRICS = ("acc", "acc_norm", "pass@1", "exact_match", "perplexity", "word_perplexity")
 
@@ -73,9 +77,9 @@ def list_tasks(task_dir: Path | None = None) -> list[dict[str, Any]]:
     user = set()
     if task_dir is not None:
         user = {n for n, e in manager.task_index.items() if e.yaml_path and Path(e.yaml_path).resolve().is_relative_to(Path(task_dir).resolve())}
-    out = [{"name": n, "source": "builtin", "offline": True} for n in BUILTIN_TASKS]
-    out += [{"name": n, "source": "task_dir", "offline": True} for n in sorted(user)]
-    out += [{"name": n, "source": "lm-eval", "offline": False} for n in manager.all_subtasks
+    out = [{"name": n, "source": "builtin", "offline": True, "domain": BUILTIN_TASK_DOMAINS[n]} for n in BUILTIN_TASKS]
+    out += [{"name": n, "source": "task_dir", "offline": True, "domain": None} for n in sorted(user)]
+    out += [{"name": n, "source": "lm-eval", "offline": False, "domain": None} for n in manager.all_subtasks
             if n not in BUILTIN_TASKS and n not in user]
     return out
 

@@ -1,0 +1,68 @@
+"""Downstream accuracy in a real browser against the live service: the Workspace launches an evaluation with
+lm-eval tasks, the Workspace and the Evaluations page say each task's converted and dense accuracy as the API
+stores them, and Compare draws accuracy against cost and against the speed measured in that evaluation, with
+each task's domain relation to the conversion's calibration. Screenshot: test-artifacts/task-accuracy.png."""
+
+from __future__ import annotations
+
+import pytest
+
+import frontend.app  # noqa: F401  (instantiates the Dash app: the page modules register with it)
+from frontend.task_accuracy import accuracy_cell, speed_ratio
+
+from .conftest import wait_job
+from .test_browser import figure, no_errors, shot, wait_figures
+from .test_workspace_actions import _choose, _row, conversion  # noqa: F401  (conversion: a fixture)
+
+pytestmark = pytest.mark.slow
+
+
+def test_tasks_from_the_workspace_shown_in_evaluations_and_compare(page, live, api, conversion):  # noqa: F811
+    page.goto(f"{live['ui']}/")
+    _choose(page, "ws-eval-conversion", conversion)
+    page.fill("#ws-eval-windows", "2")
+    page.fill("#ws-eval-seq-len", "32")
+    page.wait_for_function("() => document.querySelector('#ws-eval-tasks') !== null")
+    page.click("#ws-eval-tasks")
+    page.wait_for_selector(".dash-dropdown-content .dash-dropdown-option:has(input[value='moelab_chat_qa'])")
+    labels = page.locator(".dash-dropdown-content .dash-dropdown-option").all_inner_texts()
+    assert [t.strip() for t in labels[:3]] == ["moelab_chat_qa (builtin:chat)", "moelab_lastword (builtin:literature)",
+                                               "moelab_humaneval (builtin:code_problems)"], labels
+    page.click(".dash-dropdown-content .dash-dropdown-option:has(input[value='moelab_chat_qa'])")
+    page.keyboard.press("Escape")
+    page.fill("#ws-eval-task-limit", "8")
+    page.click("#ws-add-eval")
+    page.wait_for_selector("#ws-created >> text=created ev-")
+    ev_id = page.inner_text("#ws-created").split()[1]
+    ev = api.get(f"/evaluations/{ev_id}").json()
+    assert ev["params"]["tasks"] == ["moelab_chat_qa"] and ev["params"]["limit"] == 8, ev["params"]
+    wait_job(api, ev["job_id"], timeout=300)
+    ev = api.get(f"/evaluations/{ev_id}").json()
+    by = ev["summary"]["tasks"]["moelab_chat_qa"]
+    conv_acc, dense_acc = by["converted"]["acc"], by["dense"]["acc"]
+    want = f"moelab_chat_qa {100 * conv_acc:.1f}% / {100 * dense_acc:.1f}% dense"
+    assert accuracy_cell(ev["summary"]) == want and by["converted"]["n"] == 8
+    _row(page, "evaluations", ev_id).locator(f"text={want}").wait_for()  # the Workspace's row says it
+
+    page.goto(f"{live['ui']}/evaluations?q={ev_id}")
+    page.wait_for_selector("#ev-count:has-text('1 evaluation matches the filters')")
+    headers = page.locator("#ev-table th").all_inner_texts()
+    cells = page.locator("#ev-table tr").nth(1).locator("td").all_inner_texts()
+    got = dict(zip(headers, cells))
+    assert got["task accuracy (converted / dense)"] == want
+    assert got["speed × dense"] == f"{speed_ratio(ev['summary']):.3f}"
+
+    page.goto(f"{live['ui']}/compare?ids={conversion}")
+    wait_figures(page, "cc-acc-cost", "cc-acc-speed")
+    page.wait_for_function("() => (document.querySelector('#cc-acc-cost .js-plotly-plot').data || []).length == 2")
+    cost = figure(page, "cc-acc-cost")
+    point, dense = cost["data"]
+    ffn = api.get(f"/conversions/{conversion}").json()["summary"]["ffn_flops_fraction"]
+    assert point["name"] == "moelab_chat_qa" and point["x"] == [pytest.approx(ffn)] and point["y"] == [pytest.approx(100 * conv_acc)]
+    assert dense["name"] == "moelab_chat_qa: dense" and dense["x"] == [1.0] and dense["y"] == [pytest.approx(100 * dense_acc)]
+    assert "in domain" in point["text"][0]  # the tiny profile's builtin:mixed holds chat
+    speed = figure(page, "cc-acc-speed")
+    assert speed["data"][0]["x"] == [pytest.approx(speed_ratio(ev["summary"]))]
+    assert speed["title"].startswith("Accuracy vs measured speed")
+    shot(page, "task-accuracy")
+    no_errors(page)
