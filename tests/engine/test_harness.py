@@ -30,7 +30,7 @@ def moelab(*args, data_dir, check=True):
 
 def test_builtin_tasks_come_first_and_build_offline_and_deterministically():
     listed = list_tasks()
-    assert [t["name"] for t in listed[:3]] == list(BUILTIN_TASKS) and all(t["offline"] for t in listed[:3])
+    assert [t["name"] for t in listed[:4]] == list(BUILTIN_TASKS) and all(t["offline"] for t in listed[:4])
     assert {"arc_easy", "piqa", "boolq", "hellaswag", "winogrande"} <= {t["name"] for t in listed}
     qa = moelab_tasks.chat_qa()["test"]
     assert len(qa) > 800 and qa[0] == moelab_tasks.chat_qa()["test"][0]  # a fixed draw
@@ -40,6 +40,10 @@ def test_builtin_tasks_come_first_and_build_offline_and_deterministically():
     assert len(words) == moelab_tasks.LASTWORD_ITEMS
     assert all(t.isalpha() and t.islower() and len(t) >= 3 for t in words["target"])
     assert len(moelab_tasks.humaneval()["test"]) == 164
+    math = moelab_tasks.math_qa()["test"]
+    assert len(math) > 450 and len(set(math["operation"])) == 6
+    for row in math.select(range(30)):
+        assert len(set(row["choices"])) == 4 and row["question"].endswith("?")
 
 
 def test_an_unknown_or_unreachable_task_fails_fast_and_names_itself():

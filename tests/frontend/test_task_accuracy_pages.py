@@ -26,8 +26,8 @@ def test_tasks_from_the_workspace_shown_in_evaluations_and_compare(page, live, a
     page.click("#ws-eval-tasks")
     page.wait_for_selector(".dash-dropdown-content .dash-dropdown-option:has(input[value='moelab_chat_qa'])")
     labels = page.locator(".dash-dropdown-content .dash-dropdown-option").all_inner_texts()
-    assert [t.strip() for t in labels[:3]] == ["moelab_chat_qa (builtin:chat)", "moelab_lastword (builtin:literature)",
-                                               "moelab_humaneval (builtin:code_problems)"], labels
+    assert [t.strip() for t in labels[:4]] == ["moelab_chat_qa (builtin:chat)", "moelab_lastword (builtin:literature)",
+                                               "moelab_math_qa (builtin:math)", "moelab_humaneval (builtin:code_problems)"], labels
     page.click(".dash-dropdown-content .dash-dropdown-option:has(input[value='moelab_chat_qa'])")
     page.keyboard.press("Escape")
     page.fill("#ws-eval-task-limit", "8")

@@ -28,7 +28,7 @@ def task_dir(data_root):
 
 def test_the_task_list_names_the_builtin_and_the_directorys_tasks(client, task_dir):
     listed = client.get(f"{API}/tasks").json()
-    assert [t["name"] for t in listed["items"]] == ["moelab_chat_qa", "moelab_lastword", "moelab_humaneval"]
+    assert [t["name"] for t in listed["items"]] == ["moelab_chat_qa", "moelab_lastword", "moelab_math_qa", "moelab_humaneval"]
     with_dir = client.get(f"{API}/tasks", params={"task_dir": str(task_dir)}).json()["items"]
     assert {"name": "api_sums", "source": "task_dir", "offline": True, "domain": None} in with_dir
     everything = client.get(f"{API}/tasks", params={"registry": "true"}).json()

@@ -26,11 +26,11 @@ if TYPE_CHECKING:  # torch-free at import: the API checks task names with this m
 
 BUILTIN_TASK_DIR = Path(__file__).with_name("lm_tasks")
 #: moelab's own tasks: what ``moelab tasks`` lists first, and what runs anywhere.
-BUILTIN_TASKS = ("moelab_chat_qa", "moelab_lastword", "moelab_humaneval")
+BUILTIN_TASKS = ("moelab_chat_qa", "moelab_lastword", "moelab_math_qa", "moelab_humaneval")
 #: The built-in calibration set each built-in task's text comes from: whether a conversion was calibrated in the
 #: task's domain is this set against its calibration set's domains.
 BUILTIN_TASK_DOMAINS = {"moelab_chat_qa": "builtin:chat", "moelab_lastword": "builtin:literature",
-                        "moelab_humaneval": "builtin:code_problems"}
+                        "moelab_math_qa": "builtin:math", "moelab_humaneval": "builtin:code_problems"}
 #: The harness's metrics kept in an evaluation record (each with its ``_stderr``), in this order of preference.
 METRICS = ("acc", "acc_norm", "pass@1", "exact_match", "perplexity", "word_perplexity")
 

