@@ -515,6 +515,7 @@ class TaskOut(BaseModel):
     offline: bool = Field(description="runs without network: built-in and task_dir tasks; lm-eval's need their data cached")
     domain: str | None = Field(None, description="a built-in task: the built-in set its text comes from (builtin:chat …), "
                                "so a conversion's calibration tells whether the task is in its domain")
+    needs: str | None = Field(None, description="what installs its data first (moelab_bigbench_mc: moelab data install bigbench)")
 
 
 class TaskList(BaseModel):
@@ -534,7 +535,8 @@ class EvaluationCreate(_In):
     baselines: bool = Field(True, description="also evaluate AbsTopK-GLU, the uniform allocation and TEAL "
                             "(activation sparsity) at the conversion's FFN cost")
     multiple_choice_per_task: int = Field(
-        50, ge=0, le=10000, description="BIG-bench multiple-choice items per task when that set is installed (0: skip)"
+        50, ge=0, le=10000, description="BIG-bench multiple-choice items per task when that set is installed (0: skip): "
+        "lm-eval task moelab_bigbench_mc, reported in the summary's tasks"
     )
     tasks: list[TaskName] = Field(
         default_factory=list, max_length=16,

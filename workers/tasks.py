@@ -270,7 +270,7 @@ def evaluate(ctx: JobContext) -> Outcome:
             "tokens_per_s": r.get("tokens_per_s"),
             "mean_reconstruction_error": _mean(r.get("reconstruction_error")),
             "mean_load_cv": _mean((r.get("routing") or {}).get("load_cv", {}).values()),
-            "multiple_choice_accuracy": (r.get("multiple_choice") or {}).get("mean_accuracy"),
+            "multiple_choice_accuracy": ((report.get("tasks") or {}).get("moelab_bigbench_mc", {}).get(name) or {}).get("acc_norm"),
             "ffn_flops_fraction": r.get("ffn_flops_fraction"),  # a baseline built at the conversion's cost (TEAL) says it
             "reused": "reused" in r,  # the dense model's stored score on the same windows (evaluation.reference_scores)
         }

@@ -20,7 +20,7 @@ the built modules' own count), so rows of one level cost the same within one exp
 
 Perplexity is measured on the held-out split of several built-in domains (never calibration
 text) and summarised by the geometric mean of the per-domain ratios; each domain's ratio is
-kept too. BIG-bench multiple-choice accuracy is added when that set is installed. Writes
+kept too. Downstream accuracy: bench_tasks.py (lm-evaluation-harness). Writes
 tests/benchmarks/results/bench_frontier.json, a markdown table and an SVG plot next to it, and
 prints one summary line.
 """
@@ -47,8 +47,8 @@ from moelab.settings import get_settings  # noqa: E402
 from workers.engine.core.allocation import plan_flops_fraction  # noqa: E402
 from workers.engine.core.fitting import collect_inputs, profile_token_windows  # noqa: E402
 from workers.engine.core.slicing import abstopk_modules, partition_modules  # noqa: E402
-from workers.engine.data.builtin import MIXED_PARTS, bigbench_installed  # noqa: E402
-from workers.engine.evaluation.metrics import bigbench_choice_items, evaluate_models, evaluate_variants, heldout_windows  # noqa: E402
+from workers.engine.data.builtin import MIXED_PARTS  # noqa: E402
+from workers.engine.evaluation.metrics import evaluate_models, evaluate_variants, heldout_windows  # noqa: E402
 from workers.engine.methods import cmoe, expertweaver, get_method  # noqa: E402
 from workers.engine.methods.cmoe import CMoEParams  # noqa: E402
 from workers.engine.methods.expertweaver import ExpertWeaverParams  # noqa: E402
@@ -268,8 +268,7 @@ def measure_levels(adapter: Any, profile: Any, windows: dict[str, torch.Tensor],
                 variants[name] = teal_modules(adapter, fit_for(ExpertWeaverParams().fit_tokens), level, allocation)
                 meta[name] = {"ffn_flops_fraction": _ffn_cost(variants[name], dense_macs, adapter.n_layers, d_macs)}
         if variants:
-            by_domain = {dom: evaluate_variants(adapter, variants, w, reconstruction=False,
-                                                choice_items=items if dom == DOMAINS[0] else None)
+            by_domain = {dom: evaluate_variants(adapter, variants, w, reconstruction=False)
                          for dom, w in windows.items()}
             done.update({name: {**meta[name], **score(by_domain, name, dense_ppl)} for name in variants})
         save()  # after every level: a long run that is stopped keeps what it measured
@@ -379,7 +378,7 @@ def main() -> None:
     adapter = load_model(model, data_dir=data_dir, dtype="float32")
     windows = {dom: heldout_windows(adapter.tokenizer, data_dir, seq_len=args.seq_len, n_windows=args.windows, source=dom)
                for dom in DOMAINS}
-    items = bigbench_choice_items(data_dir, per_task=30) if bigbench_installed(data_dir) else None
+    items = None  # downstream accuracy: bench_tasks.py (lm-evaluation-harness)
     if ldo:
         report: dict[str, Any] = {"model": model, "protocol": "leave-domain-out", "samples": args.samples,
                                   "folds_left_out": {dom: list(parts) for dom, parts in LEAVE_OUT.items()},
@@ -408,7 +407,7 @@ def main() -> None:
         "levels": {}, "own_cost": {},
     }
     previous = _previous(args.out, report) if args.resume else {}
-    dense_by_domain = {dom: evaluate_variants(adapter, {"dense": None}, w, choice_items=items if dom == DOMAINS[0] else None)["dense"]
+    dense_by_domain = {dom: evaluate_variants(adapter, {"dense": None}, w)["dense"]
                        for dom, w in windows.items()}
     dense_ppl = {dom: r["perplexity"] for dom, r in dense_by_domain.items()}
     report["dense"] = dense_by_domain

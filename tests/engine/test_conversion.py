@@ -156,28 +156,33 @@ def test_load_cv_is_mi_eq_7():
     assert load_cv(c) == pytest.approx(np.sqrt(((c - 2) ** 2).mean()) / 2)
 
 
-def test_multiple_choice_accuracy_matches_unbatched_scoring(setup, tmp_path):
+def test_choice_loglikelihoods_match_unbatched_scoring(setup, tmp_path):
+    """moelab's own scorer (the harness's check, ``choice_loglikelihoods``) batched and padded equals one choice at a
+    time, on BIG-bench items (the fake install), and the BIG-bench lm-eval task reads the same items."""
     from tests.engine.test_calibration import make_bigbench_sdist
     from workers.engine.data.builtin import install_bigbench
-    from workers.engine.evaluation.metrics import bigbench_choice_items, multiple_choice_accuracy
+    from workers.engine.evaluation.lm_tasks.moelab_tasks import bigbench_mc
+    from workers.engine.evaluation.metrics import bigbench_choice_items, choice_loglikelihoods
 
     data = tmp_path / "data"
     install_bigbench(data, sdist=make_bigbench_sdist(tmp_path / "bigbench-1.0.0.tar.gz"))
     items = bigbench_choice_items(data, per_task=4)
     assert {it.task for it in items} == {"goal_step_wikihow/goal_inference", "general_knowledge", "code_line_description"}
     adapter, _ = setup
-    report = multiple_choice_accuracy(adapter.model, adapter.tokenizer, items, batch_size=5)
+    sums, counts = choice_loglikelihoods(adapter.model, adapter.tokenizer, items, batch_size=5)
     tok = adapter.tokenizer
-    correct = 0
-    for it in items:  # reference: one choice at a time, no padding
+    for i, it in enumerate(items):  # reference: one choice at a time, no padding
         prompt = tok(it.prompt, add_special_tokens=False)["input_ids"]
-        means = []
-        for c in it.choices:
+        for j, c in enumerate(it.choices):
             cont = tok(" " + c, add_special_tokens=False)["input_ids"]
             ids = torch.tensor([prompt + cont])
             with torch.no_grad():
                 lp = adapter.model(input_ids=ids).logits.log_softmax(-1)[0, :-1]
-            means.append(lp[torch.arange(len(prompt) - 1, ids.shape[1] - 1), torch.tensor(cont)].mean().item())
-        correct += int(np.argmax(means) == it.answer)
-    assert report["mean_accuracy"] == pytest.approx(correct / len(items))
-    assert all(t["chance"] == pytest.approx(1 / 3) for t in report["tasks"].values())
+            want = lp[torch.arange(len(prompt) - 1, ids.shape[1] - 1), torch.tensor(cont)].double().sum().item()
+            assert sums[i, j] == pytest.approx(want, abs=1e-4) and counts[i, j] == len(cont)
+    rows = bigbench_mc(data_dir=str(data))["test"]
+    assert len(rows) == len(bigbench_choice_items(data, per_task=10**6))
+    assert [r["task"] for r in rows.select(range(3))] == ["goal_step_wikihow/goal_inference", "general_knowledge",
+                                                         "code_line_description"]  # interleaved: limit 3n reads n of each
+    first = items[0]
+    assert (rows[0]["prompt"], rows[0]["choices"], rows[0]["gold"]) == (first.prompt, first.choices, first.answer)

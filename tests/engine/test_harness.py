@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from workers.engine.evaluation.harness import BUILTIN_TASKS, TaskError, TaskRequest, list_tasks, load_tasks, run_tasks, task_table
+from workers.engine.evaluation.harness import BUILTIN_TASKS, TaskError, TaskRequest, list_tasks, load_tasks, task_table
 from workers.engine.evaluation.lm_tasks import moelab_tasks
 from workers.engine.evaluation.metrics import ChoiceItem, choice_loglikelihoods
 
@@ -30,7 +30,10 @@ def moelab(*args, data_dir, check=True):
 
 def test_builtin_tasks_come_first_and_build_offline_and_deterministically():
     listed = list_tasks()
-    assert [t["name"] for t in listed[:4]] == list(BUILTIN_TASKS) and all(t["offline"] for t in listed[:4])
+    n = len(BUILTIN_TASKS)
+    assert [t["name"] for t in listed[:n]] == list(BUILTIN_TASKS) and all(t["offline"] for t in listed[:n])
+    assert listed[n - 1] == {"name": "moelab_bigbench_mc", "source": "builtin", "offline": True, "domain": "builtin:bigbench",
+                             "needs": "moelab data install bigbench"}
     assert {"arc_easy", "piqa", "boolq", "hellaswag", "winogrande"} <= {t["name"] for t in listed}
     qa = moelab_tasks.chat_qa()["test"]
     assert len(qa) > 800 and qa[0] == moelab_tasks.chat_qa()["test"][0]  # a fixed draw
@@ -46,13 +49,15 @@ def test_builtin_tasks_come_first_and_build_offline_and_deterministically():
         assert len(set(row["choices"])) == 4 and row["question"].endswith("?")
 
 
-def test_an_unknown_or_unreachable_task_fails_fast_and_names_itself():
+def test_an_unknown_or_unreachable_task_fails_fast_and_names_itself(tmp_path):
     with pytest.raises(TaskError, match="unknown task.*no_such_task"):
         load_tasks(TaskRequest(tasks=("no_such_task",)))
     t0 = time.perf_counter()
     with pytest.raises(TaskError, match=r"task 'arc_easy' cannot load its data here.*HF_HOME.*--online"):
         load_tasks(TaskRequest(tasks=("arc_easy",)))
     assert time.perf_counter() - t0 < 30
+    with pytest.raises(TaskError, match=r"task 'moelab_bigbench_mc' needs its data installed: run `moelab data install bigbench`"):
+        load_tasks(TaskRequest(tasks=("moelab_bigbench_mc",), data_dir=tmp_path))
 
 
 def test_humaneval_runs_completions_in_a_limited_process():

@@ -217,8 +217,8 @@ def test_model_card_numbers_match_the_record(convs, tmp_path):
     src = convs["llama-ft"]
     record = json.loads((src / "conversion.json").read_text())
     evaluation = {"heldout": {"source": "builtin:mixed", "windows": 2, "seq_len": 32},
-                  "results": {"dense": {"perplexity": 10.0}, "converted": {"perplexity": 12.25, "perplexity_ratio": 1.225,
-                                                                           "multiple_choice": {"mean_accuracy": 0.375}}}}
+                  "results": {"dense": {"perplexity": 10.0}, "converted": {"perplexity": 12.25, "perplexity_ratio": 1.225}},
+                  "tasks": {"moelab_chat_qa": {"dense": {"acc": 0.5}, "converted": {"acc": 0.375, "acc_stderr": 0.02}}}}
     (src / "evaluation.json").write_text(json.dumps(evaluation))
     try:
         export_converted(src, tmp_path / "nat", "native")
@@ -231,6 +231,7 @@ def test_model_card_numbers_match_the_record(convs, tmp_path):
     assert f"| active_params | {s['active_params']:,} |" in card or f"| active_params | {s['active_params']} |" in card
     assert "expertweaver" in card and "| alpha_min | 0.25 |" in card
     assert "| 0–2 | moe | 24 | 6 × 12 | 4 | softmax | weighted |" in card
+    assert "| variant | perplexity | × dense | moelab_chat_qa |" in card and "| dense | 10 | 1 | 0.5 |" in card
     assert "| converted | 12.25 | 1.225 | 0.375 |" in card and "perplexity_after 12.5" in card
     assert "trust_remote_code" not in card.split("## How to run")[1].split("```")[1]
     # the conversion's own (moelab format) card, written at conversion time

@@ -145,7 +145,7 @@ def test_evaluation_forwards_are_bounded_and_cancel_lands_after_one(tiny_llama, 
 def test_multiple_choice_batches_are_bounded(tiny_llama, data_dir):
     import torch
 
-    from workers.engine.evaluation.metrics import BATCH_TOKENS, ChoiceItem, multiple_choice_accuracy
+    from workers.engine.evaluation.metrics import BATCH_TOKENS, ChoiceItem, choice_loglikelihoods
     from workers.engine.models import load_model
 
     adapter = load_model(str(tiny_llama), data_dir=data_dir, device="cpu", dtype="float32")
@@ -155,11 +155,11 @@ def test_multiple_choice_batches_are_bounded(tiny_llama, data_dir):
         long_prompt = "word " * 600
         items = [ChoiceItem("t", long_prompt, ["yes", "no"], 0) for _ in range(4)] + [ChoiceItem("t", "Short?", ["a", "b"], 1)]
         with torch.inference_mode():
-            out = multiple_choice_accuracy(adapter.model, adapter.tokenizer, items, batch_size=16)
+            sums, counts = choice_loglikelihoods(adapter.model, adapter.tokenizer, items, batch_size=16)
     finally:
         hook.remove()
     assert max(seen) <= BATCH_TOKENS and len(seen) > 1
-    assert out["tasks"]["t"]["n"] == 5
+    assert sums.shape == (5, 2) and (counts > 0).all()
 
 
 # --------------------------------------------------------------------------- API: cancel a running evaluation

@@ -28,11 +28,13 @@ def task_dir(data_root):
 
 def test_the_task_list_names_the_builtin_and_the_directorys_tasks(client, task_dir):
     listed = client.get(f"{API}/tasks").json()
-    assert [t["name"] for t in listed["items"]] == ["moelab_chat_qa", "moelab_lastword", "moelab_math_qa", "moelab_humaneval"]
+    assert [t["name"] for t in listed["items"]] == ["moelab_chat_qa", "moelab_lastword", "moelab_math_qa", "moelab_humaneval",
+                                                    "moelab_bigbench_mc"]
+    assert listed["items"][-1]["needs"] == "moelab data install bigbench"
     with_dir = client.get(f"{API}/tasks", params={"task_dir": str(task_dir)}).json()["items"]
-    assert {"name": "api_sums", "source": "task_dir", "offline": True, "domain": None} in with_dir
+    assert {"name": "api_sums", "source": "task_dir", "offline": True, "domain": None, "needs": None} in with_dir
     everything = client.get(f"{API}/tasks", params={"registry": "true"}).json()
-    assert everything["total"] > 1000 and {"name": "arc_easy", "source": "lm-eval", "offline": False, "domain": None} in everything["items"]
+    assert everything["total"] > 1000 and {"name": "arc_easy", "source": "lm-eval", "offline": False, "domain": None, "needs": None} in everything["items"]
     r = client.get(f"{API}/tasks", params={"task_dir": "/etc"})
     assert r.status_code == 422 and "outside MOELAB_DATA_ROOTS" in r.json()["detail"]
 

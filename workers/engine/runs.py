@@ -7,6 +7,7 @@ Each job reads its inputs from artifact directories, reports progress through ``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import resource
 import time
@@ -20,7 +21,7 @@ from .data.builtin import bigbench_installed
 from .evaluation import reference_scores
 from .limits import conversion_config, eval_tokens_problem, seq_len_problem
 from .evaluation.harness import TaskRequest, load_tasks, run_tasks
-from .evaluation.metrics import bigbench_choice_items, evaluate_models, evaluate_variants, heldout_windows, swapped_mlps
+from .evaluation.metrics import MC_TASKS, evaluate_models, evaluate_variants, heldout_windows, swapped_mlps
 from .methods import ConversionInputs, Method, check_conversion, get_method, method_of
 from .models import ModelAdapter, load_model
 from .runtime.export import CONVERSION_FILE, export_model, load_exported
@@ -170,7 +171,8 @@ def run_evaluation(
     load_converted: Callable[[Path], Any] = load_exported, tasks: TaskRequest | None = None,
 ) -> dict[str, Any]:
     """Perplexity dense vs converted (vs the method's baselines, e.g. AbsTopK for EW/CMoE, and TEAL at the
-    conversion's cost wherever the method has baselines) in one run, plus reconstruction and routing; BIG-bench multiple-choice accuracy too when that set is installed
+    conversion's cost wherever the method has baselines) in one run, plus reconstruction and routing; BIG-bench multiple-choice
+    accuracy too (lm-eval task ``moelab_bigbench_mc``, ``mc_per_task`` items of each of its tasks) when that set is installed
     (``moelab data install bigbench``); plus the method's own extra numbers (MIDAS: load CV per set).
 
     ``max_tokens``: the most held-out tokens (``n_windows × seq_len``) this run may read (the caller's
@@ -182,17 +184,19 @@ def run_evaluation(
     t0 = time.perf_counter()
     record = read_conversion(conversion_dir)
     check_evaluation_limits(conversion_dir, n_windows=n_windows, seq_len=seq_len, max_tokens=max_tokens)
-    loaded_tasks = None
-    if tasks is not None:
-        with progress.step("load tasks"):
-            loaded_tasks = load_tasks(tasks)
+    if tasks is not None and tasks.data_dir is None:
+        tasks = dataclasses.replace(tasks, data_dir=Path(data_dir))
+    loaded_tasks = []  # (request, its tasks): the user's, and BIG-bench's multiple choice when installed
+    for request in (tasks, _bigbench_request(data_dir, mc_per_task)):
+        if request is not None:
+            with progress.step("load tasks"):
+                loaded_tasks.append((request, load_tasks(request)))
     method = get_method(method_of(record["params"]))
     with progress.step("load converted model"):  # stages all the way: a watcher never sees 'starting' for a minute
         converted = load_converted(conversion_dir)
     timings: dict[str, float] = {}
     extra: dict[str, Any] = {}
     notes: dict[str, str] = {}
-    items = _choice_items(data_dir, mc_per_task, progress)
     if method.baselines is not None:  # layers swap into the dense model: baselines in the same pass
         adapter = loader(record["model"]["source"], data_dir=data_dir, device=device, dtype="float32", progress=progress)
         tokenizer, dense = adapter.tokenizer, adapter.model
@@ -210,11 +214,10 @@ def run_evaluation(
                 variants["teal"] = teal
         with progress.step("read held-out text"):
             windows = heldout_windows(tokenizer, data_dir, seq_len=seq_len, n_windows=n_windows, source=source)
-        key, known = _known_dense(record, dense, windows, items, data_dir)
-        results = evaluate_variants(adapter, variants, windows, progress=progress, choice_items=items, known=known)
-        if loaded_tasks is not None:
-            task_scores = _task_scores({name: (adapter.model, mods) for name, mods in variants.items()}, tokenizer,
-                                       tasks, loaded_tasks, adapter, progress)
+        key, known = _known_dense(record, dense, windows, data_dir)
+        results = evaluate_variants(adapter, variants, windows, progress=progress, known=known)
+        task_scores = _task_scores({name: (adapter.model, mods) for name, mods in variants.items()}, tokenizer,
+                                   loaded_tasks, adapter, progress)
         if "teal" in variants:  # its cost beside its perplexity: TEAL is matched to the conversion's
             results["teal"].update(teal_info["variant"])
     else:
@@ -222,12 +225,10 @@ def run_evaluation(
         converted = converted.to(next(dense.parameters()).device)
         with progress.step("read held-out text"):
             windows = heldout_windows(tokenizer, data_dir, seq_len=seq_len, n_windows=n_windows, source=source)
-        key, known = _known_dense(record, dense, windows, items, data_dir)
-        results = evaluate_models({"dense": dense, "converted": converted}, tokenizer, windows, progress=progress,
-                                  choice_items=items, known=known)
-        if loaded_tasks is not None:
-            task_scores = _task_scores({"dense": (dense, None), "converted": (converted, None)}, tokenizer, tasks,
-                                       loaded_tasks, None, progress)
+        key, known = _known_dense(record, dense, windows, data_dir)
+        results = evaluate_models({"dense": dense, "converted": converted}, tokenizer, windows, progress=progress, known=known)
+        task_scores = _task_scores({"dense": (dense, None), "converted": (converted, None)}, tokenizer, loaded_tasks,
+                                   None, progress)
     reference_scores.save(data_dir, key, results["dense"])
     if method.extra_evaluation is not None:
         extra = method.extra_evaluation(converted, tokenizer, record, data_dir=data_dir, n_windows=n_windows,
@@ -241,7 +242,8 @@ def run_evaluation(
         "heldout": {"source": source, "split": "heldout", "windows": int(len(windows)), "seq_len": seq_len},
         "results": results,
         **extra,
-        **({"tasks": task_scores, "task_settings": tasks.describe()} if tasks is not None else {}),
+        **({"tasks": task_scores} if task_scores else {}),
+        **({"task_settings": tasks.describe()} if tasks is not None else {}),
         **({"notes": notes} if notes else {}),
         "conversion_timings": record["timings"],
         "timings": timings,
@@ -254,16 +256,26 @@ def run_evaluation(
     return out
 
 
-def _task_scores(models: dict[str, tuple[Any, dict[int, Any] | None]], tokenizer: Any, request: TaskRequest,
-                 loaded: dict[str, Any], adapter: ModelAdapter | None, progress: Progress) -> dict[str, dict[str, Any]]:
-    """``{task: {variant: metrics}}``: lm-eval's scores of each ``(model, swapped MLPs)``; a baseline is the
-    dense model with its MLPs swapped in for the time of its run (``swapped_mlps``)."""
-    out: dict[str, dict[str, Any]] = {name: {} for name in loaded}
-    for variant, (model, modules) in models.items():
-        with progress.step(f"tasks {variant}"), swapped_mlps(adapter, modules) if modules else contextlib.nullcontext():
-            for task, metrics in run_tasks(model, tokenizer, request, loaded).items():
-                out[task][variant] = metrics
+def _task_scores(models: dict[str, tuple[Any, dict[int, Any] | None]], tokenizer: Any,
+                 loaded: list[tuple[TaskRequest, dict[str, Any]]], adapter: ModelAdapter | None, progress: Progress,
+                 ) -> dict[str, dict[str, Any]]:
+    """``{task: {variant: metrics}}``: lm-eval's scores of each ``(model, swapped MLPs)`` on each request's tasks; a
+    baseline is the dense model with its MLPs swapped in for the time of its run (``swapped_mlps``)."""
+    out: dict[str, dict[str, Any]] = {name: {} for _, tasks in loaded for name in tasks}
+    for request, tasks in loaded:
+        for variant, (model, modules) in models.items():
+            with progress.step(f"tasks {variant}"), swapped_mlps(adapter, modules) if modules else contextlib.nullcontext():
+                for task, metrics in run_tasks(model, tokenizer, request, tasks).items():
+                    out[task][variant] = metrics
     return out
+
+
+def _bigbench_request(data_dir: Path, mc_per_task: int) -> TaskRequest | None:
+    """BIG-bench's multiple choice as lm-eval task ``moelab_bigbench_mc`` (``mc_per_task`` held-out items of each of
+    its three tasks), when ``moelab data install bigbench`` has run; None otherwise."""
+    if not mc_per_task or not bigbench_installed(data_dir):
+        return None
+    return TaskRequest(tasks=("moelab_bigbench_mc",), limit=mc_per_task * len(MC_TASKS), data_dir=Path(data_dir))
 
 
 #: The TEAL baseline's calibration tokens when the record has no ``fit_tokens``: the partition methods' default.
@@ -413,18 +425,11 @@ def _reference_model(method: Method, record: dict[str, Any], *, data_dir: Path, 
     return adapter.model, adapter.tokenizer
 
 
-def _known_dense(record: dict[str, Any], dense: Any, windows: Any, items: Any, data_dir: Path,
+def _known_dense(record: dict[str, Any], dense: Any, windows: Any, data_dir: Path,
                  ) -> tuple[str, dict[str, dict[str, Any]]]:
     """The key of the dense model's scores on ``windows`` and, when an earlier evaluation stored
     them, ``{"dense": entry}`` (``evaluation.reference_scores``)."""
-    protocol = {"batch_size": 8, "choice_items": [[i.task, i.prompt, i.choices, i.answer] for i in items or ()]}
+    protocol = {"batch_size": 8}
     key = reference_scores.fingerprint(record.get("model", {}), dense, windows, protocol)
     entry = reference_scores.load(data_dir, key)
     return key, ({"dense": entry} if entry else {})
-
-
-def _choice_items(data_dir: Path, mc_per_task: int, progress: Progress = NO_PROGRESS) -> Any:
-    if not mc_per_task or not bigbench_installed(data_dir):
-        return None
-    with progress.step("read multiple-choice items"):
-        return bigbench_choice_items(data_dir, per_task=mc_per_task)

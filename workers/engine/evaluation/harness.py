@@ -26,11 +26,14 @@ if TYPE_CHECKING:  # torch-free at import: the API checks task names with this m
 
 BUILTIN_TASK_DIR = Path(__file__).with_name("lm_tasks")
 #: moelab's own tasks: what ``moelab tasks`` lists first, and what runs anywhere.
-BUILTIN_TASKS = ("moelab_chat_qa", "moelab_lastword", "moelab_math_qa", "moelab_humaneval")
+BUILTIN_TASKS = ("moelab_chat_qa", "moelab_lastword", "moelab_math_qa", "moelab_humaneval", "moelab_bigbench_mc")
+#: Built-in tasks whose data is an optional download (``moelab data install bigbench``).
+NEEDS_INSTALL = {"moelab_bigbench_mc": "moelab data install bigbench"}
 #: The built-in calibration set each built-in task's text comes from: whether a conversion was calibrated in the
 #: task's domain is this set against its calibration set's domains.
 BUILTIN_TASK_DOMAINS = {"moelab_chat_qa": "builtin:chat", "moelab_lastword": "builtin:literature",
-                        "moelab_math_qa": "builtin:math", "moelab_humaneval": "builtin:code_problems"}
+                        "moelab_math_qa": "builtin:math", "moelab_humaneval": "builtin:code_problems",
+                        "moelab_bigbench_mc": "builtin:bigbench"}
 #: The harness's metrics kept in an evaluation record (each with its ``_stderr``), in this order of preference.
 METRICS = ("acc", "acc_norm", "pass@1", "exact_match", "perplexity", "word_perplexity")
 
@@ -50,6 +53,7 @@ class TaskRequest:
     task_dir: Path | None = None
     online: bool = False
     batch_size: int = 8
+    data_dir: Path | None = None  # moelab's data dir: where optional task data (BIG-bench) is installed
 
     def describe(self) -> dict[str, Any]:
         return {"tasks": list(self.tasks), "num_fewshot": self.num_fewshot, "limit": self.limit,
@@ -57,17 +61,19 @@ class TaskRequest:
 
 
 @lru_cache(maxsize=8)
-def _task_manager(task_dir: str | None) -> Any:
+def _task_manager(task_dir: str | None, data_dir: str | None) -> Any:
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=[str(BUILTIN_TASK_DIR), *([task_dir] if task_dir else [])])
+    return TaskManager(include_path=[str(BUILTIN_TASK_DIR), *([task_dir] if task_dir else [])],
+                       metadata={"data_dir": data_dir} if data_dir else None)
 
 
-def task_manager(task_dir: Path | None = None) -> Any:
-    """lm-eval's TaskManager over its registry, moelab's built-in tasks and ``task_dir``."""
+def task_manager(task_dir: Path | None = None, data_dir: Path | None = None) -> Any:
+    """lm-eval's TaskManager over its registry, moelab's built-in tasks and ``task_dir``; ``data_dir`` reaches the
+    built-in tasks' data functions as metadata (where BIG-bench is installed)."""
     if task_dir is not None and not Path(task_dir).is_dir():
         raise TaskError(f"task directory {task_dir} does not exist: give a directory of lm-eval task YAMLs")
-    return _task_manager(str(Path(task_dir).resolve()) if task_dir else None)
+    return _task_manager(str(Path(task_dir).resolve()) if task_dir else None, str(data_dir) if data_dir else None)
 
 
 def list_tasks(task_dir: Path | None = None) -> list[dict[str, Any]]:
@@ -77,7 +83,8 @@ def list_tasks(task_dir: Path | None = None) -> list[dict[str, Any]]:
     user = set()
     if task_dir is not None:
         user = {n for n, e in manager.task_index.items() if e.yaml_path and Path(e.yaml_path).resolve().is_relative_to(Path(task_dir).resolve())}
-    out = [{"name": n, "source": "builtin", "offline": True, "domain": BUILTIN_TASK_DOMAINS[n]} for n in BUILTIN_TASKS]
+    out = [{"name": n, "source": "builtin", "offline": True, "domain": BUILTIN_TASK_DOMAINS[n],
+            **({"needs": NEEDS_INSTALL[n]} if n in NEEDS_INSTALL else {})} for n in BUILTIN_TASKS]
     out += [{"name": n, "source": "task_dir", "offline": True, "domain": None} for n in sorted(user)]
     out += [{"name": n, "source": "lm-eval", "offline": False, "domain": None} for n in manager.all_subtasks
             if n not in BUILTIN_TASKS and n not in user]
@@ -108,7 +115,7 @@ def load_tasks(request: TaskRequest) -> dict[str, Any]:
     Raised before any model runs: TaskError (unknown task, unreachable data)."""
     if not request.tasks:
         raise TaskError("no tasks given: name at least one (moelab tasks lists them)")
-    manager = task_manager(request.task_dir)
+    manager = task_manager(request.task_dir, request.data_dir)
     unknown = unknown_tasks(request.tasks, request.task_dir)
     if unknown:
         raise TaskError(f"unknown task(s) {', '.join(unknown)}: `moelab tasks` lists the tasks (built-in, lm-eval's, "
@@ -121,6 +128,8 @@ def load_tasks(request: TaskRequest) -> dict[str, Any]:
                 built = manager.load([name])
             except Exception as exc:  # noqa: BLE001 -- the harness raises whatever its dataset loader raised
                 reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+                if name in NEEDS_INSTALL:
+                    raise TaskError(f"task {name!r} needs its data installed: run `{NEEDS_INSTALL[name]}`") from exc
                 raise TaskError(
                     f"task {name!r} cannot load its data here ({reason}): put its dataset in the Hugging Face cache "
                     "(HF_HOME) on a machine with network, or allow downloads (--online), or use a built-in task "
@@ -164,7 +173,7 @@ def run_tasks(model: "nn.Module", tokenizer: Any, request: TaskRequest, tasks: d
         with _datasets_offline(not request.online), contextlib.redirect_stdout(sys.stderr):
             res = simple_evaluate(model=lm, tasks=list(tasks.values()), num_fewshot=request.num_fewshot,
                                   limit=request.limit, log_samples=False, bootstrap_iters=1000,
-                                  task_manager=task_manager(request.task_dir), verbosity="ERROR")
+                                  task_manager=task_manager(request.task_dir, request.data_dir), verbosity="ERROR")
     finally:
         model.train(was_training)
     out: dict[str, dict[str, Any]] = {}

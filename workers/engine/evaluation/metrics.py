@@ -213,9 +213,9 @@ def routed_modules(model: nn.Module) -> dict[int, nn.Module]:
 
 def _score(
     model: nn.Module, tokenizer: Any, routed: dict[int, nn.Module], windows: torch.Tensor, batch_size: int,
-    progress: Progress, stage: str, choice_items: list["ChoiceItem"] | None,
+    progress: Progress, stage: str,
 ) -> dict[str, Any]:
-    """Perplexity, tokens/s, routing load (of ``routed``) and multiple-choice accuracy of one model."""
+    """Perplexity, tokens/s and routing load (of ``routed``) of one model."""
     recorder = RoutingRecorder(len(windows))
     recorder.attach(routed)
     try:
@@ -223,9 +223,6 @@ def _score(
     finally:
         recorder.detach(routed)
     entry: dict[str, Any] = {"perplexity": ppl, "tokens_per_s": tps}
-    if choice_items:
-        entry["multiple_choice"] = multiple_choice_accuracy(model, tokenizer, choice_items, progress=progress,
-                                                            stage=stage.replace("evaluate", "multiple choice", 1))
     if recorder.counts:
         entry["routing"] = recorder.summary()
     return entry
@@ -242,10 +239,10 @@ def _add_ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]
 def evaluate_variants(
     adapter: ModelAdapter, variants: dict[str, dict[int, nn.Module] | None], windows: torch.Tensor,
     batch_size: int = 8, reconstruction: bool = True, progress: Progress = NO_PROGRESS,
-    choice_items: list["ChoiceItem"] | None = None, known: dict[str, dict[str, Any]] | None = None,
+    known: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Perplexity, tokens/s, reconstruction error, routing load and (when ``choice_items`` are
-    given) multiple-choice accuracy of every variant, in one run. A variant is a set of MLP
+    """Perplexity, tokens/s, reconstruction error and routing load of every variant, in one run (downstream
+    accuracy: ``evaluation.harness``). A variant is a set of MLP
     replacements swapped into the loaded dense model (None: the dense model itself). ``known``:
     entries already scored on these windows (``reference_scores``), not run again."""
     results: dict[str, dict[str, Any]] = dict(known or {})
@@ -255,7 +252,7 @@ def evaluate_variants(
         with swapped_mlps(adapter, modules):
             results[name] = _score(
                 adapter.model, adapter.tokenizer, dict(modules or {}), windows, batch_size, progress,
-                f"evaluate {name}", choice_items,
+                f"evaluate {name}",
             )
     replaced = {name: modules for name, modules in variants.items() if modules}
     if reconstruction and replaced:
@@ -266,17 +263,16 @@ def evaluate_variants(
 
 def evaluate_models(
     models: dict[str, nn.Module], tokenizer: Any, windows: torch.Tensor, batch_size: int = 8,
-    progress: Progress = NO_PROGRESS, choice_items: list["ChoiceItem"] | None = None,
-    known: dict[str, dict[str, Any]] | None = None,
+    progress: Progress = NO_PROGRESS, known: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Like ``evaluate_variants`` for whole models that cannot be swapped into one dense model
     (Dense2MoE drops layers, MIDAS replaces every FFN by low-rank experts, hierarchical starts
-    from an MoE): the same windows, perplexity, speed, routing and accuracy for each."""
+    from an MoE): the same windows, perplexity, speed and routing for each."""
     results: dict[str, dict[str, Any]] = dict(known or {})
     for name, model in models.items():
         if name not in results:
             results[name] = _score(model, tokenizer, routed_modules(model), windows, batch_size, progress,
-                                   f"evaluate {name}", choice_items)
+                                   f"evaluate {name}")
     return _add_ratios(results)
 
 
@@ -290,7 +286,7 @@ def load_cv_by_source(
     out: dict[str, dict[str, Any]] = {}
     for source in sources:
         windows = heldout_windows(tokenizer, data_dir, seq_len=seq_len, n_windows=n_windows, source=source)
-        entry = _score(model, tokenizer, routed, windows, batch_size, progress, f"routing on {source}", None)
+        entry = _score(model, tokenizer, routed, windows, batch_size, progress, f"routing on {source}")
         out[source] = {"windows": int(len(windows)), **entry.get("routing", {})}
     return out
 
@@ -372,18 +368,3 @@ def choice_loglikelihoods(model: nn.Module, tokenizer: Any, items: list[ChoiceIt
         done += len(chunk)
         progress.update(stage, done, len(pairs))  # choices scored
     return sums, counts
-
-
-def multiple_choice_accuracy(model: nn.Module, tokenizer: Any, items: list[ChoiceItem], batch_size: int = 16,
-                             progress: Progress = NO_PROGRESS, stage: str = "multiple choice") -> dict[str, Any]:
-    """Accuracy by length-normalised log-likelihood: each choice is scored by the mean log-prob
-    of its tokens after the prompt; the best-scoring choice is the model's answer."""
-    sums, counts = choice_loglikelihoods(model, tokenizer, items, batch_size, progress, stage)
-    scores = sums / np.maximum(counts, 1)
-    correct = scores.argmax(1) == np.array([it.answer for it in items])
-    per_task = {}
-    for name in sorted({it.task for it in items}):
-        sel = np.array([it.task == name for it in items])
-        chance = float(np.mean([1 / len(it.choices) for it, s in zip(items, sel) if s]))
-        per_task[name] = {"accuracy": float(correct[sel].mean()), "n": int(sel.sum()), "chance": chance}
-    return {"tasks": per_task, "mean_accuracy": float(correct.mean()) if len(items) else float("nan")}

@@ -86,11 +86,16 @@ def _evaluation_lines(evaluation: dict | None, record: dict) -> list[str]:
         h = evaluation.get("heldout") or {}
         lines.append(f"Held-out text `{h.get('source', '?')}` ({h.get('windows', '?')} windows × {h.get('seq_len', '?')} tokens):")
         lines.append("")
-        lines += ["| variant | perplexity | × dense | multiple-choice accuracy |", "|---|---|---|---|"]
+        tasks = evaluation.get("tasks") or {}  # lm-evaluation-harness: each task's first metric (acc, pass@1 …)
+        lines += ["| variant | perplexity | × dense |" + "".join(f" {t} |" for t in tasks), "|---|---|---|" + "---|" * len(tasks)]
         for name, r in (evaluation.get("results") or {}).items():
-            mc = (r.get("multiple_choice") or {}).get("mean_accuracy")
-            lines.append(f"| {name} | {_fmt(r.get('perplexity'))} | {_fmt(r.get('perplexity_ratio', 1.0))} | "
-                         f"{'-' if mc is None else _fmt(mc)} |")
+            cells = []
+            for by in tasks.values():
+                m = by.get(name) or {}
+                value = next((m[k] for k in ("acc", "pass@1", "exact_match", "acc_norm") if m.get(k) is not None), None)
+                cells.append("-" if value is None else _fmt(value))
+            lines.append(f"| {name} | {_fmt(r.get('perplexity'))} | {_fmt(r.get('perplexity_ratio', 1.0))} |"
+                         + "".join(f" {c} |" for c in cells))
         lines.append("")
     ft = record.get("finetune")
     if ft:

@@ -79,6 +79,28 @@ def lastword(**_: Any) -> dict[str, datasets.Dataset]:
     return {"test": datasets.Dataset.from_list(rows[:LASTWORD_ITEMS])}
 
 
+def bigbench_mc(data_dir: str | None = None, **_: Any) -> dict[str, datasets.Dataset]:
+    """BIG-bench's multiple-choice tasks a 135M model scores above chance on (``metrics.MC_TASKS``: the brief's
+    goal_inference, general_knowledge, code_line_description), held-out examples, interleaved task by task so that
+    ``limit = 3 n`` reads n of each. Needs ``moelab data install bigbench`` (358 MB, into the data dir moelab passes
+    as the task's metadata)."""
+    from pathlib import Path
+
+    from workers.engine.evaluation.metrics import bigbench_choice_items
+
+    if not data_dir or not builtin.bigbench_installed(Path(data_dir)):
+        raise FileNotFoundError("moelab_bigbench_mc needs BIG-bench: run `moelab data install bigbench` (358 MB, once)")
+    items = bigbench_choice_items(Path(data_dir), per_task=10**6)
+    by_task: dict[str, list[Any]] = {}
+    for it in items:
+        by_task.setdefault(it.task, []).append(it)
+    rows = []
+    for i in range(max((len(v) for v in by_task.values()), default=0)):
+        rows += [{"task": t, "prompt": v[i].prompt, "choices": v[i].choices, "gold": v[i].answer}
+                 for t, v in by_task.items() if i < len(v)]
+    return {"test": datasets.Dataset.from_list(rows)}
+
+
 MATH_ITEMS = 500
 _MATH = re.compile(r"^Question: (?P<q>.*)\nSolution: .* The answer is (?P<a>[^\n]+)\.$", re.S)
 
