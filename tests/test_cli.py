@@ -281,13 +281,16 @@ def test_every_json_command_prints_json_alone_on_a_cold_cache(tmp_path):
     assert json.loads(moelab("inspect", "default", data_dir=cold).stdout)["n_layers"] == 30  # JSON without the flag
     assert {m["name"] for m in run("methods")} >= {"expertweaver", "cmoe", "dense2moe", "midas"}
     assert run("data", "show", "builtin:mixed", "--samples", "8")["stats"]["n_samples"] == 8
+    assert run("tasks")[0]["name"] == "moelab_chat_qa"
     prof = run("profile", "--model", "default", "--calib", "builtin:mixed", "--samples", "8", "--max-tokens", "32",
                "--out", str(tmp_path / "p"))
     assert prof["n_layers"] == 30
     conv = run("convert", "--profile", str(tmp_path / "p"), "--method", "cmoe", "--experts", "8", "--shared", "2",
                "--active", "2", "--out", str(tmp_path / "c"))
     assert 0 < conv["summary"]["ffn_flops_fraction"] < 1
-    report = run("evaluate", str(tmp_path / "c"), "--windows", "2", "--seq-len", "32", "--no-baselines")
+    report = run("evaluate", str(tmp_path / "c"), "--windows", "2", "--seq-len", "32", "--no-baselines", "--tasks",
+                 "moelab_lastword", "--limit", "4")  # lm-eval prints to stdout unless told otherwise
+    assert report["tasks"]["moelab_lastword"]["converted"]["n"] == 4
     assert report["heldout"]["windows"] == 2
     tuned = run("finetune", str(tmp_path / "c"), "--steps", "1", "--batch-size", "1", "--seq-len", "32", "--out", str(tmp_path / "ft"))
     assert tuned["steps"] == 1

@@ -1,7 +1,7 @@
 """Downstream accuracy of the recipes through lm-evaluation-harness, in and out of the calibration domain.
 
     python tests/benchmarks/bench_tasks.py [--work runs/bench_tasks] [--limit 200] [--samples 64]
-        [--tasks moelab_chat_qa,moelab_lastword] [--costs 0.75 0.5] [--recipes paper best portable]
+        [--tasks moelab_chat_qa,moelab_lastword] [--costs 0.75 0.5] [--ood-costs 0.5] [--recipes paper best portable]
 
 Everything goes through the command line a user runs (``moelab profile``, ``convert``, ``evaluate --tasks --json``),
 on the default model, 2 CPU threads. Two calibrations (profiles of ``--samples`` × 256 tokens):
@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=200)
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--costs", type=float, nargs="+", default=[0.75, 0.5])
+    ap.add_argument("--ood-costs", type=float, nargs="+", default=None, help="costs of the out-of-domain calibration (default: --costs)")
     ap.add_argument("--recipes", nargs="+", default=["paper", "best", "portable"])
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "benchmarks" / "results" / "bench_tasks.json")
     args = ap.parse_args()
@@ -59,7 +60,7 @@ def main() -> None:
         if not (prof / "manifest.json").is_file():
             moelab("profile", "--model", "default", "--calib", calib, "--samples", str(args.samples), "--max-tokens", "256",
                    "--out", str(prof), "--quiet")
-        for cost in args.costs:
+        for cost in (args.ood_costs or args.costs) if calib_name == "out-of-domain" else args.costs:
             for recipe in args.recipes:
                 conv = args.work / f"{calib_name}-{recipe}-{cost}"
                 t0 = time.perf_counter()

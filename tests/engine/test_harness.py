@@ -161,6 +161,21 @@ def test_a_users_task_directory_runs_through_the_cli(tmp_path, tiny_model, data_
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings", "num_attention_heads"):
         assert getattr(cfg, name) == getattr(base, name), name
     assert "vocab_size" not in json.loads((conv / "config.json").read_text())  # read through, not copied
+    # lm-eval loads the export by path, as it loads any Hub model, and scores it as moelab's evaluation did
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    lm = HFLM(pretrained=str(conv), trust_remote_code=True, device="cpu", batch_size=2, dtype="float32")
+    res = simple_evaluate(model=lm, tasks=["my_sums"], task_manager=TaskManager(include_path=str(tasks)), log_samples=False)
+    assert res["results"]["my_sums"]["acc,none"] == report["tasks"]["my_sums"]["converted"]["acc"]
+    # PEFT wraps it, and transformers' generation runs it
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    assert peft_model.get_nb_trainable_parameters()[0] > 0
+    ids = tok("1 plus 2 is", return_tensors="pt")
+    assert peft_model.generate(**ids, max_new_tokens=3, do_sample=False).shape[1] == ids["input_ids"].shape[1] + 3
     bad = moelab("evaluate", str(conv), "--tasks", "arc_easy", data_dir=data_dir, check=False)
     assert bad.returncode == 1 and "task 'arc_easy' cannot load its data here" in bad.stderr and "Traceback" not in bad.stderr
     assert json.loads((conv / "evaluation.json").read_text())["tasks"]["my_sums"]  # the refused run wrote nothing
