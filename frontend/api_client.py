@@ -146,18 +146,19 @@ class ApiClient:
 
     def create_evaluation(self, conversion_id: str, source: str = "builtin:mixed", n_windows: int = 8, seq_len: int = 128,
                           baselines: bool = False, multiple_choice_per_task: int = 0, tasks: list[str] | None = None,
-                          limit: int | None = None) -> dict[str, Any]:
+                          limit: int | None = None, task_dir: str | None = None) -> dict[str, Any]:
         """``baselines``: also evaluate AbsTopK, the uniform α allocation and TEAL at the conversion's cost
         (slower); off for a quick look. ``tasks``: lm-evaluation-harness tasks (``limit`` items each)."""
         body = {"conversion_id": conversion_id, "source": source, "n_windows": n_windows, "seq_len": seq_len,
                 "baselines": baselines, "multiple_choice_per_task": multiple_choice_per_task}
         if tasks:
-            body.update(tasks=list(tasks), limit=limit)
+            body.update(tasks=list(tasks), limit=limit, task_dir=task_dir)
         return self.post("/evaluations", body)
 
-    def tasks(self) -> list[dict[str, Any]]:
-        """The lm-evaluation-harness tasks an evaluation can name without network (built-in ones first)."""
-        return self.get("/tasks")["items"]
+    def tasks(self, task_dir: str | None = None) -> list[dict[str, Any]]:
+        """The lm-evaluation-harness tasks an evaluation can name without network (built-in ones first, then those of
+        ``task_dir``, a server directory of task YAMLs)."""
+        return self.get("/tasks", **({"task_dir": task_dir} if task_dir else {}))["items"]
 
     def evaluation_report(self, evaluation_id: str) -> dict[str, Any]:
         """The full evaluation record (per-layer reconstruction error, routing) from the artifact store."""

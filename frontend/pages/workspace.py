@@ -70,8 +70,12 @@ def layout(**_):
                                        style={"width": 360})]),
                 html.Div([html.Label("items / task"), dcc.Input(id=f"{N}-eval-task-limit", type="number", value=TASK_ITEMS, min=1,
                                                                 style={"width": 90})]),
+                html.Div([html.Label("your task YAMLs (server directory in MOELAB_DATA_ROOTS)"),
+                          dcc.Input(id=f"{N}-eval-task-dir", type="text", placeholder="optional", debounce=True,
+                                    style={"width": 300})]),
                 html.Button("Evaluate", id=f"{N}-add-eval"),
             ]),
+            html.Div(id=f"{N}-eval-task-note"),
             html.Div(id=f"{N}-created"),
             html.Div(id=f"{N}-cancelled"),
             html.Div(id=f"{N}-deleted"),
@@ -430,15 +434,31 @@ def _ratio(value) -> str:
     return f"{value:.3g}×" if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
 
 
+def _task_options(task_dir: str | None = None) -> list[dict[str, str]]:
+    return [{"label": t["name"] + (f" ({t['domain']})" if t.get("domain") else ""), "value": t["name"]}
+            for t in api().tasks(task_dir or None)]
+
+
 @callback(Output(f"{N}-eval-tasks", "options"), Input(f"{N}-poll", "n_intervals"), State(f"{N}-eval-tasks", "options"))
-def _task_options(_n, shown):
+def _builtin_tasks(_n, shown):
     """The tasks an evaluation can run here (GET /tasks: built-in ones, offline), asked once per page."""
     if shown:
         return no_update
     try:
-        return [{"label": t["name"] + (f" ({t['domain']})" if t.get("domain") else ""), "value": t["name"]} for t in api().tasks()]
+        return _task_options()
     except ApiError:
         return no_update
+
+
+@callback(Output(f"{N}-eval-tasks", "options", allow_duplicate=True), Output(f"{N}-eval-task-note", "children"),
+          Input(f"{N}-eval-task-dir", "value"), prevent_initial_call=True)
+def _directory_tasks(task_dir):
+    """A directory's tasks beside the built-in ones, or why the API refuses it. Apart from the poll: indexing a new
+    directory takes seconds, and Dash drops an answer whose inputs changed meanwhile."""
+    try:
+        return _task_options(task_dir), ""
+    except ApiError as exc:
+        return no_update, error_box(f"task directory: {exc}") if task_dir else ""
 
 
 def evaluation_cells(e: dict, conversion: dict | None) -> dict[str, str]:
@@ -577,9 +597,9 @@ def _refresh(_n, _created, _deleted, _job_action, _exported, refusal, shown_dige
           State(f"{N}-max-tokens", "value"), State(f"{N}-group-by", "value"), State(f"{N}-eval-conversion", "value"),
           State(f"{N}-eval-source", "value"), State(f"{N}-eval-windows", "value"), State(f"{N}-eval-seq-len", "value"),
           State(f"{N}-eval-baselines", "value"), State(f"{N}-eval-tasks", "value"), State(f"{N}-eval-task-limit", "value"),
-          prevent_initial_call=True)
+          State(f"{N}-eval-task-dir", "value"), prevent_initial_call=True)
 def _create(_m, _s, _p, _e, source, builtin, samples, model, cset, max_tokens, group_by, conversion, eval_source, windows, seq_len,
-            baselines, tasks, task_limit):
+            baselines, tasks, task_limit, task_dir):
     c = api()
     try:
         if ctx.triggered_id == f"{N}-add-model":
@@ -591,7 +611,7 @@ def _create(_m, _s, _p, _e, source, builtin, samples, model, cset, max_tokens, g
                 return error_box("choose a ready conversion and a held-out text first")
             created = c.create_evaluation(conversion, source=eval_source, n_windows=int(windows or 8), seq_len=int(seq_len or 128),
                                           baselines=wants_baselines(baselines), tasks=tasks or None,
-                                          limit=int(task_limit) if task_limit else None)
+                                          limit=int(task_limit) if task_limit else None, task_dir=task_dir or None)
         else:
             if not model or not cset:
                 return error_box("choose a ready model and calibration set first")

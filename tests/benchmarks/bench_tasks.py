@@ -50,12 +50,14 @@ def main() -> None:
     ap.add_argument("--costs", type=float, nargs="+", default=[0.75, 0.5])
     ap.add_argument("--ood-costs", type=float, nargs="+", default=None, help="costs of the out-of-domain calibration (default: --costs)")
     ap.add_argument("--recipes", nargs="+", default=["paper", "best", "portable"])
+    ap.add_argument("--calibrations", nargs="+", default=list(CALIBRATIONS), choices=list(CALIBRATIONS))
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "benchmarks" / "results" / "bench_tasks.json")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     t_start = time.perf_counter()
-    for calib_name, calib in CALIBRATIONS.items():
+    for calib_name in args.calibrations:
+        calib = CALIBRATIONS[calib_name]
         prof = args.work / f"profile-{calib_name}"
         if not (prof / "manifest.json").is_file():
             moelab("profile", "--model", "default", "--calib", calib, "--samples", str(args.samples), "--max-tokens", "256",
@@ -106,7 +108,7 @@ def main() -> None:
 def markdown(result: dict[str, Any]) -> str:
     """One table per calibration: a row per variant and cost, a column per task (acc % ± stderr), perplexity beside."""
     out = []
-    for calib in CALIBRATIONS:
+    for calib in dict.fromkeys(r["calibration"] for r in result["rows"]):
         rows = [r for r in result["rows"] if r["calibration"] == calib]
         seen: set[tuple[str, float]] = set()
         out.append(f"\n{calib} ({CALIBRATIONS[calib]})\n")

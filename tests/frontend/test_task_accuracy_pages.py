@@ -5,6 +5,9 @@ each task's domain relation to the conversion's calibration. Screenshot: test-ar
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 import frontend.app  # noqa: F401  (instantiates the Dash app: the page modules register with it)
@@ -17,7 +20,7 @@ from .test_workspace_actions import _choose, _row, conversion  # noqa: F401  (co
 pytestmark = pytest.mark.slow
 
 
-def test_tasks_from_the_workspace_shown_in_evaluations_and_compare(page, live, api, conversion):  # noqa: F811
+def test_tasks_from_the_workspace_shown_in_evaluations_and_compare(page, live, api, conversion, service_config):  # noqa: F811
     page.goto(f"{live['ui']}/")
     _choose(page, "ws-eval-conversion", conversion)
     page.fill("#ws-eval-windows", "2")
@@ -28,6 +31,23 @@ def test_tasks_from_the_workspace_shown_in_evaluations_and_compare(page, live, a
     labels = page.locator(".dash-dropdown-content .dash-dropdown-option").all_inner_texts()
     assert [t.strip() for t in labels[:4]] == ["moelab_chat_qa (builtin:chat)", "moelab_lastword (builtin:literature)",
                                                "moelab_math_qa (builtin:math)", "moelab_humaneval (builtin:code_problems)"], labels
+    page.keyboard.press("Escape")
+    # a directory of the user's own task YAMLs (inside the data roots) adds its tasks; one outside is refused in words
+    page.fill("#ws-eval-task-dir", "/etc")
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#ws-eval-task-note >> text=outside MOELAB_DATA_ROOTS", timeout=120_000)
+    mine = Path(json.loads(service_config["data_roots"])[0]) / "ui-tasks"
+    mine.mkdir(parents=True, exist_ok=True)
+    (mine / "t.jsonl").write_text('{"q": "1 plus 1 is", "choices": ["2", "3"], "label": 0}\n')
+    (mine / "t.yaml").write_text(f"task: ui_sums\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {mine / 't.jsonl'}\n"
+                                 "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{q}}'\ndoc_to_choice: choices\n"
+                                 "doc_to_target: label\nmetric_list:\n  - metric: acc\n")
+    page.fill("#ws-eval-task-dir", str(mine))
+    page.keyboard.press("Enter")
+    # a new directory builds lm-eval's task index over it (seconds; a minute on a busy machine)
+    page.wait_for_function("() => !document.querySelector('#ws-eval-task-note').innerText.includes('outside')", timeout=180_000)
+    page.click("#ws-eval-tasks")
+    page.wait_for_selector(".dash-dropdown-content .dash-dropdown-option:has(input[value='ui_sums'])")
     page.click(".dash-dropdown-content .dash-dropdown-option:has(input[value='moelab_chat_qa'])")
     page.keyboard.press("Escape")
     page.fill("#ws-eval-task-limit", "8")
@@ -36,6 +56,7 @@ def test_tasks_from_the_workspace_shown_in_evaluations_and_compare(page, live, a
     ev_id = page.inner_text("#ws-created").split()[1]
     ev = api.get(f"/evaluations/{ev_id}").json()
     assert ev["params"]["tasks"] == ["moelab_chat_qa"] and ev["params"]["limit"] == 8, ev["params"]
+    assert ev["params"]["task_dir"] == str(mine)
     wait_job(api, ev["job_id"], timeout=300)
     ev = api.get(f"/evaluations/{ev_id}").json()
     by = ev["summary"]["tasks"]["moelab_chat_qa"]
