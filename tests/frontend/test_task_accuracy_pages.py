@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import frontend.app  # noqa: F401  (instantiates the Dash app: the page modules register with it)
+from frontend.names import fmt
 from frontend.task_accuracy import accuracy_cell, speed_ratio
 
 from .conftest import wait_job
@@ -71,7 +72,7 @@ def test_tasks_from_the_workspace_shown_in_evaluations_and_compare(page, live, a
     cells = page.locator("#ev-table tr").nth(1).locator("td").all_inner_texts()
     got = dict(zip(headers, cells))
     assert got["task accuracy (converted / dense)"] == want
-    assert got["speed × dense"] == f"{speed_ratio(ev['summary']):.3f}"
+    assert got["speed × dense"] == fmt(speed_ratio(ev["summary"]), 3)
 
     page.goto(f"{live['ui']}/compare?ids={conversion}")
     wait_figures(page, "cc-acc-cost", "cc-acc-speed")
