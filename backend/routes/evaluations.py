@@ -78,7 +78,7 @@ def checked_task_dir(task_dir: str | None, settings: Any) -> Path | None:
 def _check_tasks(body: EvaluationCreate, settings: Any) -> None:
     """422 before queueing: unknown task names, a task directory outside the roots, an lm-eval task whose data this
     server cannot read (offline: it must be in the HF cache). Torch-free (``evaluation.harness``)."""
-    from workers.engine.evaluation.harness import BUILTIN_TASKS, TaskError, TaskRequest, load_tasks, task_manager, unknown_tasks
+    from workers.engine.evaluation.harness import TaskError, TaskRequest, list_tasks, load_tasks, unknown_tasks
 
     task_dir = checked_task_dir(body.task_dir, settings)
     if not body.tasks:
@@ -91,18 +91,13 @@ def _check_tasks(body: EvaluationCreate, settings: Any) -> None:
         raise ApiError(422, f"task_dir: {exc}") from exc
     if unknown:
         raise ApiError(422, f"tasks: unknown task(s) {', '.join(unknown)}; GET /api/v1/tasks lists them")
-    index = task_manager(task_dir).task_index
-    registry = [t for t in body.tasks if t not in BUILTIN_TASKS and not _in_dir(index.get(t), task_dir)]
+    offline = {t["name"] for t in list_tasks(task_dir) if t["offline"]}  # built-in and task_dir tasks
+    registry = [t for t in body.tasks if t not in offline]
     if registry:
         try:
             load_tasks(TaskRequest(tasks=tuple(registry)))
         except TaskError as exc:
             raise ApiError(422, f"tasks: {exc}") from exc
-
-
-def _in_dir(entry: Any, task_dir: Path | None) -> bool:
-    path = getattr(entry, "yaml_path", None)
-    return task_dir is not None and path is not None and Path(path).resolve().is_relative_to(task_dir)
 
 
 @router.get("/{evaluation_id}/tasks-table", summary="The evaluation's task accuracies as a paper-style table (CSV or Markdown)",

@@ -38,6 +38,11 @@ BUILTIN_TASK_DOMAINS = {"moelab_chat_qa": "builtin:chat", "moelab_lastword": "bu
 METRICS = ("acc", "acc_norm", "pass@1", "exact_match", "perplexity", "word_perplexity")
 
 
+def headline_metric(metrics: dict[str, Any] | None) -> str | None:
+    """The metric a table shows for a task: the first of ``METRICS`` the record holds a value of."""
+    return next((k for k in METRICS if (metrics or {}).get(k) is not None), None)
+
+
 class TaskError(ValueError):
     """A task that cannot run here: unknown, or its data is not reachable. The message says what to do."""
 
@@ -104,9 +109,9 @@ def _datasets_offline(offline: bool) -> Iterator[None]:
         cfg.HF_HUB_OFFLINE = saved
 
 
-def unknown_tasks(names: Sequence[str], task_dir: Path | None = None) -> list[str]:
+def unknown_tasks(names: Sequence[str], task_dir: Path | None = None, data_dir: Path | None = None) -> list[str]:
     """The names among ``names`` that no registry (built-in, ``task_dir``, lm-eval's) knows. Torch-free."""
-    known = set(task_manager(task_dir).all_tasks)
+    known = set(task_manager(task_dir, data_dir).all_tasks)
     return [n for n in names if n not in known]
 
 
@@ -116,7 +121,7 @@ def load_tasks(request: TaskRequest) -> dict[str, Any]:
     if not request.tasks:
         raise TaskError("no tasks given: name at least one (moelab tasks lists them)")
     manager = task_manager(request.task_dir, request.data_dir)
-    unknown = unknown_tasks(request.tasks, request.task_dir)
+    unknown = unknown_tasks(request.tasks, request.task_dir, request.data_dir)
     if unknown:
         raise TaskError(f"unknown task(s) {', '.join(unknown)}: `moelab tasks` lists the tasks (built-in, lm-eval's, "
                         "and those of --task-dir)")
@@ -194,9 +199,7 @@ def task_table(tasks: dict[str, dict[str, dict[str, Any]]], variants: Sequence[s
 
     def cell(task: str, variant: str) -> str:
         m = tasks[task].get(variant)
-        if not m:
-            return ""
-        metric = next((k for k in METRICS if m.get(k) is not None), None)
+        metric = headline_metric(m)
         if metric is None:
             return ""
         if metric.endswith("perplexity"):

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import write_bytes_atomic
+from ..evaluation.harness import headline_metric
 from .gguf_layout import gguf_refusal
 
 CARD_FILE = "README.md"
@@ -92,8 +93,8 @@ def _evaluation_lines(evaluation: dict | None, record: dict) -> list[str]:
             cells = []
             for by in tasks.values():
                 m = by.get(name) or {}
-                value = next((m[k] for k in ("acc", "pass@1", "exact_match", "acc_norm") if m.get(k) is not None), None)
-                cells.append("-" if value is None else _fmt(value))
+                metric = headline_metric(m)
+                cells.append("-" if metric is None else _fmt(m[metric]))
             lines.append(f"| {name} | {_fmt(r.get('perplexity'))} | {_fmt(r.get('perplexity_ratio', 1.0))} |"
                          + "".join(f" {c} |" for c in cells))
         lines.append("")

