@@ -32,7 +32,7 @@ from . import errors
 from moelab.store.artifacts import ArtifactStore, artifacts_label
 from moelab.store.db import Database
 from .deps import token_refusal
-from .limits import BodySizeLimit, send_error
+from .limits import BodySizeLimit, StorableUrl, send_error
 from .queue import JobQueue
 from .routes import api_router
 from .routes.artifacts import DownloadSlots
@@ -165,6 +165,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # a DELETE of what another request is deleting answers at once (this process, and others sharing the Redis)
     app.state.queue.delete_guard = DeleteGuard(app.state.redis, settings.redis_prefix)
     # the last added runs first: the token, then free space, then the size limit, all before the body is read
+    app.add_middleware(StorableUrl)
     app.add_middleware(BodySizeLimit, limit_bytes=int(settings.max_upload_mb * 1e6))
     app.add_middleware(UploadSpaceCheck, store=app.state.store)
     app.add_middleware(TokenGate, settings=settings)

@@ -7,7 +7,7 @@ import secrets
 from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, Query, Request, Response, Security
+from fastapi import Depends, Path, Query, Request, Response, Security
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -20,6 +20,7 @@ from moelab.store.artifacts import ArtifactStore
 from moelab.store.db import Job
 from .errors import ApiError, not_found
 from .queue import BrokerUnavailable, JobQueue
+from .schemas import MAX_INT
 
 _bearer = HTTPBearer(auto_error=False, description="needed on every request but /health when the server sets MOELAB_API_TOKEN")
 
@@ -84,6 +85,10 @@ def encoded(model: BaseModel) -> Response:
 
 CascadeQ = Annotated[bool, Query(description="also delete everything that depends on it (otherwise such a resource is "
                                               "refused with 409 naming its dependants)")]
+#: how many items of a list to skip (``?offset=``), bounded so that SQL's 64-bit OFFSET cannot overflow
+OffsetQ = Annotated[int, Query(ge=0, le=MAX_INT, description="items to skip")]
+#: a position (decoder layer, neuron) in the URL; ranges are checked against the resource itself
+IndexPath = Annotated[int, Path(ge=0, le=MAX_INT)]
 TagQ = Annotated[str | None, Query(max_length=40, description="only resources carrying this tag (PATCH …/notes sets tags)")]
 SessionDep = Annotated[Session, Depends(get_session)]
 StoreDep = Annotated[ArtifactStore, Depends(get_store)]

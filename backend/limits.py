@@ -56,3 +56,21 @@ async def send_error(send: Send, status: int, detail: str, headers: list[tuple[b
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close"), *(headers or [])]})
     await send({"type": "http.response.body", "body": body})
+
+
+class StorableUrl:
+    """A URL whose path or query holds a NUL (``%00``) is refused 422 before any route reads it: such a
+    value could reach the SQL store (PostgreSQL refuses NUL in text) or a file name. Bodies are checked by
+    the request models (``backend.schemas._In``)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            query: bytes = scope.get("query_string") or b""
+            if "\x00" in scope.get("path", "") or b"%00" in query or b"\x00" in query:
+                where = "path" if "\x00" in scope.get("path", "") else "query"
+                await send_error(send, 422, f"{where}: the URL holds a NUL character (%00); remove it from the request")
+                return
+        await self.app(scope, receive, send)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model, model_validator
 
 from workers.engine.core.params import DeclaredParams, ParamSpec
 from workers.engine.data.builtin import BUILTIN_SETS
@@ -22,6 +22,7 @@ from workers.engine.methods import REGISTRY, Method
 from workers.engine.profiling.settings import ProfileSettings
 from workers.engine.runtime.gguf_layout import GGUF_TYPES
 from workers.engine.sizes import parse_size
+from workers.engine.text import first_text_problem
 from workers.engine.training.params import FinetuneMode, FinetuneParams
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
@@ -34,9 +35,24 @@ BuiltinName = Literal[tuple(BUILTIN_SETS)]  # type: ignore[valid-type]
 class _In(BaseModel):
     """Request bodies refuse unknown fields: a typo (``alpha-max``) must not silently use a default.
     They refuse non-finite numbers too (``Infinity``, ``NaN``, ``1e999``): a bound like ``gt=0`` lets
-    ``inf`` through, and the stored parameters would no longer be standard JSON."""
+    ``inf`` through, and the stored parameters would no longer be standard JSON.
+    They refuse text a store would refuse later (a NUL, a lone surrogate: PostgreSQL, UTF-8 files) and
+    take booleans as JSON booleans only (``"no"`` is not ``false``)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storable_text(cls, data: Any) -> Any:
+        problem = first_text_problem(data)
+        if problem:
+            raise ValueError(problem)
+        return data
+
+
+#: the largest integer any parameter takes: JSON's exact range (IEEE doubles), so a JavaScript client can say every
+#: accepted value, and far below the 64-bit limits of SQL (an ``OFFSET`` of 2**64 overflows SQLite) and torch seeds
+MAX_INT = 2**53
 
 
 # --------------------------------------------------------------------------- notes and tags
@@ -137,7 +153,7 @@ class ModelCreate(_In):
         "directory / .gguf file on the server",
     )
     name: str | None = Field(None, max_length=200, description="display name; defaults to the source's last part")
-    trust_remote_code: bool = Field(False, description="run the model repository's own code (the server must allow it)")
+    trust_remote_code: StrictBool = Field(False, description="run the model repository's own code (the server must allow it)")
 
 
 class ModelOut(_Noted):
@@ -251,8 +267,13 @@ class SamplePage(BaseModel):
 
 
 def _field_annotation(spec: ParamSpec) -> Any:
-    kind: Any = Literal[spec.choices] if spec.choices else {"int": int, "float": float, "str": str, "bool": bool}[spec.type]  # type: ignore[valid-type]
+    kind: Any = Literal[spec.choices] if spec.choices else {"int": int, "float": float, "str": str, "bool": StrictBool}[spec.type]  # type: ignore[valid-type]
     return kind | None if spec.optional else kind
+
+
+def _upper(spec: ParamSpec) -> int | float | None:
+    """The declared upper bound; an integer without one is held to MAX_INT (a seed of 2**64 fails in torch)."""
+    return MAX_INT if spec.type == "int" and spec.le is None and spec.lt is None else spec.le
 
 
 def _description(spec: ParamSpec) -> str:
@@ -268,7 +289,7 @@ def declared_model(params: type[DeclaredParams], name: str, *, base: type[BaseMo
     lengths) keeps that definition."""
     fields: dict[str, Any] = {
         spec.name: (_field_annotation(spec), Field(spec.default, description=_description(spec), ge=spec.ge, gt=spec.gt,
-                                                   le=spec.le, lt=spec.lt, allow_inf_nan=False if spec.type == "float" else None))
+                                                   le=_upper(spec), lt=spec.lt, allow_inf_nan=False if spec.type == "float" else None))
         for spec in params.exposed_specs() if spec.name not in base.model_fields
     }
     return create_model(name, __base__=base, __doc__=doc if doc is not None else base.__doc__, __validators__=validators,
@@ -532,7 +553,7 @@ class EvaluationCreate(_In):
     n_windows: int = Field(32, ge=1, le=4096, description="non-overlapping token windows; n_windows × seq_len is at most "
                            "MOELAB_MAX_EVAL_TOKENS (422 beyond)")
     seq_len: int = Field(256, ge=8, le=32768, description="tokens per window; at most the model's max_position_embeddings")
-    baselines: bool = Field(True, description="also evaluate AbsTopK-GLU, the uniform allocation and TEAL "
+    baselines: StrictBool = Field(True, description="also evaluate AbsTopK-GLU, the uniform allocation and TEAL "
                             "(activation sparsity) at the conversion's FFN cost")
     multiple_choice_per_task: int = Field(
         50, ge=0, le=10000, description="BIG-bench multiple-choice items per task when that set is installed (0: skip): "

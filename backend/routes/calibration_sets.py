@@ -19,6 +19,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from workers.engine.text import text_problem
 from workers.engine.data.builtin import BUILTIN_SETS, bigbench_installed, builtin_domains
 from workers.engine.data.calibration import (
     CalibrationError,
@@ -32,6 +33,7 @@ from moelab.store.dataroots import DataRootError, http_status, resolve_dataset
 from moelab.store.db import CalibrationSet as CalibrationRow
 from ..deps import (
     CascadeQ,
+    OffsetQ,
     QueueDep,
     SessionDep,
     SettingsDep,
@@ -46,6 +48,7 @@ from ..deletion import delete_resource
 from ..errors import ApiError
 from moelab.store.jobs import new_id
 from ..schemas import (
+    MAX_INT,
     DeleteOut,
     BuiltinCalibrationCreate,
     BuiltinSetOut,
@@ -130,8 +133,12 @@ def upload_set(
     file: Annotated[UploadFile, File(description=".jsonl with 'text' (+ optional 'task', 'domain') per line, or .txt")],
     name: Annotated[str | None, Form(max_length=200)] = None,
     samples: Annotated[int | None, Form(ge=1, le=20000, description="task-balanced subsample")] = None,
-    seed: Annotated[int, Form(ge=0)] = 0,
+    seed: Annotated[int, Form(ge=0, le=MAX_INT)] = 0,
 ) -> CalibrationSetOut:
+    for field, value in (("name", name), ("file", file.filename)):
+        problem = text_problem(value or "")
+        if problem:
+            raise ApiError(422, f"{field}: {problem}")
     filename, parsed = _parse_upload(file, store.upload_dir())
     cset = CalibrationSet(name or Path(filename).stem or "upload", parsed, source=f"upload:{filename}")
     if samples is not None:
@@ -187,7 +194,7 @@ def _load_set(path: str, stamp: float) -> CalibrationSet:
 @router.get("/{set_id}/samples", response_model=SamplePage, responses={409: {}}, summary="Sample previews, filterable")
 def set_samples(
     set_id: str, session: SessionDep, store: StoreDep,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: OffsetQ = 0,
     limit: Annotated[int, Query(ge=1, le=200)] = 20,
     max_chars: Annotated[int, Query(ge=10, le=100000, description="cut texts longer than this")] = 300,
     task: Annotated[str | None, Query(max_length=200)] = None,

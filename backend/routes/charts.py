@@ -37,9 +37,10 @@ from workers.engine.methods import REGISTRY
 
 from .. import charts
 from moelab.store.db import Conversion, Evaluation, Job, Profile
-from ..deps import SessionDep, StoreDep, encoded, lookup, require_ready
+from ..deps import IndexPath, SessionDep, StoreDep, encoded, lookup, require_ready
 from ..errors import ApiError, not_found
 from ..schemas import (
+    MAX_INT,
     ActivationTiles,
     CVHistogram,
     CVSummary,
@@ -203,7 +204,7 @@ def _layer(profile: Any, layer: int) -> int:
     return layer
 
 
-LayerQ = Annotated[int, Query(ge=0, description="decoder layer index")]
+LayerQ = Annotated[int, Query(ge=0, le=MAX_INT, description="decoder layer index")]
 
 
 def _group_means(profile: Any, layer: int) -> tuple[Any, list[str]]:
@@ -278,7 +279,7 @@ def neuron_stats(
 
 @router.get("/profiles/{profile_id}/neurons/{layer}/{neuron}", response_model=NeuronCard, tags=["profiles"],
             summary="One neuron's card: CV, mean, rate, per-task means and its top-activating tokens with snippets")
-def neuron_card(profile_id: str, layer: int, neuron: int, session: SessionDep, store: StoreDep) -> NeuronCard:
+def neuron_card(profile_id: str, layer: IndexPath, neuron: IndexPath, session: SessionDep, store: StoreDep) -> NeuronCard:
     """The neuron's row of neurons.parquet (CV of EW Eq. 3 across the profile's ``cv_basis``), its mean
     gate activation per group (the neuron × task map's column) and its ``top_tokens`` top-activating
     tokens by |h| (CM Eq. 1), each with the tokens from 12 before to 4 after it in its sample. A snippet
@@ -312,7 +313,7 @@ def neuron_card(profile_id: str, layer: int, neuron: int, session: SessionDep, s
             summary="Task × task cosine similarity of mean gate activations")
 def task_similarity(
     profile_id: str, session: SessionDep, store: StoreDep,
-    layer: Annotated[int | None, Query(ge=0, description="one layer; all layers when unset")] = None,
+    layer: Annotated[int | None, Query(ge=0, le=MAX_INT, description="one layer; all layers when unset")] = None,
     centered: bool = True,
 ) -> TaskSimilarity:
     profile = stored_profile(session, store, profile_id)

@@ -12,12 +12,12 @@ from workers.engine.core.params import ConversionError
 from workers.engine.methods import get_method, params_from_dict
 
 from moelab.store.db import CalibrationSet, Conversion, Model, Profile
-from ..deps import CascadeQ, QueueDep, SessionDep, StoreDep, TagQ, launch, lookup, require_ready, with_tag
+from ..deps import CascadeQ, IndexPath, QueueDep, SessionDep, StoreDep, TagQ, launch, lookup, require_ready, with_tag
 from ..deletion import delete_resource
 from ..errors import ApiError
 from workers.engine.limits import profile_duplicates_problem
 from moelab.store.jobs import new_id
-from ..schemas import DeleteOut, ConversionCreate, ConversionList, ConversionOut, ExpertMatching, ExpertNeurons, ExpertOut
+from ..schemas import MAX_INT, DeleteOut, ConversionCreate, ConversionList, ConversionOut, ExpertMatching, ExpertNeurons, ExpertOut
 from ..views import conversion_out
 from .exports import exports_of, gguf_check
 
@@ -139,7 +139,7 @@ def get_conversion(conversion_id: str, session: SessionDep, store: StoreDep) -> 
 
 @router.get("/{conversion_id}/experts/{layer}", response_model=ExpertNeurons, responses={404: {}, 409: {}, 422: {}},
             summary="Which dense neurons each expert of one layer holds, with their CV")
-def get_expert_neurons(conversion_id: str, layer: int, session: SessionDep, store: StoreDep) -> ExpertNeurons:
+def get_expert_neurons(conversion_id: str, layer: IndexPath, session: SessionDep, store: StoreDep) -> ExpertNeurons:
     """The neuron partition a partition method (ExpertWeaver, CMoE) built for ``layer``: the shared
     expert's neurons and each routed expert's (ids of the dense FFN's neurons, as in the neuron
     explorer), and each neuron's CV (EW Eq. 3) from the conversion's profile when it still exists."""
@@ -179,7 +179,7 @@ def get_expert_neurons(conversion_id: str, layer: int, session: SessionDep, stor
 @router.get("/{conversion_id}/matching/{other_id}", response_model=ExpertMatching, responses={404: {}, 409: {}, 422: {}},
             summary="Experts of two conversions of one model matched by their dense neurons (Jaccard, exact assignment)")
 def get_expert_matching(conversion_id: str, other_id: str, session: SessionDep, store: StoreDep,
-                        layer: Annotated[int | None, Query(ge=0, description="one layer (with its full Jaccard matrix); "
+                        layer: Annotated[int | None, Query(ge=0, le=MAX_INT, description="one layer (with its full Jaccard matrix); "
                                                                                "all layers when unset")] = None) -> ExpertMatching:
     """Expert ids of two conversions are unrelated labels; this pairs A's routed experts with B's per layer by the
     overlap of their neuron sets (``evaluation.expert_matching``: numpy and scipy on the stored partitions, no model),

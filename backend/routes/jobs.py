@@ -9,7 +9,7 @@ from sqlalchemy import func, select
 
 from moelab.store import jobs
 from moelab.store.db import RESOURCE_TABLES, Job
-from ..deps import QueueDep, SessionDep, encoded, launch, lookup
+from ..deps import OffsetQ, QueueDep, SessionDep, encoded, launch, lookup
 from ..errors import ApiError
 from ..schemas import JobKind, JobList, JobOut, JobState
 from ..views import job_out
@@ -26,7 +26,7 @@ def list_jobs(
     request: Request, session: SessionDep,
     state: JobState | None = None, kind: JobKind | None = None,
     resource_id: Annotated[str | None, Query(max_length=40)] = None,
-    limit: Annotated[int, Query(ge=1, le=500)] = 100, offset: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[int, Query(ge=1, le=500)] = 100, offset: OffsetQ = 0,
 ) -> Response:
     _reap(request, session)
     query = select(Job)

@@ -23,9 +23,9 @@ from workers.engine.profiling.compare import CompareError, ProfileComparison as 
 from workers.engine.profiling.search import MAX_LIMIT, MAX_TOKEN_CHARS, NeuronQuery, NeuronTable, SearchError, TopTokenIndex, search_neurons
 
 from .. import profile_compare as payloads
-from ..deps import SessionDep, StoreDep
+from ..deps import OffsetQ, SessionDep, StoreDep
 from ..errors import ApiError
-from ..schemas import NeuronHit, NeuronSearch, ProfileComparison
+from ..schemas import MAX_INT, NeuronHit, NeuronSearch, ProfileComparison
 from .charts import PAYLOADS, Stamp, _derived, _encode, _layer, _manifest_stamp, _ready_profile
 
 router = APIRouter(prefix="/profiles", tags=["profiles"])
@@ -67,7 +67,7 @@ def compare(
     session: SessionDep, store: StoreDep,
     a: Annotated[str, Query(description="profile A (positive d: specific to A)")],
     b: Annotated[str, Query(description="profile B, of the same model")],
-    layer: Annotated[int | None, Query(ge=0, description="layer of the scatter; default: the one with the largest share of specific neurons")] = None,
+    layer: Annotated[int | None, Query(ge=0, le=MAX_INT, description="layer of the scatter; default: the one with the largest share of specific neurons")] = None,
     threshold: Annotated[float, Query(gt=0, le=100, allow_inf_nan=False, description="|d| at and above which a neuron is specific")] = 1.0,
     top: Annotated[int, Query(ge=0, le=100, description="most specific neurons listed per side")] = 10,
     snippets: Annotated[int, Query(ge=0, le=8, description="top-token snippets per listed neuron from each profile")] = 2,
@@ -97,7 +97,7 @@ Bound = Annotated[float | None, Query(allow_inf_nan=False)]
             summary="Neurons of a profile by CV, activation rate, set-specificity against another profile and top-token text")
 def search(
     profile_id: str, session: SessionDep, store: StoreDep,
-    layer: Annotated[int | None, Query(ge=0, description="one layer; all when unset")] = None,
+    layer: Annotated[int | None, Query(ge=0, le=MAX_INT, description="one layer; all when unset")] = None,
     cv_min: Bound = None, cv_max: Bound = None,
     rate_min: Annotated[float | None, Query(ge=0, le=1, allow_inf_nan=False, description="ATopK activation rate, a fraction")] = None,
     rate_max: Annotated[float | None, Query(ge=0, le=1, allow_inf_nan=False)] = None,
@@ -108,7 +108,7 @@ def search(
     case_sensitive: bool = False,
     sort: Annotated[SortQ | None, Query(description="default: specificity with vs, else cv")] = None,
     descending: bool = True,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: OffsetQ = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 50,
 ) -> NeuronSearch:
     """Every filter is optional and ranges are inclusive; results are sorted (NaN last, then by layer and neuron) and

@@ -13,6 +13,7 @@ from dash import Input, Output, State, callback, dcc, html, no_update
 
 from frontend import figures as F
 from frontend.api_client import ApiError, api
+from frontend.downloads import tasks_table_url
 from frontend.components import error_box, figure_card, page_names, to_search
 from frontend.names import fmt, heldout_text, with_id
 from frontend.names import chart_label
@@ -97,6 +98,15 @@ def run_label(e: dict[str, Any], named: dict[str, tuple[str, dict[str, Any]]]) -
     return f"{conv} on {heldout_text(e)}"
 
 
+def _accuracy_with_downloads(e: dict[str, Any]) -> list[Any] | str:
+    """The accuracy cell and, when the evaluation ran tasks, its paper-style table as CSV and Markdown."""
+    text = accuracy_cell(e.get("summary"))
+    if not text:
+        return ""
+    return [text, " ", html.A("CSV", href=tasks_table_url(e["id"], "csv"), className="small"), " · ",
+            html.A("Markdown", href=tasks_table_url(e["id"], "md"), className="small")]
+
+
 def _table(evals: list[dict[str, Any]], named: dict[str, tuple[str, dict[str, Any]]]) -> html.Table:
     header = html.Tr([html.Th(h) for h in ("evaluation", "id", "status", "method", "text", "FFN cost", "perplexity × dense",
                                            "recon. error (mean)", "load CV (mean)", "speed × dense", "task accuracy (converted / dense)",
@@ -111,7 +121,7 @@ def _table(evals: list[dict[str, Any]], named: dict[str, tuple[str, dict[str, An
             html.Td(heldout_text(e)), html.Td(fmt(((conv.get("summary") or {}).get("ffn_flops_fraction")), 3)),
             html.Td(fmt(d.get("perplexity_ratio"), 3)), html.Td(fmt(d.get("mean_reconstruction_error"), 3)),
             html.Td(fmt(d.get("mean_load_cv"), 3)), html.Td(fmt(speed_ratio(e.get("summary")), 3)),
-            html.Td(accuracy_cell(e.get("summary"))), html.Td(", ".join(e.get("tags") or []), className="tags"),
+            html.Td(_accuracy_with_downloads(e)), html.Td(", ".join(e.get("tags") or []), className="tags"),
             html.Td(notes if len(notes) <= 80 else notes[:79] + "…", title=notes), html.Td(str(e.get("created_at", ""))[:16]),
         ]))
     return html.Table([header, *body], className="list")

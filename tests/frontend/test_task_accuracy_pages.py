@@ -71,7 +71,14 @@ def test_tasks_from_the_workspace_shown_in_evaluations_and_compare(page, live, a
     headers = page.locator("#ev-table th").all_inner_texts()
     cells = page.locator("#ev-table tr").nth(1).locator("td").all_inner_texts()
     got = dict(zip(headers, cells))
-    assert got["task accuracy (converted / dense)"] == want
+    assert got["task accuracy (converted / dense)"] == want + " CSV · Markdown"
+    # the paper-style table downloads from the cell, relayed by the UI's server: what the API's table says
+    for name, fmt_ in (("CSV", "csv"), ("Markdown", "markdown")):
+        href = page.locator("#ev-table tr").nth(1).locator(f"a:has-text('{name}')").get_attribute("href")
+        got_table = page.request.get(f"{live['ui']}{href}")
+        assert got_table.status == 200 and "attachment" in got_table.headers["content-disposition"]
+        assert got_table.text() == api.get(f"/evaluations/{ev_id}/tasks-table", params={"format": fmt_}).text
+        assert "moelab_chat_qa" in got_table.text() and f"{100 * conv_acc:.1f}" in got_table.text()
     assert got["speed × dense"] == fmt(speed_ratio(ev["summary"]), 3)
 
     page.goto(f"{live['ui']}/compare?ids={conversion}")

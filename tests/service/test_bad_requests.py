@@ -169,6 +169,28 @@ CASES: list[tuple[str, str, str, Any, int, str]] = [
     ("delete a set in use", "delete", "/api/v1/calibration-sets/{calib}", None, 409, "cascade=true"),
     ("delete a profile in use", "delete", "/api/v1/profiles/{profile}", None, 409, "is used by conversion conv-"),
     ("delete with a bad cascade flag", "delete", "/api/v1/profiles/{profile}", lambda i: {"params": {"cascade": "maybe"}}, 422, "cascade"),
+    # --- text a store would refuse later, booleans that are not booleans (issue 40 items 2, 3)
+    ("upload JSONL with a lone surrogate", "post", "/api/v1/calibration-sets/upload",
+     lambda i: {"files": {"file": ("sur.jsonl", b'{"text": "a fine first sample of text"}\n{"text": "half a pair \\ud800 here, long enough"}\n')}},
+     422, "sur.jsonl:2: 'text' holds a lone UTF-16 surrogate (\\ud800)"),
+    ("upload JSONL with a NUL in a label", "post", "/api/v1/calibration-sets/upload",
+     lambda i: {"files": {"file": ("nul.jsonl", b'{"text": "a fine first sample of text", "task": "co\\u0000de"}\n')}},
+     422, "nul.jsonl:1: 'task' holds a NUL character"),
+    ("upload name with a NUL", "post", "/api/v1/calibration-sets/upload",
+     lambda i: {"files": {"file": ("ok.txt", b"A paragraph of text, long enough.\n\nAnother one, long enough too.")}, "data": {"name": "a\x00b"}},
+     422, "name: holds a NUL character"),
+    ("NUL in a text_field", "post", "/api/v1/calibration-sets",
+     lambda i: {"json": {"source": "hf", "dataset": "someone/data", "text_field": "te\u0000xt"}}, 422, "text_field: holds a NUL character"),
+    ("NUL in notes", "patch", "/api/v1/profiles/{profile}/notes", lambda i: {"json": {"notes": "fine\u0000not"}}, 422, "notes: holds a NUL character"),
+    ("lone surrogate in notes", "patch", "/api/v1/profiles/{profile}/notes", lambda i: {"content": b'{"notes": "x \\udfff y"}',
+     "headers": {"content-type": "application/json"}}, 422, "notes: holds a lone UTF-16 surrogate (\\udfff)"),
+    ("NUL in a nested method parameter", "post", "/api/v1/conversions",
+     lambda i: {"json": _conversion(i, router="pa\u0000per")}, 422, "expertweaver.router: holds a NUL character (\\u0000) at position 2"),
+    ("NUL in a query parameter", "get", "/api/v1/evaluations", lambda i: {"params": {"q": "ab\x00c"}}, 422, "NUL character"),
+    ("string for a boolean", "post", "/api/v1/evaluations", lambda i: {"json": {"conversion_id": i["conversion"], "baselines": "no"}},
+     422, "baselines: Input should be a valid boolean"),
+    ("number for a boolean", "post", "/api/v1/models", lambda i: {"json": {"source": "default", "trust_remote_code": 0}}, 422,
+     "trust_remote_code: Input should be a valid boolean"),
 ]
 
 NESTED = b'{"text": "a fine first sample of text"}\n{"text": "x", "meta": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"
@@ -200,6 +222,37 @@ def test_bad_requests_answer_4xx_and_change_nothing(client, settings, ids):
             problems.append(f"{name}: {r.status_code} {body}")
     assert not problems, "\n".join(problems)
     assert snapshot(settings) == before
+
+
+HUGE = (2**31, 2**53, 2**53 + 1, 2**63 - 1, 2**63, 2**64)
+
+
+def test_every_integer_parameter_refuses_overflow_in_words(client, settings, ids):
+    """Every integer parameter of every GET operation (pagination, layers, neurons, seeds, bins …) is answered
+    without a server error at any size, and past ``MAX_INT`` (2**53) with a 4xx saying what to fix
+    (``offset=2**64`` once overflowed SQLite: a 500)."""
+    import json
+
+    from backend.openapi import render
+    from backend.schemas import MAX_INT
+
+    values = {"set_id": ids["calib"], "conversion_id": ids["conversion"], "other_id": ids["conversion"],
+              "profile_id": ids["profile"], "a": ids["profile"], "b": ids["profile"], "finetune_id": "ft-0000000000000000"}
+    tried, problems = 0, []
+    for path, ops in json.loads(render())["paths"].items():
+        params = (ops.get("get") or {}).get("parameters", [])
+        ints = [p for p in params if "integer" in json.dumps(p["schema"])]
+        for target in ints:
+            for big in HUGE:
+                given = {p["name"]: big if p is target else values.get(p["name"], 0) for p in params
+                         if p["in"] == "path" or p is target or (p.get("required") and p["name"] in values)}
+                url = path.format(**{k: v for k, v in given.items() if "{" + k + "}" in path})
+                r = client.get(url, params={k: v for k, v in given.items() if "{" + k + "}" not in path})
+                tried += 1
+                refused = 400 <= r.status_code < 500 and r.json().get("detail")
+                if r.status_code >= 500 or (big > MAX_INT and not refused):
+                    problems.append(f"{url} {target['name']}={big}: {r.status_code} {r.text[:200]}")
+    assert tried > 60 and not problems, "\n".join(problems)
 
 
 def test_api_token_guards_reads_and_writes(settings, worker, ids):

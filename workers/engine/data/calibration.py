@@ -29,6 +29,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..text import text_problem
 from ..sources import SAVED_DATASET_MARKERS, inside_roots, saved_dataset_refs, tree_entries
 from .builtin import builtin_set
 # The set itself (and the chunking builtin shares) lives in ``sets``, below both; re-exported here.
@@ -88,7 +89,14 @@ def _label(value: Any, key: str, path: Path, where: str) -> str | None:
         return None
     if not isinstance(value, str):
         raise CalibrationError(f"{path}:{where}: '{key}' must be a string, got {type(value).__name__}; quote it or remove it")
-    return value or None
+    return _storable(value, key, path, where) or None
+
+
+def _storable(value: str, key: str, path: Path, where: str) -> str:
+    problem = text_problem(value)
+    if problem:
+        raise CalibrationError(f"{path}:{where}: '{key}' {problem}")
+    return value
 
 
 def _record_to_sample(obj: Any, path: Path, where: str) -> Sample:
@@ -101,7 +109,7 @@ def _record_to_sample(obj: Any, path: Path, where: str) -> Sample:
     text = obj["text"]
     if not isinstance(text, str):
         raise CalibrationError(f"{path}:{where}: 'text' must be a string, got {type(text).__name__}")
-    return Sample(text, _label(obj.get("task"), "task", path, where), _label(obj.get("domain"), "domain", path, where))
+    return Sample(_storable(text, "text", path, where), _label(obj.get("task"), "task", path, where), _label(obj.get("domain"), "domain", path, where))
 
 
 def read_jsonl(path: Path, min_chars: int = 20) -> list[Sample]:
