@@ -56,7 +56,9 @@ def describe_validation(errors: list[dict[str, Any]]) -> str:
             msg = f"body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})"
         got = err.get("input")
         shown = "" if kind in ("missing", "json_invalid") or isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
-        lines.append(f"{_field(tuple(err.get('loc', ())))}: {msg}{shown}")
+        field = _field(tuple(err.get("loc", ())))
+        # a whole-body rule's message names its own fields ("alpha_min (0.8) must not exceed alpha_max")
+        lines.append(f"{msg}{shown}" if field == "request" and kind == "value_error" else f"{field}: {msg}{shown}")
     return "; ".join(lines)
 
 

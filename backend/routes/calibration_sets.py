@@ -29,6 +29,7 @@ from workers.engine.data.calibration import (
 )
 
 from moelab.store.artifacts import ArtifactStore
+from moelab.store.hub import hub_refusal
 from moelab.store.dataroots import DataRootError, http_status, resolve_dataset
 from moelab.store.db import CalibrationSet as CalibrationRow
 from ..deps import (
@@ -90,6 +91,9 @@ def create_set(body: CalibrationCreate, session: SessionDep, queue: QueueDep, se
             ref = resolve_dataset(body.dataset, settings.resolved_data_roots())
         except DataRootError as exc:  # by type: OutsideDataRoots is 403, any other refusal 422
             raise ApiError(http_status(exc), str(exc)) from exc
+        refusal = hub_refusal(ref.value, "dataset") if ref.kind == "hub" else None
+        if refusal:
+            raise ApiError(422, f"dataset: {refusal}")
         given = body.dataset.strip()
         name = Path(given).name if ref.kind == "local" else ref.value.split("/")[-1]
         origin = "hf"

@@ -17,6 +17,7 @@ from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, TagQ, 
 from ..deletion import delete_resource
 from ..errors import ApiError
 from moelab.store.jobs import new_id
+from moelab.store.hub import hub_refusal
 from ..schemas import DeleteOut, LayerOut, ModelCreate, ModelLayers, ModelList, ModelOut
 from ..views import model_out
 
@@ -50,6 +51,9 @@ def register_model(body: ModelCreate, response: Response, session: SessionDep, q
             "server with MOELAB_ALLOW_TRUST_REMOTE_CODE=1",
         )
     kind, source = classify_source(body.source, settings.resolved_data_roots())
+    refusal = hub_refusal(source, "model") if kind == "hf" else None
+    if refusal:
+        raise ApiError(422, f"source: {refusal}")
     existing = session.execute(
         select(Model).where(Model.source == source, Model.trust_remote_code == body.trust_remote_code).order_by(Model.created_at)
     ).scalars().first()

@@ -261,36 +261,69 @@ def test_api_model_sources(client, settings, tiny_llama):
     outside_dir = REPO / "tests"
     cases = [
         ("./my-model", 422, "relative path"), ("runs/c1/x", 422, "relative path"), ("../x", 422, "relative path"),
-        ("a\x00b", 422, "NUL byte"), (f"{tiny_llama}\x00", 422, "NUL byte"), (str(outside_dir), 403, "MOELAB_DATA_ROOTS"),
+        ("a\x00b", 422, "source: holds a NUL character"), (f"{tiny_llama}\x00", 422, "NUL character"), (str(outside_dir), 403, "MOELAB_DATA_ROOTS"),
         ("/etc/passwd", 403, "outside the directories"), ("~root/x", 403, "MOELAB_DATA_ROOTS"),
     ]
     for source, status, words in cases:
         r = client.post("/api/v1/models", json={"source": source})
         assert r.status_code == status and words in r.text, (source, r.status_code, r.text)
     r = client.post("/api/v1/calibration-sets", json={"source": "hf", "dataset": "/x\x00y"})
-    assert r.status_code == 422 and "NUL byte" in r.text, r.text
+    assert r.status_code == 422 and "dataset: holds a NUL character" in r.text, r.text
     r = client.post("/api/v1/calibration-sets", json={"source": "hf", "dataset": "outside/of/roots"})
     assert r.status_code == 422 and "relative path" in r.text, r.text  # the status is by type, not the word
 
 
 def test_hub_shaped_source_is_never_loaded_from_the_workers_cwd(client, settings, tiny_llama):
-    """'<dir>/c1' exists relative to the worker's working directory (the repo): the worker sends it to
-    the (offline) Hub, which fails with what to do; nothing of the local directory is loaded or shown."""
+    """'<dir>/c1' exists relative to the worker's working directory (the repo). The API, offline and without
+    a cached copy, refuses it naming the Hub (issue 40: no late failure); with a (broken) cached snapshot it is
+    queued, and the worker sends it to the Hub cache, never to the local directory."""
     from .helpers import wait_job
 
     name = f"tmp-dataroots-{uuid.uuid4().hex[:8]}"
     local = REPO / name / "c1"
     shutil.copytree(tiny_llama, local)
+    cached = Path(os.environ["HF_HOME"]) / "hub" / f"models--{name}--c1"
     try:
+        r = client.post("/api/v1/models", json={"source": f"{name}/c1"})
+        assert r.status_code == 422 and "not in this server's Hugging Face cache" in r.text and str(REPO) not in r.text, r.text
+        (cached / "snapshots" / ("0" * 40)).mkdir(parents=True)
+        (cached / "snapshots" / ("0" * 40) / "README.md").write_text("not a model")
         r = client.post("/api/v1/models", json={"source": f"{name}/c1"})
         assert r.status_code == 202, r.text
         job = wait_job(client, r.json()["job_id"])
-        assert job["state"] == "failed" and "Hugging Face Hub" in job["error"], job
+        assert job["state"] == "failed" and str(REPO) not in job["error"], job
         body = client.get(f"/api/v1/models/{r.json()['id']}").text
         assert str(REPO) not in body and r.json()["source"] == f"{name}/c1"
         assert not _absolute_paths_outside(body, settings.resolved_data_roots()), body
     finally:
         shutil.rmtree(REPO / name, ignore_errors=True)
+        shutil.rmtree(cached, ignore_errors=True)
+
+
+def test_hub_names_are_refused_at_request_time_when_the_server_cannot_load_them(client, settings):
+    """No cached copy and no Hub (this machine has no route to it; HF_HUB_OFFLINE says the same without asking):
+    a Hub model id or dataset name is a 422 saying how to make it available, and nothing is stored or queued."""
+    from .test_bad_requests import snapshot
+
+    before = snapshot(settings)
+    for offline in (None, "1"):
+        saved = os.environ.pop("HF_HUB_OFFLINE", None)
+        if offline:
+            os.environ["HF_HUB_OFFLINE"] = offline
+        try:
+            r = client.post("/api/v1/models", json={"source": "someone/some-model"})
+            assert r.status_code == 422, r.text
+            detail = r.json()["detail"]
+            assert detail.startswith("source: model 'someone/some-model' is not in this server's Hugging Face cache")
+            assert "huggingface-cli download someone/some-model" in detail and "MOELAB_DATA_ROOTS" in detail
+            assert ("HF_HUB_OFFLINE is set" in detail) == bool(offline)
+            r = client.post("/api/v1/calibration-sets", json={"source": "hf", "dataset": "someone/texts"})
+            assert r.status_code == 422 and "--repo-type dataset someone/texts" in r.json()["detail"], r.text
+        finally:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+            if saved is not None:
+                os.environ["HF_HUB_OFFLINE"] = saved
+    assert snapshot(settings) == before
 
 
 def test_model_rows_show_no_server_path_outside_the_roots(client, settings, model_id, tiny_llama):
