@@ -171,4 +171,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(TokenGate, settings=settings)
     errors.install(app)
     app.include_router(api_router())
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = errors.document_errors(FastAPI.openapi(app))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

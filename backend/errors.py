@@ -7,6 +7,7 @@ flattened into one readable ``detail`` line (the per-field list stays in ``error
 from __future__ import annotations
 
 import logging
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -148,3 +149,55 @@ def install(app: FastAPI) -> None:
         if is_disk_full(exc):  # a library's wrapper of ENOSPC (torch, safetensors, Arrow)
             return _storage_response(request, exc)
         return _internal(request, exc)
+
+
+# --------------------------------------------------------------------------- the contract of errors
+
+#: every error body: one line saying what was wrong and what to do
+ERROR_SCHEMA = {"title": "Error", "type": "object", "required": ["detail"],
+                "properties": {"detail": {"type": "string", "title": "Detail", "description": "what was wrong and what to do"}}}
+#: a 422 from validation: the same line, and the per-field list it was made from
+VALIDATION_SCHEMA = {
+    "title": "HTTPValidationError", "type": "object", "required": ["detail"],
+    "properties": {
+        "detail": {"type": "string", "title": "Detail", "description": "one line per problem: 'field: what is wrong (got value)'"},
+        "errors": {"type": "array", "title": "Errors", "items": {
+            "type": "object", "required": ["loc", "msg", "type"],
+            "properties": {"loc": {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "integer"}]}},
+                           "msg": {"type": "string"}, "type": {"type": "string"}}}},
+    },
+}
+_STATUS_WORDS = {400: "Bad request", 401: "Missing or wrong MOELAB_API_TOKEN", 403: "Refused by the server's settings",
+                 404: "No such resource or endpoint", 409: "Conflicts with the resource's state", 413: "Request body too large",
+                 422: "Invalid input", 429: "Busy: too many at once, retry later", 503: "The job queue (Redis) is not reachable",
+                 507: "No space left to store it"}
+
+
+def document_errors(schema: dict[str, Any]) -> dict[str, Any]:
+    """Make the OpenAPI schema say what the error handlers above send: ``{"detail": str}`` for every error
+    (``{"detail": str, "errors": [...]}`` for a 422 of validation, not FastAPI's default list), on every status
+    code an operation answers with. Besides the codes a route declares, any operation may answer 401 (the
+    token gate), 404 (an unknown id in its path), 422 (a NUL in its URL, bad parameters), 413 and 507 (a
+    body too large for the limit or the disk), and a 500 is a bug reported in the same shape: "4XX" and
+    "5XX" cover them."""
+    schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+    schemas["Error"] = ERROR_SCHEMA
+    schemas["HTTPValidationError"] = VALIDATION_SCHEMA
+    schemas.pop("ValidationError", None)
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    validation = {"application/json": {"schema": {"$ref": "#/components/schemas/HTTPValidationError"}}}
+    for path, operations in schema.get("paths", {}).items():
+        for op in operations.values():
+            responses = op.setdefault("responses", {})
+            for code, response in responses.items():
+                if code.isdigit() and int(code) >= 400:
+                    response["content"] = validation if code == "422" else error
+                    if response.get("description") in (None, "", HTTPStatus(int(code)).phrase):  # a route's own words stay
+                        response["description"] = _STATUS_WORDS.get(int(code), HTTPStatus(int(code)).phrase)
+            if "{" in path:
+                responses.setdefault("404", {"description": _STATUS_WORDS[404], "content": error})
+            if path.startswith("/api/v1/") and path != "/api/v1/health":
+                responses.setdefault("401", {"description": _STATUS_WORDS[401], "content": error})
+            responses.setdefault("4XX", {"description": "Any other refusal, in words", "content": error})
+            responses.setdefault("5XX", {"description": "A bug (500) or the server's state (503, 507), in words", "content": error})
+    return schema
