@@ -15,6 +15,8 @@ import dash
 from dash import Dash, dcc, html
 
 from moelab.settings import get_settings
+from moelab.store.broker import broker_url
+from moelab.store.liveness import client_for
 
 NAV = [("Workspace", "/"), ("Calibration sets", "/calibration"), ("Neuron explorer", "/neurons"), ("Compare profiles", "/profiles/compare"),
        ("Layer similarity", "/layers"), ("Conversion designer", "/designer"), ("Fine-tune", "/finetune"), ("Routing explorer", "/routing"),
@@ -30,8 +32,10 @@ def create_app() -> Dash:
 
     from frontend import auth
 
-    token = get_settings().token()
-    auth.install(app.server, token)  # before any other route: one guard for every door
+    settings = get_settings()
+    token = settings.token()
+    sessions = auth.RedisSessions(client_for(broker_url(settings)), settings.redis_prefix) if token else None
+    auth.install(app.server, token, sessions)  # before any other route: one guard for every door
     downloads.register(app.server)
 
     logout = [html.A("Log out", href="/logout", className="nav logout", id="logout")] if token else []

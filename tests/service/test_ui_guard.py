@@ -107,7 +107,8 @@ def test_without_the_token_every_ui_door_is_shut(guarded):
         assert anonymous.get("/login").headers["server"] == "moelab"  # served by waitress (--ident)
 
 
-@pytest.mark.parametrize("how", ["wrong bearer", "cookie of another token", "tampered cookie", "expired cookie"])
+@pytest.mark.parametrize("how", ["wrong bearer", "cookie of another token", "tampered cookie", "expired cookie",
+                                 "signed cookie of a session the server never opened"])
 def test_a_wrong_token_or_forged_session_opens_nothing(guarded, how):
     headers, cookies = {}, {}
     if how == "wrong bearer":
@@ -115,10 +116,12 @@ def test_a_wrong_token_or_forged_session_opens_nothing(guarded, how):
     elif how == "cookie of another token":
         cookies[COOKIE] = make_session("some-other-token")
     elif how == "tampered cookie":
-        expires, sig = make_session(TOKEN).split(".")
-        cookies[COOKIE] = f"{int(expires) + 3600}.{sig}"  # a longer life, same signature
-    else:
+        sid, expires, sig = make_session(TOKEN).split(".")
+        cookies[COOKIE] = f"{sid}.{int(expires) + 3600}.{sig}"  # a longer life, same signature
+    elif how == "expired cookie":
         cookies[COOKIE] = make_session(TOKEN, now=time.time() - 7200, ttl_s=3600)
+    else:  # well signed (someone who knows the token could sign one) but never logged in: not live on the server
+        cookies[COOKIE] = make_session(TOKEN)
     with httpx.Client(base_url=guarded["ui"], timeout=30, headers=headers, cookies=cookies) as client:
         _refused(client, guarded["calib"])
         r = client.post("/login", data={"token": TOKEN[:-1], "next": "/"})
@@ -173,12 +176,16 @@ def test_logging_in_through_the_form_in_chromium_opens_every_door(guarded, brows
     # the browser's cookie opens the other doors too (the context's requests carry it)
     _opened(_CookieClient(context.request, ui), guarded["calib"])
 
-    with page.expect_navigation():
-        page.click("#logout")
-    assert page.url.startswith(f"{ui}/login"), page.url
-    assert not [c for c in context.cookies() if c["name"] == COOKIE]
-    page.goto(f"{ui}/")
-    assert page.url.startswith(f"{ui}/login"), page.url
+    copied = cookie["value"]
+    with httpx.Client(base_url=ui, timeout=30, cookies={COOKIE: copied}) as elsewhere:  # the cookie copied to another client
+        assert elsewhere.get("/").status_code == 200
+        with page.expect_navigation():
+            page.click("#logout")
+        assert page.url.startswith(f"{ui}/login"), page.url
+        assert not [c for c in context.cookies() if c["name"] == COOKIE]
+        page.goto(f"{ui}/")
+        assert page.url.startswith(f"{ui}/login"), page.url
+        _refused(elsewhere, guarded["calib"])  # logout ended the session on the server: the copy opens nothing
     context.close()
 
 
