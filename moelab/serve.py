@@ -15,7 +15,9 @@ Each of these is an ordinary command that can be started by hand (docs/deploymen
 Ctrl-C or SIGTERM stops the children in reverse order, each with a grace period (the worker
 records its running job as failed-by-shutdown), then the command exits; a second Ctrl-C kills
 what is left at once. Each child leads its own process group and is armed with Linux's
-parent-death signal (SIGTERM), so a SIGKILLed ``moelab serve`` takes its children with it.
+parent-death signal (SIGTERM), so a SIGKILLed ``moelab serve`` takes its children with it; its workers
+also watch it (``workers.parentwatch``) and end within a second, their running jobs failed with the cause,
+instead of finishing the job's current step first as Celery's warm shutdown would.
 
 Supervision: a child that dies on its own after start-up is restarted with the same command
 line, after a back-off that doubles with each quick death (``BACKOFF_START_S`` …
@@ -146,7 +148,7 @@ class Supervisor:
         self.want_frontend = frontend
         self.say = say
         self.children: list[Child] = []
-        self.env = dict(os.environ)
+        self.env = dict(os.environ, MOELAB_SERVE_PID=str(os.getpid()))  # its workers end with it (workers.parentwatch)
         self._stop_signal: int | None = None
         self._stopping = False
         self._next_watch = 0.0

@@ -20,7 +20,7 @@ from celery import signals
 from moelab.store import jobs
 from moelab.store.db import Conversion, Model, Profile
 from moelab.store import liveness
-from workers import model_cache
+from workers import model_cache, parentwatch
 from moelab.store.broker import TASKS, broker_url
 from workers.celery_app import app
 from workers.engine.atomic import atomic_directory, write_json_atomic
@@ -526,6 +526,7 @@ def _on_ready(sender: Any = None, **_: Any) -> None:
     from moelab.settings import get_settings
 
     name = getattr(sender, "hostname", None) or "worker"
+    parentwatch.watch(name)  # first: a serve that dies while the engine imports still takes this worker with it
     s = get_settings()
     model_cache.install(s.model_cache_size, s.model_cache_bytes())
     # The engine's imports (torch, transformers: seconds) now, not in the first job: a worker

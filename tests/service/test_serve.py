@@ -192,3 +192,79 @@ def test_a_killed_serve_takes_every_child_with_it(tmp_path):
         except ProcessLookupError:
             pass
     assert not left, f"still running 5 s after moelab serve was killed: {left}"
+
+
+def _wait_state(api, job_id: str, states: set[str], timeout: float = 120, at_step: bool = False) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = api.get(f"/jobs/{job_id}").json()
+        if job["state"] in states and (not at_step or (job.get("progress") or {}).get("current")):
+            return job
+        assert job["state"] not in {"failed", "cancelled"} - states, job
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} never reached {states}: {job}")
+
+
+def test_a_serve_killed_mid_job_takes_its_workers_at_once_and_fails_their_jobs(tmp_path, tiny_llama):
+    """SIGKILL of serve while two workers each run a fine-tune and a third waits queued: every child is gone
+    within 5 s (a Celery worker's warm shutdown would have waited for its job's next step), each running job
+    reads failed with the cause, and the queued job is still queued, to run when the service is back."""
+    import httpx
+
+    from moelab.store.db import Database, Job
+
+    proc, port, log = _serve(tmp_path, [], MOELAB_WORKERS="2", MOELAB_DATA_ROOTS=json.dumps([str(tiny_llama.parent)]))
+    ids: list[str] = []
+    try:
+        _wait_up(proc, port, log, need_worker=True)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}/api/v1", timeout=30) as api:
+            model = api.post("/models", json={"source": str(tiny_llama)}).json()
+            calib = api.post("/calibration-sets", json={"source": "builtin", "name": "mixed", "samples": 12}).json()
+            _wait_state(api, model["job_id"], {"succeeded"})
+            _wait_state(api, calib["job_id"], {"succeeded"})
+            prof = api.post("/profiles", json={"model_id": model["id"], "calibration_set_id": calib["id"],
+                                               "max_tokens": 32, "batch_tokens": 256}).json()
+            _wait_state(api, prof["job_id"], {"succeeded"})
+            conv = api.post("/conversions", json={"profile_id": prof["id"], "expertweaver": {"n_experts": 8, "alpha_max": 0.5}}).json()
+            _wait_state(api, conv["job_id"], {"succeeded"})
+            long = {"conversion_id": conv["id"], "steps": 100_000, "batch_size": 1, "seq_len": 16, "checkpoint_every": 100_000,
+                    "eval_windows": 1, "source": "builtin:math"}
+            for _ in range(3):
+                ft = api.post("/finetunes", json=long)
+                assert ft.status_code == 202, ft.text
+                ids.append(ft.json()["job_id"])
+            for job_id in ids[:2]:
+                _wait_state(api, job_id, {"running"}, at_step=True)
+            assert api.get(f"/jobs/{ids[2]}").json()["state"] == "queued"
+        children = _descendants(proc.pid)
+        workers = [pid for pid, cmd in children.items() if "celery" in cmd and " worker " in cmd]
+        assert len(workers) == 2, children
+    except BaseException:
+        proc.kill()
+        raise
+    proc.kill()
+    proc.wait(10)
+    killed = time.monotonic()
+    while any(_alive(pid) for pid in children) and time.monotonic() - killed < 5:
+        time.sleep(0.1)
+    gone_s = time.monotonic() - killed
+    left = {pid: cmd for pid, cmd in children.items() if _alive(pid)}
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"still running 5 s after moelab serve was killed: {left}"
+    db = Database(f"sqlite:///{tmp_path / 'data' / 'moelab.db'}")
+    try:
+        with db.session() as session:
+            running = [session.get(Job, i) for i in ids[:2]]
+            queued = session.get(Job, ids[2])
+            for job in running:
+                assert job.state == "failed" and job.error_type == "worker_lost", (job.state, job.error)
+                assert f"moelab serve (pid {proc.pid})" in job.error and "ended at stage '" in job.error, job.error
+                assert f"POST /api/v1/jobs/{job.id}/retry" in job.error
+            assert queued.state == "queued", queued.state
+    finally:
+        db.dispose()
+    print(f"children gone {gone_s:.2f} s after SIGKILL of serve")
