@@ -112,6 +112,8 @@ class ProgressOut(BaseModel):
     total: int = 0
     fraction: float | None = Field(None, description="current / total within the stage, when total > 0")
     stage_s: float | None = Field(None, description="seconds the present stage has run (or ran, once the job ended)")
+    stage_left_s: float | None = Field(None, description="a running stage's time left at its pace so far (stage_s / current × "
+                                       "(total − current)); stages ahead are not counted")
 
 
 class JobOut(BaseModel):
@@ -134,6 +136,8 @@ class JobOut(BaseModel):
     progress_at: datetime | None = Field(None, description="when the worker last reported progress (at least every few seconds "
                                          "while it runs: MOELAB_PROGRESS_TICK_S)")
     queued_s: float | None = Field(None, description="seconds from creation to start (or until now)")
+    queue_position: int | None = Field(None, description="a queued job's place in its queue's line (1: the next to start "
+                                       "when a worker of that queue is free)")
     run_s: float | None = Field(None, description="seconds from start to end (or until now)")
     timings: dict[str, Any] | None = Field(None, description="engine timings of a finished job")
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from sqlalchemy import func, select
+from sqlalchemy.orm import object_session
+
 from moelab.store.db import ActivationProbe, CalibrationSet, Conversion, Evaluation, Export, Finetune, Job, Model, Probe, Profile, utcnow
 from .schemas import (
     ArtifactFile,
@@ -29,21 +32,38 @@ def status_of(job: Job | None) -> str:
     return "ready" if job is None else _STATUS[job.state]
 
 
+def _queue_position(job: Job) -> int | None:
+    """1 + the queued jobs of the same queue created before ``job`` (workers take a queue's jobs in order)."""
+    session = object_session(job)
+    if job.state != "queued" or session is None:
+        return None
+    ahead = session.execute(select(func.count()).select_from(Job).where(
+        Job.queue == job.queue, Job.state == "queued", Job.created_at < job.created_at)).scalar_one()
+    return int(ahead) + 1
+
+
+def _stage_left(job: Job, stage_s: float | None) -> float | None:
+    if job.state != "running" or stage_s is None or not job.current or not job.total or job.current >= job.total:
+        return None
+    return stage_s / job.current * (job.total - job.current)
+
+
 def job_out(job: Job) -> JobOut:
     now = utcnow()
     end = job.finished_at or now
+    stage_s = (end - job.stage_at).total_seconds() if job.stage_at else None
     return JobOut(
         id=job.id, kind=job.kind, state=job.state, queue=job.queue, resource_type=job.resource_type,
         resource_id=job.resource_id,
         progress=ProgressOut(
             stage=job.stage, current=job.current, total=job.total,
             fraction=(job.current / job.total) if job.total else None,
-            stage_s=(end - job.stage_at).total_seconds() if job.stage_at else None,
+            stage_s=stage_s, stage_left_s=_stage_left(job, stage_s),
         ),
         cancel_requested=job.cancel_requested, error=job.error, error_type=job.error_type, worker=job.worker,
         retry_of=job.retry_of, created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
         heartbeat_at=job.heartbeat_at, progress_at=job.progress_at,
-        queued_s=((job.started_at or end) - job.created_at).total_seconds(),
+        queued_s=((job.started_at or end) - job.created_at).total_seconds(), queue_position=_queue_position(job),
         run_s=(end - job.started_at).total_seconds() if job.started_at else None,
         timings=job.timings,
     )

@@ -44,6 +44,20 @@ def error_box(message: str | None) -> html.Div:
     return html.Div(message or "", className="error" if message else "", role="alert" if message else None)
 
 
+def ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th … 11th, 12th, 13th, 21st."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def duration(seconds: float) -> str:
+    """'40 s', '3 min', '1 h 05 min': as a person says a wait."""
+    if seconds < 90:
+        return f"{max(1, round(seconds))} s"
+    hours, minutes = divmod(round(seconds / 60), 60)
+    return f"{hours} h {minutes:02d} min" if hours else f"{minutes} min"
+
+
 def progress(job: dict[str, Any] | None, name: str | None = None, title: str | None = None) -> html.Div:
     """A job's state, stage and progress bar, with its error in words; ``name``: what it works on
     (shown before the job id), and how long it ran once finished. ``title`` replaces the whole
@@ -58,10 +72,14 @@ def progress(job: dict[str, Any] | None, name: str | None = None, title: str | N
     label = f"{head}: {job['state']}"
     if job["state"] in ("succeeded", "failed", "cancelled") and isinstance(job.get("run_s"), (int, float)):
         label += f" in {job['run_s']:.1f} s"
+    if job["state"] == "queued" and job.get("queue_position"):
+        label += f" · {ordinal(job['queue_position'])} in line"
     if p.get("stage") and job["state"] == "running":
         label += f" — {p['stage']} {p.get('current', 0)}/{p.get('total', 0)}"
         if isinstance(p.get("stage_s"), (int, float)) and p["stage_s"] >= 1:  # a long step still moves on screen
             label += f" · {p['stage_s']:.0f} s"
+        if isinstance(p.get("stage_left_s"), (int, float)):
+            label += f" · about {duration(p['stage_left_s'])} left in this stage"
     children = [html.Div(label, className=f"job-label state-{job['state']}"),
                 html.Progress(value=str(frac or 0), max="1", className="bar")]
     if job.get("error"):

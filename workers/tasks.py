@@ -21,7 +21,7 @@ from moelab.store import jobs
 from moelab.store.db import Conversion, Model, Profile
 from moelab.store import liveness
 from workers import model_cache, parentwatch
-from moelab.store.broker import TASKS, broker_url
+from moelab.store.broker import LIGHT_WORKER_PREFIX, TASKS, broker_url
 from workers.celery_app import app
 from workers.engine.atomic import atomic_directory, write_json_atomic
 from workers.jobrun import SHUTDOWN, JobContext, Outcome, database, run_job, store
@@ -226,7 +226,8 @@ def _fan_out(ctx: JobContext, row: Any, params: Any, profile_dir: Path, model: M
     if not s.conversion_fanout or get_method(params.method).partition is None:
         return None
     client = liveness.client_for(broker_url(s))
-    others = [w for w in liveness.alive(client, s.redis_prefix) if w != ctx.worker]
+    # the light worker consumes no gpu message: a helper sent for it would wait for a busy worker instead
+    others = [w for w in liveness.alive(client, s.redis_prefix) if w != ctx.worker and not w.startswith(LIGHT_WORKER_PREFIX)]
     spec = {"profile": str(profile_dir), "params": params.to_dict(), "source": model.source,
             "trust_remote_code": _trust(ctx, model)}
 

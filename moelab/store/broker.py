@@ -8,8 +8,10 @@ Rules (see "Lessons from the peers" in PRODUCT.md):
 * The broker's ``visibility_timeout`` is above the longest job, so Redis does not hand a
   running job to a second worker.
 * No result backend: tasks return nothing; outputs are artifacts, state is the SQL job row.
-* Queues: ``gpu`` for model work (profile, convert, evaluate, fine-tune), ``cpu`` for light work
-  (inspect a model, build a calibration set). Task id = job id.
+* Queues: ``gpu`` for long model work (profile, convert, evaluate, fine-tune, export), ``cpu`` for
+  light work that a person waits for (inspect a model, build a calibration set, probes): ``moelab serve``
+  runs a worker on ``cpu`` alone beside the others, so light work never waits behind a conversion.
+  Task id = job id.
 * Pool ``solo`` (default) or ``threads``: never forked children, which cannot use CUDA.
 
 ``celery -A workers.celery_app worker -Q gpu,cpu`` runs a worker (that module adds the tasks);
@@ -25,6 +27,8 @@ from moelab.settings import Settings
 
 GPU_QUEUE = "gpu"
 CPU_QUEUE = "cpu"
+#: node names of workers on the light queue alone (``-Q cpu``): they take no share of a conversion's layers
+LIGHT_WORKER_PREFIX = "moelab-light@"
 
 #: job kind -> (Celery task name, queue)
 TASKS: dict[str, tuple[str, str]] = {
@@ -34,8 +38,8 @@ TASKS: dict[str, tuple[str, str]] = {
     "conversion": ("moelab.convert", GPU_QUEUE),
     "evaluation": ("moelab.evaluate", GPU_QUEUE),
     "finetune": ("moelab.finetune", GPU_QUEUE),
-    "probe": ("moelab.probe", GPU_QUEUE),
-    "activation_probe": ("moelab.activation_probe", GPU_QUEUE),
+    "probe": ("moelab.probe", CPU_QUEUE),  # one text through a model: seconds, while someone waits
+    "activation_probe": ("moelab.activation_probe", CPU_QUEUE),
     "export": ("moelab.export", GPU_QUEUE),  # loads the whole converted model: model work
 }
 

@@ -54,6 +54,28 @@ def test_job_progress_names_what_it_works_on_and_how_long_it_ran():
     assert progress(job, "tiny · mixed").children[0].children == "profile tiny · mixed — job-1: succeeded in 3.2 s"
     running = {**job, "state": "running", "run_s": 1.0, "progress": {"stage": "profile", "current": 2, "total": 5, "fraction": 0.4}}
     assert progress(running).children[0].children == "profile job-1: running — profile 2/5"
+    # the API's estimate of the stage's time left (its pace so far), and a queued job's place in line
+    slow = {**running, "progress": {**running["progress"], "stage_s": 240.0, "stage_left_s": 360.0}}
+    assert progress(slow).children[0].children == "profile job-1: running — profile 2/5 · 240 s · about 6 min left in this stage"
+    waiting = {**job, "state": "queued", "queue_position": 2, "progress": {}}
+    assert progress(waiting).children[0].children == "profile job-1: queued · 2nd in line"
+
+
+def test_stage_time_left_is_the_pace_so_far():
+    from datetime import timedelta
+
+    from backend.views import job_out
+    from moelab.store.db import Job, utcnow
+
+    now = utcnow()
+    job = Job(id="job-x", kind="profile", state="running", queue="gpu", resource_type="profiles", resource_id="pr-x",
+              stage="profile", current=2, total=5, stage_at=now - timedelta(seconds=100), created_at=now - timedelta(seconds=120),
+              started_at=now - timedelta(seconds=110), cancel_requested=False)
+    out = job_out(job)
+    assert abs(out.progress.stage_left_s - 150.0) < 2 and out.queue_position is None  # 100 s for 2 steps, 3 to go
+    assert job_out(Job(**{**{c: getattr(job, c) for c in ("id", "kind", "queue", "resource_type", "resource_id", "created_at",
+                                                            "cancel_requested")}, "state": "running", "current": 0, "total": 5,
+                          "stage_at": now})).progress.stage_left_s is None  # no step yet: no pace to go by
 
 
 def test_names_are_a_help_a_list_the_api_does_not_answer_leaves_ids(monkeypatch):

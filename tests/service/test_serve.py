@@ -206,7 +206,8 @@ def _wait_state(api, job_id: str, states: set[str], timeout: float = 120, at_ste
 
 
 def test_a_serve_killed_mid_job_takes_its_workers_at_once_and_fails_their_jobs(tmp_path, tiny_llama):
-    """SIGKILL of serve while two workers each run a fine-tune and a third waits queued: every child is gone
+    """A probe runs at once on the light worker while two workers each run a long fine-tune and a third waits
+    queued (1st in line). Then SIGKILL of serve: every child is gone
     within 5 s (a Celery worker's warm shutdown would have waited for its job's next step), each running job
     reads failed with the cause, and the queued job is still queued, to run when the service is back."""
     import httpx
@@ -235,10 +236,17 @@ def test_a_serve_killed_mid_job_takes_its_workers_at_once_and_fails_their_jobs(t
                 ids.append(ft.json()["job_id"])
             for job_id in ids[:2]:
                 _wait_state(api, job_id, {"running"}, at_step=True)
-            assert api.get(f"/jobs/{ids[2]}").json()["state"] == "queued"
+            waiting = api.get(f"/jobs/{ids[2]}").json()
+            assert waiting["state"] == "queued" and waiting["queue_position"] == 1, waiting
+            # both workers are busy for hours: a probe still runs at once, on the light worker
+            probe = api.post("/probes", json={"conversion_id": conv["id"], "text": "def add(a, b): return a + b"})
+            assert probe.status_code == 202, probe.text
+            done = _wait_state(api, probe.json()["job_id"], {"succeeded"}, timeout=60)
+            assert done["worker"].startswith("moelab-light@") and done["queued_s"] < 10, done
+            assert all(api.get(f"/jobs/{i}").json()["state"] == "running" for i in ids[:2])
         children = _descendants(proc.pid)
         workers = [pid for pid, cmd in children.items() if "celery" in cmd and " worker " in cmd]
-        assert len(workers) == 2, children
+        assert len(workers) == 3, children  # two on every queue, one on light jobs
     except BaseException:
         proc.kill()
         raise
