@@ -281,3 +281,43 @@ def test_the_default_models_conversion_and_its_dense_baseline_run_in_llamacpp(de
     top5 = np.argsort(-q8_logits, axis=1)[:, :5]
     assert all(ref[i].argmax() in top5[i] for i in range(len(tokens)))
     assert np.mean([np.corrcoef(ref[i], q8_logits[i])[0, 1] for i in range(len(tokens))]) > 0.99
+
+
+@pytest.mark.parametrize("sparsity", [0.25, 0.5])
+def test_the_path_a_user_takes_gives_llamacpp_moelabs_logits(tiny_model, data_dir, tmp_path, sparsity):
+    """Issue 38 item 0, through the commands a user runs: ``moelab profile`` → ``convert --recipe portable`` →
+    ``finetune --mode expertweaver`` (a real optimizer step: LoRA merged, routers trained) → ``export --format gguf
+    --type f32`` and ``--format native``: llama.cpp (f32 KV cache, as the model card says) and transformers compute
+    the fine-tuned model's logits on real text within 1e-3 at both costs."""
+    from transformers import AutoModelForCausalLM as Auto
+
+    env = {"MOELAB_DATA_DIR": str(data_dir), "HF_HUB_OFFLINE": "1"}
+    run = lambda *args: CliRunner().invoke(main, [*args, "--json"], env=env)  # noqa: E731
+    prof, conv, ft = tmp_path / "p", tmp_path / "c", tmp_path / "ft"
+    for args in (["profile", "--model", str(tiny_model("llama")), "--calib", "builtin:mixed", "--samples", "24",
+                  "--max-tokens", "64", "--out", str(prof), "--quiet"],
+                 ["convert", "--profile", str(prof), "--recipe", "portable", "--sparsity", str(sparsity), "--n-experts", "8",
+                  "--fit-tokens", "512", "--out", str(conv), "--quiet"],
+                 ["finetune", str(conv), "--mode", "expertweaver", "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+                  "--eval-windows", "1", "--out", str(ft), "--quiet"]):
+        res = run(*args)
+        assert res.exit_code == 0, (args[0], res.output[-2000:])
+    model_dir = ft / "model"
+    gguf = run("export", str(model_dir), "--format", "gguf", "--type", "f32", "--out", str(tmp_path / "g"))
+    assert gguf.exit_code == 0, gguf.output[-2000:]
+    native = run("export", str(model_dir), "--format", "native", "--out", str(tmp_path / "n"))
+    assert native.exit_code == 0, native.output[-2000:]
+    card = (tmp_path / "g" / "README.md").read_text()
+    assert "-ctk f32 -ctv f32" in card and "type_k=0, type_v=0" in card  # how to run it exactly
+    tok = load_tokenizer(model_dir)
+    text = ("The committee met on Tuesday to discuss the budget for next year. def mean(xs):\n    return sum(xs) / len(xs)\n"
+            "Shall I compare thee to a summer's day? Thou art more lovely and more temperate.")
+    ids = tok(text)["input_ids"]
+    moe = MoelabForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = moe(input_ids=torch.tensor([ids])).logits[0].double().numpy()
+        hf = Auto.from_pretrained(json.loads(native.stdout)["out"], dtype=torch.float32).eval()
+        native_logits = hf(input_ids=torch.tensor([ids])).logits[0].double().numpy()
+    got, _ = _llamacpp_run(json.loads(gguf.stdout)["file"], ids, 0)
+    assert np.abs(native_logits - ref).max() < 1e-3, np.abs(native_logits - ref).max()
+    assert np.abs(got - ref).max() < 1e-3, np.abs(got - ref).max()

@@ -163,6 +163,14 @@ def write_model_card(out_dir: Path, record: dict, moe: Any, fmt: str = "moelab",
     return path
 
 
+def _padding_words(padding: Any) -> str:
+    """'no zero padding' / 'zero neurons pad it: 24 per layer' / '… 0–24 per layer' from the layout's padding."""
+    values = sorted(set((padding or {}).values() if isinstance(padding, dict) else (padding or [])))
+    if not values or values == [0]:
+        return "no zero padding"
+    return f"zero neurons pad it: {values[0] if len(values) == 1 else f'{values[0]}–{values[-1]}'} per layer"
+
+
 def _run_lines(fmt: str, native: dict, gguf: dict | None, gguf_why: str | None) -> list[str]:
     """"How to run": the commands for the format written, then the other ways out of moelab."""
     out = ["## How to run", ""]
@@ -172,10 +180,14 @@ def _run_lines(fmt: str, native: dict, gguf: dict | None, gguf_why: str | None) 
         out += [f"`{name}` ({(gguf or {}).get('type', '?')}) is llama.cpp's `deepseek` architecture: "
                 f"{lay.get('num_experts')} routed experts of {lay.get('expert_size')} neurons, top-{lay.get('top_k')} "
                 f"weighted by their softmax probabilities, a shared expert of {lay.get('n_shared_experts')} × "
-                f"{lay.get('expert_size')} neurons (zero neurons pad it: {lay.get('shared_padding')} per layer), the first "
+                f"{lay.get('expert_size')} neurons ({_padding_words(lay.get('shared_padding'))}), the first "
                 f"{lay.get('leading_dense')} layers dense. The tokenizer and chat template are inside the file.", "",
                 "llama.cpp:", "", "```sh", f'llama-cli -m {name} -p "Hello" -n 64', f"llama-server -m {name} --port 8080",
-                "```", "", "Ollama (`Modelfile` is in this directory):", "", "```sh", "ollama create moelab-moe -f Modelfile",
+                "```", "",
+                "Exactly moelab's model: an f32 file with an f32 KV cache (`llama-cli -m "
+                f"{name} -ctk f32 -ctv f32`; llama-cpp-python `Llama(..., type_k=0, type_v=0)`) computes moelab's logits within "
+                "1e-3 (tested from `moelab finetune` to llama.cpp). llama.cpp's default f16 KV cache moves them by about 1e-2, "
+                "and a token whose top-k experts nearly tie may then take another expert, which moves its logits further.", "", "Ollama (`Modelfile` is in this directory):", "", "```sh", "ollama create moelab-moe -f Modelfile",
                 "ollama run moelab-moe", "```", "", "Python (llama-cpp-python):", "", "```python",
                 "from llama_cpp import Llama", "", f'llm = Llama(model_path="{name}")',
                 'print(llm("Hello", max_tokens=64)["choices"][0]["text"])', "```", ""]
