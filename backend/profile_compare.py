@@ -63,21 +63,24 @@ def _specific(row: dict[str, Any], a: Snippets, b: Snippets) -> dict[str, Any]:
 
 
 def comparison_payload(ids: tuple[str, str], profiles: tuple[Any, Any], comparison: Any, layer: int | None,
-                       threshold: float, top: int, snippets: int, max_points: int) -> dict[str, Any]:
+                       threshold: float, fdr: float, top: int, snippets: int, max_points: int) -> dict[str, Any]:
     """The fields of ``schemas.ProfileComparison`` (``layer`` None: the layer with the largest share of specific neurons)."""
-    shown = comparison.busiest_layer(threshold) if layer is None else layer
+    shown = comparison.busiest_layer(threshold, fdr) if layer is None else layer
+    shares = comparison.shares(threshold, fdr)
     a, b = (Snippets(p, snippets) for p in profiles)
     manifest = profiles[0].manifest
     keeps = [p.has_top_tokens for p in profiles]
+    large, kept = (sum(s[f"n_large_{x}"] for s in shares for x in "ab"), sum(s[f"n_specific_{x}"] for s in shares for x in "ab"))
     note = (f"{comparison.n_samples[0]} samples of A against {comparison.n_samples[1]} of B; a neuron is specific when "
-            f"|d| ≥ {threshold:g}")
+            f"|d| ≥ {threshold:g} and its Welch test survives Benjamini–Hochberg at q ≤ {fdr:g} ({kept} of the {large} "
+            "neurons with that gap)")
     if snippets and not all(keeps):
         note += "; " + " and ".join(n for n, k in zip("AB", keeps, strict=True) if not k) + " keep no top tokens (re-profile to see snippets)"
     return {
         "a": ids[0], "b": ids[1], "model": (manifest.get("model") or {}).get("source"), "n_layers": len(comparison.layers),
         "d_ffn": comparison.d_ffn, "n_samples_a": comparison.n_samples[0], "n_samples_b": comparison.n_samples[1],
-        "threshold": threshold, "score": comparison.score, "layer": shown,
-        "scatter": scatter(comparison.layers[shown], threshold, max_points), "layers": comparison.shares(threshold),
+        "threshold": threshold, "fdr": fdr, "score": comparison.score, "layer": shown,
+        "scatter": scatter(comparison.layers[shown], threshold, max_points), "layers": shares,
         "top_a": [_specific(r, a, b) for r in comparison.top(top, "a")],
         "top_b": [_specific(r, a, b) for r in comparison.top(top, "b")],
         "note": note,

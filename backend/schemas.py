@@ -1042,6 +1042,8 @@ class SpecificNeuron(BaseModel):
     neuron: int
     specificity: Num = Field(description="d = (μ_A − μ_B) / sqrt((σ_A² + σ_B²)/2 + ε²) over per-sample mean gate activations; "
                                          "> 0: specific to A")
+    p: Num = Field(description="Welch's two-sided p-value for equal means over the two sets' samples")
+    q: Num = Field(description="Benjamini–Hochberg q over every neuron of the comparison")
     mean_a: Num = Field(description="mean over A's samples of the neuron's per-sample mean gate activation")
     mean_b: Num
     std_a: Num = Field(description="standard deviation (ddof 1) of the per-sample means over A's samples")
@@ -1057,11 +1059,13 @@ class SpecificNeuron(BaseModel):
 class LayerSpecificity(BaseModel):
     layer: int
     d_ffn: int
-    n_specific_a: int = Field(description="neurons with d ≥ threshold")
-    n_specific_b: int = Field(description="neurons with d ≤ −threshold")
+    n_specific_a: int = Field(description="neurons with d ≥ threshold and Benjamini–Hochberg q ≤ fdr")
+    n_specific_b: int = Field(description="neurons with d ≤ −threshold and q ≤ fdr")
     share: float = Field(description="(n_specific_a + n_specific_b) / d_ffn")
     share_a: float
     share_b: float
+    n_large_a: int = Field(description="neurons with d ≥ threshold, before the test")
+    n_large_b: int = Field(description="neurons with d ≤ −threshold, before the test")
 
 
 class CompareScatter(BaseModel):
@@ -1083,7 +1087,8 @@ class ProfileComparison(BaseModel):
     d_ffn: list[int]
     n_samples_a: int
     n_samples_b: int
-    threshold: float = Field(description="|d| at and above which a neuron counts as specific")
+    threshold: float = Field(description="|d| at and above which a neuron counts as specific (with q ≤ fdr)")
+    fdr: float = Field(description="the false-discovery rate: a specific neuron's Welch test survives Benjamini–Hochberg at q ≤ fdr")
     score: str = Field(description="the set-specificity score's definition")
     layer: int = Field(description="the layer of the scatter (the asked one, else the one with the largest share of specific neurons)")
     scatter: CompareScatter

@@ -290,9 +290,10 @@ class ApiClient:
         return self.get(f"/profiles/{profile_id}/charts/task-similarity", layer=layer)
 
     def compare_profiles(self, a: str, b: str, layer: int | None = None, threshold: float | None = None,
-                         top: int | None = None, snippets: int | None = None) -> dict[str, Any]:
-        """Two profiles of one model neuron by neuron: set-specificity d, shares per layer, top neurons of each side."""
-        return self.get("/profiles/compare", a=a, b=b, layer=layer, threshold=threshold, top=top, snippets=snippets)
+                         top: int | None = None, snippets: int | None = None, fdr: float | None = None) -> dict[str, Any]:
+        """Two profiles of one model neuron by neuron: set-specificity d (kept at Benjamini–Hochberg q ≤ ``fdr``),
+        shares per layer, top neurons of each side."""
+        return self.get("/profiles/compare", a=a, b=b, layer=layer, threshold=threshold, fdr=fdr, top=top, snippets=snippets)
 
     def search_neurons(self, profile_id: str, **filters: Any) -> dict[str, Any]:
         """Neurons by cv_min/cv_max, rate_min/rate_max, vs + min_specificity, token text; sort, offset, limit."""

@@ -910,14 +910,15 @@ def specificity_scatter(data: dict[str, Any], names: tuple[str, str]) -> go.Figu
     if finite_xy.size:
         lo, hi = float(finite_xy.min()), float(finite_xy.max())
         fig.add_shape(type="line", x0=lo, y0=lo, x1=hi, y1=hi, line={"dash": "dot", "color": "#9ca3af", "width": 1})
-    note = f"{sc['note']}; colour: d (red: specific to A, blue: to B; |d| ≥ {data['threshold']:g} counts as specific)"
+    note = (f"{sc['note']}; colour: d (red: more active on A, blue: on B; specific: |d| ≥ {data['threshold']:g} and "
+            f"Benjamini–Hochberg q ≤ {data['fdr']:g})")
     return _layout(fig, f"Layer {sc['layer']}: each neuron's mean activation on A and on B", note,
                    xaxis_title=f"mean activation on A: {names[0]}", yaxis_title=f"mean activation on B: {names[1]}")
 
 
 def specific_share_bars(data: dict[str, Any], names: tuple[str, str]) -> go.Figure:
-    """Per layer the share of neurons specific to A (d ≥ threshold) and to B (d ≤ −threshold), stacked;
-    the scatter's layer outlined."""
+    """Per layer the share of neurons specific to A (d ≥ threshold) and to B (d ≤ −threshold), each kept by the
+    false-discovery control (q ≤ fdr), stacked; the scatter's layer outlined."""
     rows = data["layers"]
     layers = [r["layer"] for r in rows]
     outline = [2 if layer == data["layer"] else 0 for layer in layers]
@@ -929,7 +930,11 @@ def specific_share_bars(data: dict[str, Any], names: tuple[str, str]) -> go.Figu
                marker_line={"width": outline, "color": "#111"}, customdata=[r["n_specific_b"] for r in rows],
                hovertemplate="layer %{x}: %{y:.1f}% (%{customdata} neurons) specific to B<extra></extra>"),
     ])
-    note = f"|d| ≥ {data['threshold']:g}; outlined: layer {data['layer']} (the scatter's); click a bar to show its layer"
+    large = sum(r["n_large_a"] + r["n_large_b"] for r in rows)
+    kept = sum(r["n_specific_a"] + r["n_specific_b"] for r in rows)
+    note = (f"|d| ≥ {data['threshold']:g} and Welch's test kept at a false-discovery rate q ≤ {data['fdr']:g} (Benjamini–Hochberg "
+            f"over every neuron): {kept} of the {large} neurons with that gap; outlined: layer {data['layer']} (the scatter's); "
+            "click a bar to show its layer")
     return _layout(fig, "Share of set-specific neurons by layer", note, xaxis_title="layer", yaxis_title="% of the layer's neurons",
                    barmode="stack", legend={"orientation": "h", "x": 0, "y": -0.2, "yanchor": "top", "traceorder": "normal"})
 

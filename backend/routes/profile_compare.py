@@ -19,7 +19,7 @@ from fastapi import APIRouter, Query, Response
 
 from moelab.store.jsonsafe import jsonable
 
-from workers.engine.profiling.compare import CompareError, ProfileComparison as Comparison, compare_profiles
+from workers.engine.profiling.compare import DEFAULT_FDR, CompareError, ProfileComparison as Comparison, compare_profiles
 from workers.engine.profiling.search import MAX_LIMIT, MAX_TOKEN_CHARS, NeuronQuery, NeuronTable, SearchError, TopTokenIndex, search_neurons
 
 from .. import profile_compare as payloads
@@ -69,6 +69,8 @@ def compare(
     b: Annotated[str, Query(description="profile B, of the same model")],
     layer: Annotated[int | None, Query(ge=0, le=MAX_INT, description="layer of the scatter; default: the one with the largest share of specific neurons")] = None,
     threshold: Annotated[float, Query(gt=0, le=100, allow_inf_nan=False, description="|d| at and above which a neuron is specific")] = 1.0,
+    fdr: Annotated[float, Query(gt=0, le=1, allow_inf_nan=False, description="false-discovery rate: a specific neuron's Welch "
+                                "test must survive Benjamini–Hochberg over every neuron at q ≤ fdr")] = DEFAULT_FDR,
     top: Annotated[int, Query(ge=0, le=100, description="most specific neurons listed per side")] = 10,
     snippets: Annotated[int, Query(ge=0, le=8, description="top-token snippets per listed neuron from each profile")] = 2,
     max_points: Annotated[int, Query(ge=100, le=20000, description="scatter points at most; larger layers are sampled")] = 2048,
@@ -79,11 +81,11 @@ def compare(
     (pa, sa), (pb, sb) = _pair(session, store, a, b)
     if layer is not None:
         _layer(pa, layer)
-    key = ("profile-compare", a, sa, b, sb, layer, threshold, top, snippets, max_points)
+    key = ("profile-compare", a, sa, b, sb, layer, threshold, fdr, top, snippets, max_points)
     body = PAYLOADS.get(key)
     if body is None:
         made = comparison(pa, sa, pb, sb)
-        body = _encode(ProfileComparison(**payloads.comparison_payload((a, b), (pa, pb), made, layer, threshold, top, snippets, max_points)))
+        body = _encode(ProfileComparison(**payloads.comparison_payload((a, b), (pa, pb), made, layer, threshold, fdr, top, snippets, max_points)))
         if (_manifest_stamp(Path(pa.path) / "manifest.json"), _manifest_stamp(Path(pb.path) / "manifest.json")) == (sa, sb):
             PAYLOADS.put(key, body)
     return Response(body, media_type="application/json")

@@ -39,7 +39,7 @@ def _field(label: str, control: Any) -> html.Div:
     return html.Div([html.Label(label), control])
 
 
-def layout(a: str | None = None, b: str | None = None, layer: str | None = None, threshold: str = "1", **_):
+def layout(a: str | None = None, b: str | None = None, layer: str | None = None, threshold: str = "1", fdr: str = "0.05", **_):
     profiles, err = options_or_error("profiles")
     if a is None and profiles:
         a = profiles[0]["value"]
@@ -51,7 +51,9 @@ def layout(a: str | None = None, b: str | None = None, layer: str | None = None,
         dcc.Location(id=f"{N}-url", refresh=False),
         html.H2("Compare profiles"),
         html.Div("Two profiles of the same model on different text: which neurons are specific to one of them. "
-                 "d = (μ_A − μ_B) / √((σ_A² + σ_B²)/2) over the per-sample mean activations; red: specific to A, blue: to B.",
+                 "d = (μ_A − μ_B) / √((σ_A² + σ_B²)/2) over the per-sample mean activations; a neuron is specific when |d| is large "
+                 "and Welch's test of the gap survives a false-discovery-rate control (Benjamini–Hochberg) over every neuron; "
+                 "red: specific to A, blue: to B.",
                  className="note"),
         error_box(err),
         html.Div(className="controls", children=[
@@ -59,6 +61,7 @@ def layout(a: str | None = None, b: str | None = None, layer: str | None = None,
             _field("profile B (same model)", dcc.Dropdown(id=f"{N}-b", options=profiles, value=b, clearable=False, style={"width": 360})),
             _field("layer (empty: most specific)", _number(f"{N}-layer", int(num(layer, 0)) if layer not in (None, "") else None, min=0, step=1)),
             _field("specific at |d| ≥", _number(f"{N}-threshold", num(threshold, 1.0), min=0.1, step=0.1)),
+            _field("and false-discovery rate q ≤", _number(f"{N}-fdr", num(fdr, 0.05), min=0.001, max=1, step=0.01)),
         ]),
         html.Div(id=f"{N}-error"),
         html.Div(className="row", children=[figure_card(f"{N}-scatter", "Mean activation on A vs B"),
@@ -168,9 +171,9 @@ def search_table(found: dict[str, Any]) -> html.Div:
 
 
 @callback(Output(f"{N}-url", "search"), Input(f"{N}-a", "value"), Input(f"{N}-b", "value"), Input(f"{N}-layer", "value"),
-          Input(f"{N}-threshold", "value"))
-def _url(a, b, layer, threshold):
-    return to_search(a=a, b=b, layer=layer, threshold=threshold)
+          Input(f"{N}-threshold", "value"), Input(f"{N}-fdr", "value"))
+def _url(a, b, layer, threshold, fdr):
+    return to_search(a=a, b=b, layer=layer, threshold=threshold, fdr=fdr)
 
 
 @callback(Output(f"{N}-b", "options"), Input(f"{N}-a", "value"))
@@ -195,14 +198,15 @@ def _blank(message: str) -> tuple:
           Output({"type": "note", "name": f"{N}-scatter"}, "children"), Output({"type": "note", "name": f"{N}-shares"}, "children"),
           Output(f"{N}-error", "children"), Output(f"{N}-top-a", "children"), Output(f"{N}-top-b", "children"),
           Output(f"{N}-top-a-title", "children"), Output(f"{N}-top-b-title", "children"),
-          Input(f"{N}-a", "value"), Input(f"{N}-b", "value"), Input(f"{N}-layer", "value"), Input(f"{N}-threshold", "value"))
-def _compare(a, b, layer, threshold):
+          Input(f"{N}-a", "value"), Input(f"{N}-b", "value"), Input(f"{N}-layer", "value"), Input(f"{N}-threshold", "value"),
+          Input(f"{N}-fdr", "value"))
+def _compare(a, b, layer, threshold, fdr):
     names = page_names()
     problem = model_problem(a, b, names)
     if problem:
         return _blank(problem)
     try:
-        data = api().compare_profiles(a, b, layer=layer, threshold=threshold or None, top=TOP, snippets=2)
+        data = api().compare_profiles(a, b, layer=layer, threshold=threshold or None, fdr=fdr or None, top=TOP, snippets=2)
     except ApiError as exc:
         return _blank(str(exc))
     sets = set_names(a, b, names)

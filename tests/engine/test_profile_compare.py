@@ -52,15 +52,44 @@ def test_one_neurons_specificity_matches_the_formula_by_hand(pair):
     assert float(lay.rate_a[neuron]) == pytest.approx(float(rates[neuron]))
 
 
-def test_shares_count_the_neurons_past_the_threshold(pair):
+def test_shares_count_large_gaps_that_survive_the_false_discovery_control(pair):
     comp = compare_profiles(*pair)
     for threshold in (0.5, 1.0, 2.0):
-        for row, lay in zip(comp.shares(threshold), comp.layers, strict=True):
-            assert row["n_specific_a"] == int((lay.d >= threshold).sum()) and row["n_specific_b"] == int((lay.d <= -threshold).sum())
-            assert row["share"] == pytest.approx((row["n_specific_a"] + row["n_specific_b"]) / 48)
-    assert comp.shares(5.0)[CODE_NEURON[0]]["n_specific_a"] == 1
+        for fdr in (0.05, 0.2):
+            for row, lay in zip(comp.shares(threshold, fdr), comp.layers, strict=True):
+                assert row["n_large_a"] == int((lay.d >= threshold).sum()) and row["n_large_b"] == int((lay.d <= -threshold).sum())
+                assert row["n_specific_a"] == int(((lay.d >= threshold) & (lay.q <= fdr)).sum())
+                assert row["n_specific_b"] == int(((lay.d <= -threshold) & (lay.q <= fdr)).sum())
+                assert row["share"] == pytest.approx((row["n_specific_a"] + row["n_specific_b"]) / 48)
+    # the planted neurons are found; of the noise neurons' large gaps (10 samples a side) the test keeps none
+    rows = comp.shares(0.5)
+    assert sum(r["n_specific_a"] + r["n_specific_b"] for r in rows) == 2
+    assert sum(r["n_large_a"] + r["n_large_b"] for r in rows) > 20
+    assert rows[CODE_NEURON[0]]["n_specific_a"] >= 1 and rows[PROSE_NEURON[0]]["n_specific_b"] >= 1
     with pytest.raises(CompareError, match="threshold must be > 0"):
         comp.shares(0)
+    with pytest.raises(CompareError, match="fdr must be in"):
+        comp.shares(1.0, 0)
+
+
+def test_the_test_and_its_correction_match_scipy_on_the_raw_samples(pair):
+    """Welch's p of neuron (0, 3) from the stored per-sample means with scipy's own t-test, and BH by hand
+    over every neuron of every layer (one family)."""
+    from scipy.stats import ttest_ind
+
+    layer, neuron = 0, 3
+    xa = load_file(str(pair[0].path / "activations.safetensors"))[f"layers.{layer}.sample_means"][:, neuron].astype(np.float64)
+    xb = load_file(str(pair[1].path / "activations.safetensors"))[f"layers.{layer}.sample_means"][:, neuron].astype(np.float64)
+    comp = compare_profiles(*pair)
+    assert comp.layers[layer].p[neuron] == pytest.approx(ttest_ind(xa, xb, equal_var=False).pvalue, rel=1e-6)
+    p = np.concatenate([lay.p for lay in comp.layers])
+    m, order = p.size, np.argsort(p)
+    ranked = p[order] * m / np.arange(1, m + 1)
+    by_hand = np.empty(m)
+    by_hand[order] = np.minimum(1, np.minimum.accumulate(ranked[::-1])[::-1])
+    assert np.allclose(np.concatenate([lay.q for lay in comp.layers]), by_hand)
+    row = comp.top(1, "a")[0]
+    assert row["q"] <= 0.05 and row["p"] <= row["q"]
 
 
 def test_a_constant_neuron_is_not_specific():

@@ -22,11 +22,11 @@ def _neuron(layer: int, neuron: int, d: float, piece: str = " def") -> dict:
 
 PAYLOAD = {
     "a": "pr-aaaaaaaaaaaaaaaa", "b": "pr-bbbbbbbbbbbbbbbb", "model": "tiny", "n_layers": 3, "d_ffn": [4, 4, 4], "n_samples_a": 10,
-    "n_samples_b": 12, "threshold": 1.0, "score": "d", "layer": 1,
+    "n_samples_b": 12, "threshold": 1.0, "fdr": 0.05, "score": "d", "layer": 1,
     "scatter": {"layer": 1, "neurons": [0, 1, 2, 3], "mean_a": [0.1, 0.7, -0.2, 0.3], "mean_b": [0.1, -0.1, 0.4, 0.3],
                 "specificity": [0.0, 5.9, -3.0, 0.2], "sampled": False, "note": "all 4 neurons of layer 1"},
-    "layers": [{"layer": i, "d_ffn": 4, "n_specific_a": a, "n_specific_b": b, "share": (a + b) / 4, "share_a": a / 4, "share_b": b / 4}
-               for i, (a, b) in enumerate([(0, 0), (1, 1), (2, 0)])],
+    "layers": [{"layer": i, "d_ffn": 4, "n_specific_a": a, "n_specific_b": b, "share": (a + b) / 4, "share_a": a / 4, "share_b": b / 4,
+                "n_large_a": a + 1, "n_large_b": b} for i, (a, b) in enumerate([(0, 0), (1, 1), (2, 0)])],
     "top_a": [_neuron(1, 1, 5.9), _neuron(2, 3, 1.2)], "top_b": [_neuron(1, 2, -3.0, " rain")], "note": "10 samples of A against 12 of B",
 }
 
@@ -53,6 +53,8 @@ def test_share_bars_stack_each_sides_percentage_per_layer():
     assert list(a.customdata) == [0, 1, 2] and fig.layout.barmode == "stack"
     assert list(a.marker.line.width) == [0, 2, 0]  # the scatter's layer outlined
     assert fig.layout.xaxis.title.text == "layer" and fig.layout.yaxis.title.text == "% of the layer's neurons"
+    # the note says what the test kept: 4 specific of the 7 with a large gap, at the stated q
+    assert "false-discovery rate q ≤ 0.05 (Benjamini–Hochberg over every neuron): 4 of the 7 neurons with that gap" in fig.layout.title.text
 
 
 def test_tables_list_the_most_specific_neurons_with_links_to_their_cards():

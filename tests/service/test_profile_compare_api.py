@@ -120,7 +120,7 @@ def test_scatter_of_a_wide_layer_keeps_every_specific_neuron():
     d = np.zeros(n, dtype=np.float32)
     d[[7, 4000, 4999]] = [3.0, -2.0, 1.5]
     zeros = np.zeros(n, dtype=np.float32)
-    lay = LayerComparison(layer=4, d=d, mean_a=np.arange(n, dtype=np.float32), mean_b=zeros, std_a=zeros, std_b=zeros, rate_a=zeros,
+    lay = LayerComparison(layer=4, d=d, p=zeros, q=zeros, mean_a=np.arange(n, dtype=np.float32), mean_b=zeros, std_a=zeros, std_b=zeros, rate_a=zeros,
                           rate_b=zeros, cv_a=zeros, cv_b=zeros)
     out = scatter(lay, threshold=1.0, max_points=200)
     assert out["sampled"] and len(out["neurons"]) == 200 and {7, 4000, 4999} <= set(out["neurons"])
