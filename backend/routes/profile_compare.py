@@ -106,8 +106,10 @@ def search(
     vs: Annotated[str | None, Query(description="another profile of the same model: adds specificity d (> 0: specific to this one)")] = None,
     min_specificity: Bound = None, max_specificity: Bound = None,
     token: Annotated[str | None, Query(min_length=1, max_length=MAX_TOKEN_CHARS,
-                                       description="text one of the neuron's stored top tokens contains (substring)")] = None,
+                                       description="text of one of the neuron's stored top tokens (see match)")] = None,
     case_sensitive: bool = False,
+    match: Annotated[Literal["token", "substring"], Query(description="token: a top token is that text (spaces around it aside: "
+                                                         "'def' finds ' def', not 'default'); substring: a top token contains it")] = "token",
     sort: Annotated[SortQ | None, Query(description="default: specificity with vs, else cv")] = None,
     descending: bool = True,
     offset: OffsetQ = 0,
@@ -117,7 +119,7 @@ def search(
     paginated. 422 names the filter to fix (a range upside down, specificity without ``vs``, a token search on a
     profile without top tokens, a ``vs`` profile of another model)."""
     query = NeuronQuery(layer=layer, cv_min=cv_min, cv_max=cv_max, rate_min=rate_min, rate_max=rate_max, min_specificity=min_specificity,
-                        max_specificity=max_specificity, token=token, case_sensitive=case_sensitive, sort=sort, descending=descending,
+                        max_specificity=max_specificity, token=token, case_sensitive=case_sensitive, match=match, sort=sort, descending=descending,
                         offset=offset, limit=limit)
     if vs is not None:
         (profile, stamp), (other, other_stamp) = _pair(session, store, profile_id, vs, ("profile", "vs"))

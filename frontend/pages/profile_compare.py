@@ -79,7 +79,9 @@ def _search_card() -> html.Div:
         html.Div(className="controls", children=[
             _field("in", dcc.RadioItems(id=f"{N}-s-side", options=[{"label": "A", "value": "a"}, {"label": "B", "value": "b"}], value="a",
                                         inline=True)),
-            _field("top tokens contain", dcc.Input(id=f"{N}-s-token", type="text", placeholder="def", debounce=True, style={"width": 120})),
+            _field("a top token is", dcc.Input(id=f"{N}-s-token", type="text", placeholder="def", debounce=True, style={"width": 120})),
+            _field("", dcc.Checklist(id=f"{N}-s-part", options=[{"label": "or contains it (def → default)", "value": "substring"}],
+                                     value=[], inline=True)),
             _field("d ≥ (vs the other)", _number(f"{N}-s-min-d", None, step=0.1)),
             _field("CV from", _number(f"{N}-s-cv-min", None, min=0, step=0.1)), _field("CV to", _number(f"{N}-s-cv-max", None, min=0, step=0.1)),
             _field("rate from", _number(f"{N}-s-rate-min", None, min=0, max=1, step=0.01)),
@@ -221,14 +223,15 @@ def _compare(a, b, layer, threshold, fdr):
           Input(f"{N}-s-go", "n_clicks"), Input(f"{N}-s-token", "value"), Input(f"{N}-s-page", "value"),
           State(f"{N}-a", "value"), State(f"{N}-b", "value"), State(f"{N}-s-side", "value"), State(f"{N}-s-min-d", "value"),
           State(f"{N}-s-cv-min", "value"), State(f"{N}-s-cv-max", "value"), State(f"{N}-s-rate-min", "value"),
-          State(f"{N}-s-rate-max", "value"), State(f"{N}-s-layer", "value"), State(f"{N}-s-sort", "value"), prevent_initial_call=True)
-def _search(_go, token, page, a, b, side, min_d, cv_min, cv_max, rate_min, rate_max, layer, sort):
+          State(f"{N}-s-rate-max", "value"), State(f"{N}-s-layer", "value"), State(f"{N}-s-sort", "value"),
+          State(f"{N}-s-part", "value"), prevent_initial_call=True)
+def _search(_go, token, page, a, b, side, min_d, cv_min, cv_max, rate_min, rate_max, layer, sort, part):
     """The search runs on its button (or Enter in the token box, or a page change)."""
     searched, other = (a, b) if side == "a" else (b, a)
     if not searched:
         return None, error_box("choose profile A (and B to search by specificity)")
     vs = other if other and other != searched else None
-    filters = {"token": token or None, "cv_min": cv_min, "cv_max": cv_max, "rate_min": rate_min, "rate_max": rate_max, "layer": layer,
+    filters = {"token": token or None, "match": "substring" if part else None, "cv_min": cv_min, "cv_max": cv_max, "rate_min": rate_min, "rate_max": rate_max, "layer": layer,
                "vs": vs, "min_specificity": min_d, "sort": sort if vs or sort != "specificity" else None,
                "limit": PAGE, "offset": PAGE * (max(1, int(page or 1)) - 1)}
     try:

@@ -134,6 +134,11 @@ def test_search_by_token_range_and_specificity(api):
     hits = _get(client, url, token="def")
     assert hits["total"] == 1 and (hits["items"][0]["layer"], hits["items"][0]["neuron"]) == CODE_NEURON
     assert hits["items"][0]["tokens"] == [" def"] and hits["items"][0]["specificity"] is None
+    # whole tokens by default ("in" is not "print" or "import"); a part of a token on request; case as asked
+    whole, part = _get(client, url, token=" in ", limit=500), _get(client, url, token="in", match="substring", limit=500)
+    assert {t for i in whole["items"] for t in i["tokens"]} == {" in"}
+    assert {" in", " print"} <= {t for i in part["items"] for t in i["tokens"]} and part["total"] > whole["total"]
+    assert _get(client, url, token="DEF")["total"] == 1 and _get(client, url, token="DEF", case_sensitive="true")["total"] == 0
     t0 = time.perf_counter()
     vs = _get(client, url, vs=ids["prose"], min_specificity=1.0, limit=500)
     took = time.perf_counter() - t0

@@ -42,6 +42,9 @@ class NeuronQuery:
     max_specificity: float | None = None
     token: str | None = None
     case_sensitive: bool = False
+    #: "token": a top token whose text is ``token`` (surrounding spaces aside: " def" is the word def); "substring":
+    #: any top token containing it ("def" then finds "default" and "undefined" too)
+    match: Literal["token", "substring"] = "token"
     sort: SortKey | None = None  # None: specificity when compared against another profile, else cv
     descending: bool = True
     offset: int = 0
@@ -110,9 +113,16 @@ class TopTokenIndex:
         dtype = np.int32 if len(profile.tokens) < 2**31 else np.int64  # half the memory, kept per profile by the API
         return cls(np.concatenate(rows).astype(dtype), profile.tokens["piece"].astype("string"))
 
-    def matching(self, text: str, case_sensitive: bool) -> tuple[np.ndarray, np.ndarray]:
-        """(per neuron: does any top token's text contain ``text``; per calibration token: does it)."""
-        hit = self.pieces.str.contains(text, case=case_sensitive, regex=False).fillna(False).to_numpy(dtype=bool)
+    def matching(self, text: str, case_sensitive: bool, match: str = "token") -> tuple[np.ndarray, np.ndarray]:
+        """(per neuron: does any top token match ``text``; per calibration token: does it). ``match``: "token" (the
+        token's text, spaces around it aside, is ``text``) or "substring" (it contains ``text``)."""
+        if match == "token":
+            pieces, want = self.pieces.str.strip(), text.strip()
+            if not case_sensitive:
+                pieces, want = pieces.str.casefold(), want.casefold()
+            hit = (pieces == want).fillna(False).to_numpy(dtype=bool)
+        else:
+            hit = self.pieces.str.contains(text, case=case_sensitive, regex=False).fillna(False).to_numpy(dtype=bool)
         valid = self.tokens >= 0
         per_slot = np.where(valid, hit[np.where(valid, self.tokens, 0)], False)
         return per_slot.any(axis=1), hit
@@ -157,7 +167,7 @@ def search_neurons(table: NeuronTable, query: NeuronQuery, comparison: ProfileCo
         keep &= _in_range(d, query.min_specificity, query.max_specificity)
     hit = None
     if query.token is not None and top is not None:
-        match, hit = top.matching(query.token, query.case_sensitive)
+        match, hit = top.matching(query.token, query.case_sensitive, query.match)
         keep &= match
     rows = np.flatnonzero(keep)
     key_name = query.sort_key(d is not None)
