@@ -453,3 +453,34 @@ def test_quality_vs_cost_marks_points_in_and_out_of_the_calibration_domains():
     title = fig.layout.title.text
     assert "● in domain (text of the conversion's calibration set)" in title and "✕ out of domain (text not of" in title
     assert [r["domain"] for r in F.quality_cost_points(points)] == ["in domain", "out of domain"]
+
+
+@pytest.mark.slow
+def test_designer_asks_before_pruning_layers_and_cancels_what_it_started(page, live, api, profile_id):
+    """A plan that leaves layers without any routed expert (a fixed prune) is said in red with its measured damage, and
+    Convert refuses it until 'convert even with pruned layers' is ticked; the conversion it then starts is cancelled
+    from the designer's own Cancel."""
+    params = next(p for p in ({"n_experts": 8, "sparsity": s, "alpha_min": a, "alpha_max": a}
+                              for s in (0.875, 0.75, 0.8) for a in (0.9, 0.7, 0.5))
+                  if api.get(f"/profiles/{profile_id}/preview/expertweaver", params=p).json()["summary"].get("static_layers"))
+    static = api.get(f"/profiles/{profile_id}/preview/expertweaver", params=params).json()["summary"]["static_layers"]
+    query = "&".join(f"{k}={v}" for k, v in params.items())
+    page.goto(f"{live['ui']}/designer?profile={profile_id}&{query}")
+    warning = page.wait_for_selector("#cd-pruned").inner_text()
+    assert f"runs no routed expert in layer{'s' if len(static) > 1 else ''} " in warning and "20× dense perplexity" in warning
+    assert "error" in page.get_attribute("#cd-pruned", "class")
+    before = len(api.get("/conversions").json()["items"])
+    page.click("#cd-convert")
+    refused = page.wait_for_selector("#cd-job .error").inner_text()
+    assert refused.startswith("not converted: This plan runs no routed expert") and "convert even with pruned layers" in refused
+    assert len(api.get("/conversions").json()["items"]) == before  # nothing was queued
+    page.check("#cd-allow-pruned input[value='allow']")
+    page.click("#cd-convert")
+    page.wait_for_selector("#cd-job .job-label")
+    page.click("#cd-cancel")
+    page.wait_for_selector("#cd-job >> text=cancel", timeout=120_000)
+    convs = api.get("/conversions").json()["items"]
+    assert len(convs) == before + 1
+    job = api.get(f"/jobs/{convs[0]['job_id']}").json()
+    assert job["cancel_requested"] or job["state"] in ("cancelled", "succeeded"), job  # a tiny conversion may finish first
+    assert page.errors == [], page.errors
