@@ -422,24 +422,42 @@ def js_divergence(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return np.where(bad, np.nan, out)
 
 
+def layer_gaps(layers: list[int], values: Any) -> tuple[list[int], list[float | None]]:
+    """Every layer from the first to the last, with None where ``layers`` has none (a dense or pruned layer the
+    payload leaves out) or the value is not finite: a line breaks there instead of joining its neighbours."""
+    by_layer = {int(layer): float(v) for layer, v in zip(layers, np.asarray(values, dtype=float).tolist(), strict=True)
+                if v is not None and np.isfinite(v)}
+    xs = list(range(min(layers), max(layers) + 1)) if layers else []
+    return xs, [by_layer.get(x) for x in xs]
+
+
+def _missing_note(layers: list[int]) -> str:
+    missing = sorted(set(range(min(layers), max(layers) + 1)) - set(layers)) if layers else []
+    return f"; layers {missing} have no routed experts here (dense or pruned): the lines break there" if missing else ""
+
+
 def routing_js_line(heat: dict[str, Any], a: int, b: int) -> go.Figure:
     share = routing_share(heat)
     js = js_divergence(share[a], share[b])
     n = routed_experts(heat, a)
-    y = [float(v) if np.isfinite(v) else None for v in js]  # a list: null gaps in the browser, not an encoded array
-    fig = go.Figure(go.Scatter(x=heat["layers"], y=y, mode="lines+markers", name="JS divergence", customdata=n.tolist(),
+    xs, y = layer_gaps(heat["layers"], js)  # lists: null gaps in the browser, not an encoded array
+    experts = dict(zip(heat["layers"], n.tolist(), strict=True))
+    fig = go.Figure(go.Scatter(x=xs, y=y, mode="lines+markers", name="JS divergence", customdata=[experts.get(x, 0) for x in xs],
                                hovertemplate="layer %{x}: JS %{y:.4f} bits over its %{customdata} routed experts<extra></extra>"))
     note = _pair(heat, a, b) + "<br>bits over each layer's own routed experts; 0 = same routing, 1 = disjoint"
     if (static := [layer for layer, k in zip(heat["layers"], n, strict=True) if k == 0]):
         note += f"; static layers {static} have no routed expert (no value)"
+    note += _missing_note(heat["layers"])
     return _layout(fig, "Jensen–Shannon divergence per layer, A vs B", note, xaxis_title="layer", yaxis_title="JS (bits)", yaxis_range=[0, 1])
 
 
 def load_cv_by_layer(heat: dict[str, Any]) -> go.Figure:
-    """MI Fig. 3: load CV (MI Eq. 7) per layer, one line per set."""
+    """MI Fig. 3: load CV (MI Eq. 7) per layer, one line per set, broken at layers without routed experts."""
     cv = _arr(heat["load_cv"]).reshape(len(heat["sets"]), len(heat["layers"]))
-    fig = go.Figure([go.Scatter(x=heat["layers"], y=cv[i], mode="lines+markers", name=name) for i, name in enumerate(heat["sets"])])
-    return _layout(fig, "Expert load CV by layer (MI Fig. 3)", "0 = perfectly balanced", xaxis_title="layer", yaxis_title="load CV")
+    lines = [(name, *layer_gaps(heat["layers"], cv[i])) for i, name in enumerate(heat["sets"])]
+    fig = go.Figure([go.Scatter(x=xs, y=y, mode="lines+markers", name=name) for name, xs, y in lines])
+    return _layout(fig, "Expert load CV by layer (MI Fig. 3)", "0 = perfectly balanced" + _missing_note(heat["layers"]),
+                   xaxis_title="layer", yaxis_title="load CV")
 
 
 # --------------------------------------------------------------------------- experts matched across conversions

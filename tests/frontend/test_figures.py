@@ -285,3 +285,19 @@ def test_tables_to_csv():
     assert csv.splitlines()[0].startswith("layer,d_ffn") and len(csv.splitlines()) == 3
     with pytest.raises(ValueError):
         F.table("nope", {})
+
+
+def test_layer_lines_break_where_layers_have_no_routed_experts():
+    """Layers 2–4 pruned to dense (left out of the payload, as the routing API does): the JS and load-CV lines
+    have a null at each, so Plotly breaks the line there instead of joining layer 1 to layer 5."""
+    heat = {"sets": ["code", "prose"], "layers": [0, 1, 5], "n_experts": 2, "evaluations": ["e1", "e2"],
+            "share": [[[0.5, 0.5], [0.75, 0.25], [0.6, 0.4]], [[0.25, 0.75], [0.5, 0.5], [0.6, 0.4]]],
+            "counts": [[[1, 1], [3, 1], [3, 2]], [[1, 3], [2, 2], [3, 2]]], "load_cv": [[0.1, 0.2, 0.3], [0.0, 0.4, 0.5]], "note": ""}
+    js = F.routing_js_line(heat, 0, 1)
+    _json_ok(js)
+    assert list(js.data[0].x) == [0, 1, 2, 3, 4, 5] and js.data[0].y[2:5] == (None, None, None)
+    assert js.data[0].y[5] == pytest.approx(0.0) and js.data[0].y[0] > 0 and not js.data[0].connectgaps
+    assert "layers [2, 3, 4] have no routed experts here" in js.layout.title.text
+    cv = F.load_cv_by_layer(heat)
+    assert [list(t.y) for t in cv.data] == [[0.1, 0.2, None, None, None, 0.3], [0.0, 0.4, None, None, None, 0.5]]
+    assert "the lines break there" in cv.layout.title.text
