@@ -60,8 +60,19 @@ def _label(conversion: dict[str, Any], names: Names | None = None) -> str:
 def _run_options(conversion: str | None) -> list[dict[str, str]]:
     if not conversion:
         return []
-    return [{"label": with_id(f"{f['params'].get('mode')}, {f['params'].get('steps')} steps: {f['status']}", f["id"]), "value": f["id"]}
-            for f in api().finetunes(conversion)]
+    return [{"label": _run_label(f), "value": f["id"]} for f in api().finetunes(conversion)]
+
+
+def _run_label(f: dict[str, Any]) -> str:
+    return with_id(f"{f['params'].get('mode')}, {f['params'].get('steps')} steps: {f['status']}", f["id"])
+
+
+def current_run(conversion: str | None) -> str | None:
+    """The fine-tune a page opened on ``conversion`` shows: its newest queued or running one (a page reopened while
+    a run trains reconnects to it), else its newest."""
+    runs = api().finetunes(conversion) if conversion else []
+    active = [f for f in runs if f["status"] in ("queued", "running")]
+    return (active or runs or [{"id": None}])[0]["id"]
 
 
 def form_values(params: dict[str, Any] | None) -> dict[str, Any]:
@@ -86,6 +97,7 @@ def layout(conversion: str | None = None, finetune: str | None = None, **_):
             conversion = conversion or run["conversion_id"]
         if conversion is None and ready:
             conversion = ready[0]["id"]
+        finetune = finetune or current_run(conversion)
         runs, err = _run_options(conversion), None
         sources = [b["spec"] for b in api().builtin_sets() if b.get("installed", True)]  # bigbench only once installed
     except ApiError as exc:
@@ -199,23 +211,27 @@ def _act(_s, _c, _r, conversion, mode, run, source, *budget):
 @callback(Output(f"{N}-loss", "figure", allow_duplicate=True), Output({"type": "csv-data", "name": f"{N}-loss"}, "data"),
           Output(f"{N}-job", "children"),
           Output(f"{N}-poll", "disabled", allow_duplicate=True), Output(f"{N}-cancel", "disabled"), Output(f"{N}-resume", "disabled"),
-          Output(f"{N}-result", "children"),
-          Input(f"{N}-poll", "n_intervals"), State(f"{N}-run", "value"), prevent_initial_call=True)
-def _poll(_n, run):
-    """One poll: the run's job and train log; polling stops when the job has ended."""
+          Output(f"{N}-result", "children"), Output(f"{N}-run", "options", allow_duplicate=True),
+          Input(f"{N}-poll", "n_intervals"), State(f"{N}-run", "value"), State(f"{N}-run", "options"), prevent_initial_call=True)
+def _poll(_n, run, options):
+    """One poll: the run's job and train log; polling stops when the job has ended. The picker's label of the run
+    follows its status (queued → running → ready)."""
     if not run:
-        return F.message_figure("start a fine-tune or pick an earlier one"), None, html.Div(), True, True, True, html.Div()
+        return F.message_figure("start a fine-tune or pick an earlier one"), None, html.Div(), True, True, True, html.Div(), no_update
     try:
         ft = api().finetune(run)
         log = api().finetune_log(run, max_points=1000)
     except ApiError as exc:
-        return F.message_figure(str(exc)), None, error_box(str(exc)), True, True, True, html.Div()
+        return F.message_figure(str(exc)), None, error_box(str(exc)), True, True, True, html.Div(), no_update
     job = ft.get("job") or {}
     state = job.get("state")
     done = state in TERMINAL
     store = {"kind": "finetune-log", "data": log, "filename": f"train_log_{run}"}
+    label = _run_label(ft)
+    relabelled = ([{**o, "label": label} if o["value"] == run else o for o in options or []]
+                  if any(o["value"] == run and o["label"] != label for o in options or []) else no_update)
     return (F.finetune_loss(log), store, progress(job), done, state not in ("queued", "running"), state not in ("failed", "cancelled"),
-            _result(ft, log) if done else html.Div())
+            _result(ft, log) if done else html.Div(), relabelled)
 
 
 def _result(ft: dict[str, Any], log: dict[str, Any]) -> html.Div:

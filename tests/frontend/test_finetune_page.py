@@ -63,3 +63,19 @@ def test_finetune_from_the_page_draws_the_loss_curve_and_shows_the_result(page, 
     assert page.is_disabled("#ft-cancel") and page.is_disabled("#ft-resume")  # a finished run: nothing to stop or resume
     shot(page, "finetune")
     no_errors(page)
+
+
+def test_the_page_reconnects_to_a_running_finetune_and_its_picker_follows_the_status(page, live, api, conversion_id):
+    """A fine-tune started elsewhere (the API) and running: the page opened on its conversion shows that run (not an
+    empty picker), follows it live, and once it ends the picker says so (not 'queued')."""
+    ft = api.post("/finetunes", json={"conversion_id": conversion_id, "steps": 400, "batch_size": 1, "seq_len": 16,
+                                      "eval_windows": 1, "source": "builtin:math"}).json()
+    page.goto(f"{live['ui']}/finetune?conversion={conversion_id}")
+    page.wait_for_function("id => location.search.includes('finetune=' + id)", arg=ft["id"])
+    page.wait_for_selector("#ft-job .job-label")
+    assert ft["id"] in page.inner_text("#ft-run")
+    page.wait_for_function(POINTS, arg=2, timeout=120_000)  # its live curve
+    api.delete(f"/jobs/{ft['job_id']}")  # ends it (at its next step) without waiting for 400 of them
+    page.wait_for_selector("#ft-job >> text=cancelled", timeout=60_000)
+    page.wait_for_function("() => document.querySelector('#ft-run').innerText.includes(': cancelled')", timeout=30_000)
+    assert page.errors == [], page.errors  # (the cancelled job's reason is shown as an error on purpose)
