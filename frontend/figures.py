@@ -626,15 +626,27 @@ def perplexity_rows(conversions: Sequence[dict[str, Any]], evaluations: dict[str
                     ratio = ppl / dense
                 rows.append({"text": heldout_label(e), "text_key": "|".join(map(str, key)), "conversion": names.get(c["id"], c["id"]),
                              "conversion_id": c["id"], "evaluation_id": e["id"], "variant": variant, "perplexity": ppl,
-                             "ratio_to_dense": 1.0 if variant == "dense" else ratio})
+                             "ratio_to_dense": 1.0 if variant == "dense" else ratio,
+                             "perplexity_ci": d.get("perplexity_ci"), "ratio_ci": None if variant == "dense" else d.get("perplexity_ratio_ci")})
     return rows
 
 
 def _bar_label(row: dict[str, Any]) -> str:
     ppl = f"{row['perplexity']:.1f}" if row["perplexity"] < 1000 else f"{row['perplexity']:,.0f}"
-    ratio = row.get("ratio_to_dense")
+    ratio, ci = row.get("ratio_to_dense"), row.get("ratio_ci")
     # three significant digits: 0.997× is not "1.00×", 54.9× needs no more
-    return ppl if row["variant"] == "dense" or ratio is None else f"{ppl} ({ratio:#.3g}× dense)"
+    if row["variant"] == "dense" or ratio is None:
+        return ppl
+    return f"{ppl} ({ratio:#.3g}× dense" + (f", 95% CI {ci[0]:#.3g}–{ci[1]:#.3g})" if ci else ")")
+
+
+def _ci_bars(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Error bars of each bar's 95% bootstrap interval of perplexity (over windows); None when no row has one."""
+    if not any(r.get("perplexity_ci") for r in rows):
+        return None
+    up = [(r["perplexity_ci"][1] - r["perplexity"]) if r.get("perplexity_ci") else 0 for r in rows]
+    down = [(r["perplexity"] - r["perplexity_ci"][0]) if r.get("perplexity_ci") else 0 for r in rows]
+    return {"type": "data", "symmetric": False, "array": up, "arrayminus": down, "thickness": 1, "width": 3}
 
 
 def wrap_words(text: str, width: int) -> list[str]:
@@ -662,7 +674,7 @@ def _category_label(row: dict[str, Any], width: int) -> str:
 def compare_perplexity(rows: list[dict[str, Any]]) -> go.Figure:
     """Perplexity per conversion and variant, one panel per held-out text and settings: bars are only
     ever side by side when measured on the same text with the same windows × tokens (rows from
-    :func:`perplexity_rows`). Each bar says its value and its ratio to dense.
+    :func:`perplexity_rows`). Each bar says its value and its ratio to dense with the ratio's 95% bootstrap interval over windows; error bars: the perplexity's.
 
     Tick labels are horizontal and wrapped; the space between panels (and below the last one) is
     sized in pixels from their line count, so no label runs into the next panel."""
@@ -692,6 +704,7 @@ def compare_perplexity(rows: list[dict[str, Any]]) -> go.Figure:
                 name=v, legendgroup=v, showlegend=v not in shown, marker_color=VARIANT_COLOURS.get(v),
                 x=[labels[r["conversion_id"]] for r in sel],
                 y=[r["perplexity"] for r in sel], text=[_bar_label(r) for r in sel], textposition="outside", cliponaxis=False,
+                error_y=_ci_bars(sel),
                 customdata=[[r["text"], r["evaluation_id"], r["conversion"], r["conversion_id"]] for r in sel],
                 hovertemplate="%{customdata[2]} (%{customdata[3]})<br>" + v + ": %{text}<br>%{customdata[0]}<br>"
                               "evaluation %{customdata[1]}<extra></extra>",

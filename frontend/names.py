@@ -30,6 +30,17 @@ def fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
+def ratio_ci(ratio: Any, ci: Any) -> str:
+    """'1.53× (1.41–1.66)': a perplexity ratio with its 95% bootstrap interval over windows (the evaluation's
+    ``perplexity_ratio_ci``); the ratio alone when no interval was measured."""
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool):
+        return ""
+    text = f"{ratio:.3g}×"
+    if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(isinstance(v, (int, float)) for v in ci):
+        text += f" ({ci[0]:.3g}–{ci[1]:.3g})"
+    return text
+
+
 def fmt_pct(value: Any) -> str:
     """0.25 → '25%'; anything not a number → ''."""
     return f"{value:.1%}".replace(".0%", "%") if isinstance(value, (int, float)) and not isinstance(value, bool) else ""

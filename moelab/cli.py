@@ -446,13 +446,15 @@ def evaluate(conversion_dir: Path, windows: int, seq_len: int, source: str, no_b
         return
     h = report["heldout"]
     click.echo(f"held-out {h['source']} ({h['windows']} windows x {h['seq_len']} tokens)")
-    click.echo("  variant      perplexity  x dense  tokens/s  mean recon. err  mean load CV")
+    click.echo("  variant      perplexity  x dense  95% CI (windows)  tokens/s  mean recon. err  mean load CV")
     for name, r in report["results"].items():
         rec = r.get("reconstruction_error")
         cv = [v for v in r.get("routing", {}).get("load_cv", {}).values() if v == v]
         tps = "stored" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.0f}"  # a reused dense score
+        ci = r.get("perplexity_ratio_ci")
+        interval = f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else ""
         click.echo(
-            f"  {name:<11} {r['perplexity']:11.2f}  {r.get('perplexity_ratio', 1):7.2f}  {tps:>8}  "
+            f"  {name:<11} {r['perplexity']:11.2f}  {r.get('perplexity_ratio', 1):7.2f}  {interval:>16}  {tps:>8}  "
             f"{(sum(rec) / len(rec)) if rec else 0:15.3f}  {(sum(cv) / len(cv)) if cv else float('nan'):12.3f}"
         )
     own = report["summary"].get("ffn_flops_fraction")

@@ -268,6 +268,7 @@ def evaluate(ctx: JobContext) -> Outcome:
     variants = {
         name: {
             "perplexity": r.get("perplexity"), "perplexity_ratio": r.get("perplexity_ratio"),
+            "perplexity_ci": r.get("perplexity_ci"), "perplexity_ratio_ci": r.get("perplexity_ratio_ci"),
             "tokens_per_s": r.get("tokens_per_s"),
             "mean_reconstruction_error": _mean(r.get("reconstruction_error")),
             "mean_load_cv": _mean((r.get("routing") or {}).get("load_cv", {}).values()),

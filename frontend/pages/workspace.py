@@ -21,7 +21,7 @@ from frontend.components import baselines_choice, builtin_options, error_box, op
 from frontend.defaults import CALIBRATION_NOTE, CALIBRATION_SAMPLES, CALIBRATION_SET, CALIBRATION_TOKENS
 from frontend.downloads import download_url, export_download_url
 from frontend.task_accuracy import accuracy_cell
-from frontend.names import (Names, evaluation_name, finetune_name, fmt, fmt_pct, heldout_text, job_subject, probe_name,
+from frontend.names import (Names, evaluation_name, finetune_name, fmt, fmt_pct, heldout_text, job_subject, probe_name, ratio_ci,
                             with_id)
 
 dash.register_page(__name__, path="/", name="Workspace", order=0)
@@ -430,10 +430,6 @@ def ppl(value) -> str:
     return f"{value:.2f}" if abs(value) < 1000 else f"{value:,.0f}"
 
 
-def _ratio(value) -> str:
-    return f"{value:.3g}×" if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
-
-
 def _task_options(task_dir: str | None = None) -> list[dict[str, str]]:
     return [{"label": t["name"] + (f" ({t['domain']})" if t.get("domain") else ""), "value": t["name"]}
             for t in api().tasks(task_dir or None)]
@@ -473,7 +469,7 @@ def evaluation_cells(e: dict, conversion: dict | None) -> dict[str, str]:
         ratio = conv["perplexity"] / dense
     extra = [v for v in variants if v not in ("dense", "converted")]
     return {"held-out text": heldout_text(e), "windows × seq_len": f"{fmt(held['windows'])} × {fmt(held['seq_len'])}",
-            "dense ppl": ppl(dense), "converted ppl": ppl(conv.get("perplexity")), "ratio": _ratio(ratio),
+            "dense ppl": ppl(dense), "converted ppl": ppl(conv.get("perplexity")), "ratio": ratio_ci(ratio, conv.get("perplexity_ratio_ci")),
             "ffn cost": fmt(((conversion or {}).get("summary") or {}).get("ffn_flops_fraction"), 3),
             "baselines": ", ".join(extra) if extra else ("yes" if (e.get("params") or {}).get("baselines") else "no"),
             "tasks": accuracy_cell(e.get("summary"))}

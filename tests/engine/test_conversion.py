@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from workers.engine.methods import cmoe, expertweaver
 from workers.engine.methods.cmoe import CMoEParams
 from workers.engine.methods.expertweaver import ExpertWeaverParams, uniform_params
 from workers.engine.evaluation.metrics import (
-    evaluate_variants, heldout_windows, load_cv, reconstruction_errors, swapped_mlps,
+    bootstrap_ci, evaluate_variants, heldout_windows, load_cv, reconstruction_errors, swapped_mlps,
 )
 from workers.engine.core.allocation import summarize
 from workers.engine.models import load_model
@@ -148,6 +150,27 @@ def test_evaluation_dense_vs_converted_in_one_run(setup, data_dir):
         assert sum(counts) == 4 * 32 * 2  # every token picks `active` = 2 routed experts
         assert res["converted"]["routing"]["load_cv"][layer] == pytest.approx(load_cv(np.array(counts)))
     assert "routing" not in res["abstopk"]
+    # perplexity is exp of the mean per-window NLL (every window has the same length), with intervals over windows
+    for name, r in res.items():
+        assert r["perplexity"] == pytest.approx(math.exp(np.mean(r["window_nll"])), rel=1e-12) and len(r["window_nll"]) == 4
+        lo, hi = r["perplexity_ci"]
+        assert lo <= r["perplexity"] <= hi
+    lo, hi = res["converted"]["perplexity_ratio_ci"]
+    assert lo <= res["converted"]["perplexity_ratio"] <= hi and "perplexity_ratio_ci" not in res["dense"]
+    assert res["converted"]["perplexity_ratio_ci"] == bootstrap_ci(res["converted"]["window_nll"], res["dense"]["window_nll"])
+
+
+def test_bootstrap_intervals_resample_windows_in_pairs():
+    rng = np.random.default_rng(1)
+    dense = rng.normal(3.0, 0.5, size=16)  # windows of very different difficulty
+    # the same shift on every window: the paired ratio is exactly exp(0.1), however noisy the windows are
+    assert bootstrap_ci(dense + 0.1, dense) == pytest.approx([math.exp(0.1)] * 2, rel=1e-12)
+    lo, hi = bootstrap_ci(dense)
+    assert lo < math.exp(dense.mean()) < hi and hi / lo > 1.3  # unpaired: the windows' spread shows
+    noisy = dense + rng.normal(0.1, 0.2, size=16)
+    a, b = bootstrap_ci(noisy, dense)
+    assert a < math.exp(np.mean(noisy - dense)) < b and bootstrap_ci(noisy, dense) == [a, b]  # seeded: reproducible
+    assert bootstrap_ci([2.0]) is None and bootstrap_ci([2.0, 2.1], [2.0]) is None
 
 
 def test_load_cv_is_mi_eq_7():

@@ -203,7 +203,8 @@ def test_routing_compares_two_sets_and_compare_page(page, live, api, evaluated, 
     for trace in figure(page, "cc-ppl")["data"]:
         assert len({c[0] for c in trace["customdata"]}) == 1, trace  # one text per trace (and per panel)
         if trace["name"] == "converted":
-            assert all("× dense)" in t for t in trace["text"])
+            assert all("× dense, 95% CI " in t for t in trace["text"])  # each ratio with its interval over windows
+            assert len(trace["error_y"]["array"]) == len(trace["y"])  # error bars: the perplexity's interval
     assert "expertweaver · 8 experts" in page.inner_text("#cc-table")  # a name, not only the id
     shot(page, "compare")
     no_errors(page)

@@ -301,3 +301,16 @@ def test_layer_lines_break_where_layers_have_no_routed_experts():
     cv = F.load_cv_by_layer(heat)
     assert [list(t.y) for t in cv.data] == [[0.1, 0.2, None, None, None, 0.3], [0.0, 0.4, None, None, None, 0.5]]
     assert "the lines break there" in cv.layout.title.text
+
+
+def test_perplexity_carries_its_interval_over_windows():
+    from frontend.names import ratio_ci
+
+    assert ratio_ci(1.5312, [1.4101, 1.6644]) == "1.53× (1.41–1.66)" and ratio_ci(1.5312, None) == "1.53×" and ratio_ci(None, None) == ""
+    row = {"variant": "converted", "perplexity": 20.5, "ratio_to_dense": 1.25, "ratio_ci": [1.1, 1.42]}
+    assert F._bar_label(row) == "20.5 (1.25× dense, 95% CI 1.10–1.42)"
+    rows = [{**row, "text": "t", "text_key": "t", "conversion": "c", "conversion_id": "c", "evaluation_id": "e",
+             "perplexity_ci": [18.0, 24.0]}]
+    bar = F.compare_perplexity(rows).data[0]
+    assert list(bar.error_y.array) == [3.5] and list(bar.error_y.arrayminus) == [2.5] and not bar.error_y.symmetric
+    assert F.compare_perplexity([{**rows[0], "perplexity_ci": None}]).data[0].error_y.array is None  # none measured: no bars

@@ -19,7 +19,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -77,16 +77,17 @@ def window_batch(batch_size: int, seq_len: int, max_tokens: int = BATCH_TOKENS) 
 
 
 @torch.inference_mode()
-def perplexity(
+def window_nll(
     model: nn.Module, windows: torch.Tensor, batch_size: int = 8, progress: Progress = NO_PROGRESS,
     stage: str = "perplexity", before_batch: Callable[[int], None] | None = None,
-) -> tuple[float, float]:
-    """(perplexity, tokens/s): mean next-token NLL over every predicted position of every window.
+) -> tuple[np.ndarray, float]:
+    """(mean next-token NLL of each window [n_windows], tokens/s). Every window has the same length, so the
+    perplexity is ``exp(mean of these)`` and the windows are the units a bootstrap resamples (``bootstrap_ci``).
 
     ``before_batch(first_window_index)`` runs before each batch (routing recorders use it).
     """
     device = next(model.parameters()).device
-    nll, count = 0.0, 0
+    out = np.zeros(len(windows), dtype=np.float64)
     t0 = time.perf_counter()
     batch_size = window_batch(batch_size, windows.shape[-1])
     n_batches = math.ceil(len(windows) / batch_size)
@@ -95,12 +96,42 @@ def perplexity(
             before_batch(b * batch_size)
         x = windows[b * batch_size : (b + 1) * batch_size].to(device)
         logits = model(input_ids=x, use_cache=False).logits.float()
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
-        nll += float(loss)
-        count += x[:, 1:].numel()
+        loss = F.cross_entropy(logits[:, :-1].transpose(1, 2), x[:, 1:], reduction="none")  # [batch, seq - 1]
+        out[b * batch_size : b * batch_size + len(x)] = loss.double().mean(dim=1).cpu().numpy()
         progress.update(stage, b + 1, n_batches)
     elapsed = time.perf_counter() - t0
-    return math.exp(nll / count), windows.numel() / elapsed
+    return out, windows.numel() / elapsed
+
+
+def perplexity(
+    model: nn.Module, windows: torch.Tensor, batch_size: int = 8, progress: Progress = NO_PROGRESS,
+    stage: str = "perplexity", before_batch: Callable[[int], None] | None = None,
+) -> tuple[float, float]:
+    """(perplexity, tokens/s): exp of the mean next-token NLL over every predicted position of every window."""
+    nll, tps = window_nll(model, windows, batch_size, progress, stage, before_batch)
+    return math.exp(float(nll.mean())), tps
+
+
+#: resamples and coverage of the perplexity intervals
+BOOTSTRAP_RESAMPLES, CI_LEVEL = 2000, 0.95
+
+
+def bootstrap_ci(nll: Sequence[float], baseline: Sequence[float] | None = None, resamples: int = BOOTSTRAP_RESAMPLES,
+                 level: float = CI_LEVEL, seed: int = 0) -> list[float] | None:
+    """Percentile bootstrap over windows of ``exp(mean NLL)`` (a perplexity), or with ``baseline`` (the dense model's
+    NLL on the same windows) of ``exp(mean NLL − mean NLL_baseline)``, the perplexity ratio, resampling the windows
+    in pairs so the text's own difficulty cancels. ``[low, high]``; None with fewer than 2 windows.
+
+    Why windows: tokens inside a window are not independent draws (one text's difficulty moves them together), the
+    windows are the units the held-out text was cut into; a seeded resample makes the interval reproducible."""
+    x = np.asarray(nll, dtype=np.float64)
+    if x.size < 2 or (baseline is not None and len(baseline) != x.size):
+        return None
+    diff = x - np.asarray(baseline, dtype=np.float64) if baseline is not None else x
+    idx = np.random.default_rng(seed).integers(0, x.size, size=(resamples, x.size))
+    means = diff[idx].mean(axis=1)
+    tail = (1 - level) / 2 * 100
+    return [float(np.exp(v)) for v in np.percentile(means, [tail, 100 - tail])]
 
 
 @torch.inference_mode()
@@ -219,20 +250,25 @@ def _score(
     recorder = RoutingRecorder(len(windows))
     recorder.attach(routed)
     try:
-        ppl, tps = perplexity(model, windows, batch_size, progress, stage, before_batch=recorder.set_offset)
+        nll, tps = window_nll(model, windows, batch_size, progress, stage, before_batch=recorder.set_offset)
     finally:
         recorder.detach(routed)
-    entry: dict[str, Any] = {"perplexity": ppl, "tokens_per_s": tps}
+    entry: dict[str, Any] = {"perplexity": math.exp(float(nll.mean())), "perplexity_ci": bootstrap_ci(nll),
+                             "window_nll": nll.tolist(), "tokens_per_s": tps}
     if recorder.counts:
         entry["routing"] = recorder.summary()
     return entry
 
 
 def _add_ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    dense = results.get("dense", {}).get("perplexity")
-    if dense:
+    """Each variant's perplexity over the dense model's, with its paired bootstrap interval (``bootstrap_ci``) when
+    both have per-window NLLs (a dense entry reused from before they were kept has none: no interval)."""
+    dense = results.get("dense", {})
+    if dense.get("perplexity"):
         for entry in results.values():
-            entry["perplexity_ratio"] = entry["perplexity"] / dense
+            entry["perplexity_ratio"] = entry["perplexity"] / dense["perplexity"]
+            if entry is not dense and entry.get("window_nll") and dense.get("window_nll"):
+                entry["perplexity_ratio_ci"] = bootstrap_ci(entry["window_nll"], dense["window_nll"])
     return results
 
 

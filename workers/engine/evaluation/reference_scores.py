@@ -22,7 +22,7 @@ from torch import nn
 from ..atomic import write_json_atomic
 
 DIR = "reference-scores"
-REUSED = ("perplexity", "multiple_choice")
+REUSED = ("perplexity", "perplexity_ci", "window_nll", "multiple_choice")
 
 
 def fingerprint(model_record: dict[str, Any], model: nn.Module, windows: torch.Tensor, protocol: dict[str, Any]) -> str:
