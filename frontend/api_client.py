@@ -43,6 +43,8 @@ def _message(response: httpx.Response) -> str:
     errors = body.get("errors") if isinstance(body, dict) else None
     if errors and not detail:
         detail = "; ".join(str(e.get("msg", e)) for e in errors)
+    if detail and response.status_code < 500:  # the API's sentence says what to fix; its status stays on ApiError.status
+        return str(detail)
     return f"{detail or response.text[:300]} (HTTP {response.status_code})"
 
 

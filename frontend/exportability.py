@@ -21,7 +21,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-AFTER_RECOVERY = "exportable after recovery (moelab finetune --mode expertweaver)"
+AFTER_RECOVERY = "exportable after recovery (the Fine-tune page, mode expertweaver)"
+#: the engine's refusals name command-line flags; the UI says the same with its own controls (longest first)
+UI_WORDS = (("convert with --recipe portable", "design it with the 'portable' recipe"),
+            ("(moelab finetune --mode expertweaver)", "(the Fine-tune page, mode expertweaver)"),
+            ("moelab finetune --mode expertweaver", "the Fine-tune page in mode expertweaver"),
+            ("use --format moelab", "download it in moelab's format (zip)"), ("--format moelab", "moelab's format (zip)"),
+            ("--recipe portable", "the 'portable' recipe"), ("--recipe best", "the 'best' recipe"))
+
+
+def ui_words(text: str) -> str:
+    """An engine refusal (which speaks the CLI: ``--recipe portable``, ``--format moelab``) in the UI's words."""
+    for cli, ui in UI_WORDS:
+        text = text.replace(cli, ui)
+    return text
 GGUF_FAMILIES = ("llama", "mistral")
 NATIVE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 #: ExpertWeaver's defaults (its parameters the rules read), for parameters left empty in the designer

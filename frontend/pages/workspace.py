@@ -20,6 +20,7 @@ from frontend import figures as F
 from frontend.components import baselines_choice, builtin_options, error_box, options, progress, source_options, wants_baselines
 from frontend.defaults import CALIBRATION_NOTE, CALIBRATION_SAMPLES, CALIBRATION_SET, CALIBRATION_TOKENS
 from frontend.downloads import download_url, export_download_url
+from frontend.exportability import ui_words
 from frontend.task_accuracy import accuracy_cell
 from frontend.names import (Names, evaluation_name, finetune_name, fmt, fmt_pct, heldout_text, job_subject, probe_name, ratio_ci,
                             with_id)
@@ -389,7 +390,7 @@ def gguf_cell(v: dict):
     if v.get("status") != "ready" or not check:
         return ""
     if not check.get("exportable"):
-        return html.Div(f"no GGUF: {check.get('reason')}", className="note gguf-refusal", id={"type": "ws-gguf-refusal", "id": v["id"]})
+        return html.Div(f"no GGUF: {ui_words(check.get('reason') or '')}", className="note gguf-refusal", id={"type": "ws-gguf-refusal", "id": v["id"]})
     types = [t for t in GGUF_ORDER if t in (check.get("types") or GGUF_ORDER)]
     choice = dcc.RadioItems(id={"type": GGUF_TYPE, "id": v["id"]}, options=[{"label": t, "value": t, "title": GGUF_HELP[t]}
                                                                              for t in types],

@@ -16,7 +16,7 @@ def test_detail_of_4xx_is_the_message():
     c = _client(lambda req: httpx.Response(422, json={"detail": "alpha_min (0.8) must not exceed alpha_max (0.5)"}))
     with pytest.raises(ApiError) as err:
         c.allocation_preview("pr-1", alpha_min=0.8, alpha_max=0.5)
-    assert err.value.status == 422 and str(err.value) == "alpha_min (0.8) must not exceed alpha_max (0.5) (HTTP 422)"
+    assert err.value.status == 422 and str(err.value) == "alpha_min (0.8) must not exceed alpha_max (0.5)"  # no protocol words
 
 
 def test_fastapi_validation_list_and_non_json_bodies():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.exportability import AFTER_RECOVERY, planned_export
+from frontend.exportability import AFTER_RECOVERY, planned_export, ui_words
 
 from .conftest import ARTIFACTS, wait_job
 
@@ -71,8 +71,10 @@ def test_workspace_exports_a_gguf_and_says_why_another_does_not(page, live, api,
 
     refusal = _row(page, plain).locator(".gguf-refusal")
     refusal.wait_for()
-    assert refusal.inner_text() == f"no GGUF: {reason}"  # the API's reason, as it said it
-    assert "combines its experts with 'sum'" in reason and "--recipe portable" in reason
+    assert "combines its experts with 'sum'" in reason and "--recipe portable" in reason  # the API speaks to scripts …
+    shown = refusal.inner_text()  # … the page says the same in its own words: recipe, Fine-tune page, download format
+    assert shown == f"no GGUF: {ui_words(reason)}" and "--" not in shown and "the 'portable' recipe" in shown
+    assert "the Fine-tune page, mode expertweaver" in shown and "moelab's format (zip)" in shown
     assert _row(page, plain).locator(_id(type="ws-gguf", id=plain)).count() == 0  # no button where it cannot export
 
     row = _row(page, good)
