@@ -204,6 +204,20 @@ def named_options(kind: str, ready_only: bool = True) -> list[dict[str, str]]:
     return options(api().conversions(), ready_only, page_names())
 
 
+def not_offered(ident: str | None, offered: list[dict[str, str]]) -> tuple[str | None, str | None]:
+    """A conversion named in the URL but not among the ready ones offered: ``(None, why in words)`` instead of
+    dropping it silently (cancelled, failed, still running, deleted); ``(ident, None)`` when it is offered."""
+    from .api_client import ApiError, api
+
+    if ident is None or any(o["value"] == ident for o in offered):
+        return ident, None
+    try:
+        status = api().conversion(ident).get("status")
+    except ApiError:
+        return None, f"conversion {ident} (from the link) does not exist any more: choose one of the ready conversions"
+    return None, f"conversion {ident} (from the link) is {status}, and only ready conversions can be shown: choose another"
+
+
 def options_or_error(kind: str) -> tuple[list[dict[str, str]], str | None]:
     """``named_options(kind)`` and None, or no options and the API's error text for ``error_box``."""
     from .api_client import ApiError

@@ -68,5 +68,7 @@ def card_title(card: dict[str, Any]) -> str:
 def card_stats(card: dict[str, Any]) -> str:
     """CV (EW Eq. 3, across the profile's groups), activation rate (CM Eq. 4), means."""
     many = basis_names(card.get("cv_basis"))[1]
-    return (f"CV {fmt(card['cv'])} across {many} (EW Eq. 3) · activation rate {fmt_pct(card['rate'])} (ATopK, CM Eq. 4) · "
-            f"mean {fmt(card['mean'])} · |mean| {fmt(card['abs_mean'])} · std {fmt(card['std'])} · {card['d_ffn']} neurons in the layer")
+    return (f"CV {fmt(card['cv'])} across {many} (EW Eq. 3) · among a token's top-K |h| on {fmt_pct(card['rate'])} of tokens "
+            f"(activation rate, ATopK, CM Eq. 4: a rank among the layer's neurons) · mean gate activation act(x·W_gate) "
+            f"{fmt(card['mean'])} · its |mean| {fmt(card['abs_mean'])} · std across {many} {fmt(card['std'])} · "
+            f"{card['d_ffn']} neurons in the layer; snippets show h = act(x·W_gate)·(x·W_up)")

@@ -8,7 +8,7 @@ import dash
 from dash import Input, Output, State, callback, dcc, html, no_update
 
 from frontend.api_client import ApiError, api
-from frontend.components import error_box, options_or_error, progress, to_search
+from frontend.components import error_box, not_offered, options_or_error, progress, to_search
 from frontend.token_view import generation_card
 
 dash.register_page(__name__, path="/playground", name="Playground", order=8)
@@ -19,6 +19,8 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 def layout(conversion: str | None = None, probe: str | None = None, **_):
     convs, err = options_or_error("conversions")
+    if err is None:
+        conversion, err = not_offered(conversion, convs)
     if conversion is None and convs:
         conversion = convs[0]["value"]
     return html.Div([

@@ -138,13 +138,21 @@ def _snips(tops: list[dict[str, Any]], label: str) -> html.Div:
     return html.Div([S.snippet(t, scale, label) for t in tops])
 
 
+#: the most-specific tables' columns and what each number is (a header's hover text)
+COLUMNS = [("#", "rank"), ("neuron", "its card in each profile"), ("d", "set-specificity (Cohen's d over per-sample means)"),
+           ("mean gate act. A", "mean over A's samples of act(x·W_gate), the quantity d compares"), ("mean gate act. B", "the same on B"),
+           ("top-K rate A", "share of A's tokens where the neuron is among the top-K |h| (ATopK, CM Eq. 4)"),
+           ("top-K rate B", "the same on B"), ("top tokens in A (h)", "its strongest tokens in A's text, coloured by h = act(x·W_gate)·(x·W_up)"),
+           ("top tokens in B (h)", "the same in B's text")]
+
+
 def specific_table(data: dict[str, Any], side: str) -> html.Table | html.Div:
     """The most specific neurons of ``side``: each links to its card in that side's profile (and the other's)."""
     rows = F.specific_rows(data, side)
     if not rows:
         return html.Div("no neuron", className="note")
     own, other = data[side], data["b" if side == "a" else "a"]
-    head = html.Tr([html.Th(h) for h in ("#", "neuron", "d", "mean A", "mean B", "rate A", "rate B", "top tokens in A", "top tokens in B")])
+    head = html.Tr([html.Th(h, title=t) for h, t in COLUMNS])
     body = []
     for row, neuron in zip(rows, data[f"top_{side}"], strict=True):
         label = f"layer {row['layer']} · neuron {row['neuron']}"

@@ -13,7 +13,7 @@ from dash import Input, Output, State, callback, dcc, html, no_update
 
 from frontend import figures as F
 from frontend.api_client import ApiError, api
-from frontend.components import (baselines_choice, builtin_source_options, error_box, figure_card, named_options, progress, to_search,
+from frontend.components import (baselines_choice, builtin_source_options, error_box, figure_card, named_options, not_offered, progress, to_search,
                                  wants_baselines)
 from frontend.names import with_id
 
@@ -35,6 +35,7 @@ def layout(conversion: str | None = None, a: str | None = None, b: str | None = 
            match: str | None = None, **_):
     try:
         convs, err = named_options("conversions"), None
+        conversion, err = not_offered(conversion, convs)
         if conversion is None and convs:
             conversion = convs[0]["value"]
         evals = _eval_options(conversion)

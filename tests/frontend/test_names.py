@@ -128,3 +128,21 @@ def test_the_proposed_calibration_is_the_mix_when_the_server_has_it():
 
     assert default_builtin(["code", "prose", "mixed"]) == "mixed" and CALIBRATION_SAMPLES == 240
     assert default_builtin(["code", "prose"]) == "code" and default_builtin([]) is None
+
+
+def test_a_conversion_named_in_the_url_but_not_ready_is_said_not_dropped(monkeypatch):
+    from frontend import api_client
+    from frontend.components import not_offered
+
+    class Api:
+        def conversion(self, ident):
+            if ident == "conv-gone":
+                raise api_client.ApiError("no conversion with id 'conv-gone'", 404)
+            return {"id": ident, "status": "cancelled"}
+
+    monkeypatch.setattr(api_client, "api", lambda: Api())
+    offered = [{"label": "ready one", "value": "conv-ready"}]
+    assert not_offered("conv-ready", offered) == ("conv-ready", None) and not_offered(None, offered) == (None, None)
+    assert not_offered("conv-x", offered) == (None, "conversion conv-x (from the link) is cancelled, and only ready "
+                                                     "conversions can be shown: choose another")
+    assert "does not exist any more" in not_offered("conv-gone", offered)[1]

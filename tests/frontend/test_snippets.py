@@ -46,7 +46,8 @@ def test_card_without_top_tokens_says_why_and_stats_line():
     assert len(S.snippets(CARD).children) == 3
     assert S.card_title(CARD) == "layer 1 · neuron 7"
     stats = S.card_stats(CARD)
-    assert "CV 0.8123 across tasks" in stats and "activation rate 12.5%" in stats
+    assert "CV 0.8123 across tasks" in stats and "among a token's top-K |h| on 12.5% of tokens" in stats
+    assert "mean gate activation act(x·W_gate) " in stats and "snippets show h = act(x·W_gate)·(x·W_up)" in stats  # which is which
 
 
 def test_card_profile_bars_are_the_group_means():

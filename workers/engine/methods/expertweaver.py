@@ -55,7 +55,9 @@ class ExpertWeaverParams(MethodParams):
     alpha_min: float = param(0.2, "shared share of the most specialised layer", paper="EW Eq. 5", ge=0, le=1)
     alpha_max: float = param(0.7, "shared share of the least specialised layer", paper="EW Eq. 5", ge=0, le=1)
     tau: float = param(0.6, "CV threshold of a specialised neuron", paper="EW Eq. 4", gt=0)
-    sparsity: float = param(0.25, "fraction of FFN neurons NOT computed per token", paper="EW §3.2", gt=0, lt=1)
+    sparsity: float = param(0.25, "what a token saves: plan paper, the share of FFN neurons not computed (EW §3.2); plans budget "
+                            "and leading, the share of FFN multiply-adds saved (ffn_flops_fraction ≤ 1 − sparsity, router included)",
+                            paper="EW §3.2", gt=0, lt=1)
     alpha_basis: Literal["total", "active"] = param(
         "total", "α as a share of all neurons (total, EW Eq. 6) or of the active budget (active)", paper="EW Eq. 6")
     router: Router = param(
