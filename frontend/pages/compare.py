@@ -23,6 +23,16 @@ N = "cc"
 HEADERS = {"sparsity": "sparsity (parameter)"}  # the cost compared at is ffn_flops_fraction, its own column
 
 
+def per_layer(conversion: dict, key: str, param: str) -> str:
+    """A conversion's per-layer count (``n_shared``, ``top_k`` of its plan's layers: '39', or '37–39' when layers
+    differ), else its parameter of that meaning (CMoE's S, A), else '' (a method without experts of that kind)."""
+    values = sorted({int(r[key]) for r in conversion.get("layers") or [] if isinstance(r.get(key), (int, float))})
+    if values:
+        return str(values[0]) if len(values) == 1 else f"{values[0]}–{values[-1]}"
+    given = (conversion.get("params") or {}).get(param)
+    return fmt(given) if given is not None else ""
+
+
 def layout(ids: str | None = None, **_):
     try:
         convs, err = named_options("conversions"), None
@@ -95,9 +105,9 @@ def _update(ids):
         builtins = {b["name"]: b.get("domains") or [b["name"]] for b in api().builtin_sets()}
     except ApiError:  # recipes and domains are a help for the labels, not the data
         methods, builtins = {}, {}
-    keys = ["n_experts", "alpha_min", "alpha_max", "tau", "plan", "shared", "active"]
+    keys = ["n_experts", "alpha_min", "alpha_max", "tau", "plan"]
     header = html.Tr([html.Th(h) for h in ("conversion", "id", "status", "method", "router", HEADERS["sparsity"])]
-                     + [html.Th(HEADERS.get(k, k)) for k in keys]
+                     + [html.Th(HEADERS.get(k, k)) for k in keys] + [html.Th("shared experts / layer"), html.Th("routed top-k / layer")]
                      + [html.Th("active neuron fraction"), html.Th("FFN cost (ffn_flops_fraction)"), html.Th("load CV (mean)")])
     label = {c["id"]: names.conversion(c) for c in convs}
     short = {c["id"]: chart_label(c, names, methods) for c in convs}
@@ -123,6 +133,7 @@ def _update(ids):
         body.append(html.Tr([html.Td(label[c["id"]]), html.Td(c["id"], className="note"), html.Td(c["status"]), html.Td(c.get("method")),
                              html.Td(params.get("router") or ""), html.Td(fmt_pct(params.get("sparsity")))]
                             + [html.Td(fmt(params.get(k))) for k in keys]
+                            + [html.Td(per_layer(c, "n_shared", "shared")), html.Td(per_layer(c, "top_k", "active"))]
                             + [html.Td(fmt(s.get("active_fraction"), 3)),
                                html.Td(fmt(s.get("ffn_flops_fraction"), 3) if s.get("ffn_flops_fraction") is not None else "not recorded"),
                                html.Td(load_cv or "")]))

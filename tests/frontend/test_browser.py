@@ -206,6 +206,14 @@ def test_routing_compares_two_sets_and_compare_page(page, live, api, evaluated, 
             assert all("× dense, 95% CI " in t for t in trace["text"])  # each ratio with its interval over windows
             assert len(trace["error_y"]["array"]) == len(trace["y"])  # error bars: the perplexity's interval
     assert "expertweaver · 8 experts" in page.inner_text("#cc-table")  # a name, not only the id
+    # the experts columns say each conversion's per-layer counts (an ExpertWeaver conversion has no S/A parameters)
+    headers = page.locator("#cc-table th").all_inner_texts()
+    row = page.locator("#cc-table tr", has=page.locator(f"td:text-is('{conversion}')"))
+    cells = dict(zip(headers, row.locator("td").all_inner_texts()))
+    layers = api.get(f"/conversions/{conversion}").json()["layers"]
+    shared, topk = sorted({r["n_shared"] for r in layers}), sorted({r["top_k"] for r in layers})
+    assert cells["shared experts / layer"] == (str(shared[0]) if len(shared) == 1 else f"{shared[0]}–{shared[-1]}")
+    assert cells["routed top-k / layer"] == (str(topk[0]) if len(topk) == 1 else f"{topk[0]}–{topk[-1]}")
     shot(page, "compare")
     no_errors(page)
 
