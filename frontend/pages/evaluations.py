@@ -158,6 +158,15 @@ def _chosen_options(ids: list[str], named: dict[str, tuple[str, dict[str, Any]]]
     return out
 
 
+@callback(Output(f"{N}-tag", "options"), Input(f"{N}-saved", "data"), prevent_initial_call=True)
+def _tag_options(_saved):
+    """A tag just written is offered by the tag filter at once, not after a reload."""
+    try:
+        return [t["tag"] for t in api().tags()]
+    except ApiError:
+        return no_update
+
+
 @callback(Output(f"{N}-notes", "value"), Output(f"{N}-tags", "value"), Input(f"{N}-edit", "value"), Input(f"{N}-saved", "data"))
 def _load_notes(ident, _saved):
     if not ident:

@@ -56,6 +56,9 @@ def test_overlay_notes_and_tag_filter(page, live, api, evaluated):  # noqa: F811
     page.wait_for_selector("#ev-save-msg:has-text('saved: 2 tag(s)')")
     got = api.get(f"/evaluations/{a}").json()
     assert got["notes"] == "code routes differently from prose in the last layer" and got["tags"] == ["browser-note", "code"]
+    page.click("#ev-tag")  # the new tag is offered by the filter at once, without a reload
+    page.wait_for_selector(".dash-dropdown-content .dash-dropdown-option:has(input[value='browser-note'])")
+    page.keyboard.press("Escape")
     page.goto(f"{live['ui']}/evaluations?tag=browser-note")
     page.wait_for_selector("#ev-count:has-text('1 evaluation matches the filters')")
     rows = page.locator("#ev-table tr").all_inner_texts()
