@@ -49,10 +49,15 @@ def without_note(fig: go.Figure) -> tuple[go.Figure, str]:
     return out, note
 
 
+#: characters per line of a message figure: a long message wraps instead of running past the figure's edges
+MESSAGE_LINE_CHARS = 70
+
+
 def message_figure(text: str) -> go.Figure:
-    """An empty figure that says why it is empty (errors are shown in words)."""
+    """An empty figure that says why it is empty (errors are shown in words), wrapped to the figure's width."""
     fig = go.Figure()
-    fig.add_annotation(text=text, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font={"size": 14})
+    wrapped = "<br>".join(line for para in str(text).split("\n") for line in wrap_words(para, MESSAGE_LINE_CHARS))
+    fig.add_annotation(text=wrapped, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font={"size": 14})
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False)
     return _layout(fig, "")

@@ -314,3 +314,11 @@ def test_perplexity_carries_its_interval_over_windows():
     bar = F.compare_perplexity(rows).data[0]
     assert list(bar.error_y.array) == [3.5] and list(bar.error_y.arrayminus) == [2.5] and not bar.error_y.symmetric
     assert F.compare_perplexity([{**rows[0], "perplexity_ci": None}]).data[0].error_y.array is None  # none measured: no bars
+
+
+def test_a_long_message_wraps_inside_the_figure():
+    text = ("conversion B has no evaluation on builtin:code · 4 windows × 64 tokens = 256 tokens: choose B above "
+            "and evaluate it on that text from this page")
+    shown = F.message_figure(text).layout.annotations[0].text
+    lines = shown.split("<br>")
+    assert len(lines) > 1 and all(len(line) <= F.MESSAGE_LINE_CHARS for line in lines) and " ".join(lines) == text
