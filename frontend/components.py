@@ -44,6 +44,19 @@ def error_box(message: str | None) -> html.Div:
     return html.Div(message or "", className="error" if message else "", role="alert" if message else None)
 
 
+def cancel_started(job_id: str | None) -> html.Div:
+    """Cancel the job a page started (a queued one at once, a running one at its next progress step): its progress
+    line after the request, or why not in words."""
+    from .api_client import ApiError, api
+
+    if not job_id:
+        return error_box("nothing to cancel: no job was started here")
+    try:
+        return progress(api().cancel_job(job_id))
+    except ApiError as exc:
+        return error_box(f"not cancelled: {exc}")
+
+
 def ordinal(n: int) -> str:
     """1st, 2nd, 3rd, 4th … 11th, 12th, 13th, 21st."""
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")

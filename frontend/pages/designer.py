@@ -17,7 +17,8 @@ from dash import ALL, MATCH, Input, Output, State, callback, ctx, dcc, html, no_
 from frontend import figures as F
 from frontend.api_client import ApiError, api
 from frontend.exportability import planned_export
-from frontend.components import baselines_choice, builtin_source_options, error_box, figure_card, options, profile_picker, progress, to_search, wants_baselines
+from frontend.components import (baselines_choice, builtin_source_options, cancel_started, error_box, figure_card, options, profile_picker,
+                                 progress, to_search, wants_baselines)
 from frontend.names import fmt
 
 dash.register_page(__name__, path="/designer", name="Conversion designer", order=4)
@@ -419,14 +420,7 @@ def _launch(_c, _e, conversion_id, profile, method, values, ids, extra_profiles,
 @callback(Output(f"{N}-job", "children", allow_duplicate=True), Input(f"{N}-cancel", "n_clicks"), State(f"{N}-job-id", "data"),
           prevent_initial_call=True)
 def _cancel(_n, job_id):
-    """Cancel the job this page started: a queued one at once, a running one at its next progress step."""
-    if not job_id:
-        return error_box("nothing to cancel: no conversion or evaluation was started here")
-    try:
-        job = api().cancel_job(job_id)
-    except ApiError as exc:
-        return error_box(f"not cancelled: {exc}")
-    return progress(job)
+    return cancel_started(job_id)
 
 
 @callback(Output(f"{N}-job", "children"), Output(f"{N}-poll", "disabled", allow_duplicate=True), Output(f"{N}-result", "children"),

@@ -13,7 +13,7 @@ from dash import Input, Output, State, callback, dcc, html, no_update
 
 from frontend import figures as F
 from frontend.api_client import ApiError, api
-from frontend.components import (baselines_choice, builtin_source_options, error_box, figure_card, named_options, not_offered, progress, to_search,
+from frontend.components import (baselines_choice, cancel_started, builtin_source_options, error_box, figure_card, named_options, not_offered, progress, to_search,
                                  wants_baselines)
 from frontend.names import with_id
 
@@ -64,6 +64,7 @@ def layout(conversion: str | None = None, a: str | None = None, b: str | None = 
             html.Div([html.Label("evaluate on another set"), dcc.Dropdown(id=f"{N}-source", options=sources, value="builtin:mixed", style={"width": 420})]),
             baselines_choice(f"{N}-baselines"),
             html.Button(f"Evaluate ({EVAL_WINDOWS} windows × {EVAL_TOKENS} tokens)", id=f"{N}-evaluate"),
+            html.Button("Cancel", id=f"{N}-cancel", className="small", title="cancel the evaluation started here"),
             html.Div(id=f"{N}-job", style={"minWidth": "300px"}),
             dcc.Store(id=f"{N}-job-id"), dcc.Interval(id=f"{N}-poll", interval=1000, disabled=True),
         ]),
@@ -167,6 +168,12 @@ def _evaluate(_n, conversion, source, baselines):
     except ApiError as exc:
         return no_update, True, error_box(f"could not start: {exc}")
     return created["job_id"], False, progress(created.get("job"))
+
+
+@callback(Output(f"{N}-job", "children", allow_duplicate=True), Input(f"{N}-cancel", "n_clicks"), State(f"{N}-job-id", "data"),
+          prevent_initial_call=True)
+def _cancel(_n, job_id):
+    return cancel_started(job_id)
 
 
 @callback(Output(f"{N}-job", "children"), Output(f"{N}-poll", "disabled", allow_duplicate=True),

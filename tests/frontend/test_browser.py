@@ -235,3 +235,10 @@ def test_routing_compares_two_sets_and_compare_page(page, live, api, evaluated, 
     assert "at A's expert ids" in figure(page, "rx-match-b")["title"]
     shot(page, "routing-matched")
     no_errors(page)
+
+    # an evaluation started from the routing explorer is cancelled from there (a tiny one may finish first: said so)
+    page.goto(f"{live['ui']}/routing?conversion={conversion}&a={a}&b={b}")
+    page.click("#rx-evaluate")
+    page.wait_for_selector("#rx-job .job-label")
+    page.click("#rx-cancel")
+    page.wait_for_function("() => /cancel/.test(document.querySelector('#rx-job').innerText)", timeout=60_000)
