@@ -346,51 +346,42 @@ def test_text_postgres_refuses_is_refused_before_it_gets_there(settings, tmp_pat
     """The same API on PostgreSQL: NUL characters, lone surrogates and non-booleans are 422 at the request
     (PostgreSQL itself would fail the INSERT: a late 500), big offsets page past the end or are refused,
     any other Unicode is stored and read back as sent; nothing refused is stored."""
-    import uuid
+    from .test_store import fresh_postgres_schema
 
+    with fresh_postgres_schema("moelab_bad") as (url, schema, admin):
+        _bad_text_on_postgres(settings, tmp_path, url, schema, admin)
+
+
+def _bad_text_on_postgres(settings, tmp_path, url: str, schema: str, admin) -> None:
     from fastapi.testclient import TestClient
     from sqlalchemy import text
 
     from backend.app import create_app
 
-    from .test_store import _postgres_url
-
-    url = _postgres_url()
-    if url is None:
-        pytest.skip("no PostgreSQL with psycopg reachable")
-    schema = f"moelab_bad_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(url)
-    with admin.begin() as conn:
-        conn.execute(text(f"CREATE SCHEMA {schema}"))
     pg = settings.model_copy(update={"database_url": f"{url}?options=-csearch_path%3D{schema}", "data_dir": tmp_path,
                                      "artifacts_dir": tmp_path / "artifacts"})
-    try:
-        with TestClient(create_app(pg)) as c:
-            up = c.post("/api/v1/calibration-sets/upload",
-                        files={"file": ("pg.txt", b"A paragraph stored on PostgreSQL, long enough.\n\nAnd another one, long enough.")})
-            assert up.status_code == 201, up.text
-            ids = {"profile": "pr-0000000000000000", "conversion": "conv-0000000000000000", "root": str(tmp_path)}
-            before = snapshot(pg)
-            problems = []
-            cases = [(n, m, p.replace("/profiles/{profile}/notes", f"/calibration-sets/{up.json()['id']}/notes"), k, s, w)
-                     for n, m, p, k, s, w in TEXT_CASES]
-            for name, method, path, kwargs, status, words in cases:
-                r = getattr(c, method)(path.format(**ids), **(kwargs(ids) if kwargs else {}))
-                if r.status_code != status or words not in r.json().get("detail", ""):
-                    problems.append(f"{name}: {r.status_code} {r.text[:300]}")
-            for offset, status in ((2**53, 200), (2**53 + 1, 422), (2**64, 422)):
-                r = c.get("/api/v1/jobs", params={"offset": offset})
-                if r.status_code != status:
-                    problems.append(f"offset {offset}: {r.status_code} {r.text[:200]}")
-            assert not problems, "\n".join(problems)
-            assert snapshot(pg) == before
-            odd = "zero\u200bwidth, emoji 🧪, RTL \u202eabc, combining e\u0301, CJK 漢字, max \U0010ffff"
-            r = c.patch(f"/api/v1/calibration-sets/{up.json()['id']}/notes", json={"notes": odd})
-            assert r.status_code == 200 and c.get(f"/api/v1/calibration-sets/{up.json()['id']}").json()["notes"] == odd
-        with admin.begin() as conn:  # what the check saves us from: PostgreSQL refuses NUL in text outright
-            with pytest.raises(Exception, match="0x00|NUL|null character"):
-                conn.execute(text(f"UPDATE {schema}.calibration_sets SET notes = :n"), {"n": "a\x00b"})
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
-        admin.dispose()
+    with TestClient(create_app(pg)) as c:
+        up = c.post("/api/v1/calibration-sets/upload",
+                    files={"file": ("pg.txt", b"A paragraph stored on PostgreSQL, long enough.\n\nAnd another one, long enough.")})
+        assert up.status_code == 201, up.text
+        ids = {"profile": "pr-0000000000000000", "conversion": "conv-0000000000000000", "root": str(tmp_path)}
+        before = snapshot(pg)
+        problems = []
+        cases = [(n, m, p.replace("/profiles/{profile}/notes", f"/calibration-sets/{up.json()['id']}/notes"), k, s, w)
+                 for n, m, p, k, s, w in TEXT_CASES]
+        for name, method, path, kwargs, status, words in cases:
+            r = getattr(c, method)(path.format(**ids), **(kwargs(ids) if kwargs else {}))
+            if r.status_code != status or words not in r.json().get("detail", ""):
+                problems.append(f"{name}: {r.status_code} {r.text[:300]}")
+        for offset, status in ((2**53, 200), (2**53 + 1, 422), (2**64, 422)):
+            r = c.get("/api/v1/jobs", params={"offset": offset})
+            if r.status_code != status:
+                problems.append(f"offset {offset}: {r.status_code} {r.text[:200]}")
+        assert not problems, "\n".join(problems)
+        assert snapshot(pg) == before
+        odd = "zero\u200bwidth, emoji 🧪, RTL \u202eabc, combining e\u0301, CJK 漢字, max \U0010ffff"
+        r = c.patch(f"/api/v1/calibration-sets/{up.json()['id']}/notes", json={"notes": odd})
+        assert r.status_code == 200 and c.get(f"/api/v1/calibration-sets/{up.json()['id']}").json()["notes"] == odd
+    with admin.begin() as conn:  # what the check saves us from: PostgreSQL refuses NUL in text outright
+        with pytest.raises(Exception, match="0x00|NUL|null character"):
+            conn.execute(text(f"UPDATE {schema}.calibration_sets SET notes = :n"), {"n": "a\x00b"})

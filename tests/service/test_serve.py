@@ -164,6 +164,25 @@ def test_serve_insecure_binds_beyond_loopback(tmp_path, redis_url):
     _stop(proc, port, log, children)
 
 
+def _kill_and_wait(proc: subprocess.Popen, children: dict[int, str], within_s: float = 5.0) -> float:
+    """SIGKILL serve, then wait for every child to end: seconds until the last did; fails naming those left after
+    ``within_s`` (killed then, so no stray process outlives the test)."""
+    proc.kill()
+    proc.wait(10)
+    killed = time.monotonic()
+    while any(_alive(pid) for pid in children) and time.monotonic() - killed < within_s:
+        time.sleep(0.1)
+    gone_s = time.monotonic() - killed
+    left = {pid: cmd for pid, cmd in children.items() if _alive(pid)}
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"still running {within_s:g} s after moelab serve was killed: {left}"
+    return gone_s
+
+
 def test_a_killed_serve_takes_every_child_with_it(tmp_path):
     """SIGKILL leaves serve no chance to stop anything: the children's parent-death signal does it."""
     proc, port, log = _serve(tmp_path, [])  # private Redis, the API, a worker and the UI (waitress)
@@ -180,18 +199,7 @@ def test_a_killed_serve_takes_every_child_with_it(tmp_path):
     except BaseException:
         proc.kill()
         raise
-    proc.kill()
-    proc.wait(10)
-    killed = time.monotonic()
-    while any(_alive(pid) for pid in children) and time.monotonic() - killed < 5:
-        time.sleep(0.1)
-    left = {pid: cmd for pid, cmd in children.items() if _alive(pid)}
-    for pid in left:  # leave no stray processes behind for the next test
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert not left, f"still running 5 s after moelab serve was killed: {left}"
+    _kill_and_wait(proc, children)
 
 
 def _wait_state(api, job_id: str, states: set[str], timeout: float = 120, at_step: bool = False) -> dict:
@@ -250,19 +258,7 @@ def test_a_serve_killed_mid_job_takes_its_workers_at_once_and_fails_their_jobs(t
     except BaseException:
         proc.kill()
         raise
-    proc.kill()
-    proc.wait(10)
-    killed = time.monotonic()
-    while any(_alive(pid) for pid in children) and time.monotonic() - killed < 5:
-        time.sleep(0.1)
-    gone_s = time.monotonic() - killed
-    left = {pid: cmd for pid, cmd in children.items() if _alive(pid)}
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert not left, f"still running 5 s after moelab serve was killed: {left}"
+    gone_s = _kill_and_wait(proc, children)
     db = Database(f"sqlite:///{tmp_path / 'data' / 'moelab.db'}")
     try:
         with db.session() as session:

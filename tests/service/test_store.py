@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, inspect, text
@@ -177,24 +180,33 @@ def _postgres_url() -> str | None:
     return url
 
 
-@pytest.fixture
-def postgres_schema():
-    """A fresh schema on the test PostgreSQL: (engine whose search_path is that schema), dropped after."""
+@contextmanager
+def fresh_postgres_schema(prefix: str = "moelab_test") -> Iterator[tuple[str, str, Any]]:
+    """A fresh schema on the test PostgreSQL (skips the test without one): ``(url, schema, admin engine)``; dropped after."""
     url = _postgres_url()
     if url is None:
         pytest.skip("no PostgreSQL with psycopg reachable")
-    schema = f"moelab_test_{uuid.uuid4().hex[:8]}"
+    schema = f"{prefix}_{uuid.uuid4().hex[:8]}"
     admin = create_engine(url)
     with admin.begin() as conn:
         conn.execute(text(f"CREATE SCHEMA {schema}"))
-    engine = create_engine(url, connect_args={"options": f"-csearch_path={schema}"})
     try:
-        yield engine
+        yield url, schema, admin
     finally:
-        engine.dispose()
         with admin.begin() as conn:
             conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
         admin.dispose()
+
+
+@pytest.fixture
+def postgres_schema():
+    """A fresh schema on the test PostgreSQL: (engine whose search_path is that schema), dropped after."""
+    with fresh_postgres_schema() as (url, schema, _admin):
+        engine = create_engine(url, connect_args={"options": f"-csearch_path={schema}"})
+        try:
+            yield engine
+        finally:
+            engine.dispose()
 
 
 def test_job_state_machine_on_postgres(postgres_schema):
