@@ -106,12 +106,12 @@ def test_serve_with_private_redis_answers_and_stops_cleanly(tmp_path):
     try:
         health = _wait_up(proc, port, log, need_worker=True)
         deadline = time.monotonic() + 60
-        while len(health["workers"]) < 2:  # both workers announce themselves under their own names
+        while len(health["workers"]) < 3:  # both workers and the light one announce themselves under their own names
             assert time.monotonic() < deadline, health
             time.sleep(0.3)
             health = _health(port) or health
         host = socket.gethostname()
-        assert sorted(health["workers"]) == sorted([f"moelab@{host}", f"moelab2@{host}"]), health
+        assert sorted(health["workers"]) == sorted([f"moelab@{host}", f"moelab2@{host}", f"moelab-light@{host}"]), health
         assert health["status"] == "ok" and health["database"] == "ok"
         children = _descendants(proc.pid)
         cmds = list(children.values())
@@ -121,7 +121,7 @@ def test_serve_with_private_redis_answers_and_stops_cleanly(tmp_path):
         proc.kill()
         raise
     out = _stop(proc, port, log, children)
-    for name in ("worker-2", "worker", "api", "redis"):
+    for name in ("worker-light", "worker-2", "worker", "api", "redis"):
         assert f"stopped {name}" in out
 
 
