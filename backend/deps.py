@@ -87,8 +87,9 @@ CascadeQ = Annotated[bool, Query(description="also delete everything that depend
                                               "refused with 409 naming its dependants)")]
 #: how many items of a list to skip (``?offset=``), bounded so that SQL's 64-bit OFFSET cannot overflow
 OffsetQ = Annotated[int, Query(ge=0, le=MAX_INT, description="items to skip")]
-#: a position (decoder layer, neuron) in the URL; ranges are checked against the resource itself
-IndexPath = Annotated[int, Path(ge=0, le=MAX_INT)]
+#: a position (decoder layer, neuron) in the URL, bounded above so it cannot overflow; the route checks it against the
+#: resource itself and says the valid range ("use 0 … 95"), negatives included
+IndexPath = Annotated[int, Path(le=MAX_INT)]
 TagQ = Annotated[str | None, Query(max_length=40, description="only resources carrying this tag (PATCH …/notes sets tags)")]
 SessionDep = Annotated[Session, Depends(get_session)]
 StoreDep = Annotated[ArtifactStore, Depends(get_store)]

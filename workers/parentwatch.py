@@ -21,6 +21,7 @@ log = logging.getLogger("moelab.worker")
 POLL_S = 0.25
 #: exit status of a worker that ended because its moelab serve did
 EXIT_PARENT_GONE = 76
+_watched: tuple[str, int] | None = None  # (this worker's node name, its serve's pid) once ``watch`` started
 
 
 def serve_pid() -> int | None:
@@ -47,11 +48,20 @@ def _parent_gone(node: str, parent: int) -> None:
         os._exit(EXIT_PARENT_GONE)
 
 
+def on_shutdown() -> None:
+    """Celery's shutdown signal: when it is the parent-death signal (serve is gone), end the way the watch does (the
+    cause recorded, exit now) instead of the warm shutdown, which records only "the worker shut down"."""
+    if _watched is not None and os.getppid() != _watched[1]:
+        _parent_gone(*_watched)
+
+
 def watch(node: str, poll_s: float = POLL_S) -> threading.Thread | None:
     """Start the watch for worker ``node`` (a daemon thread); None when no serve started this process."""
+    global _watched
     parent = serve_pid()
     if parent is None:
         return None
+    _watched = (node, parent)
 
     def run() -> None:
         stop = threading.Event()

@@ -391,6 +391,7 @@ def test_designer_recipe_budget_preview_result_card_and_failed_evaluation(page, 
     paper = api.get(f"/profiles/{profile_id}/preview/expertweaver", params={"n_experts": 8}).json()
     shared = [r["d_shared"] / r["d_ffn"] for r in best["layers"]]
     assert shared != [r["d_shared"] / r["d_ffn"] for r in paper["layers"]]
+    wait_figures(page, "cd-plan")  # the banner can land before the chart on a busy machine
     fig = figure(page, "cd-plan")
     assert fig["layout"]["title"]["text"].startswith("Starting plan of the budget plan")
     assert fig["data"][0]["name"] == "shared (always on)" and page.evaluate(Y, ["cd-plan", 0]) == pytest.approx(shared)

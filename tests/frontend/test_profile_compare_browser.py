@@ -71,13 +71,19 @@ def test_compare_page_shows_the_planted_neurons_and_search_opens_their_card(page
     assert shown == ["mean activation on A: code words", "mean activation on B: prose words"]
     colours = page.evaluate("() => Array.from(document.querySelector('#pc-scatter .js-plotly-plot')._fullData[0].marker.color)")
     assert colours == pytest.approx(body["scatter"]["specificity"], rel=1e-5)  # each neuron coloured by its d
+    # the shares chart says what the significance test kept, at the rate asked for, as the API counts it
+    kept = sum(r["n_specific_a"] + r["n_specific_b"] for r in body["layers"])
+    large = sum(r["n_large_a"] + r["n_large_b"] for r in body["layers"])
+    assert f"false-discovery rate q ≤ 0.05 (Benjamini–Hochberg over every neuron): {kept} of the {large} neurons" in \
+        page.inner_text("""[id='{"name":"pc-shares","type":"note"}']""")
+    assert page.input_value("#pc-fdr") == "0.05"
     shot(page, "profile-compare")
     no_errors(page)
 
     page.fill("#pc-s-token", "def")
     page.press("#pc-s-token", "Enter")
     page.wait_for_selector("#pc-s-results tr td a.neuron-link")
-    assert page.inner_text("#pc-s-results").startswith("1 neuron matches")
+    assert page.inner_text("#pc-s-results").startswith("1 neuron matches")  # the whole token 'def', nothing containing it
     page.click("#pc-s-results tr td a.neuron-link")
     page.wait_for_function("t => document.querySelector('#nx-card-title') && document.querySelector('#nx-card-title').innerText === t",
                            arg="layer {} · neuron {}".format(*CODE_NEURON))

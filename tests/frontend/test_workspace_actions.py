@@ -18,7 +18,7 @@ import pytest
 
 import frontend.app  # noqa: F401  (instantiates the Dash app: the page modules register with it)
 from frontend.components import BASELINES, builtin_options, source_options
-from frontend.names import Names, fmt
+from frontend.names import Names, fmt, ratio_ci
 from frontend.pages.finetune import form_values
 from frontend.pages.workspace import (AUTO_NOTE, cv_note, delete_message, dependants, evaluation_cells, getting_started, job_title,
                                       ppl, subjects)
@@ -351,7 +351,8 @@ def test_evaluation_from_the_workspace_quick_then_named_and_listed(page, live, a
     cells = row.locator("td").all_inner_texts()
     assert cells[0].startswith(name) and cells[1] == ev_id, cells
     assert cells[2:9] == ["builtin:mixed", f"{held['windows']} × {held['seq_len']}", ppl(variants["dense"]["perplexity"]),
-                          ppl(variants["converted"]["perplexity"]), f"{variants['converted']['perplexity_ratio']:.3g}×",
+                          ppl(variants["converted"]["perplexity"]),
+                          ratio_ci(variants["converted"]["perplexity_ratio"], variants["converted"]["perplexity_ratio_ci"]),
                           fmt(conv["summary"]["ffn_flops_fraction"], 3), "no"], cells
     assert cells[9] == "" and cells[10].startswith("ready (")  # no tasks were asked for
     assert row.locator(f"a[href='/compare?ids={conversion}']").count() == 1

