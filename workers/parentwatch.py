@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 from moelab.store import jobs
 
@@ -48,9 +49,10 @@ def _parent_gone(node: str, parent: int) -> None:
         os._exit(EXIT_PARENT_GONE)
 
 
-def on_shutdown() -> None:
-    """Celery's shutdown signal: when it is the parent-death signal (serve is gone), end the way the watch does (the
-    cause recorded, exit now) instead of the warm shutdown, which records only "the worker shut down"."""
+def exit_if_serve_gone() -> None:
+    """When the watched serve is gone: its running jobs failed with that cause, and exit now. The watch polls this;
+    Celery's shutdown signal calls it too, since that signal may be the parent-death SIGTERM, and the warm shutdown it
+    would start records only "the worker shut down"."""
     if _watched is not None and os.getppid() != _watched[1]:
         _parent_gone(*_watched)
 
@@ -64,10 +66,9 @@ def watch(node: str, poll_s: float = POLL_S) -> threading.Thread | None:
     _watched = (node, parent)
 
     def run() -> None:
-        stop = threading.Event()
-        while not stop.wait(poll_s):
-            if os.getppid() != parent:
-                _parent_gone(node, parent)
+        while True:
+            time.sleep(poll_s)
+            exit_if_serve_gone()
 
     thread = threading.Thread(target=run, name="serve-watch", daemon=True)
     thread.start()

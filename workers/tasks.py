@@ -557,7 +557,7 @@ def _restrict_model_sources(**_: Any) -> None:
 
 @signals.worker_shutting_down.connect
 def _on_shutting_down(**_: Any) -> None:
-    parentwatch.on_shutdown()  # serve died (its parent-death SIGTERM): the cause recorded, and out at once
+    parentwatch.exit_if_serve_gone()  # serve died (its parent-death SIGTERM): the cause recorded, and out at once
     SHUTDOWN.set()  # running jobs stop at their next progress step and are recorded as failed
     _presence_stop.set()
 

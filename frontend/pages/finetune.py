@@ -57,20 +57,20 @@ def _label(conversion: dict[str, Any], names: Names | None = None) -> str:
     return with_id((names or Names()).conversion(conversion) + tuned, conversion["id"])
 
 
-def _run_options(conversion: str | None) -> list[dict[str, str]]:
-    if not conversion:
-        return []
-    return [{"label": _run_label(f), "value": f["id"]} for f in api().finetunes(conversion)]
+def _run_options(conversion: str | None, runs: list[dict[str, Any]] | None = None) -> list[dict[str, str]]:
+    """The run picker's options: ``runs`` (the conversion's fine-tunes, newest first) or, when not given, asked of the API."""
+    if runs is None:
+        runs = api().finetunes(conversion) if conversion else []
+    return [{"label": _run_label(f), "value": f["id"]} for f in runs]
 
 
 def _run_label(f: dict[str, Any]) -> str:
     return with_id(f"{f['params'].get('mode')}, {f['params'].get('steps')} steps: {f['status']}", f["id"])
 
 
-def current_run(conversion: str | None) -> str | None:
-    """The fine-tune a page opened on ``conversion`` shows: its newest queued or running one (a page reopened while
-    a run trains reconnects to it), else its newest."""
-    runs = api().finetunes(conversion) if conversion else []
+def current_run(runs: list[dict[str, Any]]) -> str | None:
+    """Of a conversion's fine-tunes (newest first), the one a page opened on it shows: the newest queued or running one
+    (a page reopened while a run trains reconnects to it), else the newest."""
     active = [f for f in runs if f["status"] in ("queued", "running")]
     return (active or runs or [{"id": None}])[0]["id"]
 
@@ -97,8 +97,9 @@ def layout(conversion: str | None = None, finetune: str | None = None, **_):
             conversion = conversion or run["conversion_id"]
         if conversion is None and ready:
             conversion = ready[0]["id"]
-        finetune = finetune or current_run(conversion)
-        runs, err = _run_options(conversion), None
+        listed = api().finetunes(conversion) if conversion else []
+        finetune = finetune or current_run(listed)
+        runs, err = _run_options(conversion, listed), None
         sources = [b["spec"] for b in api().builtin_sets() if b.get("installed", True)]  # bigbench only once installed
     except ApiError as exc:
         ready, runs, sources, err, names = [], [], ["builtin:mixed"], str(exc), Names()
