@@ -559,6 +559,9 @@ class EvaluationCreate(_In):
     seq_len: int = Field(256, ge=8, le=32768, description="tokens per window; at most the model's max_position_embeddings")
     baselines: StrictBool = Field(True, description="also evaluate AbsTopK-GLU, the uniform allocation and TEAL "
                             "(activation sparsity) at the conversion's FFN cost")
+    speed: StrictBool = Field(True, description="time the whole converted model against its dense model in the same "
+                              "process, interleaved (decode at batch 1 and 8, prefill of up to 512 tokens; median of 3): "
+                              "the summary's speed, in seconds and × dense, with the device, dtype, threads and runtime")
     multiple_choice_per_task: int = Field(
         50, ge=0, le=10000, description="BIG-bench multiple-choice items per task when that set is installed (0: skip): "
         "lm-eval task moelab_bigbench_mc, reported in the summary's tasks"
@@ -589,7 +592,8 @@ class EvaluationOut(_Noted):
     params: dict[str, Any]
     status: ResourceStatus
     summary: dict[str, Any] | None = Field(
-        None, description="per variant: perplexity, ratio to dense, tokens/s, mean reconstruction error and load CV, multiple-choice accuracy"
+        None, description="per variant: perplexity, ratio to dense, tokens/s, mean reconstruction error and load CV, multiple-choice "
+        "accuracy; speed: the converted model's time per phase against dense's (when timed)"
     )
     job_id: str | None
     job: JobOut | None = None

@@ -731,14 +731,24 @@ def compare_perplexity(rows: list[dict[str, Any]]) -> go.Figure:
 
 #: Columns of the quality-vs-cost CSV: exactly what each plotted point is.
 QUALITY_COST_COLUMNS = ("conversion_id", "conversion", "label", "calibration_set", "method", "recipe", "text", "domain", "evaluation_id",
-                        "ffn_flops_fraction", "perplexity_ratio")
+                        "ffn_flops_fraction", "speed_decode_b1", "speed_decode_b8", "speed_prefill", "perplexity_ratio")
+
+#: What :func:`quality_vs_cost` can put on x: (axis title, hover, which corner is better). ``speed_<phase>``: the
+#: whole converted model's measured speed over dense's in that phase of the same evaluation (``summary.speed``).
+QUALITY_X = {
+    "ffn_flops_fraction": ("ffn_flops_fraction (FFN MACs/token ÷ dense, router included)", "cost %{x:.3f} of dense FFN",
+                           "lower-left is better"),
+    **{f"speed_{phase}": (f"measured {name} speed × dense (whole model, same process)", f"{name}: %{{x:.2f}}× dense speed",
+                          "lower-right is better")
+       for phase, name in {"decode_b1": "decode b1", "decode_b8": "decode b8", "prefill": "prefill"}.items()},
+}
 
 
-def quality_cost_points(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The points :func:`quality_vs_cost` draws (a cost or ratio not recorded is left out, not guessed),
-    as CSV rows with :data:`QUALITY_COST_COLUMNS`."""
+def quality_cost_points(points: list[dict[str, Any]], x: str = "ffn_flops_fraction") -> list[dict[str, Any]]:
+    """The points :func:`quality_vs_cost` draws against ``x`` (a cost, speed or ratio not recorded is left out, not
+    guessed), as CSV rows with :data:`QUALITY_COST_COLUMNS`."""
     return [{k: p.get(k) for k in QUALITY_COST_COLUMNS} for p in points
-            if p.get("ffn_flops_fraction") is not None and p.get("perplexity_ratio") is not None]
+            if p.get(x) is not None and p.get("perplexity_ratio") is not None]
 
 
 #: The marker of a point by whether its text is of the conversion's calibration domains (``names.domain_relation``).
@@ -753,39 +763,43 @@ TEXT_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"
 _SLOTS = ("top", "middle", "bottom")
 
 
-def _text_positions(points: list[dict[str, Any]], mid: float, x_span: float, y_span: float) -> list[str]:
+def _text_positions(points: list[dict[str, Any]], mid: float, x_span: float, y_span: float, x: str) -> list[str]:
     """Each point's label position (``textposition``): on the side facing the plot's middle, so it
     never runs past the plot's edge, and in a slot no nearby point's label took (points at about
     the same cost and ratio, of any text, get labels above, level with and below them)."""
     out: list[str] = []
     for i, p in enumerate(points):
-        x, y = p["ffn_flops_fraction"], math.log10(max(p["perplexity_ratio"], 1e-12))
-        facing = "left" if x > mid else "right"
+        px, y = p[x], math.log10(max(p["perplexity_ratio"], 1e-12))
+        facing = "left" if px > mid else "right"
         near = {out[j] for j, q in enumerate(points[:i])
-                if abs(q["ffn_flops_fraction"] - x) <= 0.15 * x_span and abs(math.log10(max(q["perplexity_ratio"], 1e-12)) - y) <= 0.08 * y_span}
+                if abs(q[x] - px) <= 0.15 * x_span and abs(math.log10(max(q["perplexity_ratio"], 1e-12)) - y) <= 0.08 * y_span}
         options = [f"{v} {h}" for h in (facing, "left" if facing == "right" else "right") for v in _SLOTS]
         out.append(next((o for o in options if o not in near), options[0]))
     return out
 
 
-def quality_vs_cost(points: list[dict[str, Any]]) -> go.Figure:
-    """Perplexity over dense against FFN cost, one series per held-out text (ratios are only
-    comparable on the same text); points: {label, text, ffn_flops_fraction, perplexity_ratio} and,
+def quality_vs_cost(points: list[dict[str, Any]], x: str = "ffn_flops_fraction") -> go.Figure:
+    """Perplexity over dense against FFN cost or a measured speed (``x``, a key of :data:`QUALITY_X`), one series per
+    held-out text (ratios are only comparable on the same text); points: {label, text, ``x``, perplexity_ratio} and,
     for the hover, ``conversion`` (the full name) and ``conversion_id``.
 
     Each label is drawn beside its point on the side facing the plot's middle, and both axes'
     ranges are padded, so no label is cut at the plot's edge."""
-    points = quality_cost_points(points)
+    axis_title, hover, better = QUALITY_X[x]
+    points = quality_cost_points(points, x)
     if not points:
-        return message_figure("no evaluated conversion with a recorded ffn_flops_fraction")
-    xs = [p["ffn_flops_fraction"] for p in points]
+        return message_figure("no evaluated conversion with a recorded ffn_flops_fraction" if x == "ffn_flops_fraction" else
+                              "no evaluation of these conversions timed them: evaluate again (evaluations time the models)")
+    xs = [p[x] for p in points]
     ys = [math.log10(p["perplexity_ratio"]) for p in points if p["perplexity_ratio"] > 0] or [0.0]
     x_lo, x_hi = min(xs), max(xs)
+    if x != "ffn_flops_fraction":
+        x_lo, x_hi = min(x_lo, 1.0), max(x_hi, 1.0)  # dense's speed in view
     x_pad = max(0.1 * (x_hi - x_lo), 0.05)
     y_lo, y_hi = min([*ys, 0.0]), max([*ys, 0.0])  # dense (ratio 1) always in view
     y_pad = max(0.15 * (y_hi - y_lo), 0.02)
-    points = sorted(points, key=lambda p: (p["text"], p["ffn_flops_fraction"]))
-    where = _text_positions(points, (x_lo + x_hi) / 2, x_hi - x_lo + 2 * x_pad, y_hi - y_lo + 3 * y_pad)
+    points = sorted(points, key=lambda p: (p["text"], p[x]))
+    where = _text_positions(points, (x_lo + x_hi) / 2, x_hi - x_lo + 2 * x_pad, y_hi - y_lo + 3 * y_pad, x)
     texts = sorted({p["text"] for p in points})
     traces = []
     for n, t in enumerate(texts):
@@ -793,22 +807,24 @@ def quality_vs_cost(points: list[dict[str, Any]]) -> go.Figure:
         pts = [points[i] for i in mine]
         colour = TEXT_COLOURS[n % len(TEXT_COLOURS)]  # a label in its text's colour: which text it was measured on
         traces.append(go.Scatter(
-            x=[p["ffn_flops_fraction"] for p in pts], y=[p["perplexity_ratio"] for p in pts], mode="markers+text", marker_color=colour,
+            x=[p[x] for p in pts], y=[p["perplexity_ratio"] for p in pts], mode="markers+text", marker_color=colour,
             marker_symbol=[DOMAIN_SYMBOLS.get(p.get("domain"), "circle") for p in pts], marker_size=10,
             text=[p["label"] for p in pts], textposition=[where[i] for i in mine], textfont={"size": 11, "color": colour},
             cliponaxis=False, name=t,
             customdata=[[p.get("conversion") or p["label"], p.get("conversion_id") or "",
                          p.get("domain") or "calibration domains unknown"] for p in pts],
-            hovertemplate="%{customdata[0]}<br>%{customdata[1]}<br>cost %{x:.3f} of dense FFN<br>%{y:.3f}× dense perplexity"
+            hovertemplate="%{customdata[0]}<br>%{customdata[1]}<br>" + hover + "<br>%{y:.3f}× dense perplexity"
                           "<br>%{customdata[2]}<extra>" + t + "</extra>"))
     fig = go.Figure(traces)
     fig.add_hline(y=1, line_dash="dot", line_color="gray")
+    if x != "ffn_flops_fraction":  # dense's speed: right of it is faster than the model it came from
+        fig.add_vline(x=1, line_dash="dot", line_color="gray")
     marks = sorted({p.get("domain") for p in points} - {None}, key=list(DOMAIN_SYMBOLS).index)
     key = "; ".join(f"{DOMAIN_MARKS[d]} {d} (text {'of' if d == 'in domain' else 'not of' if d == 'out of domain' else 'partly of'} "
                     "the conversion's calibration set)" for d in marks)
-    return _layout(fig, "Quality vs cost", "lower-left is better; compare points measured on the same text only"
-                   + (f"<br>{key}" if key else ""),
-                   xaxis_title="ffn_flops_fraction (FFN MACs/token ÷ dense, router included)",
+    title = "Quality vs cost" if x == "ffn_flops_fraction" else "Quality vs measured speed"
+    return _layout(fig, title, f"{better}; compare points measured on the same text only" + (f"<br>{key}" if key else ""),
+                   xaxis_title=axis_title,
                    xaxis_range=[x_lo - x_pad, x_hi + x_pad], yaxis_range=[y_lo - y_pad, y_hi + 2 * y_pad],
                    yaxis_title="perplexity / dense", yaxis_type="log",
                    legend={"orientation": "h", "y": -0.25})  # long text names below, not eating the plot's width
@@ -948,8 +964,8 @@ def specificity_scatter(data: dict[str, Any], names: tuple[str, str]) -> go.Figu
         fig.add_shape(type="line", x0=lo, y0=lo, x1=hi, y1=hi, line={"dash": "dot", "color": "#9ca3af", "width": 1})
     note = (f"{sc['note']}; colour: d (red: more active on A, blue: on B; specific: |d| ≥ {data['threshold']:g} and "
             f"Benjamini–Hochberg q ≤ {data['fdr']:g})")
-    return _layout(fig, f"Layer {sc['layer']}: each neuron's mean activation on A and on B", note,
-                   xaxis_title=f"mean activation on A: {names[0]}", yaxis_title=f"mean activation on B: {names[1]}")
+    return _layout(fig, f"Layer {sc['layer']}: each neuron's mean gate activation on A and on B", note,
+                   xaxis_title=f"mean gate activation on A: {names[0]}", yaxis_title=f"mean gate activation on B: {names[1]}")
 
 
 def specific_share_bars(data: dict[str, Any], names: tuple[str, str]) -> go.Figure:

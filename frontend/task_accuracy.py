@@ -11,6 +11,7 @@ from typing import Any, Callable
 import plotly.graph_objects as go
 
 from frontend.figures import _layout, message_figure
+from frontend.speed import PHASES, phase_speedup
 
 #: An evaluation's metrics, in the order a task's headline number is chosen (as the harness's table does).
 HEADLINE = ("acc", "pass@1", "exact_match", "acc_norm")
@@ -41,13 +42,6 @@ def accuracy_cell(summary: dict[str, Any] | None) -> str:
     return "; ".join(f"{task} {pct(by.get('converted'))} / {pct(by.get('dense'))} dense" for task, by in tasks.items())
 
 
-def speed_ratio(summary: dict[str, Any] | None) -> float | None:
-    """Converted over dense tokens/s, both measured in the same evaluation run (its perplexity pass)."""
-    variants = (summary or {}).get("variants") or {}
-    conv, dense = (variants.get("converted") or {}).get("tokens_per_s"), (variants.get("dense") or {}).get("tokens_per_s")
-    return conv / dense if isinstance(conv, (int, float)) and isinstance(dense, (int, float)) and dense > 0 else None
-
-
 def accuracy_points(convs: list[dict[str, Any]], evals: dict[str, list[dict[str, Any]]], labels: dict[str, str],
                     task_domain: Callable[[dict[str, Any], str], str | None]) -> list[dict[str, Any]]:
     """One point per conversion × task (and the dense model's beside it) from the conversion's newest ready
@@ -67,16 +61,16 @@ def accuracy_points(convs: list[dict[str, Any]], evals: dict[str, list[dict[str,
             points.append({"conversion_id": c["id"], "conversion": labels.get(c["id"], c["id"]), "evaluation_id": ev["id"],
                            "task": task, "metric": conv[0], "accuracy": conv[1], "stderr": conv[2],
                            "dense_accuracy": dense[1] if dense else None, "ffn_flops_fraction": cost,
-                           "speed_ratio": speed_ratio(summary), "domain": task_domain(c, task)})
+                           **{f"speed_{phase}": phase_speedup(summary, phase) for phase in PHASES}, "domain": task_domain(c, task)})
     return points
 
 
 AXES = {"ffn_flops_fraction": "FFN cost (ffn_flops_fraction, multiply-adds over dense)",
-        "speed_ratio": "measured speed × dense (tokens/s of the evaluation's perplexity pass, same process)"}
+        **{f"speed_{phase}": f"measured {name} speed × dense (whole model, same process)" for phase, name in PHASES.items()}}
 
 
 def accuracy_figure(points: list[dict[str, Any]], x: str) -> go.Figure:
-    """Accuracy against ``x`` (``ffn_flops_fraction`` or ``speed_ratio``): a colour per task, the marker says
+    """Accuracy against ``x`` (``ffn_flops_fraction`` or ``speed_<phase>``): a colour per task, the marker says
     whether the task's text is in the conversion's calibration domain; each task's dense accuracy at x = 1."""
     shown = [p for p in points if isinstance(p.get(x), (int, float))]
     if not shown:
@@ -95,6 +89,6 @@ def accuracy_figure(points: list[dict[str, Any]], x: str) -> go.Figure:
             fig.add_trace(go.Scatter(x=[1.0], y=[100 * dense], mode="markers", name=f"{task}: dense", legendgroup=task,
                                      marker={"size": 13, "symbol": "star"},
                                      hovertemplate=f"dense · {task}: %{{y:.1f}}%<extra></extra>"))
-    return _layout(fig, f"Accuracy vs {'cost' if x == 'ffn_flops_fraction' else 'measured speed'}",
+    return _layout(fig, f"Accuracy vs {'cost' if x == 'ffn_flops_fraction' else 'measured ' + PHASES[x.removeprefix('speed_')] + ' speed'}",
                    note="marker: ● in the calibration domain, × out of it, ◆ partly, ■ unknown; bars: ± stderr",
                    xaxis_title=AXES[x], yaxis_title="accuracy (%)")

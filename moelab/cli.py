@@ -403,6 +403,7 @@ def _print_partition(record: dict[str, Any]) -> None:
 @click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
 @click.option("--source", default="builtin:mixed", show_default=True, help="built-in set whose held-out split is used")
 @click.option("--no-baselines", is_flag=True, help="skip AbsTopK-GLU, uniform allocation and TEAL (activation sparsity)")
+@click.option("--no-speed", is_flag=True, help="do not time the converted model against dense (decode batch 1 and 8, prefill)")
 @click.option("--tasks", "task_names", default=None,
               help="lm-evaluation-harness tasks, comma-separated (e.g. moelab_chat_qa,moelab_lastword,arc_easy): "
                    "accuracy ± stderr of every model evaluated; `moelab tasks` lists them")
@@ -415,12 +416,13 @@ def _print_partition(record: dict[str, Any]) -> None:
               help="print the tasks as a paper-style table (one row per model, one column per task) instead of the report")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--quiet", is_flag=True)
-def evaluate(conversion_dir: Path, windows: int, seq_len: int, source: str, no_baselines: bool, task_names: str | None,
-             num_fewshot: int | None, limit: int | None, task_dir: Path | None, online: bool, table: str | None,
+def evaluate(conversion_dir: Path, windows: int, seq_len: int, source: str, no_baselines: bool, no_speed: bool,
+             task_names: str | None, num_fewshot: int | None, limit: int | None, task_dir: Path | None, online: bool, table: str | None,
              as_json: bool, quiet: bool) -> None:
     """Perplexity dense vs converted vs baselines on held-out text, reconstruction, routing; with --tasks, downstream
-    accuracy through lm-evaluation-harness."""
+    accuracy through lm-evaluation-harness; the whole converted model timed against dense in three phases."""
     from workers.engine.evaluation.harness import TaskRequest, task_table
+    from workers.engine.evaluation.speed import SpeedProtocol, describe
     from workers.engine.runs import run_evaluation
 
     cfg = get_settings()
@@ -436,7 +438,7 @@ def evaluate(conversion_dir: Path, windows: int, seq_len: int, source: str, no_b
             conversion_dir, data_dir=cfg.data_dir, n_windows=windows, seq_len=seq_len,
             baselines=not no_baselines, source=source, device=cfg.device, progress=progress,
             max_tokens=cfg.max_eval_tokens,  # windows × seq-len beyond MOELAB_MAX_EVAL_TOKENS: refused before any model loads
-            tasks=request,
+            tasks=request, speed=None if no_speed else SpeedProtocol(),
         )
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -464,6 +466,8 @@ def evaluate(conversion_dir: Path, windows: int, seq_len: int, source: str, no_b
                        + (f" (the conversion's: {own:.3f})" if isinstance(own, (int, float)) else ""))
     for name, note in (report.get("notes") or {}).items():
         click.echo(f"  note ({name}): {note}")
+    if report.get("speed"):
+        click.echo("\n".join(describe(report["speed"])))
     if report.get("tasks"):
         click.echo("downstream accuracy (lm-evaluation-harness; % ± stderr)")
         click.echo(task_table(report["tasks"]), nl=False)

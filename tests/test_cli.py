@@ -155,12 +155,22 @@ def test_evaluate_shows_progress_bars_with_json(tmp_path, tiny_profile, data_dir
     moelab("convert", "--profile", str(tiny_profile), "--method", "expertweaver", "--experts", "4", "--out", str(out), "--quiet",
            data_dir=data_dir)
     proc = moelab("evaluate", str(out), "--windows", "2", "--seq-len", "16", "--json", data_dir=data_dir)
-    assert json.loads(proc.stdout)["heldout"]["windows"] == 2  # stdout stays the JSON
-    for stage in ("load converted model", "load model", "read held-out text", "evaluate converted", "reconstruction error"):
+    report = json.loads(proc.stdout)
+    assert report["heldout"]["windows"] == 2  # stdout stays the JSON
+    for stage in ("load converted model", "load model", "read held-out text", "evaluate converted", "reconstruction error",
+                  "time dense and converted"):
         assert stage in proc.stderr, proc.stderr  # one bar per stage on stderr, from the first second on
+    assert set(report["speed"]["phases"]) == {"decode_b1", "decode_b8", "prefill"}
     text = moelab("evaluate", str(out), "--windows", "2", "--seq-len", "16", "--quiet", data_dir=data_dir)
     assert "evaluate converted" not in text.stderr
     assert "teal: ffn_flops_fraction" in text.stdout and "note (teal): TEAL's saving needs" in text.stdout, text.stdout
+    # the whole model's time per phase beside dense's, and where it was measured
+    assert "speed, whole model against dense (PyTorch eager" in text.stdout and "threads; median of 3" in text.stdout
+    for phase in ("decode, batch 1", "decode, batch 8", "prefill of "):
+        assert f"\n  {phase}" in text.stdout, text.stdout
+    quick = moelab("evaluate", str(out), "--windows", "2", "--seq-len", "16", "--quiet", "--no-baselines", "--no-speed",
+                   data_dir=data_dir)
+    assert "speed, whole model" not in quick.stdout
 
 
 def test_inspect_prints_json_and_a_load_bar(tiny_model, data_dir):

@@ -245,6 +245,7 @@ def _mean(values: Any) -> float | None:
 
 def evaluate(ctx: JobContext) -> Outcome:
     from workers.engine.evaluation.harness import TaskRequest
+    from workers.engine.evaluation.speed import SpeedProtocol
     from workers.engine.runs import run_evaluation
 
     row = ctx.resource()
@@ -260,7 +261,7 @@ def evaluate(ctx: JobContext) -> Outcome:
             seq_len=p["seq_len"], baselines=p["baselines"], source=source, device=ctx.settings.device,
             progress=ctx.progress, write=False, mc_per_task=p.get("multiple_choice_per_task", 50),
             loader=model_cache.cached_load_model, max_tokens=ctx.settings.max_eval_tokens,
-            load_converted=model_cache.cached_load_converted, tasks=tasks,
+            load_converted=model_cache.cached_load_converted, tasks=tasks, speed=SpeedProtocol() if p.get("speed", True) else None,
         )
     report["heldout"]["source"] = p["source"]  # the id or builtin name, not a server path
     with atomic_directory(ctx.store.path("evaluations", row.id)) as tmp:
@@ -281,7 +282,9 @@ def evaluate(ctx: JobContext) -> Outcome:
     from moelab.store.jsonsafe import jsonable
 
     tasks_out = {"tasks": report["tasks"], "task_settings": report["task_settings"]} if "tasks" in report else {}
-    return Outcome(summary=jsonable({"variants": variants, "heldout": report["heldout"], **tasks_out}), timings=report.get("timings"))
+    speed = {"speed": report["speed"]} if "speed" in report else {}
+    return Outcome(summary=jsonable({"variants": variants, "heldout": report["heldout"], **tasks_out, **speed}),
+                   timings=report.get("timings"))
 
 
 def finetune(ctx: JobContext) -> Outcome:

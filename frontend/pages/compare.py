@@ -1,5 +1,5 @@
-"""Compare conversions: two or more side by side (parameters, FFN cost, perplexity, quality vs cost,
-per-layer active share, load CV). State in the URL: ?ids=c1,c2
+"""Compare conversions: two or more side by side (parameters, FFN cost, perplexity, quality vs cost and vs
+measured speed per phase, per-layer active share, load CV). State in the URL: ?ids=c1,c2[&phase=decode_b8]
 
 "sparsity" is the method's own parameter (EW: the share of neurons not computed per token); what
 conversions are compared at is their recorded ``ffn_flops_fraction``, FFN multiply-adds per token,
@@ -14,6 +14,7 @@ from dash import Input, Output, callback, dcc, html
 from frontend import figures as F
 from frontend.api_client import ApiError, api
 from frontend.components import error_box, figure_card, named_options, page_names, to_search
+from frontend.speed import PHASES, phase_speedup
 from frontend.task_accuracy import accuracy_figure, accuracy_points
 from frontend.names import calibration_of, calibration_spec, chart_label, domain_relation, fmt, fmt_pct, heldout_spec, with_id
 
@@ -33,7 +34,7 @@ def per_layer(conversion: dict, key: str, param: str) -> str:
     return fmt(given) if given is not None else ""
 
 
-def layout(ids: str | None = None, **_):
+def layout(ids: str | None = None, phase: str | None = None, **_):
     try:
         convs, err = named_options("conversions"), None
     except ApiError as exc:
@@ -45,19 +46,23 @@ def layout(ids: str | None = None, **_):
         error_box(err),
         html.Div(className="controls", children=[
             html.Div([html.Label("conversions"), dcc.Dropdown(id=f"{N}-ids", options=convs, value=chosen, multi=True, style={"width": 640})]),
+            html.Div([html.Label("speed measured in"),
+                      dcc.RadioItems(id=f"{N}-phase", options=[{"label": name, "value": k} for k, name in PHASES.items()],
+                                     value=phase if phase in PHASES else "decode_b1", inline=True)]),
         ]),
         html.Div(id=f"{N}-error"),
         html.Div(id=f"{N}-table", className="table-scroll"),  # a wide table scrolls in its own box, not the page
         html.Div(className="row", children=[figure_card(f"{N}-ppl", "Perplexity")]),  # full width: one panel per text
-        html.Div(className="row", children=[figure_card(f"{N}-cost", "Quality vs cost"), figure_card(f"{N}-active", "Active share per layer")]),
+        html.Div(className="row", children=[figure_card(f"{N}-cost", "Quality vs cost"), figure_card(f"{N}-speed", "Quality vs measured speed")]),
+        html.Div(className="row", children=[figure_card(f"{N}-active", "Active share per layer")]),
         html.Div(className="row", children=[figure_card(f"{N}-acc-cost", "Accuracy vs cost (lm-eval tasks)"),
                                             figure_card(f"{N}-acc-speed", "Accuracy vs measured speed")]),
     ])
 
 
 @callback(Output(f"{N}-acc-cost", "figure"), Output(f"{N}-acc-speed", "figure"),
-          Output({"type": "csv-data", "name": f"{N}-acc-cost"}, "data"), Input(f"{N}-ids", "value"))
-def _accuracy(ids):
+          Output({"type": "csv-data", "name": f"{N}-acc-cost"}, "data"), Input(f"{N}-ids", "value"), Input(f"{N}-phase", "value"))
+def _accuracy(ids, phase):
     """Each conversion's newest evaluation with tasks: accuracy against FFN cost and against the speed measured
     in that evaluation, the marker saying whether the task's text is in the conversion's calibration domain."""
     if not ids:
@@ -79,27 +84,28 @@ def _accuracy(ids):
         return domain_relation(calibration_spec(c, names), task_sets.get(task), builtins)
 
     points = accuracy_points(convs, evals, labels, task_domain)
-    return (accuracy_figure(points, "ffn_flops_fraction"), accuracy_figure(points, "speed_ratio"),
+    return (accuracy_figure(points, "ffn_flops_fraction"), accuracy_figure(points, f"speed_{phase}"),
             {"rows": points, "filename": "accuracy"} if points else None)
 
 
 @callback(Output(f"{N}-table", "children"), Output(f"{N}-ppl", "figure"), Output(f"{N}-active", "figure"), Output(f"{N}-cost", "figure"),
+          Output(f"{N}-speed", "figure"),
           Output({"type": "csv-data", "name": f"{N}-ppl"}, "data"), Output({"type": "csv-data", "name": f"{N}-active"}, "data"),
-          Output({"type": "csv-data", "name": f"{N}-cost"}, "data"),
-          Output(f"{N}-error", "children"), Output(f"{N}-url", "search"), Input(f"{N}-ids", "value"))
-def _update(ids):
+          Output({"type": "csv-data", "name": f"{N}-cost"}, "data"), Output({"type": "csv-data", "name": f"{N}-speed"}, "data"),
+          Output(f"{N}-error", "children"), Output(f"{N}-url", "search"), Input(f"{N}-ids", "value"), Input(f"{N}-phase", "value"))
+def _update(ids, phase):
     ids = ids or []
-    search = to_search(ids=",".join(ids))
+    search = to_search(ids=",".join(ids), phase=phase if phase != "decode_b1" else None)
     if not ids:
         fig = F.message_figure("choose conversions to compare")
-        return None, fig, fig, fig, None, None, None, error_box("no conversion chosen"), search
+        return None, fig, fig, fig, fig, None, None, None, None, error_box("no conversion chosen"), search
     try:
         convs = [api().conversion(i) for i in ids]
         evals = {i: api().evaluations(i) for i in ids}
         names = page_names()
     except ApiError as exc:
         fig = F.message_figure(str(exc))
-        return None, fig, fig, fig, None, None, None, error_box(str(exc)), search
+        return None, fig, fig, fig, fig, None, None, None, None, error_box(str(exc)), search
     try:
         methods = {m["name"]: m for m in api().methods()}
         builtins = {b["name"]: b.get("domains") or [b["name"]] for b in api().builtin_sets()}
@@ -129,7 +135,8 @@ def _update(ids):
                                 "domain": domain_relation(calibration_spec(c, names), heldout_spec(ev, names), builtins),
                                 "calibration_set": calibration_of(c, names), "method": c.get("method"), "recipe": short[c["id"]][1],
                                 "text": r["text"], "evaluation_id": r["evaluation_id"],
-                                "ffn_flops_fraction": s.get("ffn_flops_fraction"), "perplexity_ratio": r["ratio_to_dense"]})
+                                "ffn_flops_fraction": s.get("ffn_flops_fraction"), "perplexity_ratio": r["ratio_to_dense"],
+                                **{f"speed_{p}": phase_speedup(ev["summary"], p) for p in PHASES}})
         body.append(html.Tr([html.Td(label[c["id"]]), html.Td(c["id"], className="note"), html.Td(c["status"]), html.Td(c.get("method")),
                              html.Td(params.get("router") or ""), html.Td(fmt_pct(params.get("sparsity")))]
                             + [html.Td(fmt(params.get(k))) for k in keys]
@@ -143,7 +150,10 @@ def _update(ids):
     active_rows = [{"conversion": k, **r} for k, rows in plans.items() for r in rows]
     csv_rows = [{k: v for k, v in r.items() if k != "text_key"} for r in ppl_rows]
     cost_rows = F.quality_cost_points(cost_points)  # exactly the points the chart draws
+    speed_rows = F.quality_cost_points(cost_points, f"speed_{phase}")
     return (html.Table([header, *body], className="list"), ppl, F.compare_active(plans), F.quality_vs_cost(cost_points),
+            F.quality_vs_cost(cost_points, f"speed_{phase}"),
             {"rows": csv_rows, "filename": "perplexity"} if csv_rows else None, {"rows": active_rows, "filename": "active_share"},
             {"rows": cost_rows, "filename": "quality_vs_cost"} if cost_rows else None,
+            {"rows": speed_rows, "filename": f"quality_vs_speed_{phase}"} if speed_rows else None,
             error_box(None), search)

@@ -1,5 +1,5 @@
 """Compare profiles: two profiles of one model (say, on code and on literature) neuron by neuron. Each
-neuron's mean activation on A against B coloured by its set-specificity d (GET /profiles/compare;
+neuron's mean gate activation on A against B coloured by its set-specificity d (GET /profiles/compare;
 ``workers/engine/profiling/compare.py`` defines d), the share of specific neurons per layer, the
 most specific neurons of each side with their top tokens in both texts, and a neuron search; every
 neuron links to its card in the Neuron explorer. State in the URL: ?a=…&b=…&layer=…&threshold=…"""

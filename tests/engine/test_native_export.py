@@ -336,6 +336,9 @@ def test_evaluate_refreshes_the_model_card(convs, data_dir, tmp_path):
     card = (conv / "README.md").read_text()
     ppl = report["results"]["converted"]["perplexity"]
     assert "Not evaluated yet" not in card and f"| converted | {ppl:.6g} |" in card
+    b8 = report["speed"]["phases"]["decode_b8"]  # the models' times too, as the evaluation measured them
+    assert (f"| decode, batch 8 | {1e3 * b8['seconds']['dense']:.1f} | {1e3 * b8['seconds']['converted']:.1f} | "
+            f"{b8['speedup']['converted']:.2f} |") in card and "Speed against the dense model (PyTorch eager" in card
 
 
 @pytest.mark.parametrize("fmt", ["native", "moelab"])

@@ -59,7 +59,7 @@ def test_evaluation_reports_real_stages_in_order(conversion, data_dir):
         expected += ["baselines: cluster experts", "build baselines"]
     # TEAL at the conversion's cost: a calibration forward pass, then its thresholds layer by layer
     expected += ["baselines: teal: fit: calibration forward", "baselines: teal: thresholds", "build baselines"]
-    expected += ["read held-out text", *[f"evaluate {v}" for v in variants], "reconstruction error"]
+    expected += ["read held-out text", *[f"evaluate {v}" for v in variants], "reconstruction error", "time dense and converted"]
     assert rec.stages() == expected, rec.stages()
     last = {}
     for stage, current, total in rec.calls:

@@ -184,6 +184,9 @@ def test_routing_compares_two_sets_and_compare_page(page, live, api, evaluated, 
     routed = np.isfinite(np.array(heat["counts"][0], dtype=float)).sum(axis=-1)
     js = np.array(page.evaluate(FIRST_Y, "rx-js"), dtype=float)
     assert len(js) == len(heat["layers"]) and np.isfinite(js[routed >= 1]).all() and np.isnan(js[routed == 0]).all(), (js, routed)
+    # a layer without routed experts is a gap in both lines, as plotted (not joined across it)
+    assert page.evaluate("""() => ['rx-js', 'rx-loadcv'].every(id =>
+        document.querySelector('#' + id + ' .js-plotly-plot')._fullData.every(t => t.connectgaps === false))""")
     assert "2 windows × 32 tokens" in figure(page, "rx-heat-a")["title"]  # the set says its size
     shot(page, "routing")
     no_errors(page)

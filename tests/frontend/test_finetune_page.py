@@ -6,7 +6,12 @@ test-artifacts/."""
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
+
+from frontend.components import duration
 
 from .conftest import wait_job
 from .test_browser import figure, no_errors, shot
@@ -79,3 +84,51 @@ def test_the_page_reconnects_to_a_running_finetune_and_its_picker_follows_the_st
     page.wait_for_selector("#ft-job >> text=cancelled", timeout=60_000)
     page.wait_for_function("() => document.querySelector('#ft-run').innerText.includes(': cancelled')", timeout=30_000)
     assert page.errors == [], page.errors  # (the cancelled job's reason is shown as an error on purpose)
+
+
+def test_with_every_worker_busy_the_jobs_list_says_each_jobs_place_and_time_left_and_cancels(page, live, api, conversion_id):
+    """Every job worker runs a long fine-tune and one more waits: the Workspace's job list says the waiting job's place in
+    line and a running one's estimated time left in its stage (both as the API computes them), and its Cancel button ends
+    the waiting job."""
+    workers = [w for w in api.get("/health").json()["workers"] if not w.startswith("moelab-light@")]
+    long = {"conversion_id": conversion_id, "steps": 100_000, "batch_size": 1, "seq_len": 16, "checkpoint_every": 100_000,
+            "eval_windows": 1, "source": "builtin:math"}
+    jobs = [api.post("/finetunes", json=long).json()["job_id"] for _ in range(len(workers) + 1)]
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # which job waits depends on which worker took which message first
+            states = {j: api.get(f"/jobs/{j}").json() for j in jobs}
+            running = [s for s in states.values() if s["state"] == "running" and s["progress"].get("stage_left_s") is not None]
+            waiting = [s for s in states.values() if s["state"] == "queued"]
+            if len(running) == len(workers) and len(waiting) == 1:
+                break
+            assert time.monotonic() < deadline, states
+            time.sleep(0.5)
+        (queued,) = waiting
+        assert queued["queue_position"] == 1, queued
+        page.goto(f"{live['ui']}/")
+        row = page.locator("#ws-jobs > div", has=page.locator(f"text=(job {queued['id']})"))
+        row.locator(".job-label >> text=queued · 1st in line").wait_for(timeout=30_000)
+        busy = running[0]["id"]
+        label = page.locator("#ws-jobs > div", has=page.locator(f"text=(job {busy})")).locator(".job-label")
+        label.locator("text=left in this stage").wait_for(timeout=30_000)
+        shown = re.search(r"about (.+) left in this stage", label.inner_text()).group(1)
+        now = api.get(f"/jobs/{busy}").json()["progress"]
+        if shown != duration(now["stage_left_s"]):  # the estimate moved between the page's read and this one: close to it
+            h, m, sec = re.fullmatch(r"(?:(\d+) h )?(?:(\d+) min)?(?:(\d+) s)?", shown).groups(default="0")
+            assert abs(int(h) * 3600 + int(m) * 60 + int(sec) - now["stage_left_s"]) <= 0.25 * now["stage_left_s"] + 60, (shown, now)
+        assert re.search(r"— train \d+/100000", label.inner_text()), label.inner_text()
+        shot(page, "jobs-in-line")
+        row.locator("button:text-is('Cancel')").click()
+        deadline = time.monotonic() + 30
+        while api.get(f"/jobs/{queued['id']}").json()["state"] != "cancelled":
+            assert time.monotonic() < deadline, "the waiting job's Cancel did not cancel it"
+            time.sleep(0.3)
+        row.locator(".job-label >> text=cancelled").wait_for(timeout=30_000)
+    finally:
+        for job_id in jobs:
+            api.delete(f"/jobs/{job_id}")
+        for job_id in jobs:
+            deadline = time.monotonic() + 60
+            while api.get(f"/jobs/{job_id}").json()["state"] in ("queued", "running") and time.monotonic() < deadline:
+                time.sleep(0.3)

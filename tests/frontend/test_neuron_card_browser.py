@@ -10,7 +10,7 @@ import re
 import pytest
 
 from frontend import figures as F
-from frontend.names import fmt
+from frontend.names import fmt, fmt_pct
 
 from .test_browser import no_errors, shot, wait_figures
 
@@ -35,7 +35,12 @@ def test_click_opens_one_neuron_card_with_highlighted_tokens(page, live, api, pr
     page.wait_for_function(TITLE_IS, arg=f"layer 1 · neuron {neuron}")
     assert "averaged" not in page.inner_text("#nx-card")
     card = api.get(f"/profiles/{profile_id}/neurons/1/{neuron}").json()
-    assert f"CV {fmt(card['cv'])} across tasks" in page.inner_text("#nx-card-stats")
+    stats = page.inner_text("#nx-card-stats")
+    assert f"CV {fmt(card['cv'])} across tasks" in stats
+    # each number names its quantity: the rate is a rank among the layer's neurons (a 0% rate beside a large mean is
+    # then no contradiction), the mean is the gate's, and the snippets show h
+    assert f"among a token's top-K |h| on {fmt_pct(card['rate'])} of tokens (activation rate, ATopK" in stats
+    assert f"mean gate activation act(x·W_gate) {fmt(card['mean'])}" in stats and "snippets show h = act(x·W_gate)·(x·W_up)" in stats
 
     page.wait_for_selector("#nx-snippets .tok.centre")
     centres = page.evaluate(CENTRES)

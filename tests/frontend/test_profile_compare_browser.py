@@ -62,13 +62,16 @@ def test_compare_page_shows_the_planted_neurons_and_search_opens_their_card(page
     text, href = page.evaluate(FIRST_ROW, "#pc-top-b")
     assert text == "layer {} · neuron {}".format(*PROSE_NEURON) and href.startswith(f"/neurons?profile={b}&")
     assert "Most specific to A: code words" in page.inner_text("#pc-top-a-title")
+    heads = page.evaluate("() => Array.from(document.querySelectorAll('#pc-top-a th'), h => [h.innerText, h.title])")
+    assert heads[3] == ["mean gate act. A", "mean over A's samples of act(x·W_gate), the quantity d compares"], heads
+    assert heads[5][0] == "top-K rate A" and heads[7] == ["top tokens in A (h)", "its strongest tokens in A's text, coloured by h = act(x·W_gate)·(x·W_up)"]
     assert "' def'" not in page.inner_text("#pc-top-b") and " def" in page.inner_text("#pc-top-a tr.specific-a >> nth=0")
 
     scatter = figure(page, "pc-scatter")
     assert f"Layer {body['layer']}" in scatter["title"]
     shown = page.evaluate("() => { const l = document.querySelector('#pc-scatter .js-plotly-plot').layout; "
                           "return [l.xaxis.title.text, l.yaxis.title.text]; }")
-    assert shown == ["mean activation on A: code words", "mean activation on B: prose words"]
+    assert shown == ["mean gate activation on A: code words", "mean gate activation on B: prose words"]
     colours = page.evaluate("() => Array.from(document.querySelector('#pc-scatter .js-plotly-plot')._fullData[0].marker.color)")
     assert colours == pytest.approx(body["scatter"]["specificity"], rel=1e-5)  # each neuron coloured by its d
     # the shares chart says what the significance test kept, at the rate asked for, as the API counts it

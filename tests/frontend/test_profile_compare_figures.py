@@ -38,8 +38,8 @@ def test_scatter_puts_each_neuron_at_its_two_means_coloured_by_d():
     assert list(trace.marker.color) == [0.0, 5.9, -3.0, 0.2]
     assert [int(c[0]) for c in trace.customdata] == [0, 1, 2, 3]  # hover names the neuron
     assert trace.marker.cmin == -trace.marker.cmax and trace.marker.cmax >= 2.0  # symmetric: white at d = 0
-    assert fig.layout.xaxis.title.text == "mean activation on A: code"
-    assert fig.layout.yaxis.title.text == "mean activation on B: literature"
+    assert fig.layout.xaxis.title.text == "mean gate activation on A: code"
+    assert fig.layout.yaxis.title.text == "mean gate activation on B: literature"
     assert "Layer 1" in fig.layout.title.text and "|d| ≥ 1" in fig.layout.title.text
     diagonal = fig.layout.shapes[0]
     assert (diagonal.x0, diagonal.y0, diagonal.x1, diagonal.y1) == (-0.2, -0.2, 0.7, 0.7)

@@ -51,6 +51,24 @@ def test_quality_vs_cost_plots_one_series_per_text_with_the_recorded_numbers():
     assert "no evaluated conversion" in F.quality_vs_cost([]).layout.annotations[0].text
 
 
+def test_quality_vs_measured_speed_plots_each_phase_with_dense_in_view():
+    pts = [{"label": "best", "text": "builtin:mixed", "ffn_flops_fraction": 0.5, "perplexity_ratio": 1.4,
+            "speed_decode_b1": 1.31, "speed_decode_b8": 0.82, "speed_prefill": 0.9},
+           {"label": "paper", "text": "builtin:mixed", "ffn_flops_fraction": 0.75, "perplexity_ratio": 2.0,
+            "speed_decode_b1": 1.12, "speed_decode_b8": 0.95, "speed_prefill": 1.05},
+           {"label": "old", "text": "builtin:mixed", "ffn_flops_fraction": 0.75, "perplexity_ratio": 1.9}]  # never timed
+    fig = F.quality_vs_cost(pts, "speed_decode_b8")
+    (trace,) = fig.data
+    assert list(trace.x) == [0.82, 0.95] and list(trace.y) == [1.4, 2.0] and list(trace.text) == ["best", "paper"]
+    assert fig.layout.title.text.startswith("Quality vs measured speed") and "decode b8" in fig.layout.xaxis.title.text
+    assert fig.layout.xaxis.range[1] > 1.0  # dense's speed (1×) in view, a dotted line there: left of it is slower
+    assert any(s.x0 == 1 and s.x1 == 1 for s in fig.layout.shapes)
+    assert "lower-right is better" in fig.layout.title.text
+    rows = F.quality_cost_points(pts, "speed_prefill")
+    assert [r["speed_prefill"] for r in rows] == [0.9, 1.05] and [r["label"] for r in rows] == ["best", "paper"]
+    assert "timed" in F.quality_vs_cost(pts[2:], "speed_decode_b1").layout.annotations[0].text
+
+
 def test_the_portable_recipe_is_labelled_exportable_and_sets_the_leading_plan():
     from dash import dcc
 

@@ -12,7 +12,8 @@ import pytest
 
 import frontend.app  # noqa: F401  (instantiates the Dash app: the page modules register with it)
 from frontend.names import fmt
-from frontend.task_accuracy import accuracy_cell, speed_ratio
+from frontend.speed import PHASES, phase_speedup
+from frontend.task_accuracy import accuracy_cell
 
 from .conftest import wait_job
 from .test_browser import figure, no_errors, shot, wait_figures
@@ -79,7 +80,14 @@ def test_tasks_from_the_workspace_shown_in_evaluations_and_compare(page, live, a
         assert got_table.status == 200 and "attachment" in got_table.headers["content-disposition"]
         assert got_table.text() == api.get(f"/evaluations/{ev_id}/tasks-table", params={"format": fmt_}).text
         assert "moelab_chat_qa" in got_table.text() and f"{100 * conv_acc:.1f}" in got_table.text()
-    assert got["speed × dense"] == fmt(speed_ratio(ev["summary"]), 3)
+    # the whole models' speed in each phase, as this evaluation timed them (dense and converted, one process)
+    speed = ev["summary"]["speed"]
+    for phase, name in PHASES.items():
+        value = speed["phases"][phase]["speedup"]["converted"]
+        assert got[f"{name} speed × dense"] == f"{value:.2f}×" + (" (slower)" if value < 1 else ""), (phase, got)
+    title = page.locator("#ev-table tr").nth(1).locator("td").nth(headers.index("decode b8 speed × dense")).get_attribute("title")
+    ms = 1e3 * speed["phases"]["decode_b8"]["seconds"]["converted"]
+    assert title.startswith("one decode step of batch 8: dense ") and f"converted {ms:.1f} ms" in title and "threads" in title
 
     page.goto(f"{live['ui']}/compare?ids={conversion}")
     wait_figures(page, "cc-acc-cost", "cc-acc-speed")
@@ -90,8 +98,17 @@ def test_tasks_from_the_workspace_shown_in_evaluations_and_compare(page, live, a
     assert point["name"] == "moelab_chat_qa" and point["x"] == [pytest.approx(ffn)] and point["y"] == [pytest.approx(100 * conv_acc)]
     assert dense["name"] == "moelab_chat_qa: dense" and dense["x"] == [1.0] and dense["y"] == [pytest.approx(100 * dense_acc)]
     assert "in domain" in point["text"][0]  # the tiny profile's builtin:mixed holds chat
-    speed = figure(page, "cc-acc-speed")
-    assert speed["data"][0]["x"] == [pytest.approx(speed_ratio(ev["summary"]))]
-    assert speed["title"].startswith("Accuracy vs measured speed")
+    drawn = figure(page, "cc-acc-speed")
+    assert drawn["data"][0]["x"] == [pytest.approx(phase_speedup(ev["summary"], "decode_b1"))]
+    assert drawn["title"].startswith("Accuracy vs measured decode b1 speed")
+    page.click("#cc-phase input[value=prefill]")  # the phase chosen: both speed charts follow, and the URL keeps it
+    page.wait_for_function("() => location.search.includes('phase=prefill')")
+    page.wait_for_function("() => document.querySelector('#cc-acc-speed .js-plotly-plot').layout.title.text.includes('prefill')")
+    assert figure(page, "cc-acc-speed")["data"][0]["x"] == [pytest.approx(phase_speedup(ev["summary"], "prefill"))]
+    page.wait_for_function("() => document.querySelector('#cc-speed .js-plotly-plot').layout.xaxis.title.text.includes('prefill')")
+    quality = figure(page, "cc-speed")
+    assert quality["title"].startswith("Quality vs measured speed")
+    assert ev["summary"]["variants"]["converted"]["perplexity_ratio"] == pytest.approx(quality["data"][0]["y"][0])
+    assert quality["data"][0]["x"] == [pytest.approx(phase_speedup(ev["summary"], "prefill"))]
     shot(page, "task-accuracy")
     no_errors(page)

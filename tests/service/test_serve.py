@@ -272,3 +272,60 @@ def test_a_serve_killed_mid_job_takes_its_workers_at_once_and_fails_their_jobs(t
     finally:
         db.dispose()
     print(f"children gone {gone_s:.2f} s after SIGKILL of serve")
+
+
+def test_a_serve_killed_while_a_conversion_is_fanned_out_takes_both_workers_and_fails_it(tmp_path, tiny_llama, redis_url):
+    """A conversion shared by layer between two workers (``workers.fanout``): once both hold a layer, SIGKILL of serve.
+    Both workers (leader and helper) are gone within 5 s and the conversion's job reads failed with the cause; no
+    conversion directory is left half-written."""
+    import httpx
+    import redis
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moelab.store.db import Database, Job
+
+    big = tmp_path / "models" / "llama-16x2048"  # enough layers and neurons that building them takes a while
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=2048, num_hidden_layers=16,
+                                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
+                                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(big)
+    tok.save_pretrained(big)
+    proc, port, log = _serve(tmp_path, ["--no-frontend"], MOELAB_WORKERS="2", MOELAB_REDIS_URL=redis_url,
+                             MOELAB_DATA_ROOTS=json.dumps([str(big.parent)]))
+    try:
+        _wait_up(proc, port, log, need_worker=True)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}/api/v1", timeout=30) as api:
+            model = api.post("/models", json={"source": str(big)}).json()
+            calib = api.post("/calibration-sets", json={"source": "builtin", "name": "mixed", "samples": 12}).json()
+            _wait_state(api, model["job_id"], {"succeeded"})
+            _wait_state(api, calib["job_id"], {"succeeded"})
+            prof = api.post("/profiles", json={"model_id": model["id"], "calibration_set_id": calib["id"],
+                                               "max_tokens": 32, "batch_tokens": 256}).json()
+            _wait_state(api, prof["job_id"], {"succeeded"})
+            conv = api.post("/conversions", json={"profile_id": prof["id"], "expertweaver": {
+                "n_experts": 16, "alpha_max": 0.5, "sparsity": 0.5, "max_iter": 200}}).json()
+            _wait_state(api, conv["job_id"], {"running"})
+        owners = f"serve-test-{port}:fanout:{conv['job_id']}:owner"
+        client = redis.Redis.from_url(redis_url)
+        deadline = time.monotonic() + 120
+        while len(set(client.hvals(owners))) < 2:  # leader and helper each hold a layer
+            assert time.monotonic() < deadline, f"the conversion never fanned out: {client.hgetall(owners)}"
+            time.sleep(0.02)
+        children = _descendants(proc.pid)
+        assert len([c for c in children.values() if "celery" in c and " worker " in c]) == 3, children
+    except BaseException:
+        proc.kill()
+        raise
+    gone_s = _kill_and_wait(proc, children)
+    db = Database(f"sqlite:///{tmp_path / 'data' / 'moelab.db'}")
+    try:
+        with db.session() as session:
+            job = session.get(Job, conv["job_id"])
+            assert job.state == "failed" and job.error_type == "worker_lost", (job.state, job.error)
+            assert f"moelab serve (pid {proc.pid})" in job.error, job.error
+    finally:
+        db.dispose()
+    assert not (tmp_path / "data" / "artifacts" / "conversions" / conv["id"]).exists()
+    print(f"both fan-out workers gone {gone_s:.2f} s after SIGKILL of serve")

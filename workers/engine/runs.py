@@ -21,6 +21,7 @@ from .data.builtin import bigbench_installed
 from .evaluation import reference_scores
 from .limits import conversion_config, eval_tokens_problem, seq_len_problem
 from .evaluation.harness import TaskRequest, load_tasks, run_tasks
+from .evaluation.speed import SpeedProtocol, time_phases
 from .evaluation.metrics import MC_TASKS, evaluate_models, evaluate_variants, heldout_windows, swapped_mlps
 from .methods import ConversionInputs, Method, check_conversion, get_method, method_of
 from .models import ModelAdapter, load_model
@@ -169,6 +170,7 @@ def run_evaluation(
     source: str = "builtin:mixed", device: str = "auto", progress: Progress = NO_PROGRESS, write: bool = True,
     mc_per_task: int = 50, loader: ModelLoader = load_model, max_tokens: int | None = None,
     load_converted: Callable[[Path], Any] = load_exported, tasks: TaskRequest | None = None,
+    speed: SpeedProtocol | None = SpeedProtocol(),
 ) -> dict[str, Any]:
     """Perplexity dense vs converted (vs the method's baselines, e.g. AbsTopK for EW/CMoE, and TEAL at the
     conversion's cost wherever the method has baselines) in one run, plus reconstruction and routing; BIG-bench multiple-choice
@@ -180,7 +182,9 @@ def run_evaluation(
     ``loader`` / ``load_converted``: where the dense and the converted model come from (a worker passes its
     cache's, which keep them loaded between jobs; the evaluation leaves both as it found them).
     ``tasks``: lm-evaluation-harness tasks scored on every model evaluated (``evaluation.harness``); their data
-    is loaded before any model, so an unreachable task fails first."""
+    is loaded before any model, so an unreachable task fails first.
+    ``speed``: the whole converted model timed against the dense one in the same process (``evaluation.speed``: decode
+    at batch 1 and 8, prefill), on the held-out text; None skips it."""
     t0 = time.perf_counter()
     record = read_conversion(conversion_dir)
     check_evaluation_limits(conversion_dir, n_windows=n_windows, seq_len=seq_len, max_tokens=max_tokens)
@@ -230,6 +234,10 @@ def run_evaluation(
         task_scores = _task_scores({"dense": (dense, None), "converted": (converted, None)}, tokenizer, loaded_tasks,
                                    None, progress)
     reference_scores.save(data_dir, key, results["dense"])
+    timed: dict[str, Any] = {}
+    if speed is not None:
+        with progress.step("time dense and converted"):
+            timed = {"speed": time_phases({"dense": dense, "converted": converted}, windows, protocol=speed)}
     if method.extra_evaluation is not None:
         extra = method.extra_evaluation(converted, tokenizer, record, data_dir=data_dir, n_windows=n_windows,
                                         seq_len=seq_len, progress=progress)
@@ -241,6 +249,7 @@ def run_evaluation(
         "summary": record["summary"],
         "heldout": {"source": source, "split": "heldout", "windows": int(len(windows)), "seq_len": seq_len},
         "results": results,
+        **timed,
         **extra,
         **({"tasks": task_scores} if task_scores else {}),
         **({"task_settings": tasks.describe()} if tasks is not None else {}),

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..atomic import write_bytes_atomic
 from ..evaluation.harness import headline_metric
+from ..evaluation.speed import phase_label
 from .gguf_layout import gguf_refusal
 
 CARD_FILE = "README.md"
@@ -98,6 +99,15 @@ def _evaluation_lines(evaluation: dict | None, record: dict) -> list[str]:
             lines.append(f"| {name} | {_fmt(r.get('perplexity'))} | {_fmt(r.get('perplexity_ratio', 1.0))} |"
                          + "".join(f" {c} |" for c in cells))
         lines.append("")
+        speed = evaluation.get("speed")
+        if speed:  # seconds beside multiply-adds: the whole model against dense, timed in one process
+            lines += [f"Speed against the dense model ({speed['runtime']}; {speed['device']}, {speed['dtype']}, "
+                      f"{speed['threads']} threads; median of {speed['protocol']['repeats']} interleaved rounds):", "",
+                      "| phase | dense (ms) | converted (ms) | × dense speed |", "|---|---|---|---|"]
+            for phase, entry in speed["phases"].items():
+                lines.append(f"| {phase_label(phase, entry)} | {1e3 * entry['seconds']['dense']:.1f} | {1e3 * entry['seconds']['converted']:.1f} | "
+                             f"{entry['speedup']['converted']:.2f} |")
+            lines.append("")
     ft = record.get("finetune")
     if ft:
         lines.append(f"Fine-tuned ({(ft.get('params') or {}).get('mode', '?')}, {ft.get('steps')} steps, {ft.get('tokens')} tokens): "

@@ -1,0 +1,92 @@
+"""Whole models timed in three phases (``evaluation.speed``): the ratio it reports is the ratio of times, the
+inputs respect the models' positions and the text, and an evaluation carries the timing of its two models."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from tests.engine.conftest import tiny_conversion
+from workers.engine.evaluation.speed import PHASES, SpeedProtocol, describe, time_phases
+from workers.engine.models import load_model
+
+QUICK = SpeedProtocol(repeats=3, decode_steps=4, context=8, batch=8, prefill_tokens=512)
+
+
+class Slowed(nn.Module):
+    """``inner`` that then waits as long again as each call took: exactly twice as slow in every phase."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, **kw):
+        t0 = time.perf_counter()
+        out = self.inner(**kw)
+        time.sleep(time.perf_counter() - t0)
+        return out
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_model, data_dir):
+    return load_model(str(tiny_model("llama")), data_dir=data_dir).model.eval()
+
+
+def test_the_speedup_is_the_ratio_of_times(dense):
+    tokens = torch.arange(5, 105)
+    out = time_phases({"dense": dense, "slowed": Slowed(dense)}, tokens, protocol=QUICK)
+    assert set(out["phases"]) == set(PHASES)
+    for phase, entry in out["phases"].items():
+        assert entry["speedup"]["dense"] == 1.0
+        assert entry["speedup"]["slowed"] == pytest.approx(entry["seconds"]["dense"] / entry["seconds"]["slowed"])
+        assert 0.3 < entry["speedup"]["slowed"] < 0.7, (phase, entry)  # twice the time: half the speed
+        rows = entry["batch"] * (entry["tokens"] or 1)
+        assert entry["tokens_per_s"]["dense"] == pytest.approx(rows / entry["seconds"]["dense"])
+    assert out["phases"]["decode_b8"]["batch"] == 8 and out["phases"]["decode_b1"]["batch"] == 1
+    assert out["dtype"] == "float32" and out["threads"] == torch.get_num_threads() and out["device"].startswith("cpu")
+    lines = describe(out, "slowed")
+    assert len(lines) == 4 and all("(slower)" in line for line in lines[1:]), lines
+    assert "prefill of" in lines[3] and "median of 3 interleaved rounds" in lines[0]
+
+
+def test_inputs_fit_the_models_positions(dense):
+    positions = dense.config.max_position_embeddings
+    out = time_phases({"dense": dense}, torch.arange(5, 25), protocol=SpeedProtocol(repeats=1, decode_steps=2, prefill_tokens=10**6))
+    assert out["phases"]["prefill"]["tokens"] == out["protocol"]["prefill_tokens"] == positions  # a short text repeated
+    with pytest.raises(ValueError, match="not among"):
+        time_phases({"dense": dense}, torch.arange(5, 25), reference="converted")
+    with pytest.raises(ValueError, match=f"hold {positions} positions"):
+        time_phases({"dense": dense}, torch.arange(5, 25), protocol=SpeedProtocol(decode_steps=positions))
+
+
+def test_an_evaluation_times_its_converted_model_against_dense(tiny_model, data_dir, tmp_path_factory):
+    from workers.engine.runs import run_evaluation
+
+    conversion = tiny_conversion(tiny_model, data_dir, tmp_path_factory, n_experts=4, alpha_max=0.5)
+    report = run_evaluation(conversion, data_dir=data_dir, n_windows=2, seq_len=16, write=False, mc_per_task=0,
+                            baselines=False, speed=QUICK)
+    speed = report["speed"]
+    assert speed["reference"] == "dense" and speed["protocol"]["decode_steps"] == 4
+    for entry in speed["phases"].values():
+        assert set(entry["seconds"]) == {"dense", "converted"} and all(s > 0 for s in entry["seconds"].values())
+    assert "speed" not in run_evaluation(conversion, data_dir=data_dir, n_windows=2, seq_len=16, write=False, mc_per_task=0,
+                                         baselines=False, speed=None)
+
+
+def test_a_timed_decode_step_continues_from_its_cache(dense, tiny_model, data_dir, tmp_path_factory):
+    """The step timed is a real cached step: its logits are the full forward's at that position (were the cache
+    dropped, the step would be a cheap one-token forward and the decode times would mean nothing)."""
+    from workers.engine.evaluation.speed import _cache
+    from workers.engine.runtime.export import load_exported
+
+    conversion = tiny_conversion(tiny_model, data_dir, tmp_path_factory, n_experts=4, alpha_max=0.5)
+    ids = torch.arange(5, 14)[None]
+    for model in (dense, load_exported(conversion).eval()):
+        with torch.inference_mode():
+            first = model(input_ids=ids[:, :8], use_cache=True)
+            step = model(input_ids=ids[:, 8:], cache=_cache(first), use_cache=True)
+            whole = model(input_ids=ids)
+        torch.testing.assert_close(step.logits[:, -1], whole.logits[:, -1], atol=1e-4, rtol=1e-4)

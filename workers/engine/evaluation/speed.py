@@ -1,0 +1,176 @@
+"""Whole models timed against each other in the three phases a user waits for.
+
+Multiply-adds (``ffn_flops_fraction``) say what a conversion could save; seconds say what it does.
+Every model given is timed in the same process, round-robin (round r runs every model once before
+round r+1), so each ratio compares the same machine state:
+
+- ``decode_b1``: one new token for one sequence, with a KV cache of ``context`` real tokens (the
+  generation loop's step; greedy, so each step feeds the token the model just chose);
+- ``decode_b8``: the same step for ``batch`` sequences at once (serving several users);
+- ``prefill``: one forward over ``prefill_tokens`` tokens of one sequence (reading a prompt).
+
+A phase's time is the median over ``repeats`` rounds (decode: seconds per step, the mean over its
+``decode_steps`` steps in that round), after one untimed warm-up round, so neither model pays
+first-call costs (allocator, lazily built kernels) in the numbers. ``speedup[name]`` is the
+reference model's time over ``name``'s. The tokens are real held-out text: routing, and so the
+experts a batch touches, depends on the text.
+
+Choice (the issue asks for "decode at batch 1 and 8, prefill of 512"): the prefill is capped at
+the models' ``max_position_embeddings`` and at the text given (a short text is repeated to fill it),
+and the cache a decode starts from is ``context`` tokens, short enough that attention over it does
+not hide the FFN's share of a step.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+PHASES = ("decode_b1", "decode_b8", "prefill")
+RUNTIME = "PyTorch eager (transformers from_pretrained)"
+
+
+@dataclass(frozen=True)
+class SpeedProtocol:
+    repeats: int = 3
+    decode_steps: int = 16
+    context: int = 32
+    batch: int = 8
+    prefill_tokens: int = 512
+
+
+def _rows(tokens: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """``rows × width`` ids cut from the flat ``tokens`` (repeated when they are fewer than needed)."""
+    flat = tokens.reshape(-1)
+    need = rows * width
+    if flat.numel() < need:
+        flat = flat.repeat(-(-need // max(1, flat.numel())))
+    return flat[:need].reshape(rows, width)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cache(out: Any) -> Any:
+    """The KV cache a forward returned (transformers ≥ 5.2x name it ``cache``; earlier ``past_key_values``)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _decode_step_s(model: nn.Module, context: torch.Tensor, steps: int) -> float:
+    """Mean seconds of one cached greedy step after a prefill of ``context`` (untimed)."""
+    out = model(input_ids=context, use_cache=True)
+    cache, token = _cache(out), out.logits[:, -1:].argmax(-1)
+    _sync(context.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):  # each step needs the previous one's token: a loop over steps, not over tokens in a step
+        out = model(input_ids=token, cache=cache, use_cache=True)
+        cache, token = _cache(out), out.logits[:, -1:].argmax(-1)
+    _sync(context.device)
+    return (time.perf_counter() - t0) / steps
+
+
+def _prefill_s(model: nn.Module, ids: torch.Tensor) -> float:
+    _sync(ids.device)
+    t0 = time.perf_counter()
+    model(input_ids=ids, use_cache=True)
+    _sync(ids.device)
+    return time.perf_counter() - t0
+
+
+def max_positions(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+@torch.inference_mode()
+def time_phases(models: Mapping[str, nn.Module], tokens: torch.Tensor, *, reference: str = "dense",
+                protocol: SpeedProtocol = SpeedProtocol()) -> dict[str, Any]:
+    """Each model's seconds per phase and its speed-up over ``reference`` (a key of ``models``), all on the device of
+    the reference model. ``tokens``: real token ids (any shape) the inputs are cut from."""
+    if reference not in models:
+        raise ValueError(f"the reference model {reference!r} is not among {sorted(models)}")
+    first = models[reference]
+    param = next(first.parameters())
+    device, dtype = param.device, param.dtype
+    limits = [n for n in (max_positions(m) for m in models.values()) if n]
+    prefill = min([protocol.prefill_tokens, *limits])
+    context = min([protocol.context, *(n - protocol.decode_steps for n in limits)])
+    if context < 1:
+        raise ValueError(f"the models hold {min(limits)} positions: too few to time {protocol.decode_steps} decode steps")
+    inputs = {
+        "decode_b1": _rows(tokens, 1, context).to(device),
+        "decode_b8": _rows(tokens, protocol.batch, context).to(device),
+        "prefill": _rows(tokens, 1, prefill).to(device),
+    }
+
+    def once(model: nn.Module, phase: str) -> float:
+        if phase == "prefill":
+            return _prefill_s(model, inputs[phase])
+        return _decode_step_s(model, inputs[phase], protocol.decode_steps)
+
+    times: dict[str, dict[str, list[float]]] = {phase: {name: [] for name in models} for phase in PHASES}
+    for round_ in range(protocol.repeats + 1):  # round 0 warms up
+        for name, model in models.items():
+            for phase in PHASES:
+                seconds = once(model, phase)
+                if round_:
+                    times[phase][name].append(seconds)
+    phases: dict[str, Any] = {}
+    for phase in PHASES:
+        median = {name: statistics.median(ts) for name, ts in times[phase].items()}
+        rows = inputs[phase].shape[0] * (1 if phase != "prefill" else inputs[phase].shape[1])
+        phases[phase] = {
+            "seconds": median,
+            "tokens_per_s": {name: rows / s for name, s in median.items()},
+            "speedup": {name: median[reference] / s for name, s in median.items()},
+            "tokens": int(inputs[phase].shape[1]) if phase == "prefill" else None,
+            "batch": int(inputs[phase].shape[0]),
+        }
+    return {
+        "reference": reference, "phases": phases, "protocol": {**asdict(protocol), "prefill_tokens": prefill, "context": context},
+        "device": _device_name(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "runtime": RUNTIME,
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    return f"cpu: {platform.processor() or platform.machine()}"
+
+
+PHASE_NAMES = {"decode_b1": "decode, batch 1", "decode_b8": "decode, batch 8", "prefill": "prefill"}
+
+
+def phase_label(phase: str, entry: Mapping[str, Any]) -> str:
+    """'decode, batch 8' / 'prefill of 512 tokens': a phase as its numbers were measured."""
+    if phase == "prefill" and entry.get("tokens"):
+        return f"prefill of {entry['tokens']} tokens"
+    return PHASE_NAMES.get(phase, phase)
+
+
+def describe(speed: Mapping[str, Any], name: str = "converted") -> list[str]:
+    """Text lines of a ``time_phases`` result: ``name``'s time per phase beside the reference's, and which phases it
+    is slower in (with the number)."""
+    ref = speed["reference"]
+    p = speed["protocol"]
+    lines = [f"speed, whole model against {ref} ({speed['runtime']}; {speed['device']}, {speed['dtype']}, "
+             f"{speed['threads']} threads; median of {p['repeats']} interleaved rounds)"]
+    for phase, entry in speed["phases"].items():
+        unit = "per step" if phase != "prefill" else ""
+        ratio = entry["speedup"][name]
+        lines.append(f"  {phase_label(phase, entry):<24} {ref} {entry['seconds'][ref] * 1e3:8.1f} ms {unit:<8} "
+                     f"{name} {entry['seconds'][name] * 1e3:8.1f} ms  {ratio:5.2f}× {ref}"
+                     + ("  (slower)" if ratio < 1 else ""))
+    return lines
