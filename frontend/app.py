@@ -18,10 +18,9 @@ from moelab.settings import get_settings
 from moelab.store.broker import broker_url
 from moelab.store.liveness import client_for
 
-NAV = [("Workspace", "/"), ("Calibration sets", "/calibration"), ("Neuron explorer", "/neurons"), ("Compare profiles", "/profiles/compare"),
-       ("Layer similarity", "/layers"), ("Conversion designer", "/designer"), ("Fine-tune", "/finetune"), ("Routing explorer", "/routing"),
-       ("Token routing", "/tokens"), ("Compare conversions", "/compare"), ("Evaluations", "/evaluations"),
-       ("Playground", "/playground")]
+def nav() -> list[tuple[str, str]]:
+    """(name, path) of every page in its own ``order`` (``dash.register_page``): a new page joins the bar by registering."""
+    return [(p["name"], p["path"]) for p in sorted(dash.page_registry.values(), key=lambda p: p["order"])]
 
 
 def create_app() -> Dash:
@@ -41,7 +40,7 @@ def create_app() -> Dash:
     logout = [html.A("Log out", href="/logout", className="nav logout", id="logout")] if token else []
     app.layout = html.Div([
         html.Header([html.Span("moelab", className="brand")]
-                    + [dcc.Link(name, href=path, className="nav") for name, path in NAV] + logout),
+                    + [dcc.Link(name, href=path, className="nav") for name, path in nav()] + logout),
         html.Main(dash.page_container),
     ])
     return app

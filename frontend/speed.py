@@ -43,3 +43,9 @@ def phase_title(summary: dict[str, Any] | None, phase: str) -> str:
     what = f"prefill of {entry.get('tokens')} tokens" if phase == "prefill" else f"one decode step of batch {entry.get('batch')}"
     return (f"{what}: dense {1e3 * seconds['dense']:.1f} ms, converted {1e3 * seconds['converted']:.1f} ms; "
             + how_timed(summary))
+
+
+def speed_cell(summary: dict[str, Any] | None) -> str:
+    """'1.31× / 0.82× / 0.90×': every phase's speed over dense, in :data:`PHASES` order; '' when not timed."""
+    values = [phase_speedup(summary, phase) for phase in PHASES]
+    return " / ".join("–" if v is None else f"{v:.2f}×" for v in values) if any(v is not None for v in values) else ""

@@ -18,7 +18,7 @@ from frontend.speed import PHASES, phase_speedup
 from frontend.task_accuracy import accuracy_figure, accuracy_points
 from frontend.names import calibration_of, calibration_spec, chart_label, domain_relation, fmt, fmt_pct, heldout_spec, with_id
 
-dash.register_page(__name__, path="/compare", name="Compare conversions", order=6)
+dash.register_page(__name__, path="/compare", name="Compare conversions", order=9)
 
 N = "cc"
 HEADERS = {"sparsity": "sparsity (parameter)"}  # the cost compared at is ffn_flops_fraction, its own column

@@ -21,7 +21,7 @@ from frontend.components import (baselines_choice, builtin_source_options, cance
                                  progress, to_search, wants_baselines)
 from frontend.names import fmt
 
-dash.register_page(__name__, path="/designer", name="Conversion designer", order=4)
+dash.register_page(__name__, path="/designer", name="Conversion designer", order=5)
 
 N = "cd"
 EVAL_WINDOWS, EVAL_TOKENS = 4, 64  # a quick first look; the button and the chart say how small

@@ -20,7 +20,7 @@ from frontend.names import chart_label
 from frontend.speed import PHASES, phase_text, phase_title
 from frontend.task_accuracy import accuracy_cell
 
-dash.register_page(__name__, path="/evaluations", name="Evaluations", order=7)
+dash.register_page(__name__, path="/evaluations", name="Evaluations", order=10)
 
 N = "ev"
 FILTERS = ("tag", "method", "text", "status", "q")

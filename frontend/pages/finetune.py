@@ -19,7 +19,7 @@ from frontend.api_client import ApiError, api
 from frontend.components import error_box, figure_card, page_names, progress, to_search
 from frontend.names import Names, with_id
 
-dash.register_page(__name__, path="/finetune", name="Fine-tune", order=7)
+dash.register_page(__name__, path="/finetune", name="Fine-tune", order=6)
 
 N = "ft"
 TERMINAL = ("succeeded", "failed", "cancelled")

@@ -17,7 +17,7 @@ from frontend import figures as F
 from frontend.api_client import ApiError, api
 from frontend.components import error_box, figure_card, num, profile_picker, to_search
 
-dash.register_page(__name__, path="/layers", name="Layer similarity", order=3)
+dash.register_page(__name__, path="/layers", name="Layer similarity", order=4)
 
 N = "ls"
 METHOD = "dense2moe"

@@ -11,7 +11,7 @@ from frontend.api_client import ApiError, api
 from frontend.components import error_box, not_offered, options_or_error, progress, to_search
 from frontend.token_view import generation_card
 
-dash.register_page(__name__, path="/playground", name="Playground", order=8)
+dash.register_page(__name__, path="/playground", name="Playground", order=11)
 
 N = "pg"
 TERMINAL = ("succeeded", "failed", "cancelled")

@@ -17,7 +17,7 @@ from frontend.api_client import ApiError, api
 from frontend.components import error_box, figure_card, num, options_or_error, page_names, to_search
 from frontend.names import Names, fmt, fmt_pct
 
-dash.register_page(__name__, path="/profiles/compare", name="Compare profiles", order=2)
+dash.register_page(__name__, path="/profiles/compare", name="Compare profiles", order=3)
 
 N = "pc"
 TOP = 10

@@ -17,7 +17,7 @@ from frontend.components import (baselines_choice, cancel_started, builtin_sourc
                                  wants_baselines)
 from frontend.names import with_id
 
-dash.register_page(__name__, path="/routing", name="Routing explorer", order=5)
+dash.register_page(__name__, path="/routing", name="Routing explorer", order=7)
 
 N = "rx"
 EVAL_WINDOWS, EVAL_TOKENS = 4, 64  # a quick look at routing; the button says how small

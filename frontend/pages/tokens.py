@@ -23,7 +23,7 @@ from frontend.api_client import ApiError, api
 from frontend.components import GRAPH_CONFIG, error_box, options_or_error, progress, to_search
 from frontend.token_view import expert_card, routed_layers, routed_tokens
 
-dash.register_page(__name__, path="/tokens", name="Token routing", order=6)
+dash.register_page(__name__, path="/tokens", name="Token routing", order=8)
 
 N = "tk"
 TERMINAL = ("succeeded", "failed", "cancelled")

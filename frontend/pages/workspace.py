@@ -21,6 +21,7 @@ from frontend.components import baselines_choice, builtin_options, error_box, op
 from frontend.defaults import CALIBRATION_NOTE, CALIBRATION_SAMPLES, CALIBRATION_SET, CALIBRATION_TOKENS
 from frontend.downloads import download_url, export_download_url
 from frontend.exportability import ui_words
+from frontend.speed import how_timed, speed_cell
 from frontend.task_accuracy import accuracy_cell
 from frontend.names import (Names, evaluation_name, finetune_name, fmt, fmt_pct, heldout_text, job_subject, probe_name, ratio_ci,
                             with_id)
@@ -460,7 +461,8 @@ def _directory_tasks(task_dir):
 
 def evaluation_cells(e: dict, conversion: dict | None) -> dict[str, str]:
     """An evaluation's row in words: held-out text, windows × tokens per window (what was read),
-    dense and converted perplexity, their ratio, the conversion's FFN cost (its ``ffn_flops_fraction``)."""
+    dense and converted perplexity, their ratio, the conversion's FFN cost (its ``ffn_flops_fraction``) and its
+    measured speed over dense's per phase."""
     held = F.heldout_of(e)
     variants = (e.get("summary") or {}).get("variants") or {}
     dense = (variants.get("dense") or {}).get("perplexity")
@@ -472,6 +474,7 @@ def evaluation_cells(e: dict, conversion: dict | None) -> dict[str, str]:
     return {"held-out text": heldout_text(e), "windows × seq_len": f"{fmt(held['windows'])} × {fmt(held['seq_len'])}",
             "dense ppl": ppl(dense), "converted ppl": ppl(conv.get("perplexity")), "ratio": ratio_ci(ratio, conv.get("perplexity_ratio_ci")),
             "ffn cost": fmt(((conversion or {}).get("summary") or {}).get("ffn_flops_fraction"), 3),
+            "speed": speed_cell(e.get("summary")),
             "baselines": ", ".join(extra) if extra else ("yes" if (e.get("params") or {}).get("baselines") else "no"),
             "tasks": accuracy_cell(e.get("summary"))}
 
@@ -492,7 +495,9 @@ def _evaluation_table(evals: list[dict], convs: dict[str, dict], conv_names: dic
 
     cols = [("conversion", conversion), ("id", lambda e: html.Span(e["id"], className="note")), ("held-out text", cell("held-out text")),
             ("windows × seq_len", cell("windows × seq_len")), ("dense ppl", cell("dense ppl")), ("converted ppl", cell("converted ppl")),
-            ("ratio", cell("ratio")), ("ffn cost", cell("ffn cost")), ("baselines", cell("baselines")),
+            ("ratio", cell("ratio")), ("ffn cost", cell("ffn cost")),
+            ("speed × dense (decode b1 / b8 / prefill)", lambda e: html.Span(cell("speed")(e), title=how_timed(e.get("summary")))),
+            ("baselines", cell("baselines")),
             ("task accuracy (converted / dense)", cell("tasks")), ("status", _status),
             ("open", actions)]
     return _table("Evaluations", evals, cols, "evaluations", refusal)

@@ -92,3 +92,20 @@ def test_finetune_reports_loading_and_setup_before_training(conversion, data_dir
     stages = rec.stages()
     assert stages[:3] == ["load converted model", "read training and held-out text", "perplexity before"], stages
     assert stages.index("set up expertweaver training") < stages.index("train") < stages.index("export"), stages
+
+
+def test_a_finetunes_peak_memory_is_its_own_not_the_processs(conversion, data_dir, tmp_path):
+    """A worker runs many jobs in one process: a fine-tune after a job that peaked 1.5 GiB higher reports its own
+    peak (ru_maxrss would report the earlier job's)."""
+    import resource
+
+    import numpy as np
+
+    from workers.engine.training.finetune import FinetuneParams, run_finetune
+
+    earlier = np.ones(1536 << 17)  # 1.5 GiB of float64, every page touched
+    del earlier
+    process_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    params = FinetuneParams(mode="expertweaver", steps=1, batch_size=1, seq_len=16, eval_windows=1, checkpoint_every=100)
+    summary = run_finetune(conversion, params, tmp_path / "ft", data_dir=data_dir, device="cpu")
+    assert summary["peak_rss_mib"] < process_peak - 1024, (summary["peak_rss_mib"], process_peak)

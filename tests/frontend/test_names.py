@@ -146,3 +146,15 @@ def test_a_conversion_named_in_the_url_but_not_ready_is_said_not_dropped(monkeyp
     assert not_offered("conv-x", offered) == (None, "conversion conv-x (from the link) is cancelled, and only ready "
                                                      "conversions can be shown: choose another")
     assert "does not exist any more" in not_offered("conv-gone", offered)[1]
+
+
+def test_every_page_joins_the_bar_in_its_own_order():
+    import dash
+
+    import frontend.app as app
+
+    orders = [p["order"] for p in dash.page_registry.values()]
+    assert len(set(orders)) == len(orders), orders  # no two pages claim one place
+    assert [name for name, _ in app.nav()] == [  # a user's path: data, exploration, conversion, judging, playing
+        "Workspace", "Calibration sets", "Neuron explorer", "Compare profiles", "Layer similarity", "Conversion designer",
+        "Fine-tune", "Routing explorer", "Token routing", "Compare conversions", "Evaluations", "Playground"]

@@ -12,7 +12,7 @@ import pytest
 
 import frontend.app  # noqa: F401  (instantiates the Dash app: the page modules register with it)
 from frontend.names import fmt
-from frontend.speed import PHASES, phase_speedup
+from frontend.speed import PHASES, phase_speedup, speed_cell
 from frontend.task_accuracy import accuracy_cell
 
 from .conftest import wait_job
@@ -66,6 +66,7 @@ def test_tasks_from_the_workspace_shown_in_evaluations_and_compare(page, live, a
     want = f"moelab_chat_qa {100 * conv_acc:.1f}% / {100 * dense_acc:.1f}% dense"
     assert accuracy_cell(ev["summary"]) == want and by["converted"]["n"] == 8
     _row(page, "evaluations", ev_id).locator(f"text={want}").wait_for()  # the Workspace's row says it
+    assert speed_cell(ev["summary"]).count("×") == 3 and speed_cell(ev["summary"]) in _row(page, "evaluations", ev_id).inner_text()
 
     page.goto(f"{live['ui']}/evaluations?q={ev_id}")
     page.wait_for_selector("#ev-count:has-text('1 evaluation matches the filters')")

@@ -258,7 +258,11 @@ def test_delete_confirm_says_what_goes_as_the_api_deletes():
 def test_evaluation_row_says_text_size_perplexities_and_cost():
     cells = evaluation_cells(LISTS["evaluations"][0], LISTS["conversions"][0])
     assert cells == {"held-out text": "builtin:mixed", "windows × seq_len": "6 × 128", "dense ppl": "20.00", "converted ppl": "25.12",
-                     "ratio": "1.26×", "ffn cost": "0.612", "baselines": "no", "tasks": ""}
+                     "ratio": "1.26×", "ffn cost": "0.612", "speed": "", "baselines": "no", "tasks": ""}  # not timed
+    timed = {**LISTS["evaluations"][0], "summary": {**LISTS["evaluations"][0]["summary"], "speed": {"phases": {
+        "decode_b1": {"speedup": {"dense": 1.0, "converted": 1.3149}}, "decode_b8": {"speedup": {"dense": 1.0, "converted": 0.8}},
+        "prefill": {"speedup": {"dense": 1.0, "converted": 0.9}}}}}}
+    assert evaluation_cells(timed, LISTS["conversions"][0])["speed"] == "1.31× / 0.80× / 0.90×"
     queued = evaluation_cells(LISTS["evaluations"][1], LISTS["conversions"][0])
     assert (queued["held-out text"], queued["dense ppl"], queued["ratio"]) == ("mine", "", "")
     assert (ppl(52070.4), ppl(999.994), ppl(None)) == ("52,070", "999.99", "")  # not 5.207e+04

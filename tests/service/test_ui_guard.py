@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from frontend.app import NAV
+from frontend.app import nav
 from frontend.auth import COOKIE, make_session
 
 from .conftest import _free_port
@@ -23,7 +23,7 @@ from .helpers import REPO, env_for, wait_job
 
 TOKEN = f"ui-guard-{secrets.token_hex(12)}"
 #: every page of the app, a deep link with a query, and a path no page has (Dash answers it too)
-PAGES = [path for _, path in NAV] + ["/neurons?profile=pr-none&layer=0", "/no-such-page"]
+PAGES = [path for _, path in nav()] + ["/neurons?profile=pr-none&layer=0", "/no-such-page"]
 DOWNLOAD = "/download/conversions/cv-0000000000.zip"  # no such conversion: past the guard, the API says 404
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import resource
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -19,6 +18,7 @@ from .atomic import write_json_atomic
 from .data.calibration import CalibrationSet, load_calibration
 from .data.builtin import bigbench_installed
 from .evaluation import reference_scores
+from .memory import peak_rss_mib, reset_peak_rss
 from .limits import conversion_config, eval_tokens_problem, seq_len_problem
 from .evaluation.harness import TaskRequest, load_tasks, run_tasks
 from .evaluation.speed import SpeedProtocol, time_phases
@@ -37,25 +37,6 @@ EVALUATION_FILE = "evaluation.json"
 ModelLoader = Callable[..., ModelAdapter]
 
 
-def _peak_rss_mib() -> float:
-    """This job's peak resident memory: since ``_reset_peak_rss`` where the kernel allows it
-    (a worker process runs many jobs; ru_maxrss would report the largest of them all)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _reset_peak_rss() -> None:
-    try:  # Linux ≥ 4.0: "5" resets the peak RSS (VmHWM) to the current RSS
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
 def run_profile(
     model: str, calib: str | CalibrationSet, out: Path, settings: ProfileSettings, *, samples: int | None, data_dir: Path,
     device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False, progress: Progress = NO_PROGRESS,
@@ -69,7 +50,7 @@ def run_profile(
     before the calibration set or any weight is read.
     """
     t0 = time.perf_counter()
-    _reset_peak_rss()
+    reset_peak_rss()
     settings.validate()
     plan = None
     if max_memory is not None:
@@ -89,7 +70,7 @@ def run_profile(
         result = profile_model(adapter, cset, settings, progress)
         load_s = adapter.load_seconds
     try:
-        result.timings.update(load_model_s=load_s, total_s=time.perf_counter() - t0, peak_rss_mib=_peak_rss_mib())
+        result.timings.update(load_model_s=load_s, total_s=time.perf_counter() - t0, peak_rss_mib=peak_rss_mib())
         if plan is not None:
             result.timings["max_memory_bytes"] = float(plan.max_memory)
         write_profile(result, cset, out)
@@ -121,7 +102,7 @@ def run_conversion(
     method = get_method(method_of(params))
     profile_paths = [p for p in [profile_dir, *extra_profiles] if p is not None]
     profiles = check_conversion(params, profile_paths, model, calib)  # before a model is loaded
-    _reset_peak_rss()
+    reset_peak_rss()
     budget: dict[str, float] = {}
 
     def complete(record: dict[str, Any], moe: Any) -> None:
@@ -130,7 +111,7 @@ def run_conversion(
                 "ffn_flops_fraction", ffn_flops_fraction(moe, profiles[0].manifest["model"]["n_ffn_parameters"]))
             record.update(profile=str(Path(profile_paths[0]).resolve()), model=profiles[0].manifest["model"],
                           calibration=profiles[0].manifest["calibration"])
-        record["timings"].update(total_s=time.perf_counter() - t0, peak_rss_mib=_peak_rss_mib(), **budget)
+        record["timings"].update(total_s=time.perf_counter() - t0, peak_rss_mib=peak_rss_mib(), **budget)
 
     if max_memory is not None and profiles:
         from .core.params import check_streamable

@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import json
 import math
-import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +94,7 @@ from .checkpoint import CHECKPOINT_DIR, CheckpointError, latest_checkpoint, list
 from ..evaluation.metrics import BATCH_TOKENS, heldout_windows, load_cv, perplexity, window_batch
 from ..runtime.export import CONVERSION_FILE, export_model
 from ..runtime.modeling_moelab import MoelabForCausalLM, layer_spec, realign_parameters
+from ..memory import peak_rss_mib, reset_peak_rss
 from ..models import load_model, resolve_device
 from ..runtime.param_count import parameter_counts
 from ..progress import NO_PROGRESS, Cancelled, Progress
@@ -474,10 +474,6 @@ def merge_adapters(setup: TrainSetup) -> MoelabForCausalLM:
 # --------------------------------------------------------------------------- the run
 
 
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def read_train_log(out: Path) -> dict[str, Any] | None:
     """The run's ``train_log.json`` (None before it was written)."""
     path = Path(out) / TRAIN_LOG
@@ -530,6 +526,7 @@ def run_finetune(
     Returns the summary also written to ``out/finetune.json``.
     """
     t0 = time.perf_counter()
+    reset_peak_rss()  # the summary's peak is this run's, not the worst job this worker process ever ran
     conversion_dir, out = Path(conversion_dir), Path(out)
     _validate(params, conversion_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -763,7 +760,7 @@ def _export_finetuned(setup: TrainSetup, conversion_dir: Path, out: Path, params
         "mode": params.mode, "steps": step, "tokens": block["tokens"],
         **{k: log.get(k) for k in ("perplexity_before", "perplexity_start", "perplexity_after", "dense_perplexity")},
         "final_loss": last.get("ntp_loss"), "train_s": elapsed, "total_s": time.perf_counter() - t0,
-        "peak_rss_mib": _peak_rss_mib(), "total_params": counts["total"], "active_params": counts["active"],
+        "peak_rss_mib": peak_rss_mib(), "total_params": counts["total"], "active_params": counts["active"],
         "trainable_params": log.get("trainable_params"), "model": str((out / MODEL_DIR).resolve()),
         "conversion": str(conversion_dir.resolve()), "params": params.to_dict(),
     }

@@ -1,1 +1,0 @@
-"""Backend configuration (the template's ``core`` package)."""
