@@ -1158,7 +1158,9 @@ class MethodPreview(BaseModel):
     params: dict[str, Any]
     layers: list[dict[str, Any]] | None = Field(None, description="partition methods: per-layer plan (EW Eqs. 4–6 / S·A·E): r, alpha, shared/routed experts, top_k, static, clamped, note")
     fusion: dict[str, Any] | None = Field(None, description="dense2moe: the chosen (l*, n*) and the ranked candidates (D2 §2.3)")
-    summary: dict[str, Any] = Field(description="active fraction, sparsity, static and clamped layers, mean alpha; or the fusion's layer counts")
+    summary: dict[str, Any] = Field(description="active fraction, sparsity, static and clamped layers, mean alpha; or the fusion's layer counts; "
+                                    "predicted_speed: per phase (decode_b1, decode_b8, prefill) the plan's predicted speed over dense "
+                                    "from this machine's measured kernel times, or a note saying why there is none")
 
 
 class RoutingHeatmap(BaseModel):

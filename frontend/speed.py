@@ -49,3 +49,22 @@ def speed_cell(summary: dict[str, Any] | None) -> str:
     """'1.31× / 0.82× / 0.90×': every phase's speed over dense, in :data:`PHASES` order; '' when not timed."""
     values = [phase_speedup(summary, phase) for phase in PHASES]
     return " / ".join("–" if v is None else f"{v:.2f}×" for v in values) if any(v is not None for v in values) else ""
+
+
+def slower_phases(predicted: dict[str, Any]) -> list[str]:
+    """The phases a predicted plan runs slower than dense in (``summary.predicted_speed`` of a preview)."""
+    return [phase for phase, v in (predicted.get("phases") or {}).items()
+            if isinstance(v.get("speedup"), (int, float)) and v["speedup"] < 1]
+
+
+def predicted_speed_words(predicted: dict[str, Any]) -> str:
+    """'Predicted speed × dense: decode b1 1.21×, decode b8 0.85×, prefill 0.70× — slower than dense in decode b8 and
+    prefill (cpu: …, 2 threads).' or the note saying why there is no prediction."""
+    phases = predicted.get("phases") or {}
+    if not phases:
+        return predicted.get("note") or ""
+    said = ", ".join(f"{PHASES.get(p, p)} {v['speedup']:.2f}×" for p, v in phases.items() if isinstance(v.get("speedup"), (int, float)))
+    slow = slower_phases(predicted)
+    verdict = (" — slower than dense in " + " and ".join(PHASES.get(p, p) for p in slow)) if slow else " — no phase slower than dense"
+    return (f"Predicted speed × dense: {said}{verdict} ({predicted.get('machine')}, {predicted.get('dtype')}, "
+            f"{predicted.get('threads')} threads; from measured kernel times).")

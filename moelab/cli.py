@@ -315,6 +315,10 @@ def convert(method: str, profile_dirs: tuple[Path, ...], model_source: str | Non
     if s.get("ffn_flops_fraction") is not None:
         sizes += f", FFN cost {s['ffn_flops_fraction']:.3f} of dense (ffn_flops_fraction)"
     click.echo(f"converted model written to {out} ({method}){sizes}, {record['timings']['total_s']:.1f}s")
+    if s.get("predicted_speed"):
+        from workers.engine.core.speed_prediction import describe_predicted
+
+        click.echo(describe_predicted(s["predicted_speed"]))
     if "active_fraction" in s:  # a per-layer partition plan
         _print_partition(record)
     else:

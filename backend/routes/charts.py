@@ -32,6 +32,7 @@ from pydantic_core import to_json
 from sqlalchemy import bindparam, select
 
 from workers.engine.core.params import ConversionError
+from workers.engine.core.speed_prediction import find_table, plan_layers, predicted_summary
 from moelab.store.jsonsafe import finite_list, jsonable
 from workers.engine.methods import REGISTRY
 
@@ -366,9 +367,11 @@ def _preview_body(profile_id: str, method_name: str, out: dict[str, Any]) -> byt
     return to_json(payload, fallback=_json_fallback, inf_nan_mode="null")
 
 
-def _preview(profile_id: str, method_name: str, query: dict[str, str], session, store) -> Response:
+def _preview(profile_id: str, method_name: str, query: dict[str, str], session, store, data_dir: Path) -> Response:
     """Parse ``query`` with the method's generated parameters model (422 on unknown or bad values),
-    then run the method's numpy-only preview on the stored profile (its body cached per parameters)."""
+    then run the method's numpy-only preview on the stored profile (its body cached per parameters and kernel
+    table). A per-layer plan also gets its predicted speed per phase (``core.speed_prediction``) when the model's
+    kernel times were measured on this machine."""
     method = REGISTRY.get(method_name)
     if method is None:
         raise ApiError(404, f"no method {method_name!r}; list them with GET /api/v1/methods")
@@ -379,22 +382,28 @@ def _preview(profile_id: str, method_name: str, query: dict[str, str], session, 
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]) from exc
     profile, stamp = _ready_profile(session, store, profile_id)
+    table = find_table(data_dir, (profile.manifest.get("model") or {}).get("source"))
 
     def encode() -> bytes:
         try:
-            out = method.preview(profile, method.params(**given.model_dump()))
+            params = method.params(**given.model_dump())
+            out = method.preview(profile, params)
         except ConversionError as exc:
             raise ApiError(422, f"{method_name}: {exc}") from exc
+        if out.get("layers") and "d_expert" in out["layers"][0]:
+            layers = plan_layers(out["layers"], getattr(params, "down_keep", 1.0))
+            out["summary"]["predicted_speed"] = predicted_summary(table, layers)
         return _preview_body(profile_id, method_name, out)
 
-    return _cached_body(("preview", profile_id, stamp, method_name, given.model_dump_json()), profile, stamp, encode)
+    key = ("preview", profile_id, stamp, method_name, given.model_dump_json(), table and table["measured_at"])
+    return _cached_body(key, profile, stamp, encode)
 
 
 @router.get("/profiles/{profile_id}/preview/{method}", response_model=MethodPreview, tags=["profiles"],
             summary="What a conversion with these parameters would build, from the stored statistics (numpy only)")
 def method_preview(profile_id: str, method: str, request: Request, session: SessionDep, store: StoreDep) -> Response:
     """Query parameters: the method's parameters (GET /api/v1/methods lists them; absent ones take their default)."""
-    return _preview(profile_id, method, dict(request.query_params), session, store)
+    return _preview(profile_id, method, dict(request.query_params), session, store, request.app.state.settings.data_dir)
 
 
 @router.get("/profiles/{profile_id}/allocation-preview", response_model=MethodPreview, tags=["profiles"],
@@ -403,7 +412,7 @@ def allocation_preview(profile_id: str, request: Request, session: SessionDep, s
                        method: Literal["expertweaver", "cmoe"] = "expertweaver") -> Response:
     """The partition methods' preview at their historical address: ``method`` plus that method's parameters."""
     query = {k: v for k, v in request.query_params.items() if k != "method"}
-    return _preview(profile_id, method, query, session, store)
+    return _preview(profile_id, method, query, session, store, request.app.state.settings.data_dir)
 
 
 def _evaluation_record(store, ev: Evaluation) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from frontend.exportability import planned_export
 from frontend.components import (baselines_choice, builtin_source_options, cancel_started, error_box, figure_card, options, profile_picker,
                                  progress, to_search, wants_baselines)
 from frontend.names import fmt
+from frontend.speed import predicted_speed_words, slower_phases
 
 dash.register_page(__name__, path="/designer", name="Conversion designer", order=5)
 
@@ -329,6 +330,9 @@ def _preview(profile, method, values, ids, methods, recipes, recipe_ids):
     text = [f"{start}active {s['active_fraction']:.1%} of FFN neurons (neuron sparsity {s['sparsity']:.1%}), mean α {s['mean_alpha']:.2f}."]
     if s.get("ffn_flops_fraction") is not None:
         text.append(f" FFN cost {s['ffn_flops_fraction']:.3f} of dense (ffn_flops_fraction: multiply-adds per token, router included).")
+    if s.get("predicted_speed"):
+        text.append(html.Span(" " + predicted_speed_words(s["predicted_speed"]), id=f"{N}-speed",
+                              className="slower" if slower_phases(s["predicted_speed"]) else "note"))
     if s.get("plan_note") and not budget:
         text.append(html.Span(" " + s["plan_note"] + ".", className="aggregated"))
     if s.get("clamped_layers"):

@@ -133,6 +133,15 @@ def test_alpha_slider_redraws_plan_and_convert_succeeds(page, live, profile_id):
     after = figure(page, "cd-plan")
     assert after["data"] != before["data"]
     page.wait_for_function("() => location.search.includes('alpha_min=0.6')")
+    # the plan's predicted speed per phase, as the API predicts it from this machine's kernel times, slower phases named
+    preview = httpx.get(f"{live['api']}/profiles/{profile_id}/preview/expertweaver",
+                        params={"n_experts": 8, "alpha_max": 0.7, "alpha_min": 0.6}).json()["summary"]["predicted_speed"]
+    page.wait_for_selector("#cd-speed")
+    said = page.inner_text("#cd-speed")
+    for phase, name in (("decode_b1", "decode b1"), ("decode_b8", "decode b8"), ("prefill", "prefill")):
+        assert f"{name} {preview['phases'][phase]['speedup']:.2f}×" in said, (said, preview)
+    slow = [p for p, v in preview["phases"].items() if v["speedup"] < 1]
+    assert ("slower than dense in" in said) == bool(slow) and page.get_attribute("#cd-speed", "class") == ("slower" if slow else "note")
     shot(page, "designer")
     no_errors(page)
 

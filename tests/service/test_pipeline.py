@@ -101,6 +101,10 @@ def test_profile_charts(client, profile_id):
 
     plan = client.get(f"{base}/allocation-preview", params={"n_experts": 8, "sparsity": 0.5, "alpha_min": 0.6, "alpha_max": 0.9, "tau": 5}).json()
     assert len(plan["layers"]) == 3 and plan["params"]["n_experts"] == 8
+    # the profile job measured this machine's kernel times: the plan comes with its predicted speed per phase
+    speed = plan["summary"]["predicted_speed"]
+    assert set(speed["phases"]) == {"decode_b1", "decode_b8", "prefill"}, speed
+    assert all(v["speedup"] > 0 and v["seconds"] > 0 for v in speed["phases"].values()) and speed["threads"] >= 1
     assert plan["summary"]["clamped_layers"] and "clamped" in plan["layers"][plan["summary"]["clamped_layers"][0]]["note"]
     active = client.get(f"{base}/allocation-preview", params={"n_experts": 8, "sparsity": 0.5, "alpha_basis": "active"}).json()
     assert not active["summary"]["clamped_layers"]
@@ -113,6 +117,7 @@ def test_conversion_job_and_downloaded_model_generates(client, conversion_id, tm
     assert conv["status"] == "ready" and len(conv["layers"]) == 3
     assert conv["summary"]["active_fraction"] == pytest.approx(0.75, abs=0.02)
     assert conv["summary"]["active_fraction"] < conv["summary"]["ffn_flops_fraction"] < 1  # the router costs too
+    assert set(conv["summary"]["predicted_speed"]["phases"]) == {"decode_b1", "decode_b8", "prefill"}
     files = {f["path"] for f in client.get(f"/api/v1/artifacts/conversions/{conversion_id}").json()["files"]}
     assert {"config.json", "model.safetensors", "conversion.json", "modeling_moelab.py"} <= files
     record = client.get(f"/api/v1/artifacts/conversions/{conversion_id}/files/conversion.json").json()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -19,6 +20,7 @@ from .data.calibration import CalibrationSet, load_calibration
 from .data.builtin import bigbench_installed
 from .evaluation import reference_scores
 from .memory import peak_rss_mib, reset_peak_rss
+from .core.speed_prediction import find_table, predicted_summary
 from .limits import conversion_config, eval_tokens_problem, seq_len_problem
 from .evaluation.harness import TaskRequest, load_tasks, run_tasks
 from .evaluation.speed import SpeedProtocol, time_phases
@@ -29,9 +31,11 @@ from .runtime.export import CONVERSION_FILE, export_model, load_exported
 from .runtime.param_count import ffn_flops_fraction
 from .profiling.store import ProfileNotFound, StoredProfile, write_profile
 from .profiling.profiler import ProfileSettings, profile_model
-from .progress import NO_PROGRESS, Progress
+from .progress import NO_PROGRESS, Cancelled, Progress
 
 EVALUATION_FILE = "evaluation.json"
+
+log = logging.getLogger("moelab.engine")
 
 #: How a job gets its model: ``load_model`` by default; a worker passes its model cache.
 ModelLoader = Callable[..., ModelAdapter]
@@ -77,7 +81,27 @@ def run_profile(
     finally:
         if plan is not None and plan.stream:
             remove_scratch(result)
-    return StoredProfile.open(out)
+    profile = StoredProfile.open(out)
+    if plan is None or not plan.stream:  # a streamed model does not fit whole: no whole-model timing of it
+        measure_kernel_times(adapter, profile.manifest["model"], data_dir, progress)
+    return profile
+
+
+def measure_kernel_times(adapter: ModelAdapter, model: dict[str, Any], data_dir: Path, progress: Progress) -> None:
+    """This machine's kernel times for the profiled model (``evaluation.speed_table``), measured once and cached, so
+    the designer and ``moelab convert`` can predict a plan's speed. A failure here is logged, never the profile's."""
+    from .evaluation.speed_table import ensure_table
+
+    info = {"source": model.get("source"), "d_model": adapter.d_model, "d_ffn": adapter.layers[0].d_ffn,
+            "n_layers": len(adapter.layers)}
+    try:
+        with progress.step("time this machine's kernels (once per model)"):
+            windows = heldout_windows(adapter.tokenizer, data_dir, seq_len=128, n_windows=4)
+            ensure_table(adapter.model.eval(), windows, info, data_dir)
+    except Cancelled:
+        raise
+    except Exception:  # noqa: BLE001 - a prediction's basis is a help; the profile is already published
+        log.warning("kernel timing of %s failed; the designer will not predict its speed", info["source"], exc_info=True)
 
 
 def run_conversion(
@@ -109,6 +133,10 @@ def run_conversion(
         if profiles:
             record["summary"].setdefault(
                 "ffn_flops_fraction", ffn_flops_fraction(moe, profiles[0].manifest["model"]["n_ffn_parameters"]))
+            layers = getattr(getattr(moe, "config", None), "moe_layers", None)
+            if layers:  # seconds beside multiply-adds: from the kernel times the profile job measured on this machine
+                record["summary"]["predicted_speed"] = predicted_summary(
+                    find_table(data_dir, profiles[0].manifest["model"].get("source")), layers)
             record.update(profile=str(Path(profile_paths[0]).resolve()), model=profiles[0].manifest["model"],
                           calibration=profiles[0].manifest["calibration"])
         record["timings"].update(total_s=time.perf_counter() - t0, peak_rss_mib=peak_rss_mib(), **budget)

@@ -1,0 +1,150 @@
+"""A plan's speed predicted from measured kernel times (``core.speed_prediction``, ``evaluation.speed_table``): the fit
+recovers known costs, the prediction is the dense model less its FFNs plus the planned layers, tables are found and
+cached per model and machine, a profile measures them once, a conversion records its prediction, and on the default
+model the prediction meets the measurement within 20%."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from workers.engine.core.speed_prediction import (FEATURES, TABLE_DIR, describe_predicted, find_table, fit, layer_features,
+                                                  plan_layers, predict, predicted_summary)
+
+COEF = np.array([2e-5, 1e-9, 3e-9, 2e-9, 1e-6, 1e-10])  # seconds per unit of each feature
+
+
+def _grid_rows() -> list[dict]:
+    rows = []
+    for m in (8, 16, 32, 64):
+        for shared, k in ((0, 2), (64, 4), (128, 1)):
+            layer = {"kind": "moe", "d_shared": shared, "n_routed": (512 - shared) // m, "expert_size": m, "top_k": k}
+            rows.append({"layer": layer, "seconds": {p: float(layer_features(layer, t) @ COEF)
+                                                     for p, t in (("decode_b1", 1), ("prefill", 512))}})
+    return rows
+
+
+def _table(rows: list[dict]) -> dict:
+    phases = {p: {"tokens": t, "dense_model_s": 0.05 * t ** 0.5, "dense_ffn_s": float(layer_features({"kind": "dense", "d_ffn": 512}, t) @ COEF),
+                  "coef": fit(rows, t, p).tolist()} for p, t in (("decode_b1", 1), ("prefill", 512))}
+    return {"version": 1, "model": {"source": "m"}, "d_ffn": 512, "n_layers": 4, "machine": "cpu: test", "dtype": "float32",
+            "threads": 2, "measured_at": "2026-01-01T00:00:00+00:00", "phases": phases}
+
+
+def test_the_fit_recovers_the_costs_and_the_prediction_adds_the_planned_layers():
+    rows = _grid_rows()
+    table = _table(rows)
+    for phase in table["phases"].values():  # every grid layout's time back from the fitted coefficients
+        got = [float(layer_features(r["layer"], phase["tokens"]) @ np.asarray(phase["coef"])) for r in rows]
+        want = [float(layer_features(r["layer"], phase["tokens"]) @ COEF) for r in rows]
+        np.testing.assert_allclose(got, want, rtol=1e-3)
+    plan = [{"kind": "dense"}, {"kind": "moe", "d_shared": 64, "n_routed": 28, "expert_size": 16, "top_k": 6}] * 2
+    out = predict(table, plan)
+    for phase, entry in table["phases"].items():
+        t = entry["tokens"]
+        planned = sum(float(layer_features(l if l["kind"] == "moe" else {"kind": "dense", "d_ffn": 512}, t) @ COEF) for l in plan)
+        want = entry["dense_model_s"] - 4 * entry["dense_ffn_s"] + planned
+        assert out[phase]["seconds"] == pytest.approx(want, rel=1e-3)
+        assert out[phase]["speedup"] == pytest.approx(entry["dense_model_s"] / want, rel=1e-3)
+    # all layers dense: the dense model's own time
+    assert predict(table, [{"kind": "dense"}] * 4)["prefill"]["speedup"] == pytest.approx(1.0, rel=1e-3)
+    assert len(FEATURES) == len(COEF)
+
+
+def test_a_batch_touches_fewer_experts_than_it_selects_and_down_rows_kept_count():
+    layer = {"kind": "moe", "d_shared": 0, "n_routed": 16, "expert_size": 32, "top_k": 4}
+    one, eight = layer_features(layer, 1), layer_features(layer, 8)
+    assert one[2] == pytest.approx(4 * 32)  # one token touches its k experts
+    assert 4 * 32 < eight[2] < 16 * 32 and eight[3] == 8 * 4 * 32  # eight touch fewer than 8·k distinct ones
+    half = layer_features({**layer, "down_keep": 0.5}, 1)
+    assert half[3] == pytest.approx(one[3] * 2.5 / 3)
+
+
+def test_plan_rows_become_layers_and_words_say_slower_phases():
+    rows = [{"d_shared": 96, "n_routed": 60, "d_expert": 24, "top_k": 10}]
+    assert plan_layers(rows, 0.5) == [{"kind": "moe", "d_shared": 96, "n_routed": 60, "expert_size": 24, "top_k": 10, "down_keep": 0.5}]
+    table = _table(_grid_rows())
+    plan = [{"kind": "moe", "d_shared": 64, "n_routed": 28, "expert_size": 16, "top_k": 6}] * 4
+    summary = predicted_summary(table, plan)
+    assert set(summary["phases"]) == {"decode_b1", "prefill"} and summary["machine"] == "cpu: test"
+    words = describe_predicted(summary)
+    for phase, v in summary["phases"].items():
+        assert f"{v['speedup']:.2f}×" in words
+    slow = [p for p, v in summary["phases"].items() if v["speedup"] < 1]
+    assert ("SLOWER than dense" in words) == bool(slow)
+    assert "measured (once" in predicted_summary(None, plan)["note"]
+    assert "low-rank" in predicted_summary(table, [{"kind": "low-rank"}])["note"]
+
+
+def test_the_newest_table_of_the_models_source_is_found(tmp_path):
+    folder = tmp_path / TABLE_DIR
+    folder.mkdir()
+    for name, source, when in (("a", "m", "2026-01-01"), ("b", "m", "2026-02-01"), ("c", "other", "2026-03-01")):
+        (folder / f"{name}.json").write_text(json.dumps({"version": 1, "model": {"source": source}, "measured_at": when}))
+    (folder / "broken.json").write_text("{")
+    assert find_table(tmp_path, "m")["measured_at"] == "2026-02-01"
+    assert find_table(tmp_path, "nope") is None and find_table(tmp_path / "missing", "m") is None
+
+
+def test_a_profile_measures_the_table_once_and_a_conversion_records_its_prediction(tiny_model, data_dir, tmp_path):
+    from tests.engine.test_profiling import make_set
+    from workers.engine.methods.expertweaver import ExpertWeaverParams
+    from workers.engine.profiling.profiler import ProfileSettings
+    from workers.engine.runs import run_conversion, run_profile
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for entry in os.listdir(data_dir):  # the suite's models and built-in sets, an empty speed-table folder
+        if entry != TABLE_DIR:
+            (data / entry).symlink_to(data_dir / entry)
+    model = str(tiny_model("llama"))
+    prof = run_profile(model, make_set(n=12, tasks=3, seed=1), tmp_path / "p", ProfileSettings(max_tokens=32, batch_tokens=128),
+                       samples=None, data_dir=data)
+    (path,) = (data / TABLE_DIR).glob("*.json")
+    table = json.loads(path.read_text())
+    assert table["model"]["source"] == prof.manifest["model"]["source"] and table["n_layers"] == 3
+    assert len(table["grid"]) >= 8 and set(table["phases"]) == {"decode_b1", "decode_b8", "prefill"}
+    assert all(len(p["coef"]) == len(FEATURES) and p["dense_model_s"] > p["dense_ffn_s"] > 0 for p in table["phases"].values())
+    stamp = path.stat().st_mtime_ns
+    run_profile(model, make_set(n=12, tasks=3, seed=2), tmp_path / "p2", ProfileSettings(max_tokens=32, batch_tokens=128),
+                samples=None, data_dir=data)
+    assert path.stat().st_mtime_ns == stamp  # measured once per model and machine
+    record = run_conversion(tmp_path / "p", ExpertWeaverParams(n_experts=4, alpha_max=0.5), tmp_path / "c", data_dir=data)
+    predicted = record["summary"]["predicted_speed"]
+    layers = json.loads((tmp_path / "c" / "config.json").read_text())["moe_layers"]
+    assert predicted["phases"]["decode_b1"]["speedup"] == pytest.approx(predict(table, layers)["decode_b1"]["speedup"])
+    assert json.loads((tmp_path / "c" / "conversion.json").read_text())["summary"]["predicted_speed"] == predicted
+
+
+@pytest.mark.slow
+def test_on_the_default_model_the_prediction_meets_the_measurement_within_20_percent(data_dir, tmp_path):
+    """The default model profiled briefly, converted (ExpertWeaver, 0.5 sparsity), and timed against dense in one
+    process: each phase's predicted speed over dense within 20% of the measured one."""
+    from workers.engine.evaluation.metrics import heldout_windows
+    from workers.engine.evaluation.speed import SpeedProtocol, time_phases
+    from workers.engine.evaluation.speed_table import measure_table
+    from workers.engine.methods.expertweaver import ExpertWeaverParams
+    from workers.engine.models import load_model
+    from workers.engine.profiling.profiler import ProfileSettings
+    from workers.engine.runs import run_conversion, run_profile
+    from workers.engine.runtime.export import load_exported
+
+    prof = run_profile("default", "builtin:mixed", tmp_path / "p", ProfileSettings(max_tokens=64, batch_tokens=1024), samples=8,
+                       data_dir=data_dir)
+    run_conversion(prof.path, ExpertWeaverParams(sparsity=0.5), tmp_path / "c", data_dir=data_dir)
+    adapter = load_model("default", data_dir=data_dir)
+    windows = heldout_windows(adapter.tokenizer, data_dir, seq_len=128, n_windows=4)
+    table = measure_table(adapter.model.eval(), windows, {"source": "default", "d_model": adapter.d_model,
+                                                           "d_ffn": adapter.layers[0].d_ffn, "n_layers": len(adapter.layers)})
+    layers = json.loads((tmp_path / "c" / "config.json").read_text())["moe_layers"]
+    predicted = predict(table, layers)
+    measured = time_phases({"dense": adapter.model, "converted": load_exported(tmp_path / "c").eval()}, windows,
+                           protocol=SpeedProtocol(repeats=5))
+    seen = {p: (round(predicted[p]["speedup"], 3), round(m["speedup"]["converted"], 3)) for p, m in measured["phases"].items()}
+    print("predicted, measured speed-up per phase:", seen, f"({torch.get_num_threads()} threads)")
+    for phase, (want, got) in seen.items():
+        assert want == pytest.approx(got, rel=0.2), seen

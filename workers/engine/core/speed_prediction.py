@@ -1,0 +1,132 @@
+"""A plan's speed predicted from this machine's measured kernel times (numpy only: the API predicts as the designer's
+sliders move, without torch).
+
+The table (``evaluation.speed_table`` measures it once per model, machine, dtype and thread count, and caches it as
+JSON under ``<data_dir>/speed-tables/``) holds, per phase (``evaluation.speed``'s decode at batch 1 and 8, prefill):
+
+- the whole dense model's seconds, and one dense FFN layer's;
+- the seconds of random-weight MoE FFN layers (moelab's runtime, its own kernels) over a grid of layouts, each
+  layer's weights cycled through enough copies that they come from memory, not cache, as in a whole model.
+
+Per phase a layer's time is modelled as non-negative multiples of what it moves and computes (``FEATURES``: a fixed
+cost, the shared part's neurons, the routed neurons its tokens touch (weights read), the routed neuron-rows computed,
+the (token, expert) pairs, the router's scores), fitted by non-negative least squares to the grid. A plan's time is
+then the dense model's, less its dense FFN layers, plus each planned layer's predicted time; its speed is dense's
+time over that. Choice: routing is taken as uniform when counting the experts a batch touches (``E·(1-(1-k/E)^T)``);
+a skewed router touches fewer, so batch-8 decode and prefill lean pessimistic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TABLE_DIR = "speed-tables"
+TABLE_VERSION = 1
+FEATURES = ("fixed", "shared_neurons", "touched_neurons", "computed_rows", "pairs", "router_scores")
+
+
+def layer_features(layer: Mapping[str, Any], tokens: int) -> np.ndarray:
+    """``FEATURES`` of one FFN layer run on ``tokens`` tokens. ``layer``: a ``moe_layers`` entry (``kind`` moe: d_shared,
+    n_routed, expert_size, top_k, down_keep) or ``{"kind": "dense", "d_ffn": D}`` (all of it shared)."""
+    if layer.get("kind", "moe") == "dense":
+        return np.array([1.0, tokens * float(layer["d_ffn"]), 0, 0, 0, 0])
+    e, m, k = int(layer.get("n_routed", 0)), int(layer.get("expert_size", 0)), int(layer.get("top_k", 0))
+    down = (2 + float(layer.get("down_keep", 1.0))) / 3  # gate and up rows whole, the down rows kept
+    touched = e * (1 - (1 - k / e) ** tokens) if e and k else 0.0
+    return np.array([1.0, tokens * float(layer.get("d_shared", 0)), touched * m * down, tokens * k * m * down,
+                     float(tokens * k), float(tokens * e) if k else 0.0])
+
+
+def fit(rows: Sequence[Mapping[str, Any]], tokens: int, phase: str) -> np.ndarray:
+    """Non-negative coefficients of ``FEATURES`` fitting the grid's measured seconds of ``phase`` (relative error)."""
+    from scipy.optimize import nnls
+
+    x = np.stack([layer_features(r["layer"], tokens) for r in rows])
+    y = np.array([r["seconds"][phase] for r in rows])
+    scale = 1 / y  # each layout weighs by its relative error, not its size
+    coef, _ = nnls(x * scale[:, None], np.ones_like(y))
+    return coef
+
+
+def predict(table: Mapping[str, Any], layers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Each phase's predicted seconds and speed over dense of a model whose FFN layers are ``layers`` (``moe_layers``
+    entries, one per decoder layer). Layers of other kinds (low-rank, hierarchical …) are not modelled: ValueError."""
+    unknown = sorted({str(l.get("kind")) for l in layers} - {"moe", "dense"})
+    if unknown:
+        raise ValueError(f"no speed model for layer kind(s) {', '.join(unknown)}")
+    out: dict[str, Any] = {}
+    for phase, entry in table["phases"].items():
+        coef = np.asarray(entry["coef"])
+        tokens = int(entry["tokens"])
+        dense_ffn = [l if l.get("kind") != "dense" else {"kind": "dense", "d_ffn": table["d_ffn"]} for l in layers]
+        planned = sum(float(layer_features(l, tokens) @ coef) for l in dense_ffn)
+        seconds = entry["dense_model_s"] - table["n_layers"] * entry["dense_ffn_s"] + planned
+        out[phase] = {"seconds": seconds, "dense_seconds": entry["dense_model_s"],
+                      "speedup": entry["dense_model_s"] / seconds if seconds > 0 else None}
+    return out
+
+
+def plan_layers(rows: Sequence[Mapping[str, Any]], down_keep: float = 1.0) -> list[dict[str, Any]]:
+    """A plan's rows (``core.allocation.LayerPlan`` as dicts: d_shared, n_routed, d_expert, top_k) as ``moe_layers``
+    entries."""
+    return [{"kind": "moe", "d_shared": int(r["d_shared"]), "n_routed": int(r["n_routed"]), "expert_size": int(r["d_expert"]),
+             "top_k": int(r["top_k"]), "down_keep": float(down_keep)} for r in rows]
+
+
+def table_key(model: Mapping[str, Any], machine: str, dtype: str, threads: int) -> str:
+    """The file stem of a table: the model's source and shape, the machine, dtype and threads."""
+    raw = json.dumps([model.get("source"), model.get("d_model"), model.get("d_ffn"), model.get("n_layers"), machine, dtype,
+                      int(threads), TABLE_VERSION], sort_keys=True)
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", str(model.get("source") or "model"))[-40:]
+    return f"{name}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
+
+
+def find_table(data_dir: Path, source: str | None) -> dict[str, Any] | None:
+    """The newest table measured for the model ``source`` on any machine of this data directory, or None."""
+    found = []
+    for path in (Path(data_dir) / TABLE_DIR).glob("*.json"):
+        try:
+            table = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if table.get("version") == TABLE_VERSION and table.get("model", {}).get("source") == source:
+            found.append(table)
+    return max(found, key=lambda t: t.get("measured_at", ""), default=None)
+
+
+def predicted_summary(table: Mapping[str, Any] | None, layers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """What the designer and ``moelab convert`` show: each phase's predicted speed over dense and where the kernel
+    times come from, or why there is no prediction."""
+    if table is None:
+        return {"note": "no kernel timings of this model on this machine yet: they are measured (once, about 20 s) "
+                        "with the next profile or conversion of it"}
+    try:
+        phases = predict(table, layers)
+    except ValueError as exc:
+        return {"note": str(exc)}
+    return {"phases": {p: {"speedup": v["speedup"], "seconds": v["seconds"], "dense_seconds": v["dense_seconds"]}
+                       for p, v in phases.items()},
+            "machine": table["machine"], "dtype": table["dtype"], "threads": table["threads"], "measured_at": table["measured_at"],
+            "note": "predicted from this machine's measured kernel times (routing taken as uniform)"}
+
+
+PHASE_WORDS = {"decode_b1": "decode batch 1", "decode_b8": "decode batch 8", "prefill": "prefill"}
+
+
+def describe_predicted(predicted: Mapping[str, Any]) -> str:
+    """One line: each phase's predicted speed over dense, and which phases would be slower than dense (with the number)."""
+    phases = predicted.get("phases") or {}
+    if not phases:
+        return f"predicted speed: none ({predicted.get('note')})"
+    said = ", ".join(f"{PHASE_WORDS.get(p, p)} {v['speedup']:.2f}×" for p, v in phases.items() if v.get("speedup"))
+    slow = [f"{PHASE_WORDS.get(p, p)} ({v['speedup']:.2f}×)" for p, v in phases.items() if v.get("speedup") and v["speedup"] < 1]
+    verdict = ("; SLOWER than dense in " + ", ".join(slow)) if slow else "; no phase slower than dense"
+    return (f"predicted speed × dense: {said}{verdict} ({predicted.get('machine')}, {predicted.get('threads')} threads; "
+            "from this machine's measured kernel times)")

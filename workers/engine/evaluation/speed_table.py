@@ -1,0 +1,131 @@
+"""This machine's kernel times for a model, measured once and cached (``core.speed_prediction`` predicts from them).
+
+``measure_table`` times the whole dense model per phase (``evaluation.speed``), one dense FFN layer, and
+random-weight MoE FFN layers of moelab's runtime over a grid of layouts around the model's FFN width (expert sizes
+D/128 … D/8, shared shares 0.1–0.5, active shares 0.25–0.75, whole and half down rows), then fits each phase's
+coefficients. Each layout's weights are cycled through enough copies (≥ ``WORKING_SET_BYTES`` in all) that a call
+reads them from memory as a whole model's layer does, not from a cache the previous call warmed.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..atomic import write_json_atomic
+from ..core.speed_prediction import TABLE_DIR, TABLE_VERSION, fit, table_key
+from ..runtime.modeling_moelab import decoder_layers
+from ..runtime.moelab_moe import MoeFFN
+from .speed import SpeedProtocol, time_phases
+
+WORKING_SET_BYTES = 192 << 20
+MAX_COPIES = 24
+PHASE_TOKENS = {"decode_b1": 1, "decode_b8": 8}  # prefill: the protocol's prefill tokens
+
+
+def grid(d_ffn: int) -> list[dict[str, Any]]:
+    """The MoE layouts timed: sizes a plan of this width produces (``d_shared``, ``n_routed``, ``expert_size``, ``top_k``)."""
+    out = []
+    for m in sorted({max(4, d_ffn // n) for n in (128, 64, 32, 16, 8)}):
+        for shared, active in ((0.1, 0.25), (0.25, 0.5), (0.5, 0.75)):
+            d_shared = int(round(shared * d_ffn))
+            n_routed = (d_ffn - d_shared) // m
+            top_k = min(n_routed, max(1, round((active * d_ffn - d_shared) / m)))
+            out.append({"kind": "moe", "d_shared": d_shared, "n_routed": n_routed, "expert_size": m, "top_k": top_k, "down_keep": 1.0})
+    for m in (d_ffn // 32, d_ffn // 16):
+        n_routed = (d_ffn - d_ffn // 4) // m
+        out.append({"kind": "moe", "d_shared": d_ffn // 4, "n_routed": n_routed, "expert_size": m,
+                    "top_k": max(1, n_routed // 3), "down_keep": 0.5})
+    out.append({"kind": "moe", "d_shared": d_ffn, "n_routed": 0, "expert_size": 0, "top_k": 0, "down_keep": 1.0})  # dense-like
+    return out
+
+
+def _layer_seconds(make: Any, d_model: int, tokens: dict[str, int], device: torch.device, dtype: torch.dtype,
+                   repeats: int) -> dict[str, float]:
+    """Median seconds per call of a layer ``make()`` builds, per phase. A decode step reads every weight for a few
+    tokens, so its calls cycle through copies and read them from memory; a prefill computes long enough on each weight
+    that one warm copy times it (and its calls are the costly ones to repeat)."""
+    first = make().to(device=device, dtype=dtype).eval()
+    size = sum(p.numel() * p.element_size() for p in first.parameters())
+    copies = [first] + [copy.deepcopy(first) for _ in range(min(MAX_COPIES, max(1, WORKING_SET_BYTES // max(1, size))) - 1)]
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for phase, t in tokens.items():
+            x = torch.randn(t, d_model, generator=gen).to(device=device, dtype=dtype)
+            layers = copies if t <= max(PHASE_TOKENS.values()) else copies[:1]
+            for layer in layers:  # warm-up: first calls build kernels and buffers
+                layer(x)
+            times = []
+            for _ in range(repeats if len(layers) > 1 else max(2, repeats // 2)):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                for layer in layers:
+                    layer(x)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times.append((time.perf_counter() - t0) / len(layers))
+            out[phase] = statistics.median(times)
+    return out
+
+
+def machine_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    return f"cpu: {platform.node()} {platform.processor() or platform.machine()}"
+
+
+#: the dense model's own phases, timed quicker than an evaluation's (the table is a prediction's basis, not a result)
+TABLE_PROTOCOL = SpeedProtocol(repeats=2, decode_steps=8)
+
+
+def measure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], protocol: SpeedProtocol = TABLE_PROTOCOL,
+                  repeats: int = 5) -> dict[str, Any]:
+    """The kernel table of ``model`` (a dense causal LM; ``info``: its source, d_model, d_ffn, n_layers) on its device."""
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    d_model, d_ffn = int(info["d_model"]), int(info["d_ffn"])
+    whole = time_phases({"dense": model}, tokens, protocol=protocol)
+    tokens_by_phase = {**PHASE_TOKENS, "prefill": int(whole["phases"]["prefill"]["tokens"])}
+    own = decoder_layers(model)[0]
+    mlp = own.mlp if hasattr(own, "mlp") else own.feed_forward  # the dense FFN a conversion replaces, as the model runs it
+    dense_ffn = _layer_seconds(lambda: copy.deepcopy(mlp), d_model, tokens_by_phase, device, dtype, repeats)
+    rows = []
+    for layout in grid(d_ffn):
+        spec = {**layout, "d_model": d_model, "router": "centroid", "combine": "sum"}
+        rows.append({"layer": layout, "seconds": _layer_seconds(lambda s=spec: MoeFFN(s), d_model, tokens_by_phase, device,
+                                                                dtype, repeats)})
+    phases = {}
+    for phase, t in tokens_by_phase.items():
+        phases[phase] = {"tokens": t, "dense_model_s": whole["phases"][phase]["seconds"]["dense"], "dense_ffn_s": dense_ffn[phase],
+                         "coef": fit(rows, t, phase).tolist()}
+    return {"version": TABLE_VERSION, "model": {k: info[k] for k in ("source", "d_model", "d_ffn", "n_layers")},
+            "d_ffn": d_ffn, "n_layers": int(info["n_layers"]), "machine": machine_name(device),
+            "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "phases": phases, "grid": rows}
+
+
+def ensure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], data_dir: Path) -> dict[str, Any]:
+    """The cached table of ``model`` on this machine, measured and written (atomically) when there is none."""
+    param = next(model.parameters())
+    key = table_key(info, machine_name(param.device), str(param.dtype).removeprefix("torch."), torch.get_num_threads())
+    path = Path(data_dir) / TABLE_DIR / f"{key}.json"
+    if path.exists():
+        try:
+            return json.loads(path.read_text())
+        except ValueError:
+            pass  # a damaged file is measured again
+    table = measure_table(model, tokens, info)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, table)
+    return table
