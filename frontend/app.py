@@ -20,7 +20,8 @@ from moelab.store.liveness import client_for
 
 def nav() -> list[tuple[str, str]]:
     """(name, path) of every page in its own ``order`` (``dash.register_page``): a new page joins the bar by registering."""
-    return [(p["name"], p["path"]) for p in sorted(dash.page_registry.values(), key=lambda p: p["order"])]
+    pages = {p["path"]: p for p in dash.page_registry.values()}  # a module imported twice (tests) registers twice
+    return [(p["name"], p["path"]) for p in sorted(pages.values(), key=lambda p: p["order"])]
 
 
 def create_app() -> Dash:

@@ -153,8 +153,8 @@ def test_every_page_joins_the_bar_in_its_own_order():
 
     import frontend.app as app
 
-    orders = [p["order"] for p in dash.page_registry.values()]
-    assert len(set(orders)) == len(orders), orders  # no two pages claim one place
+    orders = {p["path"]: p["order"] for p in dash.page_registry.values()}
+    assert len(set(orders.values())) == len(orders), orders  # no two pages claim one place
     assert [name for name, _ in app.nav()] == [  # a user's path: data, exploration, conversion, judging, playing
         "Workspace", "Calibration sets", "Neuron explorer", "Compare profiles", "Layer similarity", "Conversion designer",
         "Fine-tune", "Routing explorer", "Token routing", "Compare conversions", "Evaluations", "Playground"]

@@ -1,0 +1,109 @@
+"""Recipes in seconds: each conversion of the default model timed whole against dense in one process (decode at batch
+1 and 8, prefill; ``evaluation.speed``), next to what the designer predicted for it (``core.speed_prediction``, from
+this machine's kernel table) and to its multiply-adds.
+
+    python tests/benchmarks/bench_recipe_speed.py [--samples 64] [--max-tokens 256] [--repeats 3]
+        [--variant NAME=RECIPE:SPARSITY ...] [--work DIR]
+
+The profile is the README's shape (``builtin:mixed``, 64 × 256 tokens); each variant is built with ``moelab convert
+--recipe R --sparsity S`` as a user does (timed: building costs seconds too), then loaded with ``from_pretrained``. The
+kernel table is measured here (the designer's is measured by the profile job the same way). speed-up = dense time /
+converted time, interleaved round by round. Writes tests/benchmarks/results/bench_recipe_speed.json and prints one
+summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+OUT = ROOT / "tests" / "benchmarks" / "results" / "bench_recipe_speed.json"
+
+from workers.engine.core.speed_prediction import predict  # noqa: E402
+from workers.engine.evaluation.metrics import heldout_windows  # noqa: E402
+from workers.engine.evaluation.speed import SpeedProtocol, time_phases  # noqa: E402
+from workers.engine.evaluation.speed_table import measure_table  # noqa: E402
+from workers.engine.models import load_model  # noqa: E402
+from workers.engine.runtime.export import load_exported  # noqa: E402
+
+VARIANTS = ("paper-0.5=paper:0.5", "best-0.25=best:0.25", "best-0.5=best:0.5", "portable-0.5=portable:0.5")
+
+
+def _cli(*args: str, env: dict[str, str]) -> None:
+    subprocess.run([sys.executable, "-m", "moelab.cli", *args], check=True, env=env, cwd=ROOT)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--variant", action="append", default=None, help="NAME=RECIPE:SPARSITY (default: %s)" % ", ".join(VARIANTS))
+    ap.add_argument("--work", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-recipe-speed-"))
+    data_dir = Path(os.environ.get("MOELAB_DATA_DIR", ROOT / ".moelab" / "bench-data"))
+    env = {**os.environ, "MOELAB_DATA_DIR": str(data_dir), "OMP_NUM_THREADS": str(args.threads)}
+    profile = work / "profile"
+    if not (profile / "manifest.json").exists():
+        _cli("profile", "--model", "default", "--calib", "builtin:mixed", "--samples", str(args.samples), "--max-tokens",
+             str(args.max_tokens), "--quiet", "--out", str(profile), env=env)
+    built = {}
+    for spec in args.variant or VARIANTS:
+        name, rest = spec.split("=")
+        recipe, sparsity = rest.split(":")
+        out = work / name
+        t0 = time.perf_counter()
+        if not (out / "config.json").exists():
+            _cli("convert", "--profile", str(profile), "--recipe", recipe, "--sparsity", sparsity, "--quiet", "--out", str(out),
+                 env=env)
+        built[name] = {"recipe": recipe, "sparsity": float(sparsity), "dir": out, "convert_s": time.perf_counter() - t0}
+
+    adapter = load_model("default", data_dir=data_dir)
+    dense = adapter.model.eval()
+    windows = heldout_windows(adapter.tokenizer, data_dir, seq_len=128, n_windows=4)
+    info = {"source": "default", "d_model": adapter.d_model, "d_ffn": adapter.layers[0].d_ffn, "n_layers": len(adapter.layers)}
+    t0 = time.perf_counter()
+    table = measure_table(dense, windows, info)
+    table_s = time.perf_counter() - t0
+    models = {"dense": dense, **{name: load_exported(v["dir"]).eval() for name, v in built.items()}}
+    measured = time_phases(models, windows, protocol=SpeedProtocol(repeats=args.repeats))
+    rows = []
+    for name, v in built.items():
+        layers = json.loads((v["dir"] / "config.json").read_text())["moe_layers"]
+        record = json.loads((v["dir"] / "conversion.json").read_text())
+        try:
+            predicted = {p: round(x["speedup"], 3) for p, x in predict(table, layers).items()}
+        except ValueError as exc:
+            predicted = {"note": str(exc)}
+        rows.append({"variant": name, "recipe": v["recipe"], "sparsity": v["sparsity"],
+                     "ffn_flops_fraction": record["summary"].get("ffn_flops_fraction"),
+                     "convert_s": round(v["convert_s"], 1),
+                     "measured": {p: round(e["speedup"][name], 3) for p, e in measured["phases"].items()},
+                     "measured_ms": {p: round(1e3 * e["seconds"][name], 2) for p, e in measured["phases"].items()},
+                     "predicted": predicted})
+    out = {"machine": table["machine"], "threads": args.threads, "dtype": table["dtype"], "repeats": args.repeats,
+           "table_s": round(table_s, 1), "dense_ms": {p: round(1e3 * e["seconds"]["dense"], 2) for p, e in measured["phases"].items()},
+           "protocol": measured["protocol"], "rows": rows}
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(out, indent=2) + "\n")
+    line = "; ".join(f"{r['variant']} (cost {r['ffn_flops_fraction']:.3f}): "
+                     + ", ".join(f"{p} {r['measured'][p]:.2f}× (pred {r['predicted'].get(p, float('nan')):.2f}×)" for p in r["measured"])
+                     for r in rows)
+    print(f"bench_recipe_speed: speed over dense, measured (predicted): {line}; table {table_s:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
