@@ -354,15 +354,16 @@ def test_evaluation_from_the_workspace_quick_then_named_and_listed(page, live, a
     row.locator("text=ready (").wait_for()
     cells = row.locator("td").all_inner_texts()
     assert cells[0].startswith(name) and cells[1] == ev_id, cells
-    assert cells[2:9] == ["builtin:mixed", f"{held['windows']} × {held['seq_len']}", ppl(variants["dense"]["perplexity"]),
-                          ppl(variants["converted"]["perplexity"]),
-                          ratio_ci(variants["converted"]["perplexity_ratio"], variants["converted"]["perplexity_ratio_ci"]),
-                          fmt(conv["summary"]["ffn_flops_fraction"], 3), "no"], cells
-    assert cells[9] == "" and cells[10].startswith("ready (")  # no tasks were asked for
+    speed = " / ".join(f"{ev['summary']['speed']['phases'][p]['speedup']['converted']:.2f}×" for p in ("decode_b1", "decode_b8", "prefill"))
+    assert cells[2:10] == ["builtin:mixed", f"{held['windows']} × {held['seq_len']}", ppl(variants["dense"]["perplexity"]),
+                           ppl(variants["converted"]["perplexity"]),
+                           ratio_ci(variants["converted"]["perplexity_ratio"], variants["converted"]["perplexity_ratio_ci"]),
+                           fmt(conv["summary"]["ffn_flops_fraction"], 3), speed, "no"], cells
+    assert cells[10] == "" and cells[11].startswith("ready (")  # no tasks were asked for
     assert row.locator(f"a[href='/compare?ids={conversion}']").count() == 1
     headers = page.locator("table.list", has=row).locator("th").all_inner_texts()
-    assert headers[:11] == ["conversion", "id", "held-out text", "windows × seq_len", "dense ppl", "converted ppl", "ratio", "ffn cost",
-                            "baselines", "task accuracy (converted / dense)", "status"], headers
+    assert headers[:12] == ["conversion", "id", "held-out text", "windows × seq_len", "dense ppl", "converted ppl", "ratio", "ffn cost",
+                            "speed × dense (decode b1 / b8 / prefill)", "baselines", "task accuracy (converted / dense)", "status"], headers
 
     jobs = page.locator("#ws-jobs")
     jobs.locator(f"text=evaluation of {name} on builtin:mixed — {ev_id} (job {ev['job_id']}): succeeded").wait_for()

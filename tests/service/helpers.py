@@ -98,3 +98,18 @@ def succeeded(client, created: dict[str, Any], timeout: float = 120) -> dict[str
 
 def jsonl(rows: list[dict[str, Any]]) -> bytes:
     return "\n".join(json.dumps(r) for r in rows).encode()
+
+
+def save_wide_llama(tokenizer_from: Path, target: Path) -> Path:
+    """A random Llama of 16 layers × 2048 FFN neurons (tokenizer of ``tokenizer_from``): enough layers and neurons that
+    building a conversion's layers takes a while (fan-out tests)."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_from)
+    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=2048, num_hidden_layers=16,
+                                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
+                                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(target)
+    tok.save_pretrained(target)
+    return target

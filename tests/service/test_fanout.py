@@ -14,7 +14,7 @@ from safetensors.numpy import load_file
 
 from moelab.store import liveness
 
-from .helpers import Worker, env_for, succeeded, wait_job
+from .helpers import Worker, env_for, save_wide_llama, succeeded, wait_job
 
 PARAMS = {"n_experts": 16, "alpha_max": 0.5, "sparsity": 0.5, "max_iter": 200}
 
@@ -22,19 +22,9 @@ PARAMS = {"n_experts": 16, "alpha_max": 0.5, "sparsity": 0.5, "max_iter": 200}
 @pytest.fixture(scope="module")
 def big_profile(client, calib_id, tiny_model, tmp_path_factory) -> str:
     """A profile of a tiny Llama with enough layers and neurons that building them takes a while."""
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from tests.conftest import tiny_models_root
 
-    src = tiny_model("llama")
-    target = tiny_models_root(tmp_path_factory) / "llama-16x2048"
-    tok = AutoTokenizer.from_pretrained(src)
-    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=2048, num_hidden_layers=16,
-                                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
-                                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    AutoModelForCausalLM.from_config(config).save_pretrained(target)
-    tok.save_pretrained(target)
+    target = save_wide_llama(tiny_model("llama"), tiny_models_root(tmp_path_factory) / "llama-16x2048")
     r = client.post("/api/v1/models", json={"source": str(target)})
     succeeded(client, r.json())
     r = client.post("/api/v1/profiles", json={"model_id": r.json()["id"], "calibration_set_id": calib_id,

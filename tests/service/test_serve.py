@@ -12,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .helpers import REPO
+from .helpers import REPO, save_wide_llama
 
 
 def _free_port() -> int:
@@ -213,6 +213,18 @@ def _wait_state(api, job_id: str, states: set[str], timeout: float = 120, at_ste
     raise AssertionError(f"job {job_id} never reached {states}: {job}")
 
 
+def _profiled(api, model_dir: Path) -> str:
+    """The id of a ready profile of ``model_dir`` on 12 built-in mixed samples × 32 tokens, made through the API."""
+    model = api.post("/models", json={"source": str(model_dir)}).json()
+    calib = api.post("/calibration-sets", json={"source": "builtin", "name": "mixed", "samples": 12}).json()
+    _wait_state(api, model["job_id"], {"succeeded"})
+    _wait_state(api, calib["job_id"], {"succeeded"})
+    prof = api.post("/profiles", json={"model_id": model["id"], "calibration_set_id": calib["id"],
+                                       "max_tokens": 32, "batch_tokens": 256}).json()
+    _wait_state(api, prof["job_id"], {"succeeded"})
+    return prof["id"]
+
+
 def test_a_serve_killed_mid_job_takes_its_workers_at_once_and_fails_their_jobs(tmp_path, tiny_llama):
     """A probe runs at once on the light worker while two workers each run a long fine-tune and a third waits
     queued (1st in line). Then SIGKILL of serve: every child is gone
@@ -227,14 +239,8 @@ def test_a_serve_killed_mid_job_takes_its_workers_at_once_and_fails_their_jobs(t
     try:
         _wait_up(proc, port, log, need_worker=True)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}/api/v1", timeout=30) as api:
-            model = api.post("/models", json={"source": str(tiny_llama)}).json()
-            calib = api.post("/calibration-sets", json={"source": "builtin", "name": "mixed", "samples": 12}).json()
-            _wait_state(api, model["job_id"], {"succeeded"})
-            _wait_state(api, calib["job_id"], {"succeeded"})
-            prof = api.post("/profiles", json={"model_id": model["id"], "calibration_set_id": calib["id"],
-                                               "max_tokens": 32, "batch_tokens": 256}).json()
-            _wait_state(api, prof["job_id"], {"succeeded"})
-            conv = api.post("/conversions", json={"profile_id": prof["id"], "expertweaver": {"n_experts": 8, "alpha_max": 0.5}}).json()
+            profile_id = _profiled(api, tiny_llama)
+            conv = api.post("/conversions", json={"profile_id": profile_id, "expertweaver": {"n_experts": 8, "alpha_max": 0.5}}).json()
             _wait_state(api, conv["job_id"], {"succeeded"})
             long = {"conversion_id": conv["id"], "steps": 100_000, "batch_size": 1, "seq_len": 16, "checkpoint_every": 100_000,
                     "eval_windows": 1, "source": "builtin:math"}
@@ -280,31 +286,16 @@ def test_a_serve_killed_while_a_conversion_is_fanned_out_takes_both_workers_and_
     conversion directory is left half-written."""
     import httpx
     import redis
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from moelab.store.db import Database, Job
 
-    big = tmp_path / "models" / "llama-16x2048"  # enough layers and neurons that building them takes a while
-    tok = AutoTokenizer.from_pretrained(tiny_llama)
-    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=2048, num_hidden_layers=16,
-                                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
-                                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    AutoModelForCausalLM.from_config(config).save_pretrained(big)
-    tok.save_pretrained(big)
+    big = save_wide_llama(tiny_llama, tmp_path / "models" / "llama-16x2048")
     proc, port, log = _serve(tmp_path, ["--no-frontend"], MOELAB_WORKERS="2", MOELAB_REDIS_URL=redis_url,
                              MOELAB_DATA_ROOTS=json.dumps([str(big.parent)]))
     try:
         _wait_up(proc, port, log, need_worker=True)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}/api/v1", timeout=30) as api:
-            model = api.post("/models", json={"source": str(big)}).json()
-            calib = api.post("/calibration-sets", json={"source": "builtin", "name": "mixed", "samples": 12}).json()
-            _wait_state(api, model["job_id"], {"succeeded"})
-            _wait_state(api, calib["job_id"], {"succeeded"})
-            prof = api.post("/profiles", json={"model_id": model["id"], "calibration_set_id": calib["id"],
-                                               "max_tokens": 32, "batch_tokens": 256}).json()
-            _wait_state(api, prof["job_id"], {"succeeded"})
-            conv = api.post("/conversions", json={"profile_id": prof["id"], "expertweaver": {
+            conv = api.post("/conversions", json={"profile_id": _profiled(api, big), "expertweaver": {
                 "n_experts": 16, "alpha_max": 0.5, "sparsity": 0.5, "max_iter": 200}}).json()
             _wait_state(api, conv["job_id"], {"running"})
         owners = f"serve-test-{port}:fanout:{conv['job_id']}:owner"
