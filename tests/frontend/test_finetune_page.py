@@ -98,7 +98,8 @@ def test_with_every_worker_busy_the_jobs_list_says_each_jobs_place_and_time_left
         deadline = time.monotonic() + 120
         while True:  # which job waits depends on which worker took which message first
             states = {j: api.get(f"/jobs/{j}").json() for j in jobs}
-            running = [s for s in states.values() if s["state"] == "running" and s["progress"].get("stage_left_s") is not None]
+            running = [s for s in states.values() if s["state"] == "running" and s["progress"].get("stage_left_s") is not None
+                       and s["progress"].get("current", 0) >= 20]  # the pace of the first steps still moves a lot
             waiting = [s for s in states.values() if s["state"] == "queued"]
             if len(running) == len(workers) and len(waiting) == 1:
                 break
@@ -116,7 +117,7 @@ def test_with_every_worker_busy_the_jobs_list_says_each_jobs_place_and_time_left
         now = api.get(f"/jobs/{busy}").json()["progress"]
         if shown != duration(now["stage_left_s"]):  # the estimate moved between the page's read and this one: close to it
             h, m, sec = re.fullmatch(r"(?:(\d+) h )?(?:(\d+) min)?(?:(\d+) s)?", shown).groups(default="0")
-            assert abs(int(h) * 3600 + int(m) * 60 + int(sec) - now["stage_left_s"]) <= 0.25 * now["stage_left_s"] + 60, (shown, now)
+            assert abs(int(h) * 3600 + int(m) * 60 + int(sec) - now["stage_left_s"]) <= 0.5 * now["stage_left_s"] + 60, (shown, now)
         assert re.search(r"— train \d+/100000", label.inner_text()), label.inner_text()
         shot(page, "jobs-in-line")
         row.locator("button:text-is('Cancel')").click()
