@@ -442,7 +442,7 @@ def evaluate(conversion_dir: Path, windows: int, seq_len: int, source: str, no_b
             conversion_dir, data_dir=cfg.data_dir, n_windows=windows, seq_len=seq_len,
             baselines=not no_baselines, source=source, device=cfg.device, progress=progress,
             max_tokens=cfg.max_eval_tokens,  # windows × seq-len beyond MOELAB_MAX_EVAL_TOKENS: refused before any model loads
-            tasks=request, speed=None if no_speed else SpeedProtocol(),
+            tasks=request, speed=None if no_speed else SpeedProtocol(**cfg.speed_protocol()),
         )
     if as_json:
         click.echo(json.dumps(report, indent=2))

@@ -78,6 +78,10 @@ class Settings(BaseSettings):
         "(`moelab evaluate` refuses them too): raise it on a machine that evaluates that much in reasonable time",
     )
     allow_trust_remote_code: bool = Field(False, description="let API users register models that need their own code")
+    speed_repeats: int = Field(3, ge=1, le=50, description="an evaluation's speed timing: rounds per phase (the median is "
+                               "reported; the test suite lowers these three to keep its evaluations short)")
+    speed_decode_steps: int = Field(16, ge=1, le=1024, description="an evaluation's speed timing: cached decode steps per round")
+    speed_prefill_tokens: int = Field(512, ge=8, le=65536, description="an evaluation's speed timing: tokens of the timed prefill")
 
     # ---------------------------------------------------------------- service: jobs
     worker_pool: Literal["solo", "threads"] = Field("solo", description="Celery pool: no forked processes (CUDA)")
@@ -117,6 +121,11 @@ class Settings(BaseSettings):
     cancel_poll_s: float = Field(
         1.0, gt=0, description="how often a running job's worker reads its cancel flag (a cancel lands within this + one step)"
     )
+
+    def speed_protocol(self) -> dict[str, int]:
+        """The evaluation speed protocol's knobs (``evaluation.speed.SpeedProtocol`` keyword arguments)."""
+        return {"repeats": self.speed_repeats, "decode_steps": self.speed_decode_steps,
+                "prefill_tokens": self.speed_prefill_tokens}
 
     @field_validator("max_memory", "model_cache_memory", mode="before")
     @classmethod

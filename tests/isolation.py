@@ -40,6 +40,11 @@ def isolated_environment(environ: dict[str, str], repo: Path) -> dict[str, str]:
         TORCH_HOME=str(home / ".cache" / "torch"),
         MPLCONFIGDIR=str(home / ".config" / "matplotlib"),
         MOELAB_DATA_DIR=str(paths["data"]),
+        # Every evaluation times both models; the suite checks that timing's plumbing, not its precision
+        # (tests/engine/test_speed*.py pass the full protocol): one round of 2 steps and a 64-token prefill.
+        MOELAB_SPEED_REPEATS="1",
+        MOELAB_SPEED_DECODE_STEPS="2",
+        MOELAB_SPEED_PREFILL_TOKENS="64",
         HF_HUB_OFFLINE="1",  # no test needs the Hub; without this a lookup spends ~20 s in retries
     )
     return env

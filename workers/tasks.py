@@ -261,7 +261,7 @@ def evaluate(ctx: JobContext) -> Outcome:
             seq_len=p["seq_len"], baselines=p["baselines"], source=source, device=ctx.settings.device,
             progress=ctx.progress, write=False, mc_per_task=p.get("multiple_choice_per_task", 50),
             loader=model_cache.cached_load_model, max_tokens=ctx.settings.max_eval_tokens,
-            load_converted=model_cache.cached_load_converted, tasks=tasks, speed=SpeedProtocol() if p.get("speed", True) else None,
+            load_converted=model_cache.cached_load_converted, tasks=tasks, speed=SpeedProtocol(**ctx.settings.speed_protocol()) if p.get("speed", True) else None,
         )
     report["heldout"]["source"] = p["source"]  # the id or builtin name, not a server path
     with atomic_directory(ctx.store.path("evaluations", row.id)) as tmp:
