@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from workers.engine.core.speed_prediction import (FEATURES, TABLE_DIR, describe_predicted, find_table, fit, layer_features,
-                                                  plan_layers, predict, predicted_summary)
+from workers.engine.core.speed_prediction import (FEATURES, TABLE_DIR, TABLE_VERSION, describe_predicted, find_table, fit, layer_features,
+                                                  plan_layers, predict, predicted_summary, runs_dense)
 
-COEF = np.array([2e-5, 1e-9, 3e-9, 2e-9, 1e-6, 1e-10])  # seconds per unit of each feature
+COEF = np.array([2e-5, 1e-9, 3e-9, 2e-9, 1e-6, 1e-10, 4e-10])  # seconds per unit of each feature
 
 
 def _grid_rows() -> list[dict]:
@@ -31,7 +31,7 @@ def _grid_rows() -> list[dict]:
 def _table(rows: list[dict]) -> dict:
     phases = {p: {"tokens": t, "dense_model_s": 0.05 * t ** 0.5, "dense_ffn_s": float(layer_features({"kind": "dense", "d_ffn": 512}, t) @ COEF),
                   "coef": fit(rows, t, p).tolist()} for p, t in (("decode_b1", 1), ("prefill", 512))}
-    return {"version": 1, "model": {"source": "m"}, "d_ffn": 512, "n_layers": 4, "machine": "cpu: test", "dtype": "float32",
+    return {"version": TABLE_VERSION, "model": {"source": "m"}, "d_ffn": 512, "n_layers": 4, "machine": "cpu: test", "dtype": "float32",
             "threads": 2, "measured_at": "2026-01-01T00:00:00+00:00", "phases": phases}
 
 
@@ -53,6 +53,26 @@ def test_the_fit_recovers_the_costs_and_the_prediction_adds_the_planned_layers()
     # all layers dense: the dense model's own time
     assert predict(table, [{"kind": "dense"}] * 4)["prefill"]["speedup"] == pytest.approx(1.0, rel=1e-3)
     assert len(FEATURES) == len(COEF)
+
+
+def test_the_prediction_runs_the_kernels_the_runtime_chooses():
+    """``runs_dense`` (numpy, for the API) answers as ``moelab_kernels.select_kernel`` does on CPU, and a layer run
+    dense at prefill costs its routed rows as dense rows, no pairs."""
+    from workers.engine.core import speed_prediction
+    from workers.engine.runtime import moelab_kernels
+    from workers.engine.runtime.moelab_moe import MoeExperts
+
+    assert speed_prediction.DENSE_NEURONS == moelab_kernels.DENSE_NEURONS
+    assert speed_prediction.GATHER_MAX_TOKENS == moelab_kernels.GATHER_MAX_TOKENS
+    for e, m, k in ((128, 12, 40), (64, 24, 8), (64, 24, 16), (16, 96, 4), (16, 96, 12), (8, 64, 1)):
+        experts = MoeExperts(e, m, 32)
+        layer = {"kind": "moe", "d_shared": 0, "n_routed": e, "expert_size": m, "top_k": k}
+        for tokens in (1, 8, 9, 512):
+            top = torch.zeros(tokens, k, dtype=torch.long)
+            chosen = experts.resolve_impl(torch.zeros(tokens, 32), top, needs_grad=False)
+            assert runs_dense(layer, tokens) == (chosen == "dense"), (e, m, k, tokens, chosen)
+    dense_at_prefill = layer_features({"kind": "moe", "d_shared": 0, "n_routed": 128, "expert_size": 12, "top_k": 40}, 512)
+    assert dense_at_prefill[3] == dense_at_prefill[4] == 0 and dense_at_prefill[6] == 512 * 128 * 12
 
 
 def test_a_batch_touches_fewer_experts_than_it_selects_and_down_rows_kept_count():
@@ -84,7 +104,7 @@ def test_the_newest_table_of_the_models_source_is_found(tmp_path):
     folder = tmp_path / TABLE_DIR
     folder.mkdir()
     for name, source, when in (("a", "m", "2026-01-01"), ("b", "m", "2026-02-01"), ("c", "other", "2026-03-01")):
-        (folder / f"{name}.json").write_text(json.dumps({"version": 1, "model": {"source": source}, "measured_at": when}))
+        (folder / f"{name}.json").write_text(json.dumps({"version": TABLE_VERSION, "model": {"source": source}, "measured_at": when}))
     (folder / "broken.json").write_text("{")
     assert find_table(tmp_path, "m")["measured_at"] == "2026-02-01"
     assert find_table(tmp_path, "nope") is None and find_table(tmp_path / "missing", "m") is None
@@ -108,7 +128,7 @@ def test_a_profile_measures_the_table_once_and_a_conversion_records_its_predicti
     table = json.loads(path.read_text())
     assert table["model"]["source"] == prof.manifest["model"]["source"] and table["n_layers"] == 3
     assert len(table["grid"]) >= 8 and set(table["phases"]) == {"decode_b1", "decode_b8", "prefill"}
-    assert all(len(p["coef"]) == len(FEATURES) and p["dense_model_s"] > p["dense_ffn_s"] > 0 for p in table["phases"].values())
+    assert all(len(p["coef"]) == len(FEATURES) and p["dense_model_s"] > p["dense_ffn_s"] > 0 for p in table["phases"].values()), table["phases"]
     stamp = path.stat().st_mtime_ns
     run_profile(model, make_set(n=12, tasks=3, seed=2), tmp_path / "p2", ProfileSettings(max_tokens=32, batch_tokens=128),
                 samples=None, data_dir=data)

@@ -201,3 +201,50 @@ def test_evaluation_goes_on_without_teal_when_the_profile_is_gone(tiny, tmp_path
     record = {"summary": {"ffn_flops_fraction": 0.75}, "params": {}, "profile": str(tmp_path / "deleted")}
     modules, info = _teal_baseline(tiny[0], record, None, NO_PROGRESS)
     assert modules is None and "TEAL not built" in info["note"] and "no such profile" in info["note"]
+
+
+def test_the_row_skipping_decode_kernel_computes_the_dense_products(monkeypatch):
+    """TEAL's CPU decode kernel (``skip_rows``: one bag per thread over the rows of nonzero inputs) gives what the
+    dense products with the zeros in give, for one token, two, a token with every input zeroed, and under a
+    gradient (which takes the dense path); the weights stay in the decode layout through ``use_decode_layout``."""
+    from workers.engine.runtime import moelab_teal
+    from workers.engine.runtime.moelab_teal import row_major_t, skip_rows
+
+    wg, wu, wd = random_glu(48, 80, seed=4)
+    x = torch.randn(2, 48, generator=torch.Generator().manual_seed(5))
+    x[1] = 0.01  # every input under the threshold: an empty bag, an output of zeros
+    mod = TealGLU.from_dense(wg, wu, wd, "silu", 0.5, 0.05, 0.4, 0.3)
+    assert mod.gate_proj.weight.stride() == (1, 80) and mod.down_proj.weight.stride() == (1, 48)  # decode layout
+    sparse = moelab_teal.magnitude_sparsify(x, 0.5)
+    torch.testing.assert_close(skip_rows(sparse, row_major_t(wg)), sparse @ wg.t(), rtol=1e-5, atol=1e-6)
+    h = ACT2FN["silu"](F.linear(sparse, wg)) * F.linear(sparse, wu)
+    want = F.linear(moelab_teal.magnitude_sparsify(h, 0.05), wd)
+    for threads in (1, 2, 3):  # one bag per thread and token, summed
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
+        with torch.no_grad():
+            for n in (1, 2):
+                assert mod._skips_rows(x[:n])
+                torch.testing.assert_close(mod(x[:n]), want[:n], rtol=1e-5, atol=1e-6)
+    assert torch.equal(mod(x)[1].detach(), torch.zeros(48))
+    assert not mod._skips_rows(torch.randn(moelab_teal.ROW_SKIP_MAX_TOKENS + 1, 48))
+    assert not mod._skips_rows(x.requires_grad_())  # training: the dense products
+
+
+def test_the_evaluation_times_teal_beside_the_conversion(conversion, data_dir, one_thread):
+    """TEAL is timed like the conversion (same rounds, the dense model with its MLPs swapped in): the speed report
+    holds its seconds and speed-ups per phase, the CLI text names it, and the dense model is left as it was."""
+    from workers.engine.evaluation.speed import SpeedProtocol, describe
+    from workers.engine.runs import run_evaluation
+
+    protocol = SpeedProtocol(repeats=1, decode_steps=2, prefill_tokens=32)
+    report = run_evaluation(conversion, data_dir=data_dir, n_windows=2, seq_len=16, write=False, mc_per_task=0,
+                            speed=protocol)
+    for phase, entry in report["speed"]["phases"].items():
+        assert set(entry["seconds"]) == {"dense", "converted", "teal"}, phase
+        assert entry["speedup"]["teal"] == pytest.approx(entry["seconds"]["dense"] / entry["seconds"]["teal"])
+    text = "\n".join(describe(report["speed"]))
+    assert text.count("teal ") == 3 and text.count("converted ") == 3
+    again = run_evaluation(conversion, data_dir=data_dir, n_windows=2, seq_len=16, write=False, mc_per_task=0,
+                           baselines=False, speed=protocol)
+    assert again["results"]["dense"]["perplexity"] == pytest.approx(report["results"]["dense"]["perplexity"])
+    assert "teal" not in again["speed"]["phases"]["prefill"]["seconds"]

@@ -28,20 +28,35 @@ from typing import Any
 import numpy as np
 
 TABLE_DIR = "speed-tables"
-TABLE_VERSION = 1
-FEATURES = ("fixed", "shared_neurons", "touched_neurons", "computed_rows", "pairs", "router_scores")
+TABLE_VERSION = 2  # 2: routed experts may run every expert masked at prefill (``runs_dense``)
+FEATURES = ("fixed", "shared_neurons", "touched_neurons", "computed_rows", "pairs", "router_scores", "dense_rows")
+
+#: ``runtime.moelab_kernels``' CPU choice, mirrored here without torch (tests/engine/test_speed_prediction.py checks
+#: they agree): above GATHER_MAX_TOKENS tokens, routed experts of m neurons run every expert masked (``dense``) once
+#: the selected share k/E reaches m / DENSE_NEURONS.
+GATHER_MAX_TOKENS = 8
+DENSE_NEURONS = 160
+
+
+def runs_dense(layer: Mapping[str, Any], tokens: int) -> bool:
+    """Whether the runtime computes every routed expert of ``layer`` for ``tokens`` tokens (the ``dense`` kernel)."""
+    e, m, k = int(layer.get("n_routed", 0)), int(layer.get("expert_size", 0)), int(layer.get("top_k", 0))
+    return tokens > GATHER_MAX_TOKENS and 0 < k < e and k * DENSE_NEURONS >= e * m
 
 
 def layer_features(layer: Mapping[str, Any], tokens: int) -> np.ndarray:
     """``FEATURES`` of one FFN layer run on ``tokens`` tokens. ``layer``: a ``moe_layers`` entry (``kind`` moe: d_shared,
-    n_routed, expert_size, top_k, down_keep) or ``{"kind": "dense", "d_ffn": D}`` (all of it shared)."""
+    n_routed, expert_size, top_k, down_keep) or ``{"kind": "dense", "d_ffn": D}`` (all of it shared). A layer that
+    ``runs_dense`` computes all its routed rows in large GEMMs (``dense_rows``) and moves no (token, expert) pairs."""
     if layer.get("kind", "moe") == "dense":
-        return np.array([1.0, tokens * float(layer["d_ffn"]), 0, 0, 0, 0])
+        return np.array([1.0, tokens * float(layer["d_ffn"]), 0, 0, 0, 0, 0])
     e, m, k = int(layer.get("n_routed", 0)), int(layer.get("expert_size", 0)), int(layer.get("top_k", 0))
+    shared, scores = tokens * float(layer.get("d_shared", 0)), float(tokens * e) if k else 0.0
+    if runs_dense(layer, tokens):
+        return np.array([1.0, shared, 0, 0, 0, scores, float(tokens * e * m)])
     down = (2 + float(layer.get("down_keep", 1.0))) / 3  # gate and up rows whole, the down rows kept
     touched = e * (1 - (1 - k / e) ** tokens) if e and k else 0.0
-    return np.array([1.0, tokens * float(layer.get("d_shared", 0)), touched * m * down, tokens * k * m * down,
-                     float(tokens * k), float(tokens * e) if k else 0.0])
+    return np.array([1.0, shared, touched * m * down, tokens * k * m * down, float(tokens * k), scores, 0.0])
 
 
 def fit(rows: Sequence[Mapping[str, Any]], tokens: int, phase: str) -> np.ndarray:

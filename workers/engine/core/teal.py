@@ -25,8 +25,8 @@ read. Here, as a baseline for the FFN only (``runtime.moelab_teal.TealGLU``):
 * Attention stays dense: the baseline compares FFNs at equal FFN cost, as the conversions do.
 
 The sparsities are expectations over tokens: one token may zero more or fewer entries. TEAL's saving
-needs a column-skipping kernel at decode and is small at prefill, where a batch of tokens reads every
-column some token needs (TEAL's "Hardware Aware Acceleration"); an MoE's experts run on stock kernels.
+needs a column-skipping kernel at decode (``runtime.moelab_teal.skip_rows`` on CPU) and is small at prefill, where a
+batch of tokens reads every column some token needs (TEAL's "Hardware Aware Acceleration").
 """
 
 from __future__ import annotations

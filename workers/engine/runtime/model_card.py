@@ -101,12 +101,15 @@ def _evaluation_lines(evaluation: dict | None, record: dict) -> list[str]:
         lines.append("")
         speed = evaluation.get("speed")
         if speed:  # seconds beside multiply-adds: the whole model against dense, timed in one process
+            others = [n for n in next(iter(speed["phases"].values()))["seconds"] if n != "dense"]  # converted, TEAL
             lines += [f"Speed against the dense model ({speed['runtime']}; {speed['device']}, {speed['dtype']}, "
-                      f"{speed['threads']} threads; median of {speed['protocol']['repeats']} interleaved rounds):", "",
-                      "| phase | dense (ms) | converted (ms) | × dense speed |", "|---|---|---|---|"]
+                      f"{speed['threads']} threads; median of {speed['protocol']['repeats']} interleaved rounds"
+                      + ("; TEAL at the conversion's cost, timed the same way" if "teal" in others else "") + "):", "",
+                      "| phase | dense (ms) |" + "".join(f" {n} (ms) | {n} × dense speed |" for n in others),
+                      "|---|---|" + "---|---|" * len(others)]
             for phase, entry in speed["phases"].items():
-                lines.append(f"| {phase_label(phase, entry)} | {1e3 * entry['seconds']['dense']:.1f} | {1e3 * entry['seconds']['converted']:.1f} | "
-                             f"{entry['speedup']['converted']:.2f} |")
+                lines.append(f"| {phase_label(phase, entry)} | {1e3 * entry['seconds']['dense']:.1f} |"
+                             + "".join(f" {1e3 * entry['seconds'][n]:.1f} | {entry['speedup'][n]:.2f} |" for n in others))
             lines.append("")
     ft = record.get("finetune")
     if ft:

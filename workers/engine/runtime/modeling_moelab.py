@@ -110,6 +110,9 @@ def realign_parameters(model: nn.Module, alignment: int = 64) -> int:
     realigned. Tied parameters stay tied (the Parameter objects are kept). Returns the number copied."""
     n = 0
     for mod in model.modules():
+        if isinstance(mod, TealGLU):
+            mod.use_decode_layout()
+            continue
         if not isinstance(mod, MoeExperts):
             continue
         for p in (mod.down_proj, mod.gate_up_proj) if mod.column_major else (mod.down_proj,):

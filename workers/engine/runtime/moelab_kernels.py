@@ -36,6 +36,13 @@ GATHER_MAX_BYTES = 8 << 20
 # they fit, i.e. decode steps, and in chunks ("sorted") otherwise, i.e. prefill.
 CHUNK_BYTES = 1 << 20
 
+# "auto" on CPU, more than GATHER_MAX_TOKENS tokens: every expert on every token (``masked_dense``: the dense FFN's two
+# GEMMs, unselected experts weighted 0) once the selected share k/E reaches m / DENSE_NEURONS for experts of m neurons.
+# Small experts make small GEMMs and move a d_model row in and out per (token, expert) pair: at a 512-token prefill of
+# the default model's layer (2 threads) 128 experts of 12 neurons at k/E 0.25 take 41 ms sorted against 21 ms dense,
+# 64 of 24 at 0.25 24 against 17; 32 of 48 cross near 0.3, 16 of 96 near 0.6 (``bench_moe_ffn.py --prefill``).
+DENSE_NEURONS = 160
+
 #: Training (a gradient is needed) runs every expert masked when top_k ≥ E / GRAD_DENSE_RATIO
 #: (``masked_dense``), per-expert segments otherwise (``segments``).
 GRAD_DENSE_RATIO = 8
@@ -60,6 +67,7 @@ def select_kernel(experts, x: torch.Tensor, top: torch.Tensor | None, needs_grad
     ``auto``, CPU           no gradient, T ≤ GATHER_MAX_TOKENS, and one token on        gather
                             column-major blocks or the selected blocks ≤
                             GATHER_MAX_BYTES
+    ``auto``, CPU           no gradient, T > GATHER_MAX_TOKENS, k/E ≥ m/DENSE_NEURONS    dense
     ``auto``, CPU           no gradient, grouped ok, every pair's activations ≤         grouped_mm
                             CHUNK_BYTES
     ``auto``                otherwise                                                   sorted
@@ -85,6 +93,9 @@ def select_kernel(experts, x: torch.Tensor, top: torch.Tensor | None, needs_grad
             (x.shape[0] == 1 and decode_layout_of(wgu))  # one token, column-major blocks: nothing is copied
             or min(experts.num_experts, pairs) * block_bytes <= GATHER_MAX_BYTES):
         return "gather"
+    if not needs_grad and x.shape[0] > GATHER_MAX_TOKENS and top is not None and (
+            top.shape[1] * DENSE_NEURONS >= experts.num_experts * experts.expert_size):
+        return "dense"
     row_bytes = (2 * experts.d_model + 3 * experts.expert_size) * x.element_size()
     if not needs_grad and grouped_ok(experts, x, wgu, wd) and pairs * row_bytes <= CHUNK_BYTES:
         return "grouped_mm"  # a decode step: every pair's activations fit in cache at once
@@ -216,8 +227,8 @@ def every_expert(experts, x, w, weights, gate_act):
 
 
 def masked_dense(experts, x, w, top, weights, gate_act):
-    """Training path when a token selects at least ``1/GRAD_DENSE_RATIO`` of the experts: every
-    expert on every token in two large GEMMs, the unselected ones weighted 0. The same output
+    """CPU inference over many tokens of small experts (``select_kernel``), and the training path when a token
+    selects at least ``1/GRAD_DENSE_RATIO`` of the experts: every expert on every token in two large GEMMs, the unselected ones weighted 0. The same output
     and gradients as the selected experts alone (a weight of 0 passes no gradient), at E/k
     times the multiply-adds, but GEMMs of the whole layer instead of E small ones over k
     copies of the input: 0.76 s against 2.9 s forward + backward for 1,024 tokens at the
@@ -418,5 +429,5 @@ def gather_pairs(experts, x, w, top, weights, gate_act):
 
 
 #: the kernels ``MoeExperts.experts_impl`` can name besides the reference ``loop`` and ``auto``
-KERNELS = {"grouped_mm": grouped, "sorted": sorted_chunks, "gather": gather}
+KERNELS = {"grouped_mm": grouped, "sorted": sorted_chunks, "gather": gather, "dense": masked_dense}
 EXPERTS_IMPLS = ("auto", "loop", *KERNELS)

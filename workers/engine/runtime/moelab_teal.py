@@ -13,8 +13,16 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
+
+
+#: CPU tokens per call up to which ``TealGLU`` reads only the weight rows its nonzero inputs need (``skip_rows``): a
+#: decode step of one sequence. For more tokens each token's rows are read again, where one dense GEMM reads every
+#: weight once (default model's FFN at sparsities 0.5 / 0.5, 2 threads: 1.5x the dense FFN's speed for 1 token, 1.5-1.8x for
+#: 2, 0.9-1.2x for 4, 0.7x for 8).
+ROW_SKIP_MAX_TOKENS = 2
 
 
 def magnitude_sparsify(x: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -22,14 +30,41 @@ def magnitude_sparsify(x: torch.Tensor, threshold: float) -> torch.Tensor:
     return x.masked_fill(x.abs() < threshold, 0.0) if threshold > 0 else x
 
 
+def row_major_t(w: torch.Tensor) -> torch.Tensor:
+    """``w [out, in]`` with ``[in, out]`` storage (the same values): row ``i`` of the storage holds input ``i``'s
+    weights, so a kernel that skips zero inputs reads only the rows it needs."""
+    if w.dim() != 2 or w.device.type == "meta" or w.stride() == (1, w.shape[0]):
+        return w
+    return w.t().contiguous().t()
+
+
+def skip_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` reading only the weight rows of ``x``'s nonzero entries (TEAL's column-skipping GEMV:
+    "Hardware Aware Acceleration"): one ``embedding_bag`` over ``weight``'s ``[in, out]`` storage (``row_major_t``),
+    each token's bag its nonzero inputs weighted by their values. ``x [T, in]`` -> ``[T, out]``."""
+    nz = x != 0
+    idx = nz.nonzero()  # one host read: how many rows each token needs
+    counts = nz.sum(1)
+    # embedding_bag spreads its bags over the threads: each token's rows in one bag per thread, summed after (one
+    # bag of 288 rows of 1,536: 167 µs; two: 94 µs, as fast as a dense GEMV over those rows)
+    parts = max(1, torch.get_num_threads())
+    starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)[:-1]])
+    offsets = (starts.unsqueeze(1) + counts.unsqueeze(1) * torch.arange(parts) // parts).reshape(-1)
+    rows = weight.t()  # a view: [in, out] rows in the decode layout
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = F.embedding_bag(idx[:, 1], rows, offsets, mode="sum", per_sample_weights=x[nz].to(rows.dtype))
+    return out.view(x.shape[0], parts, -1).sum(1).to(x.dtype)
+
+
 class TealGLU(nn.Module):
     """``down( s_mid( act(x_s W_gate) * x_s W_up ) )`` with ``x_s = s_in(x)``, where ``s_t`` zeroes the
     entries whose magnitude is below the threshold ``t``. One threshold serves gate and up: both
     read the same ``x``. A zeroed input entry means the matching weight *column* need not be read,
-    which only a column-skipping kernel turns into saved time (TEAL's "Hardware Aware
-    Acceleration"); here the products are
-    computed densely with the zeros in, exactly what such a kernel computes. Parameters keep the
-    dense names."""
+    which only a column-skipping kernel turns into saved time (TEAL's "Hardware Aware Acceleration"):
+    on CPU, up to ``ROW_SKIP_MAX_TOKENS`` tokens a call (a decode step) run ``skip_rows`` on weights in
+    the decode layout; otherwise the products are computed densely with the zeros in (the same values).
+    Parameters keep the dense names."""
 
     def __init__(self, spec: dict):
         super().__init__()
@@ -73,6 +108,7 @@ class TealGLU(nn.Module):
         mod.gate_proj.weight.copy_(gate_w)
         mod.up_proj.weight.copy_(up_w)
         mod.down_proj.weight.copy_(down_w)
+        mod.use_decode_layout()
         return mod
 
     def active_param_count(self) -> int:
@@ -84,7 +120,28 @@ class TealGLU(nn.Module):
         return (f"d_model={self.d_model}, d_ffn={self.d_ffn}, act={self.act}, s_in={self.s_in:.3f}, "
                 f"s_mid={self.s_mid:.3f}")
 
+    def use_decode_layout(self) -> None:
+        """Every weight with ``[in, out]`` storage (``row_major_t``) so ``skip_rows`` copies none; the values and the
+        checkpoint keys stay (``realign_parameters`` calls this after a load)."""
+        for lin in (self.gate_proj, self.up_proj, self.down_proj):
+            lin.weight.data = row_major_t(lin.weight.data)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xs = magnitude_sparsify(x, self.t_in)
-        h = self.act_fn(self.gate_proj(xs)) * self.up_proj(xs)
-        return self.down_proj(magnitude_sparsify(h, self.t_mid))
+        lead = x.shape[:-1]
+        xt = x.reshape(-1, self.d_model)
+        xs = magnitude_sparsify(xt, self.t_in)
+        if self._skips_rows(xt):
+            h = self.act_fn(skip_rows(xs, self.gate_proj.weight)) * skip_rows(xs, self.up_proj.weight)
+            y = skip_rows(magnitude_sparsify(h, self.t_mid), self.down_proj.weight)
+        else:
+            h = self.act_fn(self.gate_proj(xs)) * self.up_proj(xs)
+            y = self.down_proj(magnitude_sparsify(h, self.t_mid))
+        return y.reshape(*lead, self.d_model)
+
+    def _skips_rows(self, x: torch.Tensor) -> bool:
+        """The row-skipping kernel for a CPU decode step without a gradient on weights in the decode layout; the
+        dense products (the same values, zeros multiplied) otherwise."""
+        w = self.gate_proj.weight
+        return (x.device.type == "cpu" and x.shape[0] <= ROW_SKIP_MAX_TOKENS and x.shape[0] > 0
+                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+                and w.stride() == (1, w.shape[0]))
