@@ -9,10 +9,11 @@ from typing import Any
 PHASES = {"decode_b1": "decode b1", "decode_b8": "decode b8", "prefill": "prefill"}
 
 
-def phase_speedup(summary: dict[str, Any] | None, phase: str) -> float | None:
-    """The converted model's speed over dense's in ``phase`` (dense time ÷ converted time); None when not timed."""
+def phase_speedup(summary: dict[str, Any] | None, phase: str, name: str = "converted") -> float | None:
+    """Model ``name``'s speed over dense's in ``phase`` (dense time ÷ its time): the converted model's, or ``teal``'s
+    (TEAL at the conversion's cost, timed in the same rounds); None when not timed."""
     entry = (((summary or {}).get("speed") or {}).get("phases") or {}).get(phase) or {}
-    value = (entry.get("speedup") or {}).get("converted")
+    value = (entry.get("speedup") or {}).get(name)
     return float(value) if isinstance(value, (int, float)) else None
 
 
@@ -41,14 +42,50 @@ def phase_title(summary: dict[str, Any] | None, phase: str) -> str:
     if not seconds:
         return how_timed(summary)
     what = f"prefill of {entry.get('tokens')} tokens" if phase == "prefill" else f"one decode step of batch {entry.get('batch')}"
-    return (f"{what}: dense {1e3 * seconds['dense']:.1f} ms, converted {1e3 * seconds['converted']:.1f} ms; "
-            + how_timed(summary))
+    timed = ", ".join(f"{'TEAL' if name == 'teal' else name} {1e3 * s:.1f} ms" for name, s in seconds.items())
+    return f"{what}: {timed}; " + how_timed(summary)
 
 
-def speed_cell(summary: dict[str, Any] | None) -> str:
+def speed_cell(summary: dict[str, Any] | None, name: str = "converted") -> str:
     """'1.31× / 0.82× / 0.90×': every phase's speed over dense, in :data:`PHASES` order; '' when not timed."""
-    values = [phase_speedup(summary, phase) for phase in PHASES]
+    values = [phase_speedup(summary, phase, name) for phase in PHASES]
     return " / ".join("–" if v is None else f"{v:.2f}×" for v in values) if any(v is not None for v in values) else ""
+
+
+def _ratio(summary: dict[str, Any] | None, name: str) -> float | None:
+    variants = (summary or {}).get("variants") or {}
+    d, dense = variants.get(name) or {}, (variants.get("dense") or {}).get("perplexity")
+    ratio = d.get("perplexity_ratio")
+    if ratio is None and isinstance(d.get("perplexity"), (int, float)) and isinstance(dense, (int, float)) and dense:
+        ratio = d["perplexity"] / dense
+    return float(ratio) if isinstance(ratio, (int, float)) else None
+
+
+def teal_wins(summary: dict[str, Any] | None) -> list[str]:
+    """The phases where TEAL at the conversion's cost is both faster than the conversion and no worse in perplexity
+    (the same text, the same rounds); empty when it is worse or was not timed."""
+    teal, conv = _ratio(summary, "teal"), _ratio(summary, "converted")
+    if teal is None or conv is None or teal > conv:
+        return []
+    return [phase for phase in PHASES
+            if (t := phase_speedup(summary, phase, "teal")) is not None and (c := phase_speedup(summary, phase)) is not None
+            and t > c]
+
+
+def teal_words(summary: dict[str, Any] | None) -> str:
+    """'1.45× / 0.80× / 0.85×, ppl 1.02× dense — better and faster than the conversion in decode b1': TEAL at the
+    conversion's cost, timed beside it; '' when the evaluation has no TEAL timing."""
+    cell = speed_cell(summary, "teal")
+    if not cell:
+        return ""
+    teal, conv = _ratio(summary, "teal"), _ratio(summary, "converted")
+    text = cell + (f", ppl {teal:.2f}× dense" if teal is not None else "")
+    wins = teal_wins(summary)
+    if wins:
+        return text + " — better and faster than the conversion in " + " and ".join(PHASES[p] for p in wins)
+    if teal is not None and conv is not None and teal <= conv:
+        return text + " — better than the conversion, not faster"
+    return text
 
 
 def slower_phases(predicted: dict[str, Any]) -> list[str]:

@@ -17,7 +17,7 @@ from frontend.downloads import tasks_table_url
 from frontend.components import error_box, figure_card, page_names, to_search
 from frontend.names import fmt, heldout_text, ratio_ci, with_id
 from frontend.names import chart_label
-from frontend.speed import PHASES, phase_text, phase_title
+from frontend.speed import PHASES, phase_text, phase_title, teal_words
 from frontend.task_accuracy import accuracy_cell
 
 dash.register_page(__name__, path="/evaluations", name="Evaluations", order=10)
@@ -111,6 +111,7 @@ def _accuracy_with_downloads(e: dict[str, Any]) -> list[Any] | str:
 def _table(evals: list[dict[str, Any]], named: dict[str, tuple[str, dict[str, Any]]]) -> html.Table:
     header = html.Tr([html.Th(h) for h in ("evaluation", "id", "status", "method", "text", "FFN cost", "perplexity × dense (95% CI)",
                                            "recon. error (mean)", "load CV (mean)", *(f"{name} speed × dense" for name in PHASES.values()),
+                                           "TEAL at the same cost (speed b1 / b8 / prefill)",
                                            "task accuracy (converted / dense)",
                                            "tags", "notes", "created")])
     body = []
@@ -124,6 +125,9 @@ def _table(evals: list[dict[str, Any]], named: dict[str, tuple[str, dict[str, An
             html.Td(ratio_ci(d.get("perplexity_ratio"), d.get("perplexity_ratio_ci"))), html.Td(fmt(d.get("mean_reconstruction_error"), 3)),
             html.Td(fmt(d.get("mean_load_cv"), 3)),
             *(html.Td(phase_text(e.get("summary"), phase), title=phase_title(e.get("summary"), phase)) for phase in PHASES),
+            html.Td(teal_words(e.get("summary")), className="teal", title="TEAL (training-free activation sparsity) at the "
+                    "conversion's FFN cost, timed in the same rounds; on CPU its decode step reads only the weight rows of "
+                    "nonzero inputs"),
             html.Td(_accuracy_with_downloads(e)), html.Td(", ".join(e.get("tags") or []), className="tags"),
             html.Td(notes if len(notes) <= 80 else notes[:79] + "…", title=notes), html.Td(str(e.get("created_at", ""))[:16]),
         ]))

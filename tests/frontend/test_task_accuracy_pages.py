@@ -12,7 +12,7 @@ import pytest
 
 import frontend.app  # noqa: F401  (instantiates the Dash app: the page modules register with it)
 from frontend.names import fmt
-from frontend.speed import PHASES, phase_speedup, speed_cell
+from frontend.speed import PHASES, phase_speedup, speed_cell, teal_words
 from frontend.task_accuracy import accuracy_cell
 
 from .conftest import wait_job
@@ -89,6 +89,14 @@ def test_tasks_from_the_workspace_shown_in_evaluations_and_compare(page, live, a
     title = page.locator("#ev-table tr").nth(1).locator("td").nth(headers.index("decode b8 speed × dense")).get_attribute("title")
     ms = 1e3 * speed["phases"]["decode_b8"]["seconds"]["converted"]
     assert title.startswith("one decode step of batch 8: dense ") and f"converted {ms:.1f} ms" in title and "threads" in title
+    # TEAL at the conversion's cost, timed in the same rounds when baselines run: its speeds and perplexity ratio
+    teal_col = got["TEAL at the same cost (speed b1 / b8 / prefill)"]
+    if ev["params"]["baselines"]:
+        teal = [speed["phases"][p]["speedup"]["teal"] for p in PHASES]
+        assert teal_col == teal_words(ev["summary"]) and teal_col.startswith(" / ".join(f"{v:.2f}×" for v in teal)), teal_col
+        assert f"ppl {ev['summary']['variants']['teal']['perplexity_ratio']:.2f}× dense" in teal_col
+    else:
+        assert teal_col == ""
 
     page.goto(f"{live['ui']}/compare?ids={conversion}")
     wait_figures(page, "cc-acc-cost", "cc-acc-speed")

@@ -23,10 +23,13 @@ not hide the FFN's share of a step.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import platform
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -63,17 +66,24 @@ def _sync(device: torch.device) -> None:
 def _cache(out: Any) -> Any:
     """The KV cache a forward returned (transformers ≥ 5.2x name it ``cache``; earlier ``past_key_values``)."""
     cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+def _cache_kwarg(model: nn.Module) -> str:
+    """The forward's name for the KV cache it is handed: ``cache`` (transformers ≥ 5.2x) or ``past_key_values``. An
+    unknown keyword would land in ``**kwargs`` unread, and each step would run without its cache."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _decode_step_s(model: nn.Module, context: torch.Tensor, steps: int) -> float:
     """Mean seconds of one cached greedy step after a prefill of ``context`` (untimed)."""
     out = model(input_ids=context, use_cache=True)
     cache, token = _cache(out), out.logits[:, -1:].argmax(-1)
+    kwarg = _cache_kwarg(model)
     _sync(context.device)
     t0 = time.perf_counter()
     for _ in range(steps):  # each step needs the previous one's token: a loop over steps, not over tokens in a step
-        out = model(input_ids=token, cache=cache, use_cache=True)
+        out = model(input_ids=token, **{kwarg: cache}, use_cache=True)
         cache, token = _cache(out), out.logits[:, -1:].argmax(-1)
     _sync(context.device)
     return (time.perf_counter() - t0) / steps
@@ -95,9 +105,12 @@ def max_positions(model: nn.Module) -> int | None:
 
 @torch.inference_mode()
 def time_phases(models: Mapping[str, nn.Module], tokens: torch.Tensor, *, reference: str = "dense",
-                protocol: SpeedProtocol = SpeedProtocol()) -> dict[str, Any]:
+                protocol: SpeedProtocol = SpeedProtocol(),
+                setups: Mapping[str, Callable[[], AbstractContextManager[Any]]] | None = None) -> dict[str, Any]:
     """Each model's seconds per phase and its speed-up over ``reference`` (a key of ``models``), all on the device of
-    the reference model. ``tokens``: real token ids (any shape) the inputs are cut from."""
+    the reference model. ``tokens``: real token ids (any shape) the inputs are cut from. ``setups[name]``: a context
+    each of ``name``'s rounds runs in (a baseline is the dense model with its MLPs swapped in for the time of its
+    rounds: ``evaluation.metrics.swapped_mlps``)."""
     if reference not in models:
         raise ValueError(f"the reference model {reference!r} is not among {sorted(models)}")
     first = models[reference]
@@ -122,10 +135,11 @@ def time_phases(models: Mapping[str, nn.Module], tokens: torch.Tensor, *, refere
     times: dict[str, dict[str, list[float]]] = {phase: {name: [] for name in models} for phase in PHASES}
     for round_ in range(protocol.repeats + 1):  # round 0 warms up
         for name, model in models.items():
-            for phase in PHASES:
-                seconds = once(model, phase)
-                if round_:
-                    times[phase][name].append(seconds)
+            with (setups or {}).get(name, contextlib.nullcontext)():
+                for phase in PHASES:
+                    seconds = once(model, phase)
+                    if round_:
+                        times[phase][name].append(seconds)
     phases: dict[str, Any] = {}
     for phase in PHASES:
         median = {name: statistics.median(ts) for name, ts in times[phase].items()}
@@ -160,17 +174,20 @@ def phase_label(phase: str, entry: Mapping[str, Any]) -> str:
     return PHASE_NAMES.get(phase, phase)
 
 
-def describe(speed: Mapping[str, Any], name: str = "converted") -> list[str]:
-    """Text lines of a ``time_phases`` result: ``name``'s time per phase beside the reference's, and which phases it
-    is slower in (with the number)."""
+def describe(speed: Mapping[str, Any], name: str | None = None) -> list[str]:
+    """Text lines of a ``time_phases`` result: each timed model's (or only ``name``'s) time per phase beside the
+    reference's, and which phases it is slower in (with the number)."""
     ref = speed["reference"]
     p = speed["protocol"]
+    first = next(iter(speed["phases"].values()))
+    names = [name] if name else [n for n in first["seconds"] if n != ref]
     lines = [f"speed, whole model against {ref} ({speed['runtime']}; {speed['device']}, {speed['dtype']}, "
              f"{speed['threads']} threads; median of {p['repeats']} interleaved rounds)"]
-    for phase, entry in speed["phases"].items():
-        unit = "per step" if phase != "prefill" else ""
-        ratio = entry["speedup"][name]
-        lines.append(f"  {phase_label(phase, entry):<24} {ref} {entry['seconds'][ref] * 1e3:8.1f} ms {unit:<8} "
-                     f"{name} {entry['seconds'][name] * 1e3:8.1f} ms  {ratio:5.2f}× {ref}"
-                     + ("  (slower)" if ratio < 1 else ""))
+    for model in names:
+        for phase, entry in speed["phases"].items():
+            unit = "per step" if phase != "prefill" else ""
+            ratio = entry["speedup"][model]
+            lines.append(f"  {phase_label(phase, entry):<24} {ref} {entry['seconds'][ref] * 1e3:8.1f} ms {unit:<8} "
+                         f"{model:<9} {entry['seconds'][model] * 1e3:8.1f} ms  {ratio:5.2f}× {ref}"
+                         + ("  (slower)" if ratio < 1 else ""))
     return lines

@@ -1,0 +1,37 @@
+"""The UI's words for measured speed (``frontend.speed``): pure functions of an evaluation's summary."""
+
+from __future__ import annotations
+
+from frontend.speed import phase_speedup, phase_title, speed_cell, teal_wins, teal_words
+
+
+def _summary(conv: dict[str, float], teal: dict[str, float] | None, ppl: dict[str, float]) -> dict:
+    names = {"converted": conv, **({"teal": teal} if teal else {})}
+    phases = {p: {"seconds": {"dense": 0.1, **{n: 0.1 / v[p] for n, v in names.items()}},
+                  "speedup": {"dense": 1.0, **{n: v[p] for n, v in names.items()}},
+                  "batch": 8 if p == "decode_b8" else 1, "tokens": 512 if p == "prefill" else None}
+              for p in ("decode_b1", "decode_b8", "prefill")}
+    return {"variants": {"dense": {"perplexity": 10.0}, **{n: {"perplexity": 10.0 * r} for n, r in ppl.items()}},
+            "speed": {"phases": phases, "device": "cpu: x86_64", "dtype": "float32", "threads": 2,
+                      "runtime": "PyTorch eager", "protocol": {"repeats": 3}}}
+
+
+CONV = {"decode_b1": 1.20, "decode_b8": 1.10, "prefill": 0.95}
+
+
+def test_teal_is_said_to_win_only_where_it_is_faster_and_no_worse():
+    s = _summary(CONV, {"decode_b1": 1.45, "decode_b8": 0.80, "prefill": 0.85}, {"converted": 1.9, "teal": 1.02})
+    assert phase_speedup(s, "decode_b1", "teal") == 1.45 and speed_cell(s, "teal") == "1.45× / 0.80× / 0.85×"
+    assert teal_wins(s) == ["decode_b1"]
+    assert teal_words(s) == "1.45× / 0.80× / 0.85×, ppl 1.02× dense — better and faster than the conversion in decode b1"
+    slower = _summary(CONV, {"decode_b1": 1.0, "decode_b8": 0.8, "prefill": 0.8}, {"converted": 1.9, "teal": 1.02})
+    assert teal_wins(slower) == [] and teal_words(slower).endswith("— better than the conversion, not faster")
+    worse = _summary(CONV, {"decode_b1": 1.45, "decode_b8": 1.2, "prefill": 1.2}, {"converted": 1.2, "teal": 1.5})
+    assert teal_wins(worse) == [] and teal_words(worse) == "1.45× / 1.20× / 1.20×, ppl 1.50× dense"
+    assert teal_words(_summary(CONV, None, {"converted": 1.9})) == ""
+
+
+def test_a_phase_hover_names_every_timed_model():
+    s = _summary(CONV, {"decode_b1": 2.0, "decode_b8": 0.5, "prefill": 1.0}, {"converted": 1.9, "teal": 1.02})
+    title = phase_title(s, "decode_b1")
+    assert title.startswith("one decode step of batch 1: dense 100.0 ms, converted 83.3 ms, TEAL 50.0 ms; cpu: x86_64")
