@@ -339,7 +339,7 @@ def test_chunked_sorted_kernel_equals_the_reference_loop(router, combine, monkey
     """The prefill kernel processes experts in cache-sized chunks: with a tiny chunk budget every
     chunk holds one or a few experts (and some none), with grouped_mm or per-expert GEMMs inside."""
     monkeypatch.setattr(moelab_kernels, "CHUNK_BYTES", 2048)
-    monkeypatch.setattr(moelab_kernels, "DENSE_NEURONS", 1)  # these 4-neuron experts would run dense
+    monkeypatch.setattr(moelab_kernels, "DENSE_SHARE", 1.0)  # these 4-neuron experts would run dense
     mod = kernel_moe(router, combine, seed=5)
     x = torch.randn(40, 32, generator=torch.Generator().manual_seed(4))
     ref = run_impl(mod, x, "loop")
@@ -400,7 +400,7 @@ def test_each_stacked_weight_is_read_once_per_forward(impl, monkeypatch):
 def test_auto_kernel_choice_on_cpu(monkeypatch):
     """CPU ``auto``: gather for a decode step of small experts (at most GATHER_MAX_TOKENS tokens
     whose experts' blocks fit in GATHER_MAX_BYTES), every expert masked (``dense``) for more tokens when
-    the selected share k/E is at least m/DENSE_NEURONS, grouped_mm for other batches whose activations
+    the selected share k/E is at least DENSE_SHARE + m/DENSE_NEURONS, grouped_mm for other batches whose activations
     fit in CHUNK_BYTES, the chunked sorted kernel above that, and never gather or grouped_mm under
     a gradient."""
     experts = kernel_moe("centroid", "sum").experts  # 16 experts of 4 neurons, d_model 32
@@ -410,11 +410,11 @@ def test_auto_kernel_choice_on_cpu(monkeypatch):
 
     grouped = "grouped_mm" if moelab_kernels._GROUPED_MM is not None else "sorted"
     assert pick(1) == pick(moelab_kernels.GATHER_MAX_TOKENS) == "gather"
-    # a prefill of experts this small runs dense (3 of 16 experts of 4 neurons: 3/16 ≥ 4/DENSE_NEURONS) ...
+    # a prefill of experts this small runs dense (3 of 16 experts of 4 neurons: 3/16 ≥ DENSE_SHARE + 4/DENSE_NEURONS) ...
     assert pick(moelab_kernels.GATHER_MAX_TOKENS + 1) == pick(100_000) == "dense"
     assert pick(100_000, needs_grad=True) == "sorted"
-    # ... and sparse once the selected share is below m/DENSE_NEURONS (here: wide experts, in effect)
-    monkeypatch.setattr(moelab_kernels, "DENSE_NEURONS", 16 * 4 / 3 - 1)
+    # ... and sparse once the selected share is below the threshold (here: wider experts, in effect)
+    monkeypatch.setattr(moelab_kernels, "DENSE_NEURONS", 4 / (3 / 16 - moelab_kernels.DENSE_SHARE) - 1)
     assert pick(moelab_kernels.GATHER_MAX_TOKENS + 1) == grouped
     assert pick(1, needs_grad=True) == pick(5, needs_grad=True) == "sorted"
     assert pick(100_000) == "sorted"  # 100k pairs' activations exceed CHUNK_BYTES

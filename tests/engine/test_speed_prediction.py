@@ -63,6 +63,7 @@ def test_the_prediction_runs_the_kernels_the_runtime_chooses():
     from workers.engine.runtime.moelab_moe import MoeExperts
 
     assert speed_prediction.DENSE_NEURONS == moelab_kernels.DENSE_NEURONS
+    assert speed_prediction.DENSE_SHARE == moelab_kernels.DENSE_SHARE
     assert speed_prediction.GATHER_MAX_TOKENS == moelab_kernels.GATHER_MAX_TOKENS
     for e, m, k in ((128, 12, 40), (64, 24, 8), (64, 24, 16), (16, 96, 4), (16, 96, 12), (8, 64, 1)):
         experts = MoeExperts(e, m, 32)

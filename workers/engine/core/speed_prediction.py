@@ -33,15 +33,16 @@ FEATURES = ("fixed", "shared_neurons", "touched_neurons", "computed_rows", "pair
 
 #: ``runtime.moelab_kernels``' CPU choice, mirrored here without torch (tests/engine/test_speed_prediction.py checks
 #: they agree): above GATHER_MAX_TOKENS tokens, routed experts of m neurons run every expert masked (``dense``) once
-#: the selected share k/E reaches m / DENSE_NEURONS.
+#: the selected share k/E reaches DENSE_SHARE + m / DENSE_NEURONS.
 GATHER_MAX_TOKENS = 8
-DENSE_NEURONS = 160
+DENSE_SHARE = 0.1
+DENSE_NEURONS = 100
 
 
 def runs_dense(layer: Mapping[str, Any], tokens: int) -> bool:
     """Whether the runtime computes every routed expert of ``layer`` for ``tokens`` tokens (the ``dense`` kernel)."""
     e, m, k = int(layer.get("n_routed", 0)), int(layer.get("expert_size", 0)), int(layer.get("top_k", 0))
-    return tokens > GATHER_MAX_TOKENS and 0 < k < e and k * DENSE_NEURONS >= e * m
+    return tokens > GATHER_MAX_TOKENS and 0 < k < e and k >= e * (DENSE_SHARE + m / DENSE_NEURONS)
 
 
 def layer_features(layer: Mapping[str, Any], tokens: int) -> np.ndarray:

@@ -37,11 +37,13 @@ GATHER_MAX_BYTES = 8 << 20
 CHUNK_BYTES = 1 << 20
 
 # "auto" on CPU, more than GATHER_MAX_TOKENS tokens: every expert on every token (``masked_dense``: the dense FFN's two
-# GEMMs, unselected experts weighted 0) once the selected share k/E reaches m / DENSE_NEURONS for experts of m neurons.
-# Small experts make small GEMMs and move a d_model row in and out per (token, expert) pair: at a 512-token prefill of
-# the default model's layer (2 threads) 128 experts of 12 neurons at k/E 0.25 take 41 ms sorted against 21 ms dense,
-# 64 of 24 at 0.25 24 against 17; 32 of 48 cross near 0.3, 16 of 96 near 0.6 (``bench_moe_ffn.py --prefill``).
-DENSE_NEURONS = 160
+# GEMMs, unselected experts zeroed) once the selected share k/E reaches DENSE_SHARE + m / DENSE_NEURONS for experts
+# of m neurons. Small experts make small GEMMs and move a d_model row in and out per (token, expert) pair: at a
+# 512-token prefill of the default model's layer (2 threads), 128 experts of 12 neurons take 20 ms sorted against 17
+# dense at k/E 0.25 and 26 against 17 at 0.4; 64 of 24 are level from 0.25 to 0.6; 32 of 48 cross near 0.6, and
+# 16 of 96 stay sparse (``tests/benchmarks/bench_prefill_kernels.py``).
+DENSE_SHARE = 0.1
+DENSE_NEURONS = 100
 
 #: Training (a gradient is needed) runs every expert masked when top_k ≥ E / GRAD_DENSE_RATIO
 #: (``masked_dense``), per-expert segments otherwise (``segments``).
@@ -67,7 +69,8 @@ def select_kernel(experts, x: torch.Tensor, top: torch.Tensor | None, needs_grad
     ``auto``, CPU           no gradient, T ≤ GATHER_MAX_TOKENS, and one token on        gather
                             column-major blocks or the selected blocks ≤
                             GATHER_MAX_BYTES
-    ``auto``, CPU           no gradient, T > GATHER_MAX_TOKENS, k/E ≥ m/DENSE_NEURONS    dense
+    ``auto``, CPU           no gradient, T > GATHER_MAX_TOKENS, k/E ≥ DENSE_SHARE +      dense
+                            m/DENSE_NEURONS
     ``auto``, CPU           no gradient, grouped ok, every pair's activations ≤         grouped_mm
                             CHUNK_BYTES
     ``auto``                otherwise                                                   sorted
@@ -94,7 +97,7 @@ def select_kernel(experts, x: torch.Tensor, top: torch.Tensor | None, needs_grad
             or min(experts.num_experts, pairs) * block_bytes <= GATHER_MAX_BYTES):
         return "gather"
     if not needs_grad and x.shape[0] > GATHER_MAX_TOKENS and top is not None and (
-            top.shape[1] * DENSE_NEURONS >= experts.num_experts * experts.expert_size):
+            top.shape[1] >= experts.num_experts * (DENSE_SHARE + experts.expert_size / DENSE_NEURONS)):
         return "dense"
     row_bytes = (2 * experts.d_model + 3 * experts.expert_size) * x.element_size()
     if not needs_grad and grouped_ok(experts, x, wgu, wd) and pairs * row_bytes <= CHUNK_BYTES:
@@ -208,34 +211,60 @@ def expert_glu(experts, x, gate_act, gate_up, down):
     return F.linear(g, down)
 
 
+#: Tokens from which ``every_expert`` multiplies column-major gate/up blocks as one ``[d_model, E·2m]`` matrix (a copy,
+#: 0.2 ms for the default model's layer) instead of E small GEMMs of one batched matmul: a 512-token prefill of 128
+#: experts of 12 neurons takes 12.5 ms against 14.7 (the dense FFN's gate/up: 11.2 ms).
+FLAT_MIN_TOKENS = 64
+
+
+def _products(experts, x, wgu, gate_act):
+    """``act(gate) * up`` of every expert's neurons for every token, ``[T, E, m]``, nothing kept yet."""
+    E, m, d = experts.num_experts, experts.expert_size, experts.d_model
+    T = x.shape[0]
+    if gate_act is not None:  # the router computed the gates: the up rows only, E GEMMs of one batched matmul
+        return gate_act.view(T, E, m) * torch.matmul(x, wgu[:, m:].transpose(1, 2)).transpose(0, 1)
+    if decode_layout_of(wgu):  # stored [E, d, 2m]
+        if T >= FLAT_MIN_TOKENS:
+            h = F.linear(x, wgu.transpose(1, 2).permute(1, 0, 2).reshape(d, E * 2 * m).t()).view(T, E, 2 * m)
+        else:  # E GEMMs of one batched matmul: no copy of the weights for a few tokens
+            h = torch.matmul(x, wgu.transpose(1, 2)).transpose(0, 1)
+    else:
+        h = F.linear(x, wgu.reshape(E * 2 * m, d)).view(T, E, 2 * m)
+    return glu(experts, h, keep=False)
+
+
+def _down_all(experts, wd, g):
+    """The down projection of ``g [T, E, m]`` (every expert's neurons, zeros where none ran) in one GEMM."""
+    E, m, d = experts.num_experts, experts.expert_size, experts.d_model
+    return F.linear(g.reshape(g.shape[0], E * m), wd.permute(1, 0, 2).reshape(d, E * m))
+
+
 def every_expert(experts, x, w, weights, gate_act):
     """Every expert on every token: one GLU over the concatenated experts (the dense FFN the
     experts were sliced from, when they cover it), each expert's neurons scaled by its weight."""
     wgu, wd = w
-    E, m, d = experts.num_experts, experts.expert_size, experts.d_model
-    T = x.shape[0]
-    if gate_act is not None:  # the router computed the gates: the up rows only, E GEMMs of one batched matmul
-        g = gated(experts, gate_act.view(T, E, m), torch.matmul(x, wgu[:, m:].transpose(1, 2)).transpose(0, 1))
-    elif decode_layout_of(wgu):  # E GEMMs of one batched matmul: [E·2m, d] would be a copy of the weights
-        g = glu(experts, torch.matmul(x, wgu.transpose(1, 2)).transpose(0, 1))
-    else:
-        g = glu(experts, F.linear(x, wgu.reshape(E * 2 * m, d)).view(T, E, 2 * m))
+    g = keep_largest(_products(experts, x, wgu, gate_act), experts.down_keep)
     if weights is not None:
         g = g * weights.unsqueeze(-1).to(g.dtype)
-    w_down = wd.permute(1, 0, 2).reshape(d, E * m)
-    return F.linear(g.reshape(T, E * m), w_down)
+    return _down_all(experts, wd, g)
 
 
 def masked_dense(experts, x, w, top, weights, gate_act):
     """CPU inference over many tokens of small experts (``select_kernel``), and the training path when a token
-    selects at least ``1/GRAD_DENSE_RATIO`` of the experts: every expert on every token in two large GEMMs, the unselected ones weighted 0. The same output
-    and gradients as the selected experts alone (a weight of 0 passes no gradient), at E/k
-    times the multiply-adds, but GEMMs of the whole layer instead of E small ones over k
+    selects at least ``1/GRAD_DENSE_RATIO`` of the experts: every expert on every token in two large GEMMs, the
+    unselected ones zeroed. The same output and gradients as the selected experts alone (a zero passes no
+    gradient), at E/k times the multiply-adds, but GEMMs of the whole layer instead of E small ones over k
     copies of the input: 0.76 s against 2.9 s forward + backward for 1,024 tokens at the
-    default model's 64 × 24 experts, top-24, LoRA on the experts (CPU, a loaded machine)."""
-    dense_w = torch.zeros(x.shape[0], experts.num_experts, dtype=x.dtype, device=x.device)
-    src = torch.ones_like(top, dtype=x.dtype) if weights is None else weights.to(x.dtype)
-    return every_expert(experts, x, w, dense_w.scatter(1, top, src), gate_act)
+    default model's 64 × 24 experts, top-24, LoRA on the experts (CPU, a loaded machine). Only the selected
+    (token, expert) pairs are gathered for ``down_keep``'s largest-kept choice (k/E of the work) and scattered back."""
+    wgu, wd = w
+    T, k = top.shape
+    g = _products(experts, x, wgu, gate_act)
+    idx = top.unsqueeze(-1).expand(T, k, g.shape[-1])
+    sel = keep_largest(g.gather(1, idx), experts.down_keep)
+    if weights is not None:
+        sel = sel * weights.unsqueeze(-1).to(sel.dtype)
+    return _down_all(experts, wd, torch.zeros_like(g).scatter(1, idx, sel))
 
 
 def sort_pairs(experts, top):
