@@ -3,12 +3,13 @@
 this machine's kernel table) and to its multiply-adds.
 
     python tests/benchmarks/bench_recipe_speed.py [--samples 64] [--max-tokens 256] [--repeats 3]
-        [--variant NAME=RECIPE:SPARSITY ...] [--work DIR]
+        [--variant NAME=RECIPE:SPARSITY ...] [--teal COST ...] [--work DIR]
 
 The profile is the README's shape (``builtin:mixed``, 64 × 256 tokens); each variant is built with ``moelab convert
 --recipe R --sparsity S`` as a user does (timed: building costs seconds too), then loaded with ``from_pretrained``. The
 kernel table is measured here (the designer's is measured by the profile job the same way). speed-up = dense time /
-converted time, interleaved round by round. Writes tests/benchmarks/results/bench_recipe_speed.json and prints one
+converted time, interleaved round by round. TEAL (``--teal``, default costs 0.5 and 0.75) is calibrated as an evaluation
+calibrates it and timed in the same rounds, with its row-skipping CPU decode kernel. Writes tests/benchmarks/results/bench_recipe_speed.json and prints one
 summary line.
 """
 
@@ -29,12 +30,17 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 OUT = ROOT / "tests" / "benchmarks" / "results" / "bench_recipe_speed.json"
 
+from workers.engine.core.fitting import collect_inputs, stored_token_windows  # noqa: E402
 from workers.engine.core.speed_prediction import predict  # noqa: E402
+from workers.engine.core.teal import teal_flops_fraction, teal_modules  # noqa: E402
+from workers.engine.evaluation.metrics import swapped_mlps  # noqa: E402
 from workers.engine.evaluation.metrics import heldout_windows  # noqa: E402
 from workers.engine.evaluation.speed import SpeedProtocol, time_phases  # noqa: E402
 from workers.engine.evaluation.speed_table import measure_table  # noqa: E402
 from workers.engine.models import load_model  # noqa: E402
-from workers.engine.runtime.export import load_exported  # noqa: E402
+from workers.engine.profiling.store import StoredProfile  # noqa: E402
+from workers.engine.runs import TEAL_FIT_TOKENS  # noqa: E402
+from workers.engine.runtime.export import copy_runtime, load_exported  # noqa: E402
 
 VARIANTS = ("paper-0.5=paper:0.5", "best-0.25=best:0.25", "best-0.5=best:0.5", "portable-0.5=portable:0.5")
 
@@ -51,6 +57,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variant", action="append", default=None, help="NAME=RECIPE:SPARSITY (default: %s)" % ", ".join(VARIANTS))
     ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--teal", type=float, nargs="*", default=[0.5, 0.75],
+                    help="TEAL at these FFN costs, calibrated on the profile's text as an evaluation does, timed alike")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-recipe-speed-"))
@@ -78,9 +86,17 @@ def main() -> None:
     t0 = time.perf_counter()
     table = measure_table(dense, windows, info)
     table_s = time.perf_counter() - t0
+    for v in built.values():  # an export bundles the runtime it was built with: time this checkout's kernels
+        copy_runtime(v["dir"])
     models = {"dense": dense, **{name: load_exported(v["dir"]).eval() for name, v in built.items()}}
-    measured = time_phases(models, windows, protocol=SpeedProtocol(repeats=args.repeats))
-    rows = []
+    teal = _teal_variants(adapter, profile, args.teal)
+    models.update({name: dense for name in teal})
+    setups = {name: (lambda mods=v["modules"]: swapped_mlps(adapter, mods)) for name, v in teal.items()}
+    measured = time_phases(models, windows, protocol=SpeedProtocol(repeats=args.repeats), setups=setups)
+    rows = [{"variant": name, "recipe": "teal", "sparsity": None, "ffn_flops_fraction": v["cost"], "convert_s": v["build_s"],
+             "measured": {p: round(e["speedup"][name], 3) for p, e in measured["phases"].items()},
+             "measured_ms": {p: round(1e3 * e["seconds"][name], 2) for p, e in measured["phases"].items()},
+             "predicted": {}} for name, v in teal.items()]
     for name, v in built.items():
         layers = json.loads((v["dir"] / "config.json").read_text())["moe_layers"]
         record = json.loads((v["dir"] / "conversion.json").read_text())
@@ -100,9 +116,27 @@ def main() -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(out, indent=2) + "\n")
     line = "; ".join(f"{r['variant']} (cost {r['ffn_flops_fraction']:.3f}): "
-                     + ", ".join(f"{p} {r['measured'][p]:.2f}× (pred {r['predicted'].get(p, float('nan')):.2f}×)" for p in r["measured"])
+                     + ", ".join(f"{p} {r['measured'][p]:.2f}×" + (f" (pred {r['predicted'][p]:.2f}×)" if p in r["predicted"] else "")
+                                 for p in r["measured"])
                      for r in rows)
     print(f"bench_recipe_speed: speed over dense, measured (predicted): {line}; table {table_s:.0f} s")
+
+
+def _teal_variants(adapter, profile: Path, costs: list[float]) -> dict[str, dict]:
+    """TEAL (greedy split) at each FFN cost, calibrated as an evaluation calibrates it (the profile's text, 4,096
+    tokens): ``{name: {"modules", "cost", "build_s"}}``."""
+    if not costs:
+        return {}
+    stored = StoredProfile.open(profile)
+    inputs = collect_inputs(adapter, stored_token_windows(adapter, stored, TEAL_FIT_TOKENS))
+    out = {}
+    for cost in costs:
+        t0 = time.perf_counter()
+        modules = teal_modules(adapter, inputs, cost, "greedy")
+        dense_macs = sum(3 * adapter.d_model * lay.d_ffn for lay in adapter.layers)
+        out[f"teal-{cost:g}"] = {"modules": modules, "cost": round(teal_flops_fraction(modules, dense_macs), 4),
+                                 "build_s": round(time.perf_counter() - t0, 1)}
+    return out
 
 
 if __name__ == "__main__":

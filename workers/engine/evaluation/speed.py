@@ -71,8 +71,17 @@ def _cache(out: Any) -> Any:
 
 def _cache_kwarg(model: nn.Module) -> str:
     """The forward's name for the KV cache it is handed: ``cache`` (transformers ≥ 5.2x) or ``past_key_values``. An
-    unknown keyword would land in ``**kwargs`` unread, and each step would run without its cache."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    unknown keyword would land in ``**kwargs`` unread, and each step would run without its cache; a forward that
+    takes both (``MoelabForCausalLM``) gets the name the installed transformers uses."""
+    params = inspect.signature(model.forward).parameters
+    if "cache" in params:
+        return "cache"
+    passes_on = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if "past_key_values" in params and not passes_on:
+        return "past_key_values"
+    from transformers import LlamaForCausalLM
+
+    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
 
 def _decode_step_s(model: nn.Module, context: torch.Tensor, steps: int) -> float:
