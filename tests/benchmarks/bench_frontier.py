@@ -20,7 +20,10 @@ the built modules' own count), so rows of one level cost the same within one exp
 
 Perplexity is measured on the held-out split of several built-in domains (never calibration
 text) and summarised by the geometric mean of the per-domain ratios; each domain's ratio is
-kept too. Downstream accuracy: bench_tasks.py (lm-evaluation-harness). Writes
+kept too. Every variant is also timed whole against dense in the same process (``evaluation.speed``: decode at
+batch 1 and 8, prefill of 512; its MLPs swapped into the dense model for its rounds; ``--speed-repeats 0`` skips
+it), so each quality sits beside its measured speed as well as its multiply-adds. Downstream accuracy:
+bench_tasks.py (lm-evaluation-harness). Writes
 tests/benchmarks/results/bench_frontier.json, a markdown table and an SVG plot next to it, and
 prints one summary line.
 """
@@ -48,7 +51,8 @@ from workers.engine.core.allocation import plan_flops_fraction  # noqa: E402
 from workers.engine.core.fitting import collect_inputs, profile_token_windows  # noqa: E402
 from workers.engine.core.slicing import abstopk_modules, partition_modules  # noqa: E402
 from workers.engine.data.builtin import MIXED_PARTS  # noqa: E402
-from workers.engine.evaluation.metrics import evaluate_models, evaluate_variants, heldout_windows  # noqa: E402
+from workers.engine.evaluation.metrics import evaluate_models, evaluate_variants, heldout_windows, swapped_mlps  # noqa: E402
+from workers.engine.evaluation.speed import PHASES, SpeedProtocol, time_phases  # noqa: E402
 from workers.engine.methods import cmoe, expertweaver, get_method  # noqa: E402
 from workers.engine.methods.cmoe import CMoEParams  # noqa: E402
 from workers.engine.methods.expertweaver import ExpertWeaverParams  # noqa: E402
@@ -104,6 +108,8 @@ def configurations(level: float, d_model: int, profile: Any, candidates: bool = 
                 "best-refit": replace(best, refit="converted_inputs"),  # fitted on the converted model's own inputs
                 "best-fisher": replace(best, plan_error="fisher"),  # the plan's error in units of calibration loss
                 "best-output": replace(best, plan_error="output"),  # every layer's relative FFN error alike
+                # wider experts run sparse at prefill and batch-8 decode where 12-neuron ones cannot (issue 38)
+                **{f"best-e{e}-keep{round(q * 100)}": replace(best, n_experts=e, down_keep=q) for e in (32, 16) for q in (0.5, 1.0)},
                 # TEAL inside the experts (the recipe keeps 0.5 of each active expert's down inputs); 1: the recipe before
                 **{f"best-keep{round(q * 100)}": replace(best, down_keep=q) for q in (0.3, 0.5, 0.7, 1.0)}}
         # portable's router, α basis and shared share (the leading plan uses the layers' mean α)
@@ -206,16 +212,25 @@ def write(report: dict[str, Any], out: Path) -> None:
     tmp.replace(out)
 
 
+def _speed_words(row: dict[str, Any]) -> str:
+    """' · speed 1.24/1.41/1.31×' (decode b1 / decode b8 / prefill over dense, measured), or '' when not timed."""
+    sp = row.get("speed")
+    return " · speed " + "/".join(f"{sp[p]:.2f}" for p in PHASES) + "×" if sp else ""
+
+
 def tables(report: dict[str, Any], out: Path) -> None:
     """The markdown table and the SVG plot of ``report`` next to ``out``."""
     names = sorted({n for lv in report["levels"].values() for n in lv})
     lines = ["| cost ≤ | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for level, rows in sorted(report["levels"].items(), key=lambda kv: -float(kv[0])):
-        cells = [("-" if n not in rows else f"{rows[n]['ratio_in']:.2f}× / {rows[n]['ratio_out']:.2f}× ({rows[n]['ffn_flops_fraction']:.3f})"
-                  if "ratio_out" in rows[n] else f"{rows[n]['ratio_geomean']:.2f}× ({rows[n]['ffn_flops_fraction']:.3f})") for n in names]
+        cells = [("-" if n not in rows else (f"{rows[n]['ratio_in']:.2f}× / {rows[n]['ratio_out']:.2f}× ({rows[n]['ffn_flops_fraction']:.3f})"
+                  if "ratio_out" in rows[n] else f"{rows[n]['ratio_geomean']:.2f}× ({rows[n]['ffn_flops_fraction']:.3f})")
+                  + _speed_words(rows[n])) for n in names]
         lines.append(f"| {level} | " + " | ".join(cells) + " |")
     if report.get("protocol") == "leave-domain-out":
         lines.insert(0, "Each cell: in-domain / out-of-domain perplexity ratio to dense (geomean over the folds), mean cost.\n")
+    lines.insert(0, "Speed: the whole model over dense, decode batch 1 / decode batch 8 / prefill of 512, measured in one "
+                    "process (evaluation.speed; geomean over the folds).\n")
     for name, r in report.get("own_cost", {}).items():
         lines.append(f"\n{name} (own cost {r['ffn_flops_fraction']:.3f}): {r['ratio_geomean']:.2f}× dense")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -270,11 +285,34 @@ def measure_levels(adapter: Any, profile: Any, windows: dict[str, torch.Tensor],
         if variants:
             by_domain = {dom: evaluate_variants(adapter, variants, w, reconstruction=False)
                          for dom, w in windows.items()}
-            done.update({name: {**meta[name], **score(by_domain, name, dense_ppl)} for name in variants})
+            timed = time_variants(adapter, variants, windows, args.speed_repeats) if args.speed_repeats else {}
+            done.update({name: {**meta[name], **score(by_domain, name, dense_ppl), **timed.get(name, {})} for name in variants})
         save()  # after every level: a long run that is stopped keeps what it measured
         print(f"level {level}: " + ", ".join(f"{n} {r['ratio_geomean']:.2f}x@{r['ffn_flops_fraction']:.3f}"
                                               for n, r in levels[str(level)].items()), flush=True)
         del variants
+
+
+def time_variants(adapter: Any, variants: dict[str, dict[int, Any]], windows: dict[str, torch.Tensor],
+                  repeats: int) -> dict[str, dict[str, Any]]:
+    """Each variant's whole-model speed over dense per phase (``evaluation.speed``: decode batch 1 and 8, prefill of
+    512; every variant and dense in the same rounds, its MLPs swapped into the dense model for its own rounds), on
+    the held-out text: ``{name: {"speed": {phase: speed-up}, "speed_ms": {phase: ms}}}``."""
+    tokens = torch.cat([w.reshape(-1) for w in windows.values()])
+    models = {"dense": adapter.model, **{name: adapter.model for name in variants}}
+    setups = {name: (lambda mods=mods: swapped_mlps(adapter, mods)) for name, mods in variants.items()}
+    measured = time_phases(models, tokens, protocol=SpeedProtocol(repeats=repeats), setups=setups)
+    return {name: {"speed": {p: round(e["speedup"][name], 3) for p, e in measured["phases"].items()},
+                   "speed_ms": {p: round(1e3 * e["seconds"][name], 2) for p, e in measured["phases"].items()},
+                   "dense_ms": {p: round(1e3 * e["seconds"]["dense"], 2) for p, e in measured["phases"].items()}}
+            for name in variants}
+
+
+def _speed_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Speed per phase over folds: the geometric mean of each fold's measured speed-up (absent if a fold has none)."""
+    if not all(r.get("speed") for r in rows):
+        return {}
+    return {"speed": {p: round(_geomean([r["speed"][p] for r in rows]), 3) for p in rows[0]["speed"]}}
 
 
 def fit_inputs_for(adapter: Any, profile: Any, data_dir: Path) -> Any:
@@ -309,7 +347,8 @@ def fold_summary(folds: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             out.setdefault(level, {})[name] = {
                 "ffn_flops_fraction": sum(costs) / len(costs), "ffn_flops_fraction_range": [min(costs), max(costs)],
                 "ratio_out": _geomean(list(outs.values())), "ratio_in": _geomean(list(ins.values())),
-                "ratio_geomean": _geomean(list(outs.values())), "ratio_out_by_domain": outs, "ratio_in_by_fold": ins}
+                "ratio_geomean": _geomean(list(outs.values())), "ratio_out_by_domain": outs, "ratio_in_by_fold": ins,
+                **_speed_summary([r[name] for r in rows.values()])}
     return out
 
 
@@ -364,6 +403,8 @@ def main() -> None:
     ap.add_argument("--model", default="default", help="leave-domain-out: the model profiled for each fold")
     ap.add_argument("--samples", type=int, default=240, help="leave-domain-out: calibration samples of each fold's profile")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "frontier_ldo", help="leave-domain-out: the folds' profiles")
+    ap.add_argument("--speed-repeats", type=int, default=3,
+                    help="time every variant's whole model against dense (median of this many interleaved rounds; 0: not)")
     ap.add_argument("--folds", nargs="+", default=None, choices=DOMAINS, metavar="DOMAIN",
                     help="leave-domain-out: only these folds (a variant is summarised over the folds once all four have it)")
     args = ap.parse_args()
@@ -421,8 +462,14 @@ def main() -> None:
             record = run_conversion(args.profile, params, Path(tmp) / "d2", data_dir=data_dir)
             moe = load_exported(Path(tmp) / "d2")
             by_domain = {dom: evaluate_models({"dense2moe": moe}, adapter.tokenizer, w) for dom, w in windows.items()}
+            timed = {}
+            if args.speed_repeats:
+                tokens = torch.cat([w.reshape(-1) for w in windows.values()])
+                m = time_phases({"dense": adapter.model, "dense2moe": moe}, tokens, protocol=SpeedProtocol(repeats=args.speed_repeats))
+                timed = {"speed": {p: round(e["speedup"]["dense2moe"], 3) for p, e in m["phases"].items()}}
             report["own_cost"]["dense2moe"] = {"params": params.to_dict(), "ffn_flops_fraction": record["summary"]["ffn_flops_fraction"],
-                                               "removed_layers": record["summary"].get("removed_layers"), **score(by_domain, "dense2moe", dense_ppl)}
+                                               "removed_layers": record["summary"].get("removed_layers"), **score(by_domain, "dense2moe", dense_ppl),
+                                               **timed}
     report["seconds"] = time.perf_counter() - t_start
     write(report, args.out)
 

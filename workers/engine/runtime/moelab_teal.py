@@ -19,9 +19,9 @@ from transformers.activations import ACT2FN
 
 
 #: CPU tokens per call up to which ``TealGLU`` reads only the weight rows its nonzero inputs need (``skip_rows``): a
-#: decode step of one sequence. For more tokens each token's rows are read again, where one dense GEMM reads every
-#: weight once (default model's FFN at sparsities 0.5 / 0.5, 2 threads: 1.5x the dense FFN's speed for 1 token, 1.5-1.8x for
-#: 2, 0.9-1.2x for 4, 0.7x for 8).
+#: decode step of one or two sequences. For more tokens each token's rows are read again, where one dense GEMM reads
+#: every weight once (the default model's FFN at sparsities 0.5 / 0.5, 2 threads: 1.5x the dense FFN's speed for
+#: 1 token, 1.5-1.8x for 2, 0.9-1.2x for 4, 0.7x for 8).
 ROW_SKIP_MAX_TOKENS = 2
 
 
