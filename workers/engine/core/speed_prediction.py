@@ -122,7 +122,7 @@ def predicted_summary(table: Mapping[str, Any] | None, layers: Sequence[Mapping[
     times come from, or why there is no prediction."""
     if table is None:
         return {"note": "no kernel timings of this model on this machine yet: they are measured (once, about 20 s) "
-                        "with the next profile or conversion of it"}
+                        "by the next profile of it (a table measured before this runtime's kernels changed is not used)"}
     try:
         phases = predict(table, layers)
     except ValueError as exc:
