@@ -245,12 +245,9 @@ def run_evaluation(
     reference_scores.save(data_dir, key, results["dense"])
     timed: dict[str, Any] = {}
     if speed is not None:
-        # TEAL at the conversion's cost, timed like it: the dense model with TEAL's MLPs swapped in for its rounds
-        teal_mlps = variants.get("teal") if method.baselines is not None else None
-        timed_models = {"dense": dense, "converted": converted, **({"teal": dense} if teal_mlps else {})}
-        setups = {"teal": lambda: swapped_mlps(adapter, teal_mlps)} if teal_mlps else None
         with progress.step("time dense and converted"):
-            timed = {"speed": time_phases(timed_models, windows, protocol=speed, setups=setups)}
+            teal = (adapter, variants.get("teal")) if method.baselines is not None else None
+            timed = {"speed": _time_models(dense, converted, teal, windows, speed)}
     if method.extra_evaluation is not None:
         extra = method.extra_evaluation(converted, tokenizer, record, data_dir=data_dir, n_windows=n_windows,
                                         seq_len=seq_len, progress=progress)
@@ -276,6 +273,17 @@ def run_evaluation(
 
         write_model_card(Path(conversion_dir), record, converted, "moelab", out)
     return out
+
+
+def _time_models(dense: Any, converted: Any, teal: tuple[ModelAdapter, dict[int, Any] | None] | None,
+                 windows: Any, protocol: SpeedProtocol) -> dict[str, Any]:
+    """Dense and converted timed whole (``evaluation.speed``), and TEAL at the conversion's cost when its MLPs were
+    built (``teal``: the dense model's adapter and them), timed like the others: the dense model with TEAL's MLPs
+    swapped in for its rounds."""
+    adapter, mlps = teal if teal is not None else (None, None)
+    models = {"dense": dense, "converted": converted, **({"teal": dense} if mlps else {})}
+    setups = {"teal": lambda: swapped_mlps(adapter, mlps)} if mlps else None
+    return time_phases(models, windows, protocol=protocol, setups=setups)
 
 
 def _task_scores(models: dict[str, tuple[Any, dict[int, Any] | None]], tokenizer: Any,
