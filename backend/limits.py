@@ -61,7 +61,7 @@ async def send_error(send: Send, status: int, detail: str, headers: list[tuple[b
 class StorableUrl:
     """A URL whose path or query holds a NUL (``%00``) is refused 422 before any route reads it: such a
     value could reach the SQL store (PostgreSQL refuses NUL in text) or a file name. Bodies are checked by
-    the request models (``backend.schemas._In``)."""
+    the request models (``backend.schemas.common._In``)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

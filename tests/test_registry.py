@@ -243,6 +243,7 @@ def test_a_new_method_is_one_module_and_one_registration(monkeypatch):
     import importlib
 
     import backend.schemas
+    import backend.schemas.conversions
     import moelab.cli
 
     monkeypatch.setattr("workers.engine.methods.REGISTRY", dict(REGISTRY))
@@ -251,6 +252,9 @@ def test_a_new_method_is_one_module_and_one_registration(monkeypatch):
     register(Method(name="prune_head", title="Prune", paper="-", summary="keep the first neurons", params=PruneParams,
                     needs="profile", build=lambda *a: None, preview=_prune_preview))
     monkeypatch.setattr(registry, "METHODS", tuple(registry.REGISTRY))
+    # the models generated from the registry (METHOD_PARAMS, ConversionCreate) are made when
+    # backend.schemas.conversions runs: reload it, then the package that re-exports them
+    importlib.reload(backend.schemas.conversions)
     schemas = importlib.reload(backend.schemas)
     cli = importlib.reload(moelab.cli)
     try:
@@ -266,5 +270,6 @@ def test_a_new_method_is_one_module_and_one_registration(monkeypatch):
             PruneParams(keep=0.0).check()
     finally:
         monkeypatch.undo()
+        importlib.reload(backend.schemas.conversions)
         importlib.reload(backend.schemas)
         importlib.reload(moelab.cli)
