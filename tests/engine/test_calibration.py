@@ -507,7 +507,7 @@ def test_install_bigbench_with_pip_keeps_unpacked_tree(tmp_path: Path, monkeypat
         (tree / "task.json").write_text(json.dumps(_bb_task("general_knowledge", ["common sense"])))
         return subprocess.CompletedProcess(cmd, 1, "", "error: metadata-generation-failed")
 
-    monkeypatch.setattr(bd.subprocess, "run", fake_run)
+    monkeypatch.setattr(bd.bigbench.subprocess, "run", fake_run)
     root = bd.install_bigbench(tmp_path)
     assert len(calls) == 1 and "--no-clean" in calls[0] and "bigbench==1.0.0" in calls[0]
     assert calls[0][-2:] == ["-d", calls[0][-1]] and "--no-deps" in calls[0]
@@ -516,7 +516,7 @@ def test_install_bigbench_with_pip_keeps_unpacked_tree(tmp_path: Path, monkeypat
 
 def test_install_bigbench_reports_pip_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
-        bd.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution")
+        bd.bigbench.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution")
     )
     with pytest.raises(CalibrationError, match="No matching distribution.*--sdist"):
         bd.install_bigbench(tmp_path)
