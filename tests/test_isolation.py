@@ -28,7 +28,9 @@ def test_this_process_and_its_children_keep_to_the_suites_directory():
     seen = json.loads(out.stdout)
     assert Path(seen["home"]) == suite["home"] and Path(seen["data"]) == suite["data"]
     assert Path(seen["hf"]).is_relative_to(suite["home"])
-    assert seen["moelab_vars"] == ["MOELAB_DATA_DIR"]  # nothing from the user's shell points elsewhere
+    # nothing from the user's shell points elsewhere; the suite's own: its data dir and its short speed protocol
+    assert seen["moelab_vars"] == ["MOELAB_DATA_DIR", "MOELAB_SPEED_DECODE_STEPS", "MOELAB_SPEED_PREFILL_TOKENS",
+                                   "MOELAB_SPEED_REPEATS"]
     assert Path.home() == suite["home"] and REAL_HOME != suite["home"]
 
 

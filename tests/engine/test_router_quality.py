@@ -66,16 +66,8 @@ def _errors(module, dense_mlp, x: torch.Tensor, seed: int = 0) -> tuple[float, f
 @pytest.mark.parametrize("params", [
     ExpertWeaverParams(n_experts=16, sparsity=0.5, alpha_basis="active", alpha_min=0.2, alpha_max=0.2),  # centroid (EW Eq. 9)
     ExpertWeaverParams(n_experts=16, sparsity=0.5, alpha_basis="active", alpha_min=0.2, alpha_max=0.2, router="gate_mass"),
-    pytest.param(CMoEParams(n_experts=16, shared=2, active=6), marks=pytest.mark.xfail(strict=True, reason=(
-        "CMoE's representative router (CM Eqs. 17-19) ranks experts by the SIGNED act(x W_gate^R)(x W_up^R) of one "
-        "neuron: on SmolLM2 it is no better than random (layer 3: 0.613 vs 0.614, 15: 0.581 vs 0.574, 27: 0.373 vs "
-        "0.369); its members are verified to be the Eq. 17 representatives, so this is the paper router, not an index "
-        "error. Kept as the paper default. Ranking by |G(x)| instead, as CM Eqs. 13-16 derive (the L1 mass of the "
-        "dropped experts), is not worth a router kind: mean error over layers 3/9/15/21/27, 8 x 64 held-out tokens, "
-        "16 experts (2 shared, 6 active) signed 0.476, |G| 0.471, random 0.476; 64 experts (16, 24) 0.389 / 0.384 / "
-        "0.390. One neuron's value says little about its expert's mass; the ridge router fits the mass itself."))),
     CMoEParams(n_experts=16, shared=2, active=6, router="gate_mass"),
-], ids=["ew-centroid", "ew-gate_mass", "cmoe-representative", "cmoe-gate_mass"])
+], ids=["ew-centroid", "ew-gate_mass", "cmoe-gate_mass"])
 def test_router_beats_random_experts(setup, params):
     adapter, prof, inputs = setup
     conv = convert(adapter, prof, params)
@@ -87,3 +79,21 @@ def test_router_beats_random_experts(setup, params):
     # averaged over early, middle and late blocks (per layer the margin can be small)
     ours, random = (sum(e[j] for e in errors.values()) / len(errors) for j in (0, 1))
     assert ours < random, f"router error {ours:.3f} is not below random experts' {random:.3f}: {errors}"
+
+
+def test_the_representative_router_is_no_better_than_random(setup):
+    """CMoE's representative router (CM Eqs. 17-19) ranks experts by the SIGNED act(x W_gate^R)(x W_up^R) of one
+    neuron: on SmolLM2 it is no better than random (layer 3: 0.613 vs 0.614, 15: 0.581 vs 0.574, 27: 0.373 vs 0.369);
+    its members are verified to be the Eq. 17 representatives, so this is the paper router, not an index error. Kept
+    as the paper default. Ranking by |G(x)| instead, as CM Eqs. 13-16 derive (the L1 mass of the dropped experts), is
+    not worth a router kind: mean error over layers 3/9/15/21/27, 8 x 64 held-out tokens, 16 experts (2 shared, 6
+    active) signed 0.476, |G| 0.471, random 0.476; 64 experts (16, 24) 0.389 / 0.384 / 0.390. One neuron's value says
+    little about its expert's mass; the ridge router fits the mass itself.
+
+    The two errors are level, so which one is lower turns on float summation order (a kernel change flipped it): the
+    check is that the router is not better than random by more than 1% of the error, where the others are."""
+    adapter, prof, inputs = setup
+    conv = convert(adapter, prof, CMoEParams(n_experts=16, shared=2, active=6))
+    errors = [_errors(conv.modules[i], adapter.layers[i].mlp, inputs[i]) for i in LAYERS]
+    ours, random = (sum(e[j] for e in errors) / len(errors) for j in (0, 1))
+    assert ours > 0.99 * random, f"the representative router now beats random experts: {ours:.3f} against {random:.3f}"
