@@ -52,7 +52,9 @@ def speed_cell(summary: dict[str, Any] | None, name: str = "converted") -> str:
     return " / ".join("–" if v is None else f"{v:.2f}×" for v in values) if any(v is not None for v in values) else ""
 
 
-def _ratio(summary: dict[str, Any] | None, name: str) -> float | None:
+def perplexity_ratio(summary: dict[str, Any] | None, name: str) -> float | None:
+    """Variant ``name``'s perplexity over dense's in an evaluation's summary (its stored ratio, else the quotient of
+    the two perplexities); None when either is missing."""
     variants = (summary or {}).get("variants") or {}
     d, dense = variants.get(name) or {}, (variants.get("dense") or {}).get("perplexity")
     ratio = d.get("perplexity_ratio")
@@ -64,7 +66,7 @@ def _ratio(summary: dict[str, Any] | None, name: str) -> float | None:
 def teal_wins(summary: dict[str, Any] | None) -> list[str]:
     """The phases where TEAL at the conversion's cost is both faster than the conversion and no worse in perplexity
     (the same text, the same rounds); empty when it is worse or was not timed."""
-    teal, conv = _ratio(summary, "teal"), _ratio(summary, "converted")
+    teal, conv = perplexity_ratio(summary, "teal"), perplexity_ratio(summary, "converted")
     if teal is None or conv is None or teal > conv:
         return []
     return [phase for phase in PHASES
@@ -78,7 +80,7 @@ def teal_words(summary: dict[str, Any] | None) -> str:
     cell = speed_cell(summary, "teal")
     if not cell:
         return ""
-    teal, conv = _ratio(summary, "teal"), _ratio(summary, "converted")
+    teal, conv = perplexity_ratio(summary, "teal"), perplexity_ratio(summary, "converted")
     text = cell + (f", ppl {teal:.2f}× dense" if teal is not None else "")
     wins = teal_wins(summary)
     if wins:

@@ -21,7 +21,7 @@ from frontend.components import baselines_choice, builtin_options, error_box, op
 from frontend.defaults import CALIBRATION_NOTE, CALIBRATION_SAMPLES, CALIBRATION_SET, CALIBRATION_TOKENS
 from frontend.downloads import download_url, export_download_url
 from frontend.exportability import ui_words
-from frontend.speed import how_timed, speed_cell
+from frontend.speed import how_timed, perplexity_ratio, speed_cell
 from frontend.task_accuracy import accuracy_cell
 from frontend.names import (Names, evaluation_name, finetune_name, fmt, fmt_pct, heldout_text, job_subject, probe_name, ratio_ci,
                             with_id)
@@ -467,9 +467,7 @@ def evaluation_cells(e: dict, conversion: dict | None) -> dict[str, str]:
     variants = (e.get("summary") or {}).get("variants") or {}
     dense = (variants.get("dense") or {}).get("perplexity")
     conv = variants.get("converted") or {}
-    ratio = conv.get("perplexity_ratio")
-    if ratio is None and isinstance(dense, (int, float)) and dense and isinstance(conv.get("perplexity"), (int, float)):
-        ratio = conv["perplexity"] / dense
+    ratio = perplexity_ratio(e.get("summary"), "converted")
     extra = [v for v in variants if v not in ("dense", "converted")]
     return {"held-out text": heldout_text(e), "windows × seq_len": f"{fmt(held['windows'])} × {fmt(held['seq_len'])}",
             "dense ppl": ppl(dense), "converted ppl": ppl(conv.get("perplexity")), "ratio": ratio_ci(ratio, conv.get("perplexity_ratio_ci")),
