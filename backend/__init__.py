@@ -1,1 +1,1 @@
-"""moelab HTTP API (FastAPI). Thin adapter around ``workers.engine``; never runs torch in a request."""
+"""moelab HTTP API (FastAPI). Thin adapter around ``moelab.engine``; never runs torch in a request."""

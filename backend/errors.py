@@ -18,7 +18,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moelab.store.artifacts import InsufficientStorage, is_disk_full
-from workers.engine.atomic import free_bytes, human_bytes
+from moelab.engine.atomic import free_bytes, human_bytes
 
 log = logging.getLogger("moelab.api")
 

@@ -1,6 +1,6 @@
 """The JSON of two profiles compared and of a neuron search, from opened profiles (numpy; no torch).
 
-The numbers come from the engine (``workers.engine.profiling.compare`` / ``search``); this module
+The numbers come from the engine (``moelab.engine.profiling.compare`` / ``search``); this module
 chooses what goes into a payload of modest size: one layer's scatter (sampled beyond
 ``max_points`` neurons, keeping every specific one), the per-layer shares, and the top neurons of
 each side with a few of their top-token snippets from each profile.

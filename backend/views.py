@@ -102,7 +102,7 @@ def profile_out(row: Profile) -> ProfileOut:
 
 def conversion_out(row: Conversion, layers: list[dict[str, Any]] | None = None, gguf: GgufCheck | None = None,
                    exports: list[ExportOut] | None = None) -> ConversionOut:
-    from workers.engine.methods import method_of, normalise_params
+    from moelab.engine.methods import method_of, normalise_params
 
     common = {**_common(row), "params": normalise_params(row.params or {})}  # records from before the registry too
     return ConversionOut(

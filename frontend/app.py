@@ -1,7 +1,7 @@
 """The moelab web UI: a Dash multi-page app, served by waitress (``python -m frontend.app``, or
 ``waitress-serve --port 8050 frontend.app:server``; ``moelab serve`` runs the latter).
 
-It talks to the API over HTTP only (``frontend.api_client``); settings come from
+It talks to the API over HTTP only (``moelab.api_client``); settings come from
 ``moelab.settings`` (MOELAB_API_URL, MOELAB_HOST, MOELAB_FRONTEND_PORT). With MOELAB_API_TOKEN
 set, every route asks for the token too (``frontend.auth``): a login page and a session cookie,
 or the API's bearer header.

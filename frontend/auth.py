@@ -1,6 +1,6 @@
 """The UI's one door: with ``MOELAB_API_TOKEN`` set, every route of the frontend's server asks for it.
 
-The Dash app calls the API with the server's token (``frontend.api_client``), so without a guard
+The Dash app calls the API with the server's token (``moelab.api_client``), so without a guard
 of its own the UI port would hand everything the token protects (pages, callbacks that read
 samples or cascade-delete, ``/download/…`` relays) to whoever reaches it. :func:`install` puts
 one ``before_request`` check in front of every route of the Flask server:

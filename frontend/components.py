@@ -47,7 +47,7 @@ def error_box(message: str | None) -> html.Div:
 def cancel_started(job_id: str | None) -> html.Div:
     """Cancel the job a page started (a queued one at once, a running one at its next progress step): its progress
     line after the request, or why not in words."""
-    from .api_client import ApiError, api
+    from moelab.api_client import ApiError, api
 
     if not job_id:
         return error_box("nothing to cancel: no job was started here")
@@ -93,6 +93,8 @@ def progress(job: dict[str, Any] | None, name: str | None = None, title: str | N
             label += f" · {p['stage_s']:.0f} s"
         if isinstance(p.get("stage_left_s"), (int, float)):
             label += f" · about {duration(p['stage_left_s'])} left in this stage"
+    if job["state"] == "running" and job.get("cancel_requested"):
+        label += " · cancel requested: it stops at its next step"  # the click was heard, the worker has not checked yet
     children = [html.Div(label, className=f"job-label state-{job['state']}"),
                 html.Progress(value=str(frac or 0), max="1", className="bar")]
     if job.get("error"):
@@ -181,7 +183,7 @@ def source_options(builtins: list[dict[str, Any]], sets: list[dict[str, Any]]) -
 def builtin_source_options() -> list[dict[str, str]]:
     """``source_options`` from the API; ``builtin:mixed`` alone when it does not answer (the page
     shows the API's error elsewhere)."""
-    from .api_client import ApiError, api
+    from moelab.api_client import ApiError, api
 
     try:
         return source_options(api().builtin_sets(), api().calibration_sets())
@@ -193,7 +195,7 @@ def page_names(profiles: list[dict[str, Any]] | None = None) -> Names:
     """The names of models, sets and profiles (list calls; pages call it once per update). Names are
     a help, not the data: a list the API does not answer leaves its ids unnamed instead of failing
     the page."""
-    from .api_client import ApiError, api
+    from moelab.api_client import ApiError, api
 
     c = api()
 
@@ -209,7 +211,7 @@ def page_names(profiles: list[dict[str, Any]] | None = None) -> Names:
 def named_options(kind: str, ready_only: bool = True) -> list[dict[str, str]]:
     """Options for ``profiles`` or ``conversions`` named model · set · method · key parameters
     (the list itself must be answered: its ApiError goes to the caller)."""
-    from .api_client import api
+    from moelab.api_client import api
 
     if kind == "profiles":
         profiles = api().profiles()
@@ -220,7 +222,7 @@ def named_options(kind: str, ready_only: bool = True) -> list[dict[str, str]]:
 def not_offered(ident: str | None, offered: list[dict[str, str]]) -> tuple[str | None, str | None]:
     """A conversion named in the URL but not among the ready ones offered: ``(None, why in words)`` instead of
     dropping it silently (cancelled, failed, still running, deleted); ``(ident, None)`` when it is offered."""
-    from .api_client import ApiError, api
+    from moelab.api_client import ApiError, api
 
     if ident is None or any(o["value"] == ident for o in offered):
         return ident, None
@@ -233,7 +235,7 @@ def not_offered(ident: str | None, offered: list[dict[str, str]]) -> tuple[str |
 
 def options_or_error(kind: str) -> tuple[list[dict[str, str]], str | None]:
     """``named_options(kind)`` and None, or no options and the API's error text for ``error_box``."""
-    from .api_client import ApiError
+    from moelab.api_client import ApiError
 
     try:
         return named_options(kind), None

@@ -14,7 +14,7 @@ import re
 
 from flask import Flask, Response, stream_with_context
 
-from .api_client import ApiError, api
+from moelab.api_client import ApiError, api
 
 #: artifact kinds a person downloads from the UI (models have no artifact of their own)
 KINDS = ("calibration-sets", "profiles", "conversions", "evaluations", "finetunes")

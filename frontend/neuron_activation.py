@@ -10,7 +10,7 @@ from typing import Any
 from dash import Input, Output, State, callback, dcc, html, no_update
 
 from frontend.activation_view import activation_text
-from frontend.api_client import ApiError, api
+from moelab.api_client import ApiError, api
 from frontend.components import error_box, progress
 
 N = "nx"

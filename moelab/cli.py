@@ -1,4 +1,4 @@
-"""The ``moelab`` command line: a thin shell over ``workers.engine``.
+"""The ``moelab`` command line: a thin shell over ``moelab.engine``.
 
 Every engine error becomes a one-line message and a non-zero exit; long work shows a
 progress bar driven by the engine's progress callback.
@@ -61,7 +61,7 @@ def _engine_errors(extra: tuple[type[Exception], ...] = ()) -> Iterator[None]:
 @contextmanager
 def _progress(quiet: bool = False, extra: tuple[type[Exception], ...] = ()) -> Iterator[Any]:
     """An engine Progress drawing bars, inside ``_engine_errors``."""
-    from workers.engine.progress import Progress
+    from moelab.engine.progress import Progress
 
     bars = _Bars(enabled=not quiet)
     try:
@@ -89,7 +89,7 @@ def main() -> None:
 
 def _param_option(spec: Any, *, type: Any, default: Any, help: str, aliases: list[str] | tuple[str, ...] = (),
                   **extra: Any) -> Callable[..., Any]:
-    """The click option of one declared parameter (``workers.engine.core.params``): ``--name``
+    """The click option of one declared parameter (``moelab.engine.core.params``): ``--name``
     (plus its aliases), a bool as a ``--name/--no-name`` flag."""
     if spec.type == "bool" and not spec.choices:
         flags = [f"--{n}/--no-{n}" for n in (spec.name.replace("_", "-"), *(a.lstrip("-") for a in aliases))]
@@ -126,13 +126,13 @@ def _declared_options(params: Any, skip: tuple[str, ...] = ()) -> Callable[[Call
 
 
 def _profile_settings() -> Any:
-    from workers.engine.profiling.settings import ProfileSettings
+    from moelab.engine.profiling.settings import ProfileSettings
 
     return ProfileSettings
 
 
 def _finetune_params() -> Any:
-    from workers.engine.training.params import FinetuneParams
+    from moelab.engine.training.params import FinetuneParams
 
     return FinetuneParams
 
@@ -157,15 +157,15 @@ def profile(
     trust_remote_code: bool, as_json: bool, quiet: bool, **given: Any,
 ) -> None:
     """Profile a model's FFN activations over a calibration set (one streaming pass)."""
-    from workers.engine.data.calibration import load_calibration
-    from workers.engine.profiling.settings import ProfileSettings
+    from moelab.engine.data.calibration import load_calibration
+    from moelab.engine.profiling.settings import ProfileSettings
 
     cfg = get_settings()
     settings = ProfileSettings(**{**given, "batch_tokens": max(given["batch_tokens"], given["max_tokens"])})
     with _engine_errors():  # a bad setting or set is refused in a second, before torch is imported
         settings.validate()
         cset = load_calibration(calib, samples=samples, seed=settings.seed, data_dir=cfg.data_dir)
-    from workers.engine.runs import run_profile
+    from moelab.engine.runs import run_profile
 
     _quiet_transformers()
     with _progress(quiet) as progress:
@@ -215,7 +215,7 @@ def _method_param_options(command: Callable[..., Any]) -> Callable[..., Any]:
     the options are generated, so a parameter added to a method appears here without an edit.
     Defaults are the method's own (shown in the help); an option the chosen method does not read
     is refused by ``convert``."""
-    from workers.engine.methods import REGISTRY
+    from moelab.engine.methods import REGISTRY
 
     by_name: dict[str, list[tuple[str, Any]]] = {}
     for method in REGISTRY.values():
@@ -236,8 +236,8 @@ def _method_param_options(command: Callable[..., Any]) -> Callable[..., Any]:
 def _method_params(method: str, given: dict[str, Any], recipe: str = "paper") -> Any:
     """The chosen method's parameters: its recipe (``paper``: the defaults) with the options given on
     top; an option the method does not read is an error."""
-    from workers.engine.core.params import ConversionError
-    from workers.engine.methods import get_method
+    from moelab.engine.core.params import ConversionError
+    from moelab.engine.methods import get_method
 
     cls = get_method(method).params
     names = {s.name for s in cls.specs()}
@@ -252,13 +252,13 @@ def _method_params(method: str, given: dict[str, Any], recipe: str = "paper") ->
 
 
 def _method_choices() -> list[str]:
-    from workers.engine.methods import METHODS
+    from moelab.engine.methods import METHODS
 
     return list(METHODS)
 
 
 def _recovery_modes() -> list[str]:
-    from workers.engine.methods import REGISTRY
+    from moelab.engine.methods import REGISTRY
 
     return [name for name, m in REGISTRY.items() if m.recovery is not None]
 
@@ -290,13 +290,13 @@ def convert(method: str, profile_dirs: tuple[Path, ...], model_source: str | Non
     midas               one low-rank expert per calibration set: one --profile per set (MI §3.2)
     hierarchical        shared + routed sub-experts inside every expert of an MoE model (AF §4.4)
     """
-    from workers.engine.methods import check_conversion
+    from moelab.engine.methods import check_conversion
 
     cfg = get_settings()
     params = _method_params(method, given, recipe)
     with _engine_errors():  # refused in a second, before torch is imported
         check_conversion(params, list(profile_dirs), model_source, calib)
-    from workers.engine.runs import run_conversion
+    from moelab.engine.runs import run_conversion
 
     _quiet_transformers()
     with _progress(quiet) as progress:
@@ -316,7 +316,7 @@ def convert(method: str, profile_dirs: tuple[Path, ...], model_source: str | Non
         sizes += f", FFN cost {s['ffn_flops_fraction']:.3f} of dense (ffn_flops_fraction)"
     click.echo(f"converted model written to {out} ({method}){sizes}, {record['timings']['total_s']:.1f}s")
     if s.get("predicted_speed"):
-        from workers.engine.core.speed_prediction import describe_predicted
+        from moelab.engine.core.speed_prediction import describe_predicted
 
         click.echo(describe_predicted(s["predicted_speed"]))
     if "active_fraction" in s:  # a per-layer partition plan
@@ -331,7 +331,7 @@ def convert(method: str, profile_dirs: tuple[Path, ...], model_source: str | Non
 @click.option("--json", "as_json", is_flag=True, help="machine-readable: every method with its parameters")
 def methods(as_json: bool) -> None:
     """List the conversion methods and their parameters (name, type, default, help, paper reference)."""
-    from workers.engine.methods import describe_methods
+    from moelab.engine.methods import describe_methods
 
     described = describe_methods()
     if as_json:
@@ -361,9 +361,9 @@ def methods(as_json: bool) -> None:
 @click.option("--quiet", is_flag=True)
 def finetune(conversion_dir: Path, mode: str | None, out: Path, as_json: bool, quiet: bool, **given: Any) -> None:
     """Recovery fine-tuning of a converted model; the fine-tuned model is exported to OUT/model."""
-    from workers.engine.training.finetune import FinetuneError, FinetuneParams, run_finetune
-    from workers.engine.methods import method_of
-    from workers.engine.runs import read_conversion
+    from moelab.engine.training.finetune import FinetuneError, FinetuneParams, run_finetune
+    from moelab.engine.methods import method_of
+    from moelab.engine.runs import read_conversion
 
     cfg = get_settings()
     _quiet_transformers()
@@ -425,9 +425,9 @@ def evaluate(conversion_dir: Path, windows: int, seq_len: int, source: str, no_b
              as_json: bool, quiet: bool) -> None:
     """Perplexity dense vs converted vs baselines on held-out text, reconstruction, routing; with --tasks, downstream
     accuracy through lm-evaluation-harness; the whole converted model timed against dense in three phases."""
-    from workers.engine.evaluation.harness import TaskRequest, task_table
-    from workers.engine.evaluation.speed import SpeedProtocol, describe
-    from workers.engine.runs import run_evaluation
+    from moelab.engine.evaluation.harness import TaskRequest, task_table
+    from moelab.engine.evaluation.speed import SpeedProtocol, describe
+    from moelab.engine.runs import run_evaluation
 
     cfg = get_settings()
     _quiet_transformers()
@@ -484,7 +484,7 @@ def evaluate(conversion_dir: Path, windows: int, seq_len: int, source: str, no_b
 @click.option("--json", "as_json", is_flag=True)
 def tasks_list(task_dir: Path | None, show_all: bool, as_json: bool) -> None:
     """Tasks `moelab evaluate --tasks` can run: moelab's built-in ones (offline), a --task-dir's, lm-eval's."""
-    from workers.engine.evaluation.harness import list_tasks
+    from moelab.engine.evaluation.harness import list_tasks
 
     with _engine_errors():
         listed = list_tasks(task_dir)
@@ -521,7 +521,7 @@ def export(src: str, fmt: str, gguf_type: str, out: Path, as_json: bool) -> None
     layer (`--recipe portable`, recovered); SRC may also be a dense model (default, a model directory or
     a .gguf) so that the baseline is exported the same way and at the same --type.
     """
-    from workers.engine.runtime.native_export import export_converted
+    from moelab.engine.runtime.native_export import export_converted
 
     _quiet_transformers()
     with _engine_errors((OSError,)):
@@ -562,7 +562,7 @@ def probe() -> None:
 def probe_activation(profile_dir: Path, layer: int, neurons: tuple[int, ...], text: str | None, sample_source: str | None,
                      sample: int, as_json: bool, quiet: bool) -> None:
     """Each neuron's activation h = act(x W_gate) * (x W_up) on every token of a text (the profile's quantity)."""
-    from workers.engine.runs import heldout_sample, run_activation_probe
+    from moelab.engine.runs import heldout_sample, run_activation_probe
 
     if (text is None) == (sample_source is None):
         raise click.UsageError("give exactly one of --text or --sample-source builtin:NAME")
@@ -591,7 +591,7 @@ NOTED = ("models", "calibration-sets", "profiles", "conversions", "evaluations",
 
 def _service() -> Any:
     """A client of the running service's API (MOELAB_API_URL, MOELAB_API_TOKEN), failing in words."""
-    from frontend.api_client import ApiClient
+    from moelab.api_client import ApiClient
 
     return ApiClient()
 
@@ -610,7 +610,7 @@ def runs() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def runs_list(tag: str | None, method: str | None, text: str | None, status: str | None, words: str | None, as_json: bool) -> None:
     """Evaluations, newest first, filtered as the Evaluations page filters them."""
-    from frontend.api_client import ApiError
+    from moelab.api_client import ApiError
 
     try:
         items = _service().evaluations(tag=tag, method=method, text=text, status=status, q=words)
@@ -636,7 +636,7 @@ def runs_list(tag: str | None, method: str | None, text: str | None, status: str
 @click.option("--untag", "untags", multiple=True, help="a tag to take away; repeat for more")
 def runs_note(collection: str, ident: str, notes: str | None, tags: tuple[str, ...], untags: tuple[str, ...]) -> None:
     """Set the notes of a stored resource and add or remove its tags."""
-    from frontend.api_client import ApiError
+    from moelab.api_client import ApiError
 
     if notes is None and not tags and not untags:
         raise click.UsageError("nothing to change: give --notes, --tag or --untag")
@@ -658,7 +658,7 @@ def data() -> None:
 @data.command("list")
 def data_list() -> None:
     """List the built-in calibration sets."""
-    from workers.engine.data.builtin import BUILTIN_SETS
+    from moelab.engine.data.builtin import BUILTIN_SETS
 
     for name, description in BUILTIN_SETS.items():
         click.echo(f"builtin:{name:<14} {description}")
@@ -672,7 +672,7 @@ def data_list() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def data_show(spec: str, samples: int | None, seed: int, preview: int, as_json: bool) -> None:
     """Show a calibration set's statistics and a few samples."""
-    from workers.engine.data.calibration import load_calibration
+    from moelab.engine.data.calibration import load_calibration
 
     with _engine_errors():
         cset = load_calibration(spec, samples=samples, seed=seed, data_dir=get_settings().data_dir)
@@ -696,7 +696,7 @@ def data_show(spec: str, samples: int | None, seed: int, preview: int, as_json: 
 @click.option("--seed", type=int, default=0)
 def data_build(spec: str, out: Path, samples: int | None, seed: int) -> None:
     """Materialise a calibration set (parquet + JSON) so it can be reused by path."""
-    from workers.engine.data.calibration import load_calibration
+    from moelab.engine.data.calibration import load_calibration
 
     with _engine_errors():
         cset = load_calibration(spec, samples=samples, seed=seed, data_dir=get_settings().data_dir)
@@ -709,7 +709,7 @@ def data_build(spec: str, out: Path, samples: int | None, seed: int) -> None:
 @click.option("--sdist", type=click.Path(exists=True, path_type=Path), default=None, help="use a downloaded bigbench-1.0.0.tar.gz")
 def data_install(name: str, sdist: Path | None) -> None:
     """Install an optional data set (BIG-bench: ~358 MB download from PyPI)."""
-    from workers.engine.data.builtin import install_bigbench
+    from moelab.engine.data.builtin import install_bigbench
 
     with _progress(extra=(OSError, RuntimeError)) as progress:
         where = install_bigbench(get_settings().data_dir, progress=progress.callback, sdist=sdist)
@@ -725,7 +725,7 @@ def data_install(name: str, sdist: Path | None) -> None:
 @click.option("--quiet", is_flag=True, help="no progress bars")
 def inspect_model(spec: str, trust_remote_code: bool, quiet: bool) -> None:
     """Print a model's layer structure (family, GLU layout, sizes) as JSON."""
-    from workers.engine.models import load_model
+    from moelab.engine.models import load_model
 
     cfg = get_settings()
     _quiet_transformers()

@@ -133,7 +133,7 @@ class Settings(BaseSettings):
         """A bad MOELAB_MAX_MEMORY fails at start-up, not in every profiling job."""
         if value in (None, ""):
             return None
-        from workers.engine.sizes import parse_size
+        from moelab.engine.sizes import parse_size
 
         parse_size(value)
         return value
@@ -167,7 +167,7 @@ class Settings(BaseSettings):
 
     def model_cache_bytes(self) -> int:
         """The worker's model cache budget in bytes (``model_cache_memory``, else its default)."""
-        from workers.engine.sizes import parse_size
+        from moelab.engine.sizes import parse_size
 
         if self.model_cache_memory:
             return parse_size(self.model_cache_memory)

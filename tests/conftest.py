@@ -70,7 +70,7 @@ def data_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_dir(data_dir: Path) -> Path:
-    from workers.engine.models import cache_default_model
+    from moelab.engine.models import cache_default_model
 
     return cache_default_model(data_dir)
 

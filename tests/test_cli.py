@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.engine.profiling.store import StoredProfile
+from moelab.engine.profiling.store import StoredProfile
 
 
 def moelab(*args: str, data_dir, check: bool = True) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""The shape of the product code (issue 24): no import cycle inside ``workers/engine`` and no
+"""The shape of the product code (issue 24): no import cycle inside ``moelab/engine`` and no
 function over 100 lines in ``backend/``, ``frontend/``, ``moelab/`` or ``workers/``.
 
 Both checks read the source with :mod:`ast`; nothing is imported. The import graph counts every
@@ -25,7 +25,7 @@ def _sources(directory: Path) -> Iterator[Path]:
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
-    """``workers/engine/core/fitting.py`` -> ``workers.engine.core.fitting``; a package's
+    """``moelab/engine/core/fitting.py`` -> ``moelab.engine.core.fitting``; a package's
     ``__init__.py`` is the package itself."""
     parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -180,7 +180,7 @@ def test_import_graph_resolves_relative_and_lazy_imports(tmp_path):
 
 def test_no_import_cycle_inside_the_engine():
     cycles = find_cycles(import_graph())
-    assert not cycles, "import cycles inside workers/engine:\n" + "\n".join(" -> ".join(c) for c in cycles)
+    assert not cycles, "import cycles inside moelab/engine:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
 def test_no_function_over_100_lines():

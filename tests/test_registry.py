@@ -16,8 +16,8 @@ from click.testing import CliRunner
 import pytest
 
 from tests.conftest import REPO
-from workers.engine.core.params import ConversionError, MethodParams, param
-from workers.engine.methods import REGISTRY, Method, describe_methods, params_from_dict, register
+from moelab.engine.core.params import ConversionError, MethodParams, param
+from moelab.engine.methods import REGISTRY, Method, describe_methods, params_from_dict, register
 
 
 def _convert_options() -> dict[str, click.Option]:
@@ -59,8 +59,8 @@ def _declared(kind: str) -> tuple[Any, Any, click.Command]:
     """(declared class, API request model, CLI command) of ``profile`` or ``finetune``."""
     from backend.schemas import FinetuneCreate, ProfileCreate
     from moelab import cli
-    from workers.engine.profiling.settings import ProfileSettings
-    from workers.engine.training.params import FinetuneParams
+    from moelab.engine.profiling.settings import ProfileSettings
+    from moelab.engine.training.params import FinetuneParams
 
     return {"profile": (ProfileSettings, ProfileCreate, cli.profile), "finetune": (FinetuneParams, FinetuneCreate, cli.finetune)}[kind]
 
@@ -130,8 +130,8 @@ def test_every_declared_setting_reaches_the_cli_and_the_api_with_its_default_and
 
 def test_the_api_and_cli_defaults_are_the_engines():
     from backend.schemas import FinetuneCreate, ProfileCreate
-    from workers.engine.profiling.settings import ProfileSettings
-    from workers.engine.training.params import FinetuneParams
+    from moelab.engine.profiling.settings import ProfileSettings
+    from moelab.engine.training.params import FinetuneParams
 
     body = ProfileCreate(model_id="m", calibration_set_id="c").model_dump(exclude={"model_id", "calibration_set_id", "samples", "max_memory"})
     assert ProfileSettings(**body) == ProfileSettings()
@@ -141,7 +141,7 @@ def test_the_api_and_cli_defaults_are_the_engines():
 
 def test_the_setting_checkers_see_a_drift():
     """The comparison above can fail: an option or a field with other bounds or another default is reported."""
-    from workers.engine.training.params import FinetuneParams
+    from moelab.engine.training.params import FinetuneParams
 
     rank = next(s for s in FinetuneParams.specs() if s.name == "lora_rank")
     assert _cli_mismatches(rank, click.Option(["--lora-rank"], type=click.IntRange(min=0, max=4096), default=8)) == []
@@ -198,18 +198,18 @@ def _imports(package: str) -> set[tuple[str, str]]:
 
 
 def test_workers_and_backend_never_import_each_other():
-    """The job/database code both need lives in ``moelab.store``; the pure engine (``workers.engine``)
-    is the only part of ``workers`` the API may import, and the engine imports neither side."""
+    """The job/database code both need lives in ``moelab.store``; the engine (``moelab.engine``) is the library
+    every side imports, and it imports none of them: not the API, the workers, the UI, the store or the CLI."""
     workers_bad = sorted((f, m) for f, m in _imports("workers") if m == "backend" or m.startswith("backend."))
     assert not workers_bad, workers_bad
-    backend_bad = sorted((f, m) for f, m in _imports("backend")
-                         if (m == "workers" or m.startswith("workers.")) and not m.startswith("workers.engine"))
+    backend_bad = sorted((f, m) for f, m in _imports("backend") if m == "workers" or m.startswith("workers."))
     assert not backend_bad, backend_bad
-    engine_bad = sorted((f, m) for f, m in _imports("workers/engine")
-                        if m.split(".")[0] in ("backend", "moelab", "celery", "fastapi", "dash", "frontend"))
+    engine_bad = sorted((f, m) for f, m in _imports("moelab/engine")
+                        if m.split(".")[0] in ("backend", "workers", "celery", "fastapi", "dash", "frontend", "httpx")
+                        or (m.split(".")[0] == "moelab" and not m.startswith("moelab.engine")))
     assert not engine_bad, engine_bad
-    store_bad = sorted((f, m) for f, m in _imports("moelab/store") if m.split(".")[0] in ("backend", "frontend")
-                       or (m.startswith("workers.") and not m.startswith("workers.engine")))
+    store_bad = sorted((f, m) for f, m in _imports("moelab/store")
+                       if m.split(".")[0] in ("backend", "frontend", "workers"))
     assert not store_bad, store_bad
 
 
@@ -246,8 +246,8 @@ def test_a_new_method_is_one_module_and_one_registration(monkeypatch):
     import backend.schemas.conversions
     import moelab.cli
 
-    monkeypatch.setattr("workers.engine.methods.REGISTRY", dict(REGISTRY))
-    import workers.engine.methods as registry
+    monkeypatch.setattr("moelab.engine.methods.REGISTRY", dict(REGISTRY))
+    import moelab.engine.methods as registry
 
     register(Method(name="prune_head", title="Prune", paper="-", summary="keep the first neurons", params=PruneParams,
                     needs="profile", build=lambda *a: None, preview=_prune_preview))

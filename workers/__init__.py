@@ -1,1 +1,1 @@
-"""moelab workers: the Celery app and its tasks (thin), and ``workers.engine``, the pure ML library."""
+"""moelab workers: the Celery app and its tasks (thin), and ``moelab.engine``, the pure ML library."""

@@ -18,7 +18,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from workers.engine.progress import Cancelled
+from moelab.engine.progress import Cancelled
 
 log = logging.getLogger("moelab.worker")
 

@@ -35,10 +35,10 @@ from typing import Any
 import redis
 
 from moelab.store import liveness
-from workers.engine.atomic import temporary_sibling
-from workers.engine.core.params import ConversionError
-from workers.engine.core.partition import LayerExperts, load_layer_experts, save_layer_experts
-from workers.engine.progress import Progress
+from moelab.engine.atomic import temporary_sibling
+from moelab.engine.core.params import ConversionError
+from moelab.engine.core.partition import LayerExperts, load_layer_experts, save_layer_experts
+from moelab.engine.progress import Progress
 
 log = logging.getLogger("moelab.worker")
 
@@ -186,9 +186,9 @@ def help_build_layers(client: redis.Redis, prefix: str, job_id: str, worker: str
                       load_dense: Callable[[dict[str, Any]], Any]) -> int:
     """A helper's side: build layers of conversion job ``job_id`` until none is left; returns how
     many it built. ``load_dense(spec)``: the dense model (the worker's model cache)."""
-    from workers.engine.core.slicing import build_one_layer
-    from workers.engine.methods import get_method, params_from_dict
-    from workers.engine.profiling.store import StoredProfile
+    from moelab.engine.core.slicing import build_one_layer
+    from moelab.engine.methods import get_method, params_from_dict
+    from moelab.engine.profiling.store import StoredProfile
 
     keys = _keys(prefix, job_id)
     raw = client.get(keys["spec"])

@@ -31,8 +31,8 @@ from moelab.store.dataroots import redact_paths
 from moelab.store.db import RESOURCE_TABLES, Conversion, Database, Job, Model, Profile
 from moelab.settings import Settings, get_settings
 from workers.cancelwatch import CancelWatch
-from workers.engine.atomic import free_bytes, human_bytes
-from workers.engine.progress import Cancelled, Progress
+from moelab.engine.atomic import free_bytes, human_bytes
+from moelab.engine.progress import Cancelled, Progress
 
 log = logging.getLogger("moelab.worker")
 
@@ -270,7 +270,7 @@ def estimated_bytes(ctx: JobContext) -> tuple[int, str] | None:
 
 
 def _export_bytes(ctx: JobContext) -> tuple[int, str] | None:
-    from workers.engine.limits import gguf_export_footprint
+    from moelab.engine.limits import gguf_export_footprint
 
     try:
         row = ctx.resource()

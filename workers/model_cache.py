@@ -78,7 +78,7 @@ _local = threading.local()
 
 
 def _key(spec: str, data_dir: Path, device: str, dtype: str, trust_remote_code: bool) -> Key:
-    from workers.engine.models import resolve_device, resolve_dtype
+    from moelab.engine.models import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     return (spec, str(Path(data_dir).resolve()), str(dev), str(resolve_dtype(dtype, dev)), bool(trust_remote_code))
@@ -101,9 +101,9 @@ def _checked_out(key: Key, what: str, load: Callable[[], Any], on_hit: Callable[
 
 def cached_load_model(spec: str = "default", *, data_dir: Path, device: str = "auto", dtype: str = "auto",
                       trust_remote_code: bool = False, progress: Any = None, **kwargs: Any) -> Any:
-    """Drop-in for ``workers.engine.models.load_model`` that reuses a cached model when allowed."""
-    from workers.engine.models import load_model
-    from workers.engine.progress import NO_PROGRESS
+    """Drop-in for ``moelab.engine.models.load_model`` that reuses a cached model when allowed."""
+    from moelab.engine.models import load_model
+    from moelab.engine.progress import NO_PROGRESS
 
     progress = progress or NO_PROGRESS
     return _checked_out(
@@ -122,8 +122,8 @@ def _converted_key(conversion_dir: Path) -> Key:
 
 
 def cached_load_converted(conversion_dir: Path) -> Any:
-    """Drop-in for ``workers.engine.runtime.export.load_exported`` that reuses a cached converted model."""
-    from workers.engine.runtime.export import load_exported
+    """Drop-in for ``moelab.engine.runtime.export.load_exported`` that reuses a cached converted model."""
+    from moelab.engine.runtime.export import load_exported
 
     return _checked_out(_converted_key(conversion_dir), f"conversion {Path(conversion_dir).name}",
                         lambda: load_exported(conversion_dir))

@@ -23,7 +23,7 @@ from moelab.store import liveness
 from workers import model_cache, parentwatch
 from moelab.store.broker import LIGHT_WORKER_PREFIX, TASKS, broker_url
 from workers.celery_app import app
-from workers.engine.atomic import atomic_directory, write_json_atomic
+from moelab.engine.atomic import atomic_directory, write_json_atomic
 from workers.jobrun import SHUTDOWN, JobContext, Outcome, database, run_job, store
 
 log = logging.getLogger("moelab.worker")
@@ -43,8 +43,8 @@ def _trust(ctx: JobContext, model: Model) -> bool:
 
 def inspect_model(ctx: JobContext) -> Outcome:
     """Load the model once and describe its layers (the API never loads models itself)."""
-    from workers.engine.models import ModelError
-    from workers.engine.profiling.streaming import footprint
+    from moelab.engine.models import ModelError
+    from moelab.engine.profiling.streaming import footprint
 
     model = ctx.resource()
     s = ctx.settings
@@ -79,7 +79,7 @@ def _load_location(ref: Any) -> str:
     a checked real path, ``default``, or a Hub id's snapshot (fetched from the Hub, never the working directory)."""
     if ref.kind != "hub":
         return ref.value
-    from workers.engine.models import hub_snapshot
+    from moelab.engine.models import hub_snapshot
 
     return str(hub_snapshot(ref.value))
 
@@ -87,9 +87,9 @@ def _load_location(ref: Any) -> str:
 def _describe_on_meta(source: str, s: Any, trust: bool) -> dict[str, Any] | None:
     """A dense model larger than the worker's MOELAB_MAX_MEMORY, described from its config on
     the meta device (its weights are never loaded whole); None: load it as usual."""
-    from workers.engine.models import ModelError
-    from workers.engine.profiling.streaming import footprint, meta_model
-    from workers.engine.sizes import parse_size
+    from moelab.engine.models import ModelError
+    from moelab.engine.profiling.streaming import footprint, meta_model
+    from moelab.engine.sizes import parse_size
 
     try:
         adapter, _, _, dtype = meta_model(source, data_dir=s.data_dir, device=s.device, dtype=s.dtype, trust_remote_code=trust)
@@ -102,8 +102,8 @@ def _describe_on_meta(source: str, s: Any, trust: bool) -> dict[str, Any] | None
 
 
 def _describe_moe(source: str, device: str, trust: bool, dense_error: Exception) -> dict[str, Any]:
-    from workers.engine.core.params import ConversionError
-    from workers.engine.profiling.moe_experts import load_moe_model, sparse_moe_layers
+    from moelab.engine.core.params import ConversionError
+    from moelab.engine.profiling.moe_experts import load_moe_model, sparse_moe_layers
 
     try:
         hf, _ = load_moe_model(source, device=device, trust_remote_code=trust)
@@ -121,7 +121,7 @@ def _describe_moe(source: str, device: str, trust: bool, dense_error: Exception)
 
 
 def build_calibration(ctx: JobContext) -> Outcome:
-    from workers.engine.data.calibration import load_calibration, load_hf_dataset
+    from moelab.engine.data.calibration import load_calibration, load_hf_dataset
 
     row = ctx.resource()
     p = row.params
@@ -150,8 +150,8 @@ def build_calibration(ctx: JobContext) -> Outcome:
 
 
 def profile(ctx: JobContext) -> Outcome:
-    from workers.engine.profiling.profiler import ProfileSettings
-    from workers.engine.runs import run_profile
+    from moelab.engine.profiling.profiler import ProfileSettings
+    from moelab.engine.runs import run_profile
 
     row = ctx.resource()
     model = ctx.row(Model, row.model_id)
@@ -178,8 +178,8 @@ def profile(ctx: JobContext) -> Outcome:
 
 
 def convert(ctx: JobContext) -> Outcome:
-    from workers.engine.methods import params_from_dict
-    from workers.engine.runs import run_conversion
+    from moelab.engine.methods import params_from_dict
+    from moelab.engine.runs import run_conversion
 
     row = ctx.resource()
     inputs = dict(row.params)
@@ -199,7 +199,7 @@ def convert(ctx: JobContext) -> Outcome:
     # a conversion under a memory budget is not shared: each helper would load the whole model
     map_layers = _fan_out(ctx, row, params, profile_dir, model) if profile_dir is not None and not max_memory else None
     if map_layers is not None:
-        from workers.engine.profiling.store import StoredProfile
+        from moelab.engine.profiling.store import StoredProfile
 
         map_layers.start(list(range(StoredProfile.open(profile_dir).n_layers)))  # helpers start before this model loads
     with (map_layers or contextlib.nullcontext()), model_cache.job_models(give_back=False):  # rewrites the model in place
@@ -219,7 +219,7 @@ def convert(ctx: JobContext) -> Outcome:
 def _fan_out(ctx: JobContext, row: Any, params: Any, profile_dir: Path, model: Model) -> Any:
     """A ``LayerFanOut`` sharing a partition conversion's layers with the other live workers
     (``workers.fanout``); None for other methods or with ``MOELAB_CONVERSION_FANOUT=0``."""
-    from workers.engine.methods import get_method
+    from moelab.engine.methods import get_method
     from workers.fanout import LayerFanOut, scratch_dir
 
     s = ctx.settings
@@ -244,9 +244,9 @@ def _mean(values: Any) -> float | None:
 
 
 def evaluate(ctx: JobContext) -> Outcome:
-    from workers.engine.evaluation.harness import TaskRequest
-    from workers.engine.evaluation.speed import SpeedProtocol
-    from workers.engine.runs import run_evaluation
+    from moelab.engine.evaluation.harness import TaskRequest
+    from moelab.engine.evaluation.speed import SpeedProtocol
+    from moelab.engine.runs import run_evaluation
 
     row = ctx.resource()
     p = row.params
@@ -290,7 +290,7 @@ def evaluate(ctx: JobContext) -> Outcome:
 def finetune(ctx: JobContext) -> Outcome:
     """Fine-tune a conversion in a work dir that outlives the job (a re-run resumes from its latest
     checkpoint), then publish the fine-tuned model as a new conversion of the same profile."""
-    from workers.engine.training.finetune import MODEL_DIR, FinetuneParams, run_finetune
+    from moelab.engine.training.finetune import MODEL_DIR, FinetuneParams, run_finetune
 
     row = ctx.resource()
     parent = ctx.row(Conversion, row.conversion_id)
@@ -320,7 +320,7 @@ def _publish_finetuned(ctx: JobContext, row: Any, parent: Any, model_dir: Path, 
     (and shows the job's failure if the job is lost before it records its success).
     """
     from moelab.store.jsonsafe import jsonable
-    from workers.engine.runtime.export import CONVERSION_FILE
+    from moelab.engine.runtime.export import CONVERSION_FILE
 
     record = json.loads((model_dir / CONVERSION_FILE).read_text())
     result_id = jobs.new_id("conv")
@@ -339,7 +339,7 @@ def probe(ctx: JobContext) -> Outcome:
     """Token routing or side-by-side generation on one text; the whole result is the artifact
     ``probes/<id>/probe.json``, the job's summary a digest of it (generation: all of it)."""
     from moelab.store.jsonsafe import jsonable
-    from workers.engine.runs import heldout_sample, run_probe
+    from moelab.engine.runs import heldout_sample, run_probe
 
     row = ctx.resource()
     p = row.params
@@ -366,7 +366,7 @@ def activation_probe(ctx: JobContext) -> Outcome:
     """Neurons of one layer of a profile's dense model on one text (``runs.run_activation_probe``); the
     whole result is the artifact ``activation-probes/<id>/activations.json``, the summary a digest."""
     from moelab.store.jsonsafe import jsonable
-    from workers.engine.runs import heldout_sample, run_activation_probe
+    from moelab.engine.runs import heldout_sample, run_activation_probe
 
     row = ctx.resource()
     p = row.params
@@ -392,8 +392,8 @@ def export(ctx: JobContext) -> Outcome:
     """A ready conversion as a GGUF file (``gguf_export.export_gguf``): the .gguf, an Ollama Modelfile
     and a model card, published atomically into ``conversions/<conv-id>/exports/<exp-id>/``. Refused
     before the model is loaded when its layout does not export or it would exceed MOELAB_MAX_MEMORY."""
-    from workers.engine.limits import gguf_export_footprint, memory_problem
-    from workers.engine.runtime.gguf_export import export_gguf, gguf_layout
+    from moelab.engine.limits import gguf_export_footprint, memory_problem
+    from moelab.engine.runtime.gguf_export import export_gguf, gguf_layout
 
     row = ctx.resource()
     conv = ctx.row(Conversion, row.conversion_id)
@@ -536,8 +536,8 @@ def _on_ready(sender: Any = None, **_: Any) -> None:
     model_cache.install(s.model_cache_size, s.model_cache_bytes())
     # The engine's imports (torch, transformers: seconds) now, not in the first job: a worker
     # that helps another's conversion (``workers.fanout``) must be ready when the layers are.
-    import workers.engine.core.slicing  # noqa: F401
-    import workers.engine.models  # noqa: F401
+    import moelab.engine.core.slicing  # noqa: F401
+    import moelab.engine.models  # noqa: F401
     database().init()
     store().cleanup()
     with database().session() as session:
@@ -553,7 +553,7 @@ def _restrict_model_sources(**_: Any) -> None:
     against the data roots: a Hub id never resolves against the working directory, a path must lie
     inside MOELAB_DATA_ROOTS, whatever a row or a stored record says."""
     from moelab.settings import get_settings
-    from workers.engine.models import restrict_sources
+    from moelab.engine.models import restrict_sources
 
     restrict_sources(get_settings().resolved_data_roots())
 

@@ -19,9 +19,9 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from workers.engine.text import text_problem
-from workers.engine.data.builtin import BUILTIN_SETS, bigbench_installed, builtin_domains
-from workers.engine.data.calibration import (
+from moelab.engine.text import text_problem
+from moelab.engine.data.builtin import BUILTIN_SETS, bigbench_installed, builtin_domains
+from moelab.engine.data.calibration import (
     CalibrationError,
     CalibrationSet,
     read_jsonl,

@@ -31,10 +31,10 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import to_json
 from sqlalchemy import bindparam, select
 
-from workers.engine.core.params import ConversionError
-from workers.engine.core.speed_prediction import find_table, plan_layers, predicted_summary
+from moelab.engine.core.params import ConversionError
+from moelab.engine.core.speed_prediction import find_table, plan_layers, predicted_summary
 from moelab.store.jsonsafe import finite_list, jsonable
-from workers.engine.methods import REGISTRY
+from moelab.engine.methods import REGISTRY
 
 from .. import charts
 from moelab.store.db import Conversion, Evaluation, Job, Profile
@@ -64,7 +64,7 @@ Stamp = tuple[int, int, int]
 
 @lru_cache(maxsize=8)
 def _open(path: str, stamp: Stamp) -> Any:
-    from workers.engine.profiling.store import StoredProfile  # imported on first use only
+    from moelab.engine.profiling.store import StoredProfile  # imported on first use only
 
     return StoredProfile.open(Path(path))
 

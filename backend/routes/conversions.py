@@ -8,14 +8,14 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from sqlalchemy import select
 
-from workers.engine.core.params import ConversionError
-from workers.engine.methods import get_method, params_from_dict
+from moelab.engine.core.params import ConversionError
+from moelab.engine.methods import get_method, params_from_dict
 
 from moelab.store.db import CalibrationSet, Conversion, Model, Profile
 from ..deps import CascadeQ, IndexPath, QueueDep, SessionDep, StoreDep, TagQ, launch, lookup, require_ready, with_tag
 from ..deletion import delete_resource
 from ..errors import ApiError
-from workers.engine.limits import profile_duplicates_problem
+from moelab.engine.limits import profile_duplicates_problem
 from moelab.store.jobs import new_id
 from ..schemas import MAX_INT, DeleteOut, ConversionCreate, ConversionList, ConversionOut, ExpertMatching, ExpertNeurons, ExpertOut
 from ..views import conversion_out
@@ -84,8 +84,8 @@ def _check_engine_params(method: str, params: dict, profiles: list[_ProfileFacts
 def _check_budget(session, method, params: dict, profile: Profile, max_memory: str) -> None:
     """422 when ``max_memory`` cannot hold one layer of the profiled model, or when the conversion would
     have to stream (the model exceeds it) but its method or recipe needs the whole model."""
-    from workers.engine.core.params import check_streamable
-    from workers.engine.sizes import format_size, parse_size
+    from moelab.engine.core.params import check_streamable
+    from moelab.engine.sizes import format_size, parse_size
 
     memory = ((session.get(Model, profile.model_id).summary or {}).get("memory") or {})
     budget = parse_size(max_memory)
@@ -102,7 +102,7 @@ def _check_budget(session, method, params: dict, profile: Profile, max_memory: s
 def _calibration_spec(session, ref: str) -> str:
     """``builtin:NAME`` as given; a stored calibration set's id must exist and be ready."""
     if ref.startswith("builtin:"):
-        from workers.engine.data.builtin import BUILTIN_SETS
+        from moelab.engine.data.builtin import BUILTIN_SETS
 
         if ref[len("builtin:"):] not in BUILTIN_SETS:
             raise ApiError(422, f"unknown built-in set {ref!r}; use one of: " + ", ".join(f"builtin:{n}" for n in BUILTIN_SETS))
@@ -145,8 +145,8 @@ def get_expert_neurons(conversion_id: str, layer: IndexPath, session: SessionDep
     explorer), and each neuron's CV (EW Eq. 3) from the conversion's profile when it still exists."""
     from safetensors import safe_open
 
-    from workers.engine.profiling.store import ProfileNotFound, StoredProfile
-    from workers.engine.runtime.export import PARTITION_FILE
+    from moelab.engine.profiling.store import ProfileNotFound, StoredProfile
+    from moelab.engine.runtime.export import PARTITION_FILE
 
     row = lookup(session, Conversion, conversion_id, "conversion", "conversions")
     require_ready(row, "conversion")
@@ -185,7 +185,7 @@ def get_expert_matching(conversion_id: str, other_id: str, session: SessionDep, 
     overlap of their neuron sets (``evaluation.expert_matching``: numpy and scipy on the stored partitions, no model),
     so B's experts can be shown under A's matched ids. Layers without neuron sets (dense, AbsTopK/TEAL, MIDAS,
     Dense2MoE, hierarchical) are listed in ``skipped`` with the reason; conversions of different models are refused 422."""
-    from workers.engine.evaluation.expert_matching import CONVERSION_FILE, match_conversion_dirs
+    from moelab.engine.evaluation.expert_matching import CONVERSION_FILE, match_conversion_dirs
 
     rows = [lookup(session, Conversion, ident, "conversion", "conversions") for ident in (conversion_id, other_id)]
     for row in rows:

@@ -10,15 +10,15 @@ from fastapi import APIRouter, Query
 from fastapi.responses import PlainTextResponse
 from sqlalchemy import select
 
-from workers.engine.data.builtin import bigbench_installed
-from workers.engine.methods import method_of, normalise_params
-from workers.engine.sources import inside_roots
+from moelab.engine.data.builtin import bigbench_installed
+from moelab.engine.methods import method_of, normalise_params
+from moelab.engine.sources import inside_roots
 
 from moelab.store.db import CalibrationSet, Conversion, Evaluation
 from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, TagQ, launch, lookup, require_ready, with_tag
 from ..deletion import delete_resource
 from ..errors import ApiError
-from workers.engine.limits import conversion_config, eval_tokens_problem, seq_len_problem
+from moelab.engine.limits import conversion_config, eval_tokens_problem, seq_len_problem
 from moelab.store.jobs import new_id
 from ..schemas import DeleteOut, EvaluationCreate, EvaluationList, EvaluationOut, ResourceStatus
 from ..views import evaluation_out, status_of
@@ -78,7 +78,7 @@ def checked_task_dir(task_dir: str | None, settings: Any) -> Path | None:
 def _check_tasks(body: EvaluationCreate, settings: Any) -> None:
     """422 before queueing: unknown task names, a task directory outside the roots, an lm-eval task whose data this
     server cannot read (offline: it must be in the HF cache). Torch-free (``evaluation.harness``)."""
-    from workers.engine.evaluation.harness import TaskError, TaskRequest, list_tasks, load_tasks, unknown_tasks
+    from moelab.engine.evaluation.harness import TaskError, TaskRequest, list_tasks, load_tasks, unknown_tasks
 
     task_dir = checked_task_dir(body.task_dir, settings)
     if not body.tasks:
@@ -106,7 +106,7 @@ def evaluation_task_table(evaluation_id: str, session: SessionDep,
                           format: Annotated[Literal["csv", "markdown"], Query(description="csv or markdown")] = "markdown",
                           ) -> PlainTextResponse:
     """One row per model (dense, converted, the baselines), one column per task: accuracy in percent ± stderr."""
-    from workers.engine.evaluation.harness import task_table
+    from moelab.engine.evaluation.harness import task_table
 
     row = lookup(session, Evaluation, evaluation_id, "evaluation", "evaluations")
     require_ready(row, "evaluation")

@@ -31,8 +31,8 @@ from moelab.store import jobs
 from moelab.store.artifacts import ArtifactMissing, ArtifactStore
 from moelab.store.db import Conversion, Export
 from moelab.store.jobs import new_id
-from workers.engine.limits import gguf_export_footprint, memory_problem
-from workers.engine.runtime.gguf_layout import GGUF_TYPES, gguf_refusal
+from moelab.engine.limits import gguf_export_footprint, memory_problem
+from moelab.engine.runtime.gguf_layout import GGUF_TYPES, gguf_refusal
 
 from ..deletion import delete_resource
 from ..deps import QueueDep, SessionDep, SettingsDep, StoreDep, TagQ, launch, lookup, require_ready, with_tag

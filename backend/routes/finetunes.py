@@ -15,14 +15,14 @@ import numpy as np
 from fastapi import APIRouter, Query
 from sqlalchemy import select
 
-from workers.engine.data.builtin import bigbench_installed
+from moelab.engine.data.builtin import bigbench_installed
 
 from moelab.store.artifacts import ArtifactStore
 from moelab.store.db import CalibrationSet, Conversion, Finetune
 from ..deps import CascadeQ, QueueDep, SessionDep, SettingsDep, StoreDep, TagQ, launch, lookup, require_ready, with_tag
 from ..deletion import delete_resource
 from ..errors import ApiError
-from workers.engine.limits import conversion_config, eval_tokens_problem, lora_rank_problem, seq_len_problem
+from moelab.engine.limits import conversion_config, eval_tokens_problem, lora_rank_problem, seq_len_problem
 from moelab.store.jobs import new_id
 from ..schemas import DeleteOut, FinetuneCreate, FinetuneList, FinetuneMode, FinetuneOut, TrainLog, TrainStep
 from ..views import finetune_out
@@ -39,7 +39,7 @@ _LAST_FIELDS = ("step", "tokens", "elapsed_s")
 def default_mode(conversion: Conversion) -> str:
     """The fine-tuning mode of a conversion's method (the mode of the same name); 422 when the
     method has none (hierarchical)."""
-    from workers.engine.methods import method_of
+    from moelab.engine.methods import method_of
 
     method = method_of(conversion.params or {})
     if method not in MODES:
@@ -51,7 +51,7 @@ def default_mode(conversion: Conversion) -> str:
 def check_mode(mode: str, conversion: Conversion, store: ArtifactStore) -> None:
     """422 when ``mode`` cannot train this conversion's layers (their kinds and combines, read from
     its ``config.json``; ``Recovery.refusal``), before anything is queued."""
-    from workers.engine.methods import REGISTRY
+    from moelab.engine.methods import REGISTRY
 
     try:
         config = json.loads((store.path("conversions", conversion.id) / "config.json").read_text())
@@ -73,7 +73,7 @@ def check_params(params: dict[str, Any], store: ArtifactStore) -> None:
     Imported here, not at module level: the engine module pulls in torch and peft (seconds), so
     the first fine-tune request pays for it, not the API's start.
     """
-    from workers.engine.training.finetune import FinetuneError, FinetuneParams
+    from moelab.engine.training.finetune import FinetuneError, FinetuneParams
 
     try:
         FinetuneParams.from_dict({**params, "source": engine_source(params["source"], store)}).validate()

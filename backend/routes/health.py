@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 
 from moelab.store import liveness
 from moelab.store.artifacts import LOW_SPACE_BYTES, LOW_SPACE_FRACTION
-from workers.engine.atomic import human_bytes
+from moelab.engine.atomic import human_bytes
 
 from moelab.store.db import Job
 from ..deps import SessionDep, encoded

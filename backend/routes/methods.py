@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from workers.engine.methods import describe_methods
+from moelab.engine.methods import describe_methods
 
 from ..schemas import MethodList, MethodOut
 

@@ -2,7 +2,7 @@
 
 ``GET /profiles/compare?a&b`` sits before ``/profiles/{profile_id}`` in the router list
 (``routes.__init__``), or "compare" would be taken for a profile id. The comparison of a pair
-(``workers.engine.profiling.compare``: one read of both profiles' per-sample means) is kept per
+(``moelab.engine.profiling.compare``: one read of both profiles' per-sample means) is kept per
 (pair, both manifest stamps) in a small LRU, so a layer change or a threshold move costs only
 the payload; encoded bodies go to the charts' ``PAYLOADS`` under both stamps, and a profile
 re-run (new manifest) is never answered from either.
@@ -19,8 +19,8 @@ from fastapi import APIRouter, Query, Response
 
 from moelab.store.jsonsafe import jsonable
 
-from workers.engine.profiling.compare import DEFAULT_FDR, CompareError, ProfileComparison as Comparison, compare_profiles
-from workers.engine.profiling.search import MAX_LIMIT, MAX_TOKEN_CHARS, NeuronQuery, NeuronTable, SearchError, TopTokenIndex, search_neurons
+from moelab.engine.profiling.compare import DEFAULT_FDR, CompareError, ProfileComparison as Comparison, compare_profiles
+from moelab.engine.profiling.search import MAX_LIMIT, MAX_TOKEN_CHARS, NeuronQuery, NeuronTable, SearchError, TopTokenIndex, search_neurons
 
 from .. import profile_compare as payloads
 from ..deps import OffsetQ, SessionDep, StoreDep
@@ -76,7 +76,7 @@ def compare(
     max_points: Annotated[int, Query(ge=100, le=20000, description="scatter points at most; larger layers are sampled")] = 2048,
 ) -> Response:
     """Per neuron d = (μ_A − μ_B) / sqrt((σ_A² + σ_B²)/2 + ε²) over the per-sample mean gate activations each profile
-    stores (``workers/engine/profiling/compare.py`` says why this score); 422 when the two are profiles of different
+    stores (``moelab/engine/profiling/compare.py`` says why this score); 422 when the two are profiles of different
     models (or the same profile), 404 for an unknown id, 409 for one not ready."""
     (pa, sa), (pb, sb) = _pair(session, store, a, b)
     if layer is not None:

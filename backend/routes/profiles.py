@@ -9,9 +9,9 @@ from moelab.store.db import CalibrationSet, Model, Profile
 from ..deps import CascadeQ, QueueDep, SessionDep, StoreDep, TagQ, launch, lookup, require_ready, with_tag
 from ..deletion import delete_resource
 from ..errors import ApiError
-from workers.engine.limits import atopk_problem
+from moelab.engine.limits import atopk_problem
 from moelab.store.jobs import new_id
-from workers.engine.sizes import format_size, parse_size
+from moelab.engine.sizes import format_size, parse_size
 from ..schemas import DeleteOut, ProfileCreate, ProfileList, ProfileOut
 from ..views import profile_out
 

@@ -20,8 +20,8 @@ def list_tasks(settings: SettingsDep,
                task_dir: Annotated[str | None, Query(max_length=4096, description="also a server directory of task YAMLs "
                                                      "inside MOELAB_DATA_ROOTS")] = None,
                registry: Annotated[bool, Query(description="also lm-eval's registry (thousands of names)")] = False) -> TaskList:
-    from workers.engine.evaluation.harness import TaskError
-    from workers.engine.evaluation.harness import list_tasks as listed
+    from moelab.engine.evaluation.harness import TaskError
+    from moelab.engine.evaluation.harness import list_tasks as listed
 
     try:
         items = listed(checked_task_dir(task_dir, settings))

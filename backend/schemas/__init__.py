@@ -1,6 +1,6 @@
 """The API contract: request and response models (separate from the SQL tables in ``db``).
 
-Conversion parameters are generated from the engine's method registry (``workers.engine.methods``):
+Conversion parameters are generated from the engine's method registry (``moelab.engine.methods``):
 a slider in the UI, a field here, a CLI option and a field of the method's parameter dataclass
 carry one name, one default and one set of bounds.
 

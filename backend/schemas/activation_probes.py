@@ -11,7 +11,7 @@ from .common import JobOut, ResourceStatus, _In, _Noted
 from .probes import PROBE_HELDOUT_PICK, PROBE_MAX_TEXT, ProbeCreate
 
 
-#: tokens and neurons an activation probe reads at most (``workers.engine.evaluation.activations``)
+#: tokens and neurons an activation probe reads at most (``moelab.engine.evaluation.activations``)
 ACTIVATION_MAX_TOKENS = 512
 ACTIVATION_MAX_NEURONS = 64
 

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from workers.engine.data.builtin import BUILTIN_SETS
+from moelab.engine.data.builtin import BUILTIN_SETS
 
 from .common import JobOut, ResourceStatus, _In, _Noted
 

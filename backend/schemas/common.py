@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from workers.engine.text import first_text_problem
+from moelab.engine.text import first_text_problem
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 ResourceStatus = Literal["queued", "running", "ready", "failed", "cancelled"]

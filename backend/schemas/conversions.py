@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, create_model, model_validator
 
-from workers.engine.methods import REGISTRY, Method
-from workers.engine.sizes import parse_size
+from moelab.engine.methods import REGISTRY, Method
+from moelab.engine.sizes import parse_size
 
 from .common import JobOut, ResourceStatus, _In, _Noted
 from .declared import declared_model
@@ -80,7 +80,7 @@ class _ConversionBase(_In):
         return self
 
     def engine_params(self) -> dict[str, Any]:
-        """The engine's parameters dict for this request (``workers.engine.methods.params_from_dict``)."""
+        """The engine's parameters dict for this request (``moelab.engine.methods.params_from_dict``)."""
         block = getattr(self, self.method) or METHOD_PARAMS[self.method]()
         return {"method": self.method, **block.model_dump()}
 

@@ -1,4 +1,4 @@
-"""Request bodies generated from a parameter declaration (``workers.engine.core.params``): the
+"""Request bodies generated from a parameter declaration (``moelab.engine.core.params``): the
 profiler's settings, the fine-tuning hyper-parameters and every conversion method's block."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, StrictBool, create_model
 
-from workers.engine.core.params import DeclaredParams, ParamSpec
+from moelab.engine.core.params import DeclaredParams, ParamSpec
 
 from .common import MAX_INT, _In
 
@@ -28,7 +28,7 @@ def _description(spec: ParamSpec) -> str:
 
 def declared_model(params: type[DeclaredParams], name: str, *, base: type[BaseModel] = _In, doc: str | None = None,
                    validators: dict[str, Any] | None = None) -> type[BaseModel]:
-    """A request body generated from a parameter declaration (``workers.engine.core.params``): one
+    """A request body generated from a parameter declaration (``moelab.engine.core.params``): one
     field per parameter that is not ``internal``, with the engine's name, type, default, bounds and
     help, so the CLI, the API and the engine cannot drift apart. ``base`` holds the request's own
     fields and validators; a parameter it defines itself (a request default that differs, string

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, StrictBool, model_validator
 
-from workers.engine.data.builtin import BUILTIN_SETS
+from moelab.engine.data.builtin import BUILTIN_SETS
 
 from .common import JobOut, ResourceStatus, _In, _Noted
 from .tasks import TaskName

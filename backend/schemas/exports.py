@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from workers.engine.runtime.gguf_layout import GGUF_TYPES
+from moelab.engine.runtime.gguf_layout import GGUF_TYPES
 
 from .artifacts import ArtifactFile
 from .common import JobOut, ResourceStatus, _In, _Noted

@@ -8,8 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
-from workers.engine.data.builtin import BUILTIN_SETS
-from workers.engine.training.params import FinetuneMode, FinetuneParams
+from moelab.engine.data.builtin import BUILTIN_SETS
+from moelab.engine.training.params import FinetuneMode, FinetuneParams
 
 from .common import JobOut, JobState, ResourceStatus, _In, _Noted
 from .declared import declared_model
@@ -17,7 +17,7 @@ from .declared import declared_model
 
 class _FinetuneRequest(_In):
     """Recovery fine-tuning of a ready conversion; the hyper-parameters are generated from
-    ``workers.engine.training.params.FinetuneParams`` (names, defaults, bounds).
+    ``moelab.engine.training.params.FinetuneParams`` (names, defaults, bounds).
 
     The engine's ``validate`` makes the checks that need several fields or the conversion
     (answered 422 with its message).

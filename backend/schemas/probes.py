@@ -7,12 +7,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from workers.engine.data.builtin import BUILTIN_SETS
+from moelab.engine.data.builtin import BUILTIN_SETS
 
 from .common import JobOut, ResourceStatus, _In, _Noted
 
 
-#: held-out samples a probe can pick per built-in set (``workers.engine.runs.HELDOUT_PICK``)
+#: held-out samples a probe can pick per built-in set (``moelab.engine.runs.HELDOUT_PICK``)
 PROBE_HELDOUT_PICK = 48
 PROBE_MAX_TEXT = 20_000  # characters; routing reads at most 512 tokens of it
 

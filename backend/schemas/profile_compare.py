@@ -1,4 +1,4 @@
-"""Two profiles compared (workers/engine/profiling/compare.py) and neuron search (profiling/search.py)."""
+"""Two profiles compared (moelab/engine/profiling/compare.py) and neuron search (profiling/search.py)."""
 
 from __future__ import annotations
 

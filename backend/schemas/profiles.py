@@ -7,8 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
-from workers.engine.profiling.settings import ProfileSettings
-from workers.engine.sizes import parse_size
+from moelab.engine.profiling.settings import ProfileSettings
+from moelab.engine.sizes import parse_size
 
 from .common import JobOut, ResourceStatus, _In, _Noted
 from .declared import declared_model
@@ -16,7 +16,7 @@ from .declared import declared_model
 
 class _ProfileRequest(_In):
     """``POST /profiles``: the model, the calibration set, how much of it and the memory budget; the
-    profiler's settings (``workers.engine.profiling.settings.ProfileSettings``) are generated."""
+    profiler's settings (``moelab.engine.profiling.settings.ProfileSettings``) are generated."""
 
     model_id: str
     calibration_set_id: str

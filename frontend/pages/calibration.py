@@ -10,7 +10,7 @@ import dash
 from dash import Input, Output, State, callback, dcc, html, no_update
 
 from frontend import figures as F
-from frontend.api_client import ApiError, api
+from moelab.api_client import ApiError, api
 from frontend.components import builtin_options, error_box, figure_card, options, progress, to_search
 from frontend.defaults import CALIBRATION_NOTE, CALIBRATION_SAMPLES, default_builtin
 

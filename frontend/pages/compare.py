@@ -12,7 +12,7 @@ import dash
 from dash import Input, Output, callback, dcc, html
 
 from frontend import figures as F
-from frontend.api_client import ApiError, api
+from moelab.api_client import ApiError, api
 from frontend.components import error_box, figure_card, named_options, page_names, to_search
 from frontend.speed import PHASES, phase_speedup
 from frontend.task_accuracy import accuracy_figure, accuracy_points

@@ -15,7 +15,7 @@ import dash
 from dash import ALL, MATCH, Input, Output, State, callback, ctx, dcc, html, no_update
 
 from frontend import figures as F
-from frontend.api_client import ApiError, api
+from moelab.api_client import ApiError, api
 from frontend.exportability import planned_export
 from frontend.components import (baselines_choice, builtin_source_options, cancel_started, error_box, figure_card, options, profile_picker,
                                  progress, to_search, wants_baselines)

@@ -12,7 +12,7 @@ import dash
 from dash import Input, Output, State, callback, dcc, html, no_update
 
 from frontend import figures as F
-from frontend.api_client import ApiError, api
+from moelab.api_client import ApiError, api
 from frontend.downloads import tasks_table_url
 from frontend.components import error_box, figure_card, page_names, to_search
 from frontend.names import fmt, heldout_text, ratio_ci, with_id

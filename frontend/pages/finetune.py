@@ -15,7 +15,7 @@ import dash
 from dash import Input, Output, State, callback, ctx, dcc, html, no_update
 
 from frontend import figures as F
-from frontend.api_client import ApiError, api
+from moelab.api_client import ApiError, api
 from frontend.components import error_box, figure_card, page_names, progress, to_search
 from frontend.names import Names, with_id
 

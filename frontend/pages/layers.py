@@ -14,7 +14,7 @@ import dash
 from dash import Input, Output, callback, dcc, html
 
 from frontend import figures as F
-from frontend.api_client import ApiError, api
+from moelab.api_client import ApiError, api
 from frontend.components import error_box, figure_card, num, profile_picker, to_search
 
 dash.register_page(__name__, path="/layers", name="Layer similarity", order=4)

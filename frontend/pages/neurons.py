@@ -12,7 +12,7 @@ from dash import Input, Output, State, callback, dcc, html
 from frontend import figures as F
 from frontend import snippets as S
 from frontend import neuron_activation
-from frontend.api_client import ApiError, api
+from moelab.api_client import ApiError, api
 from frontend.components import error_box, figure_card, num, profile_picker, to_search
 
 dash.register_page(__name__, path="/neurons", name="Neuron explorer", order=2)

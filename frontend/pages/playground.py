@@ -7,7 +7,7 @@ from __future__ import annotations
 import dash
 from dash import Input, Output, State, callback, dcc, html, no_update
 
-from frontend.api_client import ApiError, api
+from moelab.api_client import ApiError, api
 from frontend.components import error_box, not_offered, options_or_error, progress, to_search
 from frontend.token_view import generation_card
 

@@ -1,6 +1,6 @@
 """Compare profiles: two profiles of one model (say, on code and on literature) neuron by neuron. Each
 neuron's mean gate activation on A against B coloured by its set-specificity d (GET /profiles/compare;
-``workers/engine/profiling/compare.py`` defines d), the share of specific neurons per layer, the
+``moelab/engine/profiling/compare.py`` defines d), the share of specific neurons per layer, the
 most specific neurons of each side with their top tokens in both texts, and a neuron search; every
 neuron links to its card in the Neuron explorer. State in the URL: ?a=…&b=…&layer=…&threshold=…"""
 
@@ -13,7 +13,7 @@ from dash import Input, Output, State, callback, dcc, html
 
 from frontend import figures as F
 from frontend import snippets as S
-from frontend.api_client import ApiError, api
+from moelab.api_client import ApiError, api
 from frontend.components import error_box, figure_card, num, options_or_error, page_names, to_search
 from frontend.names import Names, fmt, fmt_pct
 

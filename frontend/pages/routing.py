@@ -12,7 +12,7 @@ import dash
 from dash import Input, Output, State, callback, dcc, html, no_update
 
 from frontend import figures as F
-from frontend.api_client import ApiError, api
+from moelab.api_client import ApiError, api
 from frontend.components import (baselines_choice, cancel_started, builtin_source_options, error_box, figure_card, named_options, not_offered, progress, to_search,
                                  wants_baselines)
 from frontend.names import with_id

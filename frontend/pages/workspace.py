@@ -15,7 +15,7 @@ import json
 import dash
 from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
 
-from frontend.api_client import ApiError, api
+from moelab.api_client import ApiError, api
 from frontend import figures as F
 from frontend.components import baselines_choice, builtin_options, error_box, options, progress, source_options, wants_baselines
 from frontend.defaults import CALIBRATION_NOTE, CALIBRATION_SAMPLES, CALIBRATION_SET, CALIBRATION_TOKENS

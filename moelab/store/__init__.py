@@ -4,5 +4,5 @@ configuration and task names (``broker``), worker presence and death (``liveness
 re-sending of queued jobs the broker lost (``requeue``).
 
 ``backend`` and ``workers`` both import this package and never each other; both may import the
-pure ML library ``workers.engine``, which imports neither.
+pure ML library ``moelab.engine``, which imports neither.
 """

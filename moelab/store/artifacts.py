@@ -29,7 +29,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.engine.atomic import (
+from moelab.engine.atomic import (
     TMP_MARK,
     atomic_directory,
     free_bytes,

@@ -11,9 +11,9 @@ reading (a row written by an older API, or edited by hand, cannot widen the rule
   directory every file under it the loader may open is checked the same way, so a symlink inside a
   root pointing elsewhere is refused;
 * the engine's loaders apply the same rule at the read itself when given ``allowed_roots``
-  (``workers.engine.models.load_model``, ``workers.engine.data.calibration.load_hf_dataset``: the
+  (``moelab.engine.models.load_model``, ``moelab.engine.data.calibration.load_hf_dataset``: the
   engine imports nothing from here), and a worker sets it for every model load
-  (``workers.engine.models.restrict_sources``);
+  (``moelab.engine.models.restrict_sources``);
 * a relative path, a NUL byte or another malformed string is bad input (:class:`DataRootError`,
   HTTP 422); a path outside the roots is :class:`OutsideDataRoots` (HTTP 403). Callers pick the
   status by type, never by the message's words.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from workers.engine.sources import SAVED_DATASET_MARKERS, inside_roots, is_hub_id, saved_dataset_refs, tree_entries
+from moelab.engine.sources import SAVED_DATASET_MARKERS, inside_roots, is_hub_id, saved_dataset_refs, tree_entries
 #: File suffixes that make a relative string a file name, not a Hub name.
 _DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".tsv", ".txt", ".arrow")
 #: Most entries a source directory may hold (each is checked); more is refused, not walked.

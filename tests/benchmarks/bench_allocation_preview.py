@@ -19,8 +19,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from workers.engine.methods.expertweaver import ExpertWeaverParams as AllocationParams, preview  # noqa: E402
-from workers.engine.profiling.store import StoredProfile  # noqa: E402
+from moelab.engine.methods.expertweaver import ExpertWeaverParams as AllocationParams, preview  # noqa: E402
+from moelab.engine.profiling.store import StoredProfile  # noqa: E402
 
 
 class SyntheticProfile:

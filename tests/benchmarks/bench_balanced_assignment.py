@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from workers.engine.core.clustering import balanced_kmeans, pairwise_distances, solve_balanced_assignment  # noqa: E402
+from moelab.engine.core.clustering import balanced_kmeans, pairwise_distances, solve_balanced_assignment  # noqa: E402
 
 N, K, Q = 14336, 64, 240
 

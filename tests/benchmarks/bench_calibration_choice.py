@@ -34,10 +34,10 @@ from bench_frontier import (DOMAINS, LEAVE_OUT, RESULTS, _geomean, fit_inputs_fo
                             fold_profile_dir, profile_at)
 
 from moelab.settings import get_settings  # noqa: E402
-from workers.engine.core.slicing import partition_modules  # noqa: E402
-from workers.engine.evaluation.metrics import evaluate_variants, heldout_windows  # noqa: E402
-from workers.engine.methods import expertweaver, get_method  # noqa: E402
-from workers.engine.models import load_model  # noqa: E402
+from moelab.engine.core.slicing import partition_modules  # noqa: E402
+from moelab.engine.evaluation.metrics import evaluate_variants, heldout_windows  # noqa: E402
+from moelab.engine.methods import expertweaver, get_method  # noqa: E402
+from moelab.engine.models import load_model  # noqa: E402
 
 
 def single_part(domain: str) -> str:

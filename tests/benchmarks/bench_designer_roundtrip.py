@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from frontend import figures  # noqa: E402
-from frontend.api_client import ApiClient  # noqa: E402
+from moelab.api_client import ApiClient  # noqa: E402
 
 
 def main() -> None:

@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_moe_ffn import DenseGLU, bench_text, calibrate_inner, timed_interleaved  # noqa: E402
-from workers.engine.models import load_model  # noqa: E402
-from workers.engine.runtime.modeling_moelab import MoeFFN  # noqa: E402
-from workers.engine.runtime.moelab_routers import ffn_macs  # noqa: E402
+from moelab.engine.models import load_model  # noqa: E402
+from moelab.engine.runtime.modeling_moelab import MoeFFN  # noqa: E402
+from moelab.engine.runtime.moelab_routers import ffn_macs  # noqa: E402
 
 OUT = ROOT / "tests" / "benchmarks" / "results" / "bench_down_keep.json"
 

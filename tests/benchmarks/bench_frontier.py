@@ -47,19 +47,19 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from moelab.settings import get_settings  # noqa: E402
-from workers.engine.core.allocation import plan_flops_fraction  # noqa: E402
-from workers.engine.core.fitting import collect_inputs, profile_token_windows  # noqa: E402
-from workers.engine.core.slicing import abstopk_modules, partition_modules  # noqa: E402
-from workers.engine.data.builtin import MIXED_PARTS  # noqa: E402
-from workers.engine.evaluation.metrics import evaluate_models, evaluate_variants, heldout_windows, swapped_mlps  # noqa: E402
-from workers.engine.evaluation.speed import PHASES, SpeedProtocol, time_phases  # noqa: E402
-from workers.engine.methods import cmoe, expertweaver, get_method  # noqa: E402
-from workers.engine.methods.cmoe import CMoEParams  # noqa: E402
-from workers.engine.methods.expertweaver import ExpertWeaverParams  # noqa: E402
-from workers.engine.models import load_model  # noqa: E402
-from workers.engine.profiling.store import StoredProfile  # noqa: E402
-from workers.engine.runs import run_conversion  # noqa: E402
-from workers.engine.runtime.export import load_exported  # noqa: E402
+from moelab.engine.core.allocation import plan_flops_fraction  # noqa: E402
+from moelab.engine.core.fitting import collect_inputs, profile_token_windows  # noqa: E402
+from moelab.engine.core.slicing import abstopk_modules, partition_modules  # noqa: E402
+from moelab.engine.data.builtin import MIXED_PARTS  # noqa: E402
+from moelab.engine.evaluation.metrics import evaluate_models, evaluate_variants, heldout_windows, swapped_mlps  # noqa: E402
+from moelab.engine.evaluation.speed import PHASES, SpeedProtocol, time_phases  # noqa: E402
+from moelab.engine.methods import cmoe, expertweaver, get_method  # noqa: E402
+from moelab.engine.methods.cmoe import CMoEParams  # noqa: E402
+from moelab.engine.methods.expertweaver import ExpertWeaverParams  # noqa: E402
+from moelab.engine.models import load_model  # noqa: E402
+from moelab.engine.profiling.store import StoredProfile  # noqa: E402
+from moelab.engine.runs import run_conversion  # noqa: E402
+from moelab.engine.runtime.export import load_exported  # noqa: E402
 
 DOMAINS = ("builtin:code", "builtin:prose", "builtin:literature", "builtin:chat")
 #: leave-domain-out folds: each scored domain with the parts of builtin:mixed left out of calibration along
@@ -126,9 +126,9 @@ def start_modules(modules: dict[int, Any], calib: Any) -> dict[int, Any]:
     gets a softmax router from its gate centroids, scaled so its logits' std across experts is
     ``EW_INIT_LOGIT_STD`` on the calibration MLP inputs ``calib`` (recovery measures it on its first
     training batch), and the weighted combine; the model that exports to GGUF / native HF."""
-    from workers.engine.methods.expertweaver import EW_INIT_LOGIT_STD
-    from workers.engine.runtime.moelab_routers import ROUTERS
-    from workers.engine.training.router_init import to_softmax_router
+    from moelab.engine.methods.expertweaver import EW_INIT_LOGIT_STD
+    from moelab.engine.runtime.moelab_routers import ROUTERS
+    from moelab.engine.training.router_init import to_softmax_router
 
     out = {}
     for i, m in modules.items():
@@ -278,7 +278,7 @@ def measure_levels(adapter: Any, profile: Any, windows: dict[str, torch.Tensor],
             meta["abstopk"] = {"ffn_flops_fraction": _ffn_cost(variants["abstopk"], dense_macs, adapter.n_layers, d_macs)}
         for name, allocation in (("teal", "greedy"), ("teal-uniform", "uniform")):  # input thresholds, attention dense
             if wanted(name):
-                from workers.engine.core.teal import teal_modules
+                from moelab.engine.core.teal import teal_modules
 
                 variants[name] = teal_modules(adapter, fit_for(ExpertWeaverParams().fit_tokens), level, allocation)
                 meta[name] = {"ffn_flops_fraction": _ffn_cost(variants[name], dense_macs, adapter.n_layers, d_macs)}
@@ -359,8 +359,8 @@ def fold_profile_dir(work: Path, domain: str) -> Path:
 
 def profile_at(pdir: Path, model: str, calibration: str, samples: int, data_dir: Path) -> Any:
     """The profile stored at ``pdir``, made there first (``samples`` samples of ``calibration``) when missing."""
-    from workers.engine.profiling.profiler import ProfileSettings
-    from workers.engine.runs import run_profile
+    from moelab.engine.profiling.profiler import ProfileSettings
+    from moelab.engine.runs import run_profile
 
     if not (pdir / "manifest.json").is_file():
         run_profile(model, calibration, pdir, ProfileSettings(), samples=samples, data_dir=data_dir)

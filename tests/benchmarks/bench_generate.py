@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "tests" / "benchmarks" / "results" / "bench_generate.json"
 
 from bench_moe_ffn import bench_text  # noqa: E402  (this directory: stdlib source text as real tokens)
-from workers.engine.runtime.export import copy_runtime  # noqa: E402
+from moelab.engine.runtime.export import copy_runtime  # noqa: E402
 SHARED_FRACTION = 1 / 8
 
 
@@ -148,7 +148,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from workers.engine.models import cache_default_model
+    from moelab.engine.models import cache_default_model
 
     profile = args.profile or (work / "profile" if (work / "profile" / "manifest.json").is_file() else build_profile(work / "profile", env))
     conversions = {}

@@ -30,8 +30,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from workers.engine.evaluation.speed import SpeedProtocol, time_phases  # noqa: E402
-from workers.engine.runtime.moelab_moe import MoeFFN  # noqa: E402
+from moelab.engine.evaluation.speed import SpeedProtocol, time_phases  # noqa: E402
+from moelab.engine.runtime.moelab_moe import MoeFFN  # noqa: E402
 
 SHAPES = {
     "tiny": {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,  # a smoke run

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from bench_threshold_routing import DOMAINS, expert_outputs, open_profile_and_model, study_routed_layers  # noqa: E402
-from workers.engine.methods import get_method  # noqa: E402
+from moelab.engine.methods import get_method  # noqa: E402
 
 OUT = ROOT / "tests" / "benchmarks" / "results" / "bench_linear_compensation.json"
 RANKS = (16, 32, 64, 128)

@@ -95,8 +95,8 @@ def _in_subprocess(path: Path, what: str, threads: int, windows_file: Path | Non
 
 
 def _profile(work: Path, given: Path | None, data_dir: Path) -> Path:
-    from workers.engine.profiling.profiler import ProfileSettings
-    from workers.engine.runs import run_profile
+    from moelab.engine.profiling.profiler import ProfileSettings
+    from moelab.engine.runs import run_profile
 
     if given is not None:
         return given
@@ -111,9 +111,9 @@ def _portable(work: Path, profile: Path, cost: float, steps: int, data_dir: Path
     """``--recipe portable`` at ``cost`` (sparsity 1 - cost), recovered for ``steps`` (cached in ``work``);
     ``experts`` overrides the recipe's expert count (EW Eq. 6's ``N_e``: coarser experts for fewer,
     larger matmuls in llama.cpp)."""
-    from workers.engine.methods import get_method
-    from workers.engine.runs import run_conversion
-    from workers.engine.training.finetune import FinetuneParams, run_finetune
+    from moelab.engine.methods import get_method
+    from moelab.engine.runs import run_conversion
+    from moelab.engine.training.finetune import FinetuneParams, run_finetune
 
     given: dict[str, Any] = {"sparsity": round(1 - cost, 6)} | ({"n_experts": experts} if experts else {})
     conv = work / (f"portable-{cost}" + (f"-e{experts}" if experts else ""))
@@ -150,9 +150,9 @@ def main() -> None:
     from moelab.settings import get_settings
     from transformers import AutoTokenizer
 
-    from workers.engine.evaluation.metrics import heldout_windows
-    from workers.engine.models import cache_default_model
-    from workers.engine.runtime.gguf_export import export_gguf
+    from moelab.engine.evaluation.metrics import heldout_windows
+    from moelab.engine.models import cache_default_model
+    from moelab.engine.runtime.gguf_export import export_gguf
 
     data_dir = get_settings().data_dir
     work = args.work

@@ -57,8 +57,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from workers.engine.runtime.modeling_moelab import MoeFFN  # noqa: E402
-from workers.engine.models import load_model  # noqa: E402
+from moelab.engine.runtime.modeling_moelab import MoeFFN  # noqa: E402
+from moelab.engine.models import load_model  # noqa: E402
 
 ROUTERS = {  # router -> combine
     "centroid": "sum",

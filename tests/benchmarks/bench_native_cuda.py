@@ -28,8 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from workers.engine.runtime.modeling_moelab import MoelabConfig, MoelabForCausalLM  # noqa: E402
-from workers.engine.runtime.native_export import build_native_model, native_layout  # noqa: E402
+from moelab.engine.runtime.modeling_moelab import MoelabConfig, MoelabForCausalLM  # noqa: E402
+from moelab.engine.runtime.native_export import build_native_model, native_layout  # noqa: E402
 
 PREFILL, DECODE = 512, 128
 

@@ -25,8 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from workers.engine.runtime import moelab_kernels as K  # noqa: E402
-from workers.engine.runtime.moelab_moe import MoeExperts  # noqa: E402
+from moelab.engine.runtime import moelab_kernels as K  # noqa: E402
+from moelab.engine.runtime.moelab_moe import MoeExperts  # noqa: E402
 
 D_MODEL, D_FFN = 576, 1536
 OUT = ROOT / "tests" / "benchmarks" / "results" / "bench_prefill_kernels.json"

@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from moelab.settings import get_settings  # noqa: E402
-from workers.engine.data.calibration import load_calibration  # noqa: E402
-from workers.engine.models import load_model  # noqa: E402
-from workers.engine.profiling.profiler import ProfileSettings, length_sorted_batches, profile_model  # noqa: E402
+from moelab.engine.data.calibration import load_calibration  # noqa: E402
+from moelab.engine.models import load_model  # noqa: E402
+from moelab.engine.profiling.profiler import ProfileSettings, length_sorted_batches, profile_model  # noqa: E402
 
 
 def plain_forward(adapter, texts: list[str], settings: ProfileSettings) -> float:

@@ -30,17 +30,17 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 OUT = ROOT / "tests" / "benchmarks" / "results" / "bench_recipe_speed.json"
 
-from workers.engine.core.fitting import collect_inputs, stored_token_windows  # noqa: E402
-from workers.engine.core.speed_prediction import predict  # noqa: E402
-from workers.engine.core.teal import teal_flops_fraction, teal_modules  # noqa: E402
-from workers.engine.evaluation.metrics import swapped_mlps  # noqa: E402
-from workers.engine.evaluation.metrics import heldout_windows  # noqa: E402
-from workers.engine.evaluation.speed import SpeedProtocol, time_phases  # noqa: E402
-from workers.engine.evaluation.speed_table import measure_table  # noqa: E402
-from workers.engine.models import load_model  # noqa: E402
-from workers.engine.profiling.store import StoredProfile  # noqa: E402
-from workers.engine.runs import TEAL_FIT_TOKENS  # noqa: E402
-from workers.engine.runtime.export import copy_runtime, load_exported  # noqa: E402
+from moelab.engine.core.fitting import collect_inputs, stored_token_windows  # noqa: E402
+from moelab.engine.core.speed_prediction import predict  # noqa: E402
+from moelab.engine.core.teal import teal_flops_fraction, teal_modules  # noqa: E402
+from moelab.engine.evaluation.metrics import swapped_mlps  # noqa: E402
+from moelab.engine.evaluation.metrics import heldout_windows  # noqa: E402
+from moelab.engine.evaluation.speed import SpeedProtocol, time_phases  # noqa: E402
+from moelab.engine.evaluation.speed_table import measure_table  # noqa: E402
+from moelab.engine.models import load_model  # noqa: E402
+from moelab.engine.profiling.store import StoredProfile  # noqa: E402
+from moelab.engine.runs import TEAL_FIT_TOKENS  # noqa: E402
+from moelab.engine.runtime.export import copy_runtime, load_exported  # noqa: E402
 
 VARIANTS = ("paper-0.5=paper:0.5", "best-0.25=best:0.25", "best-0.5=best:0.5", "portable-0.5=portable:0.5")
 

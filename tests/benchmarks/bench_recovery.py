@@ -51,14 +51,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from moelab.settings import get_settings  # noqa: E402
-from workers.engine.methods import get_method  # noqa: E402
-from workers.engine.methods.cmoe import CMoEParams  # noqa: E402
-from workers.engine.methods.expertweaver import ExpertWeaverParams  # noqa: E402
-from workers.engine.methods.dense2moe import Dense2MoEParams  # noqa: E402
-from workers.engine.training.finetune import FinetuneParams, read_train_log, run_finetune  # noqa: E402
-from workers.engine.methods.midas import MidasParams  # noqa: E402
-from workers.engine.profiling.profiler import ProfileSettings  # noqa: E402
-from workers.engine.runs import run_conversion, run_profile  # noqa: E402
+from moelab.engine.methods import get_method  # noqa: E402
+from moelab.engine.methods.cmoe import CMoEParams  # noqa: E402
+from moelab.engine.methods.expertweaver import ExpertWeaverParams  # noqa: E402
+from moelab.engine.methods.dense2moe import Dense2MoEParams  # noqa: E402
+from moelab.engine.training.finetune import FinetuneParams, read_train_log, run_finetune  # noqa: E402
+from moelab.engine.methods.midas import MidasParams  # noqa: E402
+from moelab.engine.profiling.profiler import ProfileSettings  # noqa: E402
+from moelab.engine.runs import run_conversion, run_profile  # noqa: E402
 
 MIDAS_SETS = ("code", "prose", "literature", "chat")
 _best = get_method("expertweaver").recipe
@@ -105,9 +105,9 @@ def conversion(work: Path, name: str, samples: int, data_dir: Path, mixed: Path 
 
 def exportable(model_dir: Path) -> dict[str, Any]:
     """The native HF and GGUF layouts of a fine-tuned model, or why each is refused."""
-    from workers.engine.runtime.gguf_export import GgufExportError, gguf_layout
-    from workers.engine.runtime.modeling_moelab import MoelabForCausalLM
-    from workers.engine.runtime.native_export import NativeExportError, native_layout
+    from moelab.engine.runtime.gguf_export import GgufExportError, gguf_layout
+    from moelab.engine.runtime.modeling_moelab import MoelabForCausalLM
+    from moelab.engine.runtime.native_export import NativeExportError, native_layout
 
     out: dict[str, Any] = {}
     try:

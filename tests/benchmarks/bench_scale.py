@@ -44,7 +44,7 @@ def make_model(target: Path, layers: int, data_dir: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from workers.engine.models import cache_default_model
+    from moelab.engine.models import cache_default_model
 
     if (target / "model.safetensors.index.json").is_file():
         return target
@@ -95,7 +95,7 @@ def run(argv: list[str], env: dict[str, str]) -> tuple[float, float, str]:
 
 def main() -> None:
     from moelab.settings import get_settings
-    from workers.engine.sizes import parse_size
+    from moelab.engine.sizes import parse_size
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)

@@ -34,8 +34,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from moelab.settings import get_settings
-    from workers.engine.evaluation.harness import TaskRequest, load_tasks, run_tasks
-    from workers.engine.models import load_model
+    from moelab.engine.evaluation.harness import TaskRequest, load_tasks, run_tasks
+    from moelab.engine.models import load_model
 
     adapter = load_model("default", data_dir=get_settings().data_dir, device="cpu", dtype="float32")
     runs = []

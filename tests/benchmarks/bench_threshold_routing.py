@@ -47,12 +47,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from moelab.settings import get_settings  # noqa: E402
-from workers.engine.core.fitting import collect_inputs, profile_token_windows  # noqa: E402
-from workers.engine.core.slicing import partition_modules  # noqa: E402
-from workers.engine.evaluation.metrics import heldout_windows  # noqa: E402
-from workers.engine.methods import expertweaver, get_method  # noqa: E402
-from workers.engine.models import load_model  # noqa: E402
-from workers.engine.profiling.store import StoredProfile  # noqa: E402
+from moelab.engine.core.fitting import collect_inputs, profile_token_windows  # noqa: E402
+from moelab.engine.core.slicing import partition_modules  # noqa: E402
+from moelab.engine.evaluation.metrics import heldout_windows  # noqa: E402
+from moelab.engine.methods import expertweaver, get_method  # noqa: E402
+from moelab.engine.models import load_model  # noqa: E402
+from moelab.engine.profiling.store import StoredProfile  # noqa: E402
 
 OUT = ROOT / "tests" / "benchmarks" / "results" / "bench_threshold_routing.json"
 DOMAINS = ("builtin:code", "builtin:prose", "builtin:literature", "builtin:chat")  # as bench_frontier scores
@@ -205,7 +205,7 @@ def perplexities(adapter: Any, modules: dict[int, Any], calib: Any, windows: dic
     """End to end, per domain: perplexity over dense of the top-k model and of the threshold-routed one
     (``tau`` per layer set on the calibration inputs for a mean count of the layer's top-k), and the
     threshold model's measured count over top-k on that text (its cost drifts where top-k's cannot)."""
-    from workers.engine.evaluation.metrics import evaluate_variants
+    from moelab.engine.evaluation.metrics import evaluate_variants
 
     counts = [0, 0]
     routed = {}

@@ -19,11 +19,11 @@ def tiny_conversion(tiny_model, data_dir, tmp_path_factory, **params):
     """An ExpertWeaver conversion (``params``) of the tiny random-weight Llama, profiled on a small
     three-task set; returns its directory."""
     from tests.engine.test_profiling import make_set
-    from workers.engine.methods.expertweaver import ExpertWeaverParams
-    from workers.engine.models import load_model
-    from workers.engine.profiling.profiler import ProfileSettings, profile_model
-    from workers.engine.profiling.store import write_profile
-    from workers.engine.runs import run_conversion
+    from moelab.engine.methods.expertweaver import ExpertWeaverParams
+    from moelab.engine.models import load_model
+    from moelab.engine.profiling.profiler import ProfileSettings, profile_model
+    from moelab.engine.profiling.store import write_profile
+    from moelab.engine.runs import run_conversion
 
     cset = make_set(n=12, tasks=3, seed=1)
     res = profile_model(load_model(str(tiny_model("llama")), data_dir=data_dir), cset, ProfileSettings(max_tokens=32, batch_tokens=128))
@@ -39,9 +39,9 @@ def auto_device_is_the_cpu(monkeypatch):
     trips), so device "auto" means the CPU here even on a GPU machine, where it would load tiny models on
     CUDA in bf16 (five round-trip tests failed there so). The CUDA paths have their own tests, which
     move tensors to the GPU explicitly."""
-    from workers.engine import models
-    from workers.engine.profiling import moe_experts, streaming
-    from workers.engine.training import finetune
+    from moelab.engine import models
+    from moelab.engine.profiling import moe_experts, streaming
+    from moelab.engine.training import finetune
 
     def resolve(device: str = "auto") -> torch.device:
         return torch.device("cpu" if device == "auto" else device)

@@ -53,7 +53,7 @@ def _top_tokens(pieces: list[str], planted: list[tuple[int, int]], special: str 
 
 
 def _layer(sample_means: np.ndarray, groups: np.ndarray, rate: np.ndarray, top: tuple[np.ndarray, np.ndarray]):
-    from workers.engine.profiling.profiler import LayerStats
+    from moelab.engine.profiling.profiler import LayerStats
 
     gmeans = np.stack([sample_means[groups == g].mean(0) for g in np.unique(groups)]).astype(np.float64)
     mu, sigma = gmeans.mean(0), gmeans.std(0)
@@ -72,9 +72,9 @@ def synthetic_profile(out: Path, words: list[str], seed: int, planted: dict[tupl
     """Write a complete profile at ``out``: ``n_samples`` samples of ``words`` in two tasks; neuron
     ``(layer, j)`` of ``planted`` shifted by that many of its spreads; the planted neurons' top tokens
     are ``special``. Returns ``out``."""
-    from workers.engine.data.calibration import CalibrationSet, Sample
-    from workers.engine.profiling.profiler import ProfileResult, ProfileSettings
-    from workers.engine.profiling.store import write_profile
+    from moelab.engine.data.calibration import CalibrationSet, Sample
+    from moelab.engine.profiling.profiler import ProfileResult, ProfileSettings
+    from moelab.engine.profiling.store import write_profile
 
     planted = planted or {}
     base_rng, rng = np.random.default_rng(base_seed), np.random.default_rng(seed)

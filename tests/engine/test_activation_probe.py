@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 
-from workers.engine.data.calibration import CalibrationSet, Sample
-from workers.engine.evaluation.activations import MAX_ACTIVATION_NEURONS, neuron_activations
-from workers.engine.models import load_model
-from workers.engine.profiling.profiler import ProfileSettings, profile_model
-from workers.engine.profiling.store import StoredProfile, write_profile
-from workers.engine.runs import run_activation_probe
+from moelab.engine.data.calibration import CalibrationSet, Sample
+from moelab.engine.evaluation.activations import MAX_ACTIVATION_NEURONS, neuron_activations
+from moelab.engine.models import load_model
+from moelab.engine.profiling.profiler import ProfileSettings, profile_model
+from moelab.engine.profiling.store import StoredProfile, write_profile
+from moelab.engine.runs import run_activation_probe
 
 TEXT = "The quick brown fox jumps over the lazy dog, then def f(x): return x * 2"
 SAMPLES = ["alpha beta gamma delta river stone cloud omega", "the cat sat on the mat and looked at the moon",

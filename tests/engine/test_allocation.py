@@ -1,12 +1,12 @@
 import numpy as np
 import pytest
 
-from workers.engine.core.allocation import specialisation_ratio, summarize
-from workers.engine.core.params import ConversionError
-from workers.engine.methods import cmoe, get_method
-from workers.engine.methods.cmoe import CMoEParams
-from workers.engine.methods.expertweaver import ExpertWeaverParams as AllocationParams
-from workers.engine.methods.expertweaver import plan, preview
+from moelab.engine.core.allocation import specialisation_ratio, summarize
+from moelab.engine.core.params import ConversionError
+from moelab.engine.methods import cmoe, get_method
+from moelab.engine.methods.cmoe import CMoEParams
+from moelab.engine.methods.expertweaver import ExpertWeaverParams as AllocationParams
+from moelab.engine.methods.expertweaver import plan, preview
 
 
 def cvs(L=6, d=1536, seed=0):

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from workers.engine.atomic import HOST_TAG, atomic_directory, remove_stale_temporaries, temporary_sibling
+from moelab.engine.atomic import HOST_TAG, atomic_directory, remove_stale_temporaries, temporary_sibling
 
 
 def _dead_pid() -> int:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.engine.data import builtin as bd
-from workers.engine.data.calibration import (
+from moelab.engine.data import builtin as bd
+from moelab.engine.data.calibration import (
     CalibrationError,
     CalibrationSet,
     Sample,
@@ -535,7 +535,7 @@ def test_one_line_text_is_split_in_linear_time(tmp_path):
     Walking an index, twice the text costs about twice the time, and every character is kept."""
     import time
 
-    from workers.engine.data.calibration import TXT_CHUNK_CHARS, read_txt
+    from moelab.engine.data.calibration import TXT_CHUNK_CHARS, read_txt
 
     words = "rivers engines bread lanterns orbit sauce ".split()
     times = {}

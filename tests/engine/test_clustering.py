@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from scipy.optimize import linear_sum_assignment
 
-from workers.engine.core.clustering import (
+from moelab.engine.core.clustering import (
     atopk_features,
     balanced_assignment,
     balanced_kmeans,

@@ -11,19 +11,19 @@ import torch
 from tests.engine.test_profiling import make_set
 from types import SimpleNamespace
 
-from workers.engine.core.clustering import atopk_features
-from workers.engine.core.params import ConversionError
-from workers.engine.core.slicing import abstopk_modules, build_modules, partition_layers
-from workers.engine.methods import cmoe, expertweaver
-from workers.engine.methods.cmoe import CMoEParams
-from workers.engine.methods.expertweaver import ExpertWeaverParams, uniform_params
-from workers.engine.evaluation.metrics import (
+from moelab.engine.core.clustering import atopk_features
+from moelab.engine.core.params import ConversionError
+from moelab.engine.core.slicing import abstopk_modules, build_modules, partition_layers
+from moelab.engine.methods import cmoe, expertweaver
+from moelab.engine.methods.cmoe import CMoEParams
+from moelab.engine.methods.expertweaver import ExpertWeaverParams, uniform_params
+from moelab.engine.evaluation.metrics import (
     bootstrap_ci, evaluate_variants, heldout_windows, load_cv, reconstruction_errors, swapped_mlps,
 )
-from workers.engine.core.allocation import summarize
-from workers.engine.models import load_model
-from workers.engine.profiling.store import StoredProfile, write_profile
-from workers.engine.profiling.profiler import ProfileSettings, profile_model
+from moelab.engine.core.allocation import summarize
+from moelab.engine.models import load_model
+from moelab.engine.profiling.store import StoredProfile, write_profile
+from moelab.engine.profiling.profiler import ProfileSettings, profile_model
 
 
 @pytest.fixture(scope="module")
@@ -183,9 +183,9 @@ def test_choice_loglikelihoods_match_unbatched_scoring(setup, tmp_path):
     """moelab's own scorer (the harness's check, ``choice_loglikelihoods``) batched and padded equals one choice at a
     time, on BIG-bench items (the fake install), and the BIG-bench lm-eval task reads the same items."""
     from tests.engine.test_calibration import make_bigbench_sdist
-    from workers.engine.data.builtin import install_bigbench
-    from workers.engine.evaluation.lm_tasks.moelab_tasks import bigbench_mc
-    from workers.engine.evaluation.metrics import bigbench_choice_items, choice_loglikelihoods
+    from moelab.engine.data.builtin import install_bigbench
+    from moelab.engine.evaluation.lm_tasks.moelab_tasks import bigbench_mc
+    from moelab.engine.evaluation.metrics import bigbench_choice_items, choice_loglikelihoods
 
     data = tmp_path / "data"
     install_bigbench(data, sdist=make_bigbench_sdist(tmp_path / "bigbench-1.0.0.tar.gz"))

@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.engine.core.params import ConversionError
-from workers.engine.methods.dense2moe import Dense2MoEParams, choose_fusion, fuse_model, plan_fusion, prepare_recovery, preview
-from workers.engine.core.fusion import fused_ffn, remove_decoder_layers
-from workers.engine.runtime.export import export_model, load_exported
-from workers.engine.runtime.modeling_moelab import MoeFFN, decoder_layers
-from workers.engine.models import adapt, load_model
-from workers.engine.runtime.param_count import parameter_counts
+from moelab.engine.core.params import ConversionError
+from moelab.engine.methods.dense2moe import Dense2MoEParams, choose_fusion, fuse_model, plan_fusion, prepare_recovery, preview
+from moelab.engine.core.fusion import fused_ffn, remove_decoder_layers
+from moelab.engine.runtime.export import export_model, load_exported
+from moelab.engine.runtime.modeling_moelab import MoeFFN, decoder_layers
+from moelab.engine.models import adapt, load_model
+from moelab.engine.runtime.param_count import parameter_counts
 
 IDS = torch.tensor([[1, 17, 256, 999, 42, 5, 77, 3001, 12, 640, 8, 91, 2048, 33]])
 
@@ -259,7 +259,7 @@ def fuse_every_expert(adapter, layer: int, n: int):
     the plain Eq. 6 sum, to check the composition by hand."""
     from types import SimpleNamespace
 
-    from workers.engine.runtime.export import build_moe_model
+    from moelab.engine.runtime.export import build_moe_model
 
     params = SimpleNamespace(own_copies=1, fused_copies=1, top_k=n + 1, combine="sum", seed=0)
     module = fused_ffn(adapter, layer, n, params)
@@ -413,9 +413,9 @@ def test_normalized_combine_weights_the_selected_experts_by_their_own_softmax(di
 
 
 def test_fusion_chosen_from_a_profile(tiny_model, data_dir, tmp_path):
-    from workers.engine.data.calibration import CalibrationSet, Sample
-    from workers.engine.profiling.store import StoredProfile, write_profile
-    from workers.engine.profiling.profiler import ProfileSettings, profile_model
+    from moelab.engine.data.calibration import CalibrationSet, Sample
+    from moelab.engine.profiling.store import StoredProfile, write_profile
+    from moelab.engine.profiling.profiler import ProfileSettings, profile_model
 
     words = "river stone cloud alpha beta gamma sigma omega lambda kappa".split()
     texts = [" ".join(words[(i + j) % len(words)] for j in range(20 + 3 * i)) for i in range(6)]
@@ -586,9 +586,9 @@ def test_dense2moe_recovery_switch_keeps_the_logits_and_lets_the_lm_loss_reach_t
 def test_the_default_delta_admits_the_papers_five_block_span_on_the_default_model(default_model_dir, data_dir, tmp_path):
     """δ is not in the paper; 0.3 is chosen so that the default model admits n* = 5 (module docstring):
     with δ = 0.1 no span of 5 blocks passes, and the joint §2.3 search fuses one block."""
-    from workers.engine.data.calibration import load_calibration
-    from workers.engine.profiling.profiler import ProfileSettings, profile_model
-    from workers.engine.profiling.store import StoredProfile, write_profile
+    from moelab.engine.data.calibration import load_calibration
+    from moelab.engine.profiling.profiler import ProfileSettings, profile_model
+    from moelab.engine.profiling.store import StoredProfile, write_profile
 
     adapter = load_model(str(default_model_dir), data_dir=data_dir, dtype="float32")
     cset = load_calibration("builtin:mixed", samples=48, seed=0, data_dir=data_dir)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from workers.engine.evaluation.expert_matching import (
+from moelab.engine.evaluation.expert_matching import (
     CONFIG_FILE,
     CONVERSION_FILE,
     PARTITION_FILE,
@@ -52,14 +52,14 @@ def _copy(src, dst, edit_partition=None, edit_record=None, edit_config=None):
 
 
 def test_the_runtime_file_names_are_the_exports():
-    from workers.engine.runtime.export import CONVERSION_FILE as C, PARTITION_FILE as P
+    from moelab.engine.runtime.export import CONVERSION_FILE as C, PARTITION_FILE as P
 
     assert (CONVERSION_FILE, PARTITION_FILE) == (C, P)
 
 
 def test_matching_never_loads_torch(conversion):
     """The API computes matchings in its own process, which must never import torch."""
-    probe = ("import sys; from workers.engine.evaluation.expert_matching import match_conversion_dirs; "
+    probe = ("import sys; from moelab.engine.evaluation.expert_matching import match_conversion_dirs; "
              f"match_conversion_dirs({str(conversion)!r}, {str(conversion)!r}); print(sorted({{'torch', 'transformers'}} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:] or out.stdout

@@ -15,24 +15,24 @@ import torch
 from safetensors.torch import load_file
 
 from tests.engine.test_profiling import make_set
-from workers.engine.training.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, restore, save_checkpoint
-from workers.engine.methods.cmoe import CMoEParams
-from workers.engine.methods.expertweaver import EW_INIT_LOGIT_STD, ExpertWeaverParams
-from workers.engine.methods.dense2moe import Dense2MoEParams
-from workers.engine.runtime.export import load_exported
-from workers.engine.training.finetune import (
+from moelab.engine.training.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, restore, save_checkpoint
+from moelab.engine.methods.cmoe import CMoEParams
+from moelab.engine.methods.expertweaver import EW_INIT_LOGIT_STD, ExpertWeaverParams
+from moelab.engine.methods.dense2moe import Dense2MoEParams
+from moelab.engine.runtime.export import load_exported
+from moelab.engine.training.finetune import (
     FinetuneError, FinetuneParams, RoutingTap, apply_mode, distillation_loss, load_balancing_loss,
     load_conversion_for_training, merge_adapters, read_train_log, run_finetune,
     lr_factor, update_router_bias, window_indices,
 )
-from workers.engine.training.router_init import to_softmax_router
-from workers.engine.methods.midas import MidasParams
-from workers.engine.runtime.modeling_moelab import MoeFFN
-from workers.engine.models import load_model
-from workers.engine.profiling.store import write_profile
-from workers.engine.profiling.profiler import ProfileSettings, profile_model
-from workers.engine.progress import Cancelled, Progress
-from workers.engine.runs import run_conversion
+from moelab.engine.training.router_init import to_softmax_router
+from moelab.engine.methods.midas import MidasParams
+from moelab.engine.runtime.modeling_moelab import MoeFFN
+from moelab.engine.models import load_model
+from moelab.engine.profiling.store import write_profile
+from moelab.engine.profiling.profiler import ProfileSettings, profile_model
+from moelab.engine.progress import Cancelled, Progress
+from moelab.engine.runs import run_conversion
 
 CPU = torch.device("cpu")
 IDS = torch.tensor([[1, 17, 256, 999, 42, 5, 77, 3001, 12, 640, 8, 91, 2048, 33, 7, 400]])
@@ -281,7 +281,7 @@ def test_dense2moe_refuses_to_train_nothing_and_counts_what_trains(convs, monkey
     anything, and the run is refused; with λ > 0 only Eq. 12 reaches W_g, and only W_g is counted."""
     import dataclasses
 
-    from workers.engine.methods import REGISTRY
+    from moelab.engine.methods import REGISTRY
 
     method = REGISTRY["dense2moe"]
     monkeypatch.setitem(REGISTRY, "dense2moe", dataclasses.replace(

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from tests.engine.conftest import tiny_conversion
-from workers.engine.progress import Cancelled, Progress
-from workers.engine.training import finetune as ft
-from workers.engine.training.finetune import FinetuneError, FinetuneParams, read_train_log, run_finetune
+from moelab.engine.progress import Cancelled, Progress
+from moelab.engine.training import finetune as ft
+from moelab.engine.training.finetune import FinetuneError, FinetuneParams, read_train_log, run_finetune
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

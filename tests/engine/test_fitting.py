@@ -11,21 +11,21 @@ import torch
 from click.testing import CliRunner
 
 from moelab.cli import main
-from workers.engine.core.allocation import plan_flops_fraction
-from workers.engine.core.fitting import (_curve_weights, collect_inputs, error_curve, fit_router, greedy_budget, output_fisher, router_scores,
+from moelab.engine.core.allocation import plan_flops_fraction
+from moelab.engine.core.fitting import (_curve_weights, collect_inputs, error_curve, fit_router, greedy_budget, output_fisher, router_scores,
                                          skipped_means)
-from workers.engine.runtime.moelab_routers import ROUTERS
-from workers.engine.core.params import ConversionError
-from workers.engine.core.slicing import dense_weights, partition_modules
-from workers.engine.methods import cmoe, expertweaver, get_method
-from workers.engine.methods.cmoe import CMoEParams
-from workers.engine.methods.expertweaver import ExpertWeaverParams
-from workers.engine.models import load_model
-from workers.engine.runs import run_conversion, run_profile
-from workers.engine.profiling.profiler import ProfileSettings
-from workers.engine.runtime.export import load_exported
-from workers.engine.runtime.modeling_moelab import MoeFFN
-from workers.engine.runtime.param_count import ffn_flops_fraction, ffn_macs_per_token
+from moelab.engine.runtime.moelab_routers import ROUTERS
+from moelab.engine.core.params import ConversionError
+from moelab.engine.core.slicing import dense_weights, partition_modules
+from moelab.engine.methods import cmoe, expertweaver, get_method
+from moelab.engine.methods.cmoe import CMoEParams
+from moelab.engine.methods.expertweaver import ExpertWeaverParams
+from moelab.engine.models import load_model
+from moelab.engine.runs import run_conversion, run_profile
+from moelab.engine.profiling.profiler import ProfileSettings
+from moelab.engine.runtime.export import load_exported
+from moelab.engine.runtime.modeling_moelab import MoeFFN
+from moelab.engine.runtime.param_count import ffn_flops_fraction, ffn_macs_per_token
 
 D_MODEL = 64
 
@@ -296,7 +296,7 @@ def test_collect_inputs_with_replaced_mlps_reads_what_the_converted_layers_produ
     assert torch.equal(converted.mlp_inputs[first], dense.mlp_inputs[first])
     assert not torch.allclose(converted.mlp_inputs[first + 1], dense.mlp_inputs[first + 1])
     assert all(adapter.layers[i].block.mlp is adapter.layers[i].mlp for i in modules)  # the dense model is given back
-    from workers.engine.evaluation.metrics import swapped_mlps
+    from moelab.engine.evaluation.metrics import swapped_mlps
 
     with swapped_mlps(adapter, modules):
         from_model = collect_inputs(adapter, windows, replaced=modules)

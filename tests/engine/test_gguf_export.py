@@ -24,12 +24,12 @@ from transformers import AutoModelForCausalLM
 
 from moelab.cli import main
 from tests.engine.test_native_export import IDS, _ew_switch, _profile
-from workers.engine.methods.expertweaver import ExpertWeaverParams
-from workers.engine.runs import run_conversion
-from workers.engine.runtime.export import export_model
-from workers.engine.runtime.gguf_layout import gguf_layout, gguf_refusal
-from workers.engine.runtime.modeling_moelab import MoelabForCausalLM
-from workers.engine.training.finetune import load_tokenizer
+from moelab.engine.methods.expertweaver import ExpertWeaverParams
+from moelab.engine.runs import run_conversion
+from moelab.engine.runtime.export import export_model
+from moelab.engine.runtime.gguf_layout import gguf_layout, gguf_refusal
+from moelab.engine.runtime.modeling_moelab import MoelabForCausalLM
+from moelab.engine.training.finetune import load_tokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="scripts/install.sh installs llama-cpp-python")
 
@@ -196,7 +196,7 @@ def test_q8_0_says_when_experts_are_not_whole_blocks(exported):
     f16, and the export says so (the reason --recipe portable's experts are multiples of 32 wide)."""
     from gguf import GGMLQuantizationType, GGUFReader
 
-    from workers.engine.runtime.gguf_export import quantisation_note
+    from moelab.engine.runtime.gguf_export import quantisation_note
 
     info = exported("llama-shared", "q8_0")
     assert "experts of 12 neurons are not whole 32-value blocks" in info["note"]
@@ -242,9 +242,9 @@ def test_refusals_write_nothing_and_exit_non_zero(layouts, tmp_path):
 def default_conversion(default_model_dir, data_dir, tmp_path_factory):
     """The default model converted with a uniform ExpertWeaver plan and switched to EW Eq. 11 (0 steps)."""
     from tests.engine.test_profiling import make_set
-    from workers.engine.models import load_model
-    from workers.engine.profiling.profiler import ProfileSettings, profile_model
-    from workers.engine.profiling.store import write_profile
+    from moelab.engine.models import load_model
+    from moelab.engine.profiling.profiler import ProfileSettings, profile_model
+    from moelab.engine.profiling.store import write_profile
 
     root = tmp_path_factory.mktemp("gguf-default")
     cset = make_set(n=24, tasks=4, seed=3)

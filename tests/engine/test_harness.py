@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from workers.engine.evaluation.harness import BUILTIN_TASKS, TaskError, TaskRequest, list_tasks, load_tasks, task_table
-from workers.engine.evaluation.lm_tasks import moelab_tasks
-from workers.engine.evaluation.metrics import ChoiceItem, choice_loglikelihoods
+from moelab.engine.evaluation.harness import BUILTIN_TASKS, TaskError, TaskRequest, list_tasks, load_tasks, task_table
+from moelab.engine.evaluation.lm_tasks import moelab_tasks
+from moelab.engine.evaluation.metrics import ChoiceItem, choice_loglikelihoods
 
 
 def moelab(*args, data_dir, check=True):
@@ -77,7 +77,7 @@ def test_the_harness_loglikelihoods_equal_moelabs_own(default_model_dir, data_di
     """lm-eval's HFLM scores every (question, choice) of moelab_chat_qa as moelab's own multiple-choice scorer does."""
     from lm_eval.models.huggingface import HFLM
 
-    from workers.engine.models import load_model
+    from moelab.engine.models import load_model
 
     adapter = load_model("default", data_dir=data_dir, device="cpu", dtype="float32")
     task = load_tasks(TaskRequest(tasks=("moelab_chat_qa",)))["moelab_chat_qa"]

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from tests.conftest import MOE_D, MOE_E, MOE_F, MOE_FAMILIES, MOE_K, build_tiny_moe
-from workers.engine.core.params import ConversionError
-from workers.engine.runtime.export import CONVERSION_FILE, export_model, load_exported
-from workers.engine.methods.hierarchical import HierarchicalParams, convert_hierarchical
-from workers.engine.profiling.moe_experts import load_moe_model, sparse_moe_layers
-from workers.engine.runtime.modeling_moelab import HierarchicalExperts
+from moelab.engine.core.params import ConversionError
+from moelab.engine.runtime.export import CONVERSION_FILE, export_model, load_exported
+from moelab.engine.methods.hierarchical import HierarchicalParams, convert_hierarchical
+from moelab.engine.profiling.moe_experts import load_moe_model, sparse_moe_layers
+from moelab.engine.runtime.modeling_moelab import HierarchicalExperts
 
 CALIB = "builtin:mixed"
 # ~290 calibration tokens, ~145 routed to each of the 4 experts: fewer than the default minimum

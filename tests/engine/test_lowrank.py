@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from workers.engine.core.lowrank import data_error, rank_for_ratio, whitened_lowrank, whitening
+from moelab.engine.core.lowrank import data_error, rank_for_ratio, whitened_lowrank, whitening
 
 
 def anisotropic_inputs(n=2000, d=48, seed=0):

@@ -18,12 +18,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from moelab.cli import main
 from tests.conftest import build_tiny_moe
-from workers.engine.data.calibration import load_calibration
-from workers.engine.methods import get_method
-from workers.engine.models import load_model
-from workers.engine.profiling.profiler import ProfileSettings, profile_model
-from workers.engine.profiling.store import write_profile
-from workers.engine.runs import run_conversion
+from moelab.engine.data.calibration import load_calibration
+from moelab.engine.methods import get_method
+from moelab.engine.models import load_model
+from moelab.engine.profiling.profiler import ProfileSettings, profile_model
+from moelab.engine.profiling.store import write_profile
+from moelab.engine.runs import run_conversion
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,19 +9,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.engine.data.calibration import load_calibration
-from workers.engine.core.params import ConversionError
-from workers.engine.evaluation.metrics import load_cv_by_source
-from workers.engine.runtime.export import export_model, load_exported
-from workers.engine.core.lowrank import data_error, rank_for_ratio, whitening
-from workers.engine.methods import params_from_dict
-from workers.engine.methods.midas import (DENSE_RATIO, MidasParams, convert_midas, expert_rank, ffn_residual_ratios,
+from moelab.engine.data.calibration import load_calibration
+from moelab.engine.core.params import ConversionError
+from moelab.engine.evaluation.metrics import load_cv_by_source
+from moelab.engine.runtime.export import export_model, load_exported
+from moelab.engine.core.lowrank import data_error, rank_for_ratio, whitening
+from moelab.engine.methods import params_from_dict
+from moelab.engine.methods.midas import (DENSE_RATIO, MidasParams, convert_midas, expert_rank, ffn_residual_ratios,
                                           surrogate_hidden_moment)
-from workers.engine.runtime.modeling_moelab import LowRankMoeFFN, build_layer_module
-from workers.engine.models import load_model
-from workers.engine.runtime.param_count import parameter_counts
-from workers.engine.profiling.store import StoredProfile, write_profile
-from workers.engine.profiling.profiler import ProfileSettings, profile_model
+from moelab.engine.runtime.modeling_moelab import LowRankMoeFFN, build_layer_module
+from moelab.engine.models import load_model
+from moelab.engine.runtime.param_count import parameter_counts
+from moelab.engine.profiling.store import StoredProfile, write_profile
+from moelab.engine.profiling.profiler import ProfileSettings, profile_model
 
 SETTINGS = ProfileSettings(max_tokens=64, batch_tokens=512, feature_tokens=256, hist_bins=11)
 SETS = ("builtin:code", "builtin:prose")

@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.engine.data.calibration import load_calibration
-from workers.engine.evaluation.metrics import heldout_windows, perplexity, reconstruction_errors
-from workers.engine.methods.midas import DENSE_RATIO, MidasParams, convert_midas
-from workers.engine.models import load_model
-from workers.engine.profiling.profiler import ProfileSettings, profile_model
-from workers.engine.profiling.store import StoredProfile, write_profile
+from moelab.engine.data.calibration import load_calibration
+from moelab.engine.evaluation.metrics import heldout_windows, perplexity, reconstruction_errors
+from moelab.engine.methods.midas import DENSE_RATIO, MidasParams, convert_midas
+from moelab.engine.models import load_model
+from moelab.engine.profiling.profiler import ProfileSettings, profile_model
+from moelab.engine.profiling.store import StoredProfile, write_profile
 
 pytestmark = pytest.mark.slow
 SETS = ("builtin:code", "builtin:prose")

@@ -65,7 +65,7 @@ def test_a_converted_model_is_reused_and_reloaded_when_rewritten(conversion, cac
 
 
 def test_evaluation_and_probe_on_cached_models_match_a_fresh_load(conversion, cache, data_dir):
-    from workers.engine.runs import run_evaluation, run_probe
+    from moelab.engine.runs import run_evaluation, run_probe
 
     kw = dict(data_dir=data_dir, n_windows=2, seq_len=32, baselines=False, mc_per_task=0, write=False, source="builtin:code")
     fresh = run_evaluation(conversion, **kw)

@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from tests.conftest import FAMILIES
-from workers.engine.models import ModelError, adapt, load_model
+from moelab.engine.models import ModelError, adapt, load_model
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

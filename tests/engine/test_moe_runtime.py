@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.activations import ACT2FN
 
-from workers.engine.runtime import modeling_moelab, moelab_kernels
-from workers.engine.runtime.export import AUTO_MAP, RUNTIME_FILES, build_moe_model, export_model, load_exported
-from workers.engine.runtime.modeling_moelab import (
+from moelab.engine.runtime import modeling_moelab, moelab_kernels
+from moelab.engine.runtime.export import AUTO_MAP, RUNTIME_FILES, build_moe_model, export_model, load_exported
+from moelab.engine.runtime.modeling_moelab import (
     AbsTopKGLU,
     MoeFFN,
     MoelabConfig,
@@ -21,7 +21,7 @@ from workers.engine.runtime.modeling_moelab import (
     build_layer_module,
     layer_spec,
 )
-from workers.engine.models import load_model
+from moelab.engine.models import load_model
 
 ROUTERS = ("centroid", "representative", "gate_mass", "softmax")
 

@@ -18,17 +18,17 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from moelab.cli import main
 from tests.engine.test_profiling import make_set
-from workers.engine.methods.dense2moe import Dense2MoEParams, fuse_model
-from workers.engine.methods.expertweaver import ExpertWeaverParams, prepare_recovery
-from workers.engine.methods.midas import MidasParams
-from workers.engine.models import load_model
-from workers.engine.profiling.profiler import ProfileSettings, profile_model
-from workers.engine.profiling.store import write_profile
-from workers.engine.runs import run_conversion
-from workers.engine.runtime.export import export_model
-from workers.engine.runtime.modeling_moelab import MoeFFN, MoelabForCausalLM, convert_in_place, layer_spec
-from workers.engine.runtime.native_export import NativeExportError, export_converted, native_layout
-from workers.engine.training.finetune import load_tokenizer, routed_modules
+from moelab.engine.methods.dense2moe import Dense2MoEParams, fuse_model
+from moelab.engine.methods.expertweaver import ExpertWeaverParams, prepare_recovery
+from moelab.engine.methods.midas import MidasParams
+from moelab.engine.models import load_model
+from moelab.engine.profiling.profiler import ProfileSettings, profile_model
+from moelab.engine.profiling.store import write_profile
+from moelab.engine.runs import run_conversion
+from moelab.engine.runtime.export import export_model
+from moelab.engine.runtime.modeling_moelab import MoeFFN, MoelabForCausalLM, convert_in_place, layer_spec
+from moelab.engine.runtime.native_export import NativeExportError, export_converted, native_layout
+from moelab.engine.training.finetune import load_tokenizer, routed_modules
 
 IDS = torch.tensor([[1, 17, 256, 999, 42, 5, 77, 3001, 12, 640, 8, 91, 2048, 33, 7, 400],
                     [3, 9, 100, 2, 55, 1000, 4, 4, 61, 700, 18, 2, 300, 44, 81, 5]])
@@ -173,7 +173,7 @@ def test_midas_and_gemma_are_refused(tiny_model, data_dir, convs, tmp_path):
 
 def _hand_moe(adapter, router="softmax", combine="weighted", **extra):
     """Layer 0 of ``adapter`` as an MoE of 4 experts of 24 neurons, top-2, no shared part (default: softmax, weighted)."""
-    from workers.engine.runtime.export import build_moe_model
+    from moelab.engine.runtime.export import build_moe_model
 
     extra |= {"router_offset": torch.zeros(4)} if router == "ridge" else {}
     mlp = adapter.model.model.layers[0].mlp
@@ -328,7 +328,7 @@ def test_ew_weighted_conversion_exports_without_fine_tuning(convs, data_dir, tmp
 def test_evaluate_refreshes_the_model_card(convs, data_dir, tmp_path):
     import shutil
 
-    from workers.engine.runs import run_evaluation
+    from moelab.engine.runs import run_evaluation
 
     conv = tmp_path / "conv"
     shutil.copytree(convs["llama-ew"], conv)
@@ -354,7 +354,7 @@ def test_the_cards_loading_snippet_runs(convs, tmp_path, fmt):
 
 def test_a_real_expertweaver_fine_tune_exports_natively(convs, data_dir, tmp_path):
     """run_finetune (2 steps, LoRA merged at export) -> the work dir exports natively, logits equal."""
-    from workers.engine.training.finetune import FinetuneParams, run_finetune
+    from moelab.engine.training.finetune import FinetuneParams, run_finetune
 
     text = tmp_path / "train.jsonl"
     text.write_text("".join(json.dumps({"text": "the cat sat on the mat and the dog sat on the log. " * 6}) + "\n"
@@ -371,7 +371,7 @@ def test_a_real_expertweaver_fine_tune_exports_natively(convs, data_dir, tmp_pat
 
 
 def test_layout_table_groups_runs_of_equal_layers():
-    from workers.engine.runtime.model_card import _layer_rows
+    from moelab.engine.runtime.model_card import _layer_rows
 
     moe = {"kind": "moe", "d_shared": 8, "n_routed": 4, "expert_size": 8, "top_k": 2, "router": "softmax", "combine": "weighted"}
     rows = _layer_rows([{"kind": "dense"}, moe, moe, {**moe, "top_k": 3}, {"kind": "lowrank_moe", "rank": 4, "n_experts": 2,

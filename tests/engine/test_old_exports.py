@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from workers.engine.runtime.export import load_exported
+from moelab.engine.runtime.export import load_exported
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "export_v1"
 
@@ -29,7 +29,7 @@ def test_export_from_before_the_registry_loads_with_its_logits():
 def test_old_export_loads_with_the_current_model_class(tmp_path):
     """Fine-tuning loads a conversion with the engine's own class, not the bundled file: the old
     layer specs (``n_experts`` counting routed experts) must still be understood."""
-    from workers.engine.runtime.modeling_moelab import MoelabForCausalLM
+    from moelab.engine.runtime.modeling_moelab import MoelabForCausalLM
 
     expected = load_file(str(FIXTURE / "expected.safetensors"))
     model = MoelabForCausalLM.from_pretrained(str(FIXTURE), dtype=torch.float32).eval()

@@ -11,20 +11,20 @@ import torch
 from click.testing import CliRunner
 
 from moelab.cli import main
-from workers.engine.core.allocation import is_dense, plan_flops_fraction
-from workers.engine.core.fitting import collect_inputs, leading_choice
-from workers.engine.core.params import ConversionError, needs_fitting
-from workers.engine.core.slicing import partition_modules
-from workers.engine.methods import expertweaver, get_method
-from workers.engine.methods.expertweaver import ExpertWeaverParams, prepare_recovery
-from workers.engine.models import load_model
-from workers.engine.profiling.profiler import ProfileSettings
-from workers.engine.runs import run_profile
-from workers.engine.runtime.export import export_model
-from workers.engine.runtime.gguf_export import gguf_layout
-from workers.engine.runtime.modeling_moelab import MoelabForCausalLM, layer_spec
-from workers.engine.runtime.native_export import native_layout
-from workers.engine.training.finetune import load_tokenizer, routed_modules
+from moelab.engine.core.allocation import is_dense, plan_flops_fraction
+from moelab.engine.core.fitting import collect_inputs, leading_choice
+from moelab.engine.core.params import ConversionError, needs_fitting
+from moelab.engine.core.slicing import partition_modules
+from moelab.engine.methods import expertweaver, get_method
+from moelab.engine.methods.expertweaver import ExpertWeaverParams, prepare_recovery
+from moelab.engine.models import load_model
+from moelab.engine.profiling.profiler import ProfileSettings
+from moelab.engine.runs import run_profile
+from moelab.engine.runtime.export import export_model
+from moelab.engine.runtime.gguf_export import gguf_layout
+from moelab.engine.runtime.modeling_moelab import MoelabForCausalLM, layer_spec
+from moelab.engine.runtime.native_export import native_layout
+from moelab.engine.training.finetune import load_tokenizer, routed_modules
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/engine/conftest.py
 

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.engine.conftest import tiny_conversion
-from workers.engine.evaluation.metrics import routed_modules
-from workers.engine.runs import heldout_sample, run_probe
-from workers.engine.runtime.export import load_exported
+from moelab.engine.evaluation.metrics import routed_modules
+from moelab.engine.runs import heldout_sample, run_probe
+from moelab.engine.runtime.export import load_exported
 
 TEXT = "The quick brown fox jumps over the lazy dog, then def f(x): return x * 2"
 

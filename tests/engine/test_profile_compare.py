@@ -11,9 +11,9 @@ import pytest
 from safetensors.numpy import load_file
 
 from tests.engine.synthetic_profiles import CODE_NEURON, CODE_WORDS, PROSE_NEURON, code_and_prose, synthetic_profile
-from workers.engine.profiling.compare import CompareError, DifferentModels, compare_profiles, sample_moments, specificity
-from workers.engine.profiling.search import NeuronQuery, NeuronTable, SearchError, TopTokenIndex, search_neurons
-from workers.engine.profiling.store import StoredProfile
+from moelab.engine.profiling.compare import CompareError, DifferentModels, compare_profiles, sample_moments, specificity
+from moelab.engine.profiling.search import NeuronQuery, NeuronTable, SearchError, TopTokenIndex, search_neurons
+from moelab.engine.profiling.store import StoredProfile
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from workers.engine.data.calibration import CalibrationSet, Sample
-from workers.engine.models import load_model
-from workers.engine.profiling.profiler import ProfileSettings, profile_model, repeated_prefix
-from workers.engine.profiling.store import ProfileNotFound, StoredProfile, write_profile
+from moelab.engine.data.calibration import CalibrationSet, Sample
+from moelab.engine.models import load_model
+from moelab.engine.profiling.profiler import ProfileSettings, profile_model, repeated_prefix
+from moelab.engine.profiling.store import ProfileNotFound, StoredProfile, write_profile
 
 from .test_profiling import make_set, reference
 

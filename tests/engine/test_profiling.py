@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.engine.data.calibration import CalibrationSet, Sample
-from workers.engine.models import load_model
-from workers.engine.profiling.store import ProfileNotFound, StoredProfile, write_profile
-from workers.engine.profiling.profiler import ProfileError, ProfileSettings, profile_model
-from workers.engine.progress import Cancelled, Progress
+from moelab.engine.data.calibration import CalibrationSet, Sample
+from moelab.engine.models import load_model
+from moelab.engine.profiling.store import ProfileNotFound, StoredProfile, write_profile
+from moelab.engine.profiling.profiler import ProfileError, ProfileSettings, profile_model
+from moelab.engine.progress import Cancelled, Progress
 
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud".split()
 
@@ -188,7 +188,7 @@ def test_store_round_trip_and_interrupted_write(tiny, tmp_path, profiled):
     assert prof.samples.task.tolist() == [x.task for x in cset.samples]
     # A crash mid-write leaves the previous profile intact and nothing that looks complete.
     before = (out / "manifest.json").read_text()
-    from workers.engine.profiling import store as profile_store
+    from moelab.engine.profiling import store as profile_store
 
     original = profile_store.save_file
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tests.engine.conftest import tiny_conversion
-from workers.engine.progress import Cancelled, Progress
-from workers.engine.runs import run_evaluation
+from moelab.engine.progress import Cancelled, Progress
+from moelab.engine.runs import run_evaluation
 
 
 class Recorder:
@@ -46,7 +46,7 @@ def test_step_and_within():
 def test_evaluation_reports_real_stages_in_order(conversion, data_dir):
     import shutil
 
-    from workers.engine.evaluation import reference_scores
+    from moelab.engine.evaluation import reference_scores
 
     shutil.rmtree(data_dir / reference_scores.DIR, ignore_errors=True)  # the dense model is scored, not reused
     rec = Recorder()
@@ -84,7 +84,7 @@ def test_evaluation_reports_real_stages_in_order(conversion, data_dir):
 
 
 def test_finetune_reports_loading_and_setup_before_training(conversion, data_dir, tmp_path):
-    from workers.engine.training.finetune import FinetuneParams, run_finetune
+    from moelab.engine.training.finetune import FinetuneParams, run_finetune
 
     rec = Recorder()
     params = FinetuneParams(mode="expertweaver", steps=2, batch_size=1, seq_len=16, eval_windows=1, checkpoint_every=100)
@@ -101,7 +101,7 @@ def test_a_finetunes_peak_memory_is_its_own_not_the_processs(conversion, data_di
 
     import numpy as np
 
-    from workers.engine.training.finetune import FinetuneParams, run_finetune
+    from moelab.engine.training.finetune import FinetuneParams, run_finetune
 
     earlier = np.ones(1536 << 17)  # 1.5 GiB of float64, every page touched
     del earlier

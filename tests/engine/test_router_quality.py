@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from tests.engine.test_conversion import convert
-from workers.engine.data.calibration import load_calibration
-from workers.engine.evaluation.metrics import heldout_windows
-from workers.engine.methods.cmoe import CMoEParams
-from workers.engine.methods.expertweaver import ExpertWeaverParams
-from workers.engine.models import load_model
-from workers.engine.profiling.profiler import ProfileSettings, profile_model
-from workers.engine.profiling.store import StoredProfile, write_profile
+from moelab.engine.data.calibration import load_calibration
+from moelab.engine.evaluation.metrics import heldout_windows
+from moelab.engine.methods.cmoe import CMoEParams
+from moelab.engine.methods.expertweaver import ExpertWeaverParams
+from moelab.engine.models import load_model
+from moelab.engine.profiling.profiler import ProfileSettings, profile_model
+from moelab.engine.profiling.store import StoredProfile, write_profile
 
 pytestmark = pytest.mark.slow
 LAYERS = (3, 15, 27)  # early, middle and late blocks

@@ -1,4 +1,4 @@
-"""One router registry (``workers/engine/runtime/moelab_routers.py``): the plan's cost, the runtime's
+"""One router registry (``moelab/engine/runtime/moelab_routers.py``): the plan's cost, the runtime's
 count and the multiply-adds the forward pass really performs are the same number for every router
 kind × combine × top-k (0, 1, n_routed) × expert count; each kind's scores are its paper formula."""
 
@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from workers.engine.core.allocation import layer_cost, layer_plan, plan_flops_fraction, plan_macs
-from workers.engine.runtime.modeling_moelab import MoeFFN
-from workers.engine.runtime.moelab_routers import COMBINES, PARTITION_ROUTERS, ROUTERS, ffn_macs
+from moelab.engine.core.allocation import layer_cost, layer_plan, plan_flops_fraction, plan_macs
+from moelab.engine.runtime.modeling_moelab import MoeFFN
+from moelab.engine.runtime.moelab_routers import COMBINES, PARTITION_ROUTERS, ROUTERS, ffn_macs
 
 D, M, D_SHARED, T = 16, 4, 8, 6
 
@@ -82,10 +82,10 @@ def test_each_kind_scores_with_its_paper_formula():
 
 
 def test_registry_flags_drive_the_methods_and_exports():
-    from workers.engine.core.params import needs_fitting
-    from workers.engine.methods.cmoe import CMoEParams
-    from workers.engine.methods.expertweaver import ExpertWeaverParams
-    from workers.engine.runtime.native_export import NATIVE_ROUTERS
+    from moelab.engine.core.params import needs_fitting
+    from moelab.engine.methods.cmoe import CMoEParams
+    from moelab.engine.methods.expertweaver import ExpertWeaverParams
+    from moelab.engine.runtime.native_export import NATIVE_ROUTERS
 
     assert set(PARTITION_ROUTERS) == {"gate_mass", "ridge"}
     assert set(NATIVE_ROUTERS) == {"centroid", "softmax"}

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from tests.engine.conftest import tiny_conversion
-from workers.engine.evaluation.speed import PHASES, SpeedProtocol, describe, time_phases
-from workers.engine.models import load_model
+from moelab.engine.evaluation.speed import PHASES, SpeedProtocol, describe, time_phases
+from moelab.engine.models import load_model
 
 QUICK = SpeedProtocol(repeats=3, decode_steps=4, context=8, batch=8, prefill_tokens=512)
 
@@ -63,7 +63,7 @@ def test_inputs_fit_the_models_positions(dense):
 
 
 def test_an_evaluation_times_its_converted_model_against_dense(tiny_model, data_dir, tmp_path_factory):
-    from workers.engine.runs import run_evaluation
+    from moelab.engine.runs import run_evaluation
 
     conversion = tiny_conversion(tiny_model, data_dir, tmp_path_factory, n_experts=4, alpha_max=0.5)
     report = run_evaluation(conversion, data_dir=data_dir, n_windows=2, seq_len=16, write=False, mc_per_task=0,
@@ -79,8 +79,8 @@ def test_an_evaluation_times_its_converted_model_against_dense(tiny_model, data_
 def test_a_timed_decode_step_continues_from_its_cache(dense, tiny_model, data_dir, tmp_path_factory):
     """The step timed is a real cached step: its logits are the full forward's at that position (were the cache
     dropped, the step would be a cheap one-token forward and the decode times would mean nothing)."""
-    from workers.engine.evaluation.speed import _cache
-    from workers.engine.runtime.export import load_exported
+    from moelab.engine.evaluation.speed import _cache
+    from moelab.engine.runtime.export import load_exported
 
     conversion = tiny_conversion(tiny_model, data_dir, tmp_path_factory, n_experts=4, alpha_max=0.5)
     ids = torch.arange(5, 14)[None]

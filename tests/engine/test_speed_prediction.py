@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from workers.engine.core.speed_prediction import (FEATURES, TABLE_DIR, TABLE_VERSION, describe_predicted, find_table, fit, layer_features,
+from moelab.engine.core.speed_prediction import (FEATURES, TABLE_DIR, TABLE_VERSION, describe_predicted, find_table, fit, layer_features,
                                                   plan_layers, predict, predicted_summary, runs_dense)
 
 COEF = np.array([2e-5, 1e-9, 3e-9, 2e-9, 1e-6, 1e-10, 4e-10])  # seconds per unit of each feature
@@ -58,9 +58,9 @@ def test_the_fit_recovers_the_costs_and_the_prediction_adds_the_planned_layers()
 def test_the_prediction_runs_the_kernels_the_runtime_chooses():
     """``runs_dense`` (numpy, for the API) answers as ``moelab_kernels.select_kernel`` does on CPU, and a layer run
     dense at prefill costs its routed rows as dense rows, no pairs."""
-    from workers.engine.core import speed_prediction
-    from workers.engine.runtime import moelab_kernels
-    from workers.engine.runtime.moelab_moe import MoeExperts
+    from moelab.engine.core import speed_prediction
+    from moelab.engine.runtime import moelab_kernels
+    from moelab.engine.runtime.moelab_moe import MoeExperts
 
     assert speed_prediction.DENSE_NEURONS == moelab_kernels.DENSE_NEURONS
     assert speed_prediction.DENSE_SHARE == moelab_kernels.DENSE_SHARE
@@ -113,9 +113,9 @@ def test_the_newest_table_of_the_models_source_is_found(tmp_path):
 
 def test_a_profile_measures_the_table_once_and_a_conversion_records_its_prediction(tiny_model, data_dir, tmp_path):
     from tests.engine.test_profiling import make_set
-    from workers.engine.methods.expertweaver import ExpertWeaverParams
-    from workers.engine.profiling.profiler import ProfileSettings
-    from workers.engine.runs import run_conversion, run_profile
+    from moelab.engine.methods.expertweaver import ExpertWeaverParams
+    from moelab.engine.profiling.profiler import ProfileSettings
+    from moelab.engine.runs import run_conversion, run_profile
 
     data = tmp_path / "data"
     data.mkdir()
@@ -145,14 +145,14 @@ def test_a_profile_measures_the_table_once_and_a_conversion_records_its_predicti
 def test_on_the_default_model_the_prediction_meets_the_measurement_within_20_percent(data_dir, tmp_path):
     """The default model profiled briefly, converted (ExpertWeaver, 0.5 sparsity), and timed against dense in one
     process: each phase's predicted speed over dense within 20% of the measured one."""
-    from workers.engine.evaluation.metrics import heldout_windows
-    from workers.engine.evaluation.speed import SpeedProtocol, time_phases
-    from workers.engine.evaluation.speed_table import measure_table
-    from workers.engine.methods.expertweaver import ExpertWeaverParams
-    from workers.engine.models import load_model
-    from workers.engine.profiling.profiler import ProfileSettings
-    from workers.engine.runs import run_conversion, run_profile
-    from workers.engine.runtime.export import load_exported
+    from moelab.engine.evaluation.metrics import heldout_windows
+    from moelab.engine.evaluation.speed import SpeedProtocol, time_phases
+    from moelab.engine.evaluation.speed_table import measure_table
+    from moelab.engine.methods.expertweaver import ExpertWeaverParams
+    from moelab.engine.models import load_model
+    from moelab.engine.profiling.profiler import ProfileSettings
+    from moelab.engine.runs import run_conversion, run_profile
+    from moelab.engine.runtime.export import load_exported
 
     prof = run_profile("default", "builtin:mixed", tmp_path / "p", ProfileSettings(max_tokens=64, batch_tokens=1024), samples=8,
                        data_dir=data_dir)

@@ -11,15 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from workers.engine.core.params import ConversionError
-from workers.engine.methods.cmoe import CMoEParams
-from workers.engine.methods.expertweaver import ExpertWeaverParams
-from workers.engine.models import load_model
-from workers.engine.profiling.profiler import ProfileSettings, profile_model
-from workers.engine.profiling.store import write_profile
-from workers.engine.profiling.streaming import MemoryBudgetError, plan_streaming
-from workers.engine.runs import run_conversion
-from workers.engine.runtime.export import load_exported
+from moelab.engine.core.params import ConversionError
+from moelab.engine.methods.cmoe import CMoEParams
+from moelab.engine.methods.expertweaver import ExpertWeaverParams
+from moelab.engine.models import load_model
+from moelab.engine.profiling.profiler import ProfileSettings, profile_model
+from moelab.engine.profiling.store import write_profile
+from moelab.engine.profiling.streaming import MemoryBudgetError, plan_streaming
+from moelab.engine.runs import run_conversion
+from moelab.engine.runtime.export import load_exported
 
 from .test_profiling import make_set
 from .test_streaming_profile import _sharded

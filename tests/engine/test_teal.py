@@ -11,14 +11,14 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from tests.engine.conftest import tiny_conversion
-from workers.engine.core.fitting import collect_inputs
-from workers.engine.core.teal import (
+from moelab.engine.core.fitting import collect_inputs
+from moelab.engine.core.teal import (
     calibrate_layer, quantile_threshold, teal_cost, teal_flops_fraction, teal_layers, teal_modules,
 )
-from workers.engine.models import dense_weights, load_model
-from workers.engine.progress import NO_PROGRESS
-from workers.engine.runtime.modeling_moelab import LAYER_KINDS, build_layer_module, layer_spec
-from workers.engine.runtime.moelab_teal import TealGLU
+from moelab.engine.models import dense_weights, load_model
+from moelab.engine.progress import NO_PROGRESS
+from moelab.engine.runtime.modeling_moelab import LAYER_KINDS, build_layer_module, layer_spec
+from moelab.engine.runtime.moelab_teal import TealGLU
 
 
 def dense_glu(x, wg, wu, wd, act="silu"):
@@ -140,7 +140,7 @@ def test_greedy_spends_a_planted_sparse_down_input_first():
 
 def test_export_round_trip(tiny_model, data_dir, tmp_path, built):
     """A TEAL layer is a runtime layer kind: it exports (moelab format) and loads back to the same logits."""
-    from workers.engine.runtime.export import build_moe_model, export_model, load_exported
+    from moelab.engine.runtime.export import build_moe_model, export_model, load_exported
 
     adapter = load_model(str(tiny_model("llama")), data_dir=data_dir)  # its own copy: build_moe_model wraps it in place
     teal = built[("greedy", 0.5)][1]
@@ -157,7 +157,7 @@ def test_export_round_trip(tiny_model, data_dir, tmp_path, built):
 
 
 def test_refused_by_the_native_export():  # GGUF: tests/engine/test_gguf_export.py
-    from workers.engine.runtime.native_export import NativeExportError, _refuse_layer_kinds
+    from moelab.engine.runtime.native_export import NativeExportError, _refuse_layer_kinds
 
     with pytest.raises(NativeExportError, match="TEAL activation-sparse GLU"):
         _refuse_layer_kinds([None, {"kind": "teal"}])
@@ -169,7 +169,7 @@ def conversion(tiny_model, data_dir, tmp_path_factory):
 
 
 def test_evaluation_has_a_teal_row_at_the_conversions_cost(conversion, data_dir, one_thread):
-    from workers.engine.runs import read_conversion, run_evaluation
+    from moelab.engine.runs import read_conversion, run_evaluation
 
     report = run_evaluation(conversion, data_dir=data_dir, n_windows=2, seq_len=16, write=False, mc_per_task=0)
     teal = report["results"]["teal"]
@@ -182,8 +182,8 @@ def test_evaluation_has_a_teal_row_at_the_conversions_cost(conversion, data_dir,
 
 
 def test_a_second_evaluation_reuses_the_stored_thresholds_for_the_same_numbers(conversion, data_dir, one_thread):
-    from workers.engine.evaluation import reference_scores
-    from workers.engine.runs import run_evaluation
+    from moelab.engine.evaluation import reference_scores
+    from moelab.engine.runs import run_evaluation
 
     kw = dict(data_dir=data_dir, n_windows=2, seq_len=16, write=False, mc_per_task=0)
     for stale in (data_dir / reference_scores.TEAL_DIR).glob("*.json"):
@@ -196,7 +196,7 @@ def test_a_second_evaluation_reuses_the_stored_thresholds_for_the_same_numbers(c
 
 
 def test_evaluation_goes_on_without_teal_when_the_profile_is_gone(tiny, tmp_path):
-    from workers.engine.runs import _teal_baseline
+    from moelab.engine.runs import _teal_baseline
 
     record = {"summary": {"ffn_flops_fraction": 0.75}, "params": {}, "profile": str(tmp_path / "deleted")}
     modules, info = _teal_baseline(tiny[0], record, None, NO_PROGRESS)
@@ -207,8 +207,8 @@ def test_the_row_skipping_decode_kernel_computes_the_dense_products(monkeypatch)
     """TEAL's CPU decode kernel (``skip_rows``: one bag per thread over the rows of nonzero inputs) gives what the
     dense products with the zeros in give, for one token, two, a token with every input zeroed, and under a
     gradient (which takes the dense path); the weights stay in the decode layout through ``use_decode_layout``."""
-    from workers.engine.runtime import moelab_teal
-    from workers.engine.runtime.moelab_teal import row_major_t, skip_rows
+    from moelab.engine.runtime import moelab_teal
+    from moelab.engine.runtime.moelab_teal import row_major_t, skip_rows
 
     wg, wu, wd = random_glu(48, 80, seed=4)
     x = torch.randn(2, 48, generator=torch.Generator().manual_seed(5))
@@ -233,8 +233,8 @@ def test_the_row_skipping_decode_kernel_computes_the_dense_products(monkeypatch)
 def test_the_evaluation_times_teal_beside_the_conversion(conversion, data_dir, one_thread):
     """TEAL is timed like the conversion (same rounds, the dense model with its MLPs swapped in): the speed report
     holds its seconds and speed-ups per phase, the CLI text names it, and the dense model is left as it was."""
-    from workers.engine.evaluation.speed import SpeedProtocol, describe
-    from workers.engine.runs import run_evaluation
+    from moelab.engine.evaluation.speed import SpeedProtocol, describe
+    from moelab.engine.runs import run_evaluation
 
     protocol = SpeedProtocol(repeats=1, decode_steps=2, prefill_tokens=32)
     report = run_evaluation(conversion, data_dir=data_dir, n_windows=2, seq_len=16, write=False, mc_per_task=0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from frontend.api_client import ApiClient, ApiError
+from moelab.api_client import ApiClient, ApiError
 
 
 def _client(handler) -> ApiClient:

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from workers.engine.methods.dense2moe import choose_fusion
+from moelab.engine.methods.dense2moe import choose_fusion
 
 from .conftest import ARTIFACTS, wait_job
 

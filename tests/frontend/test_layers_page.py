@@ -17,10 +17,10 @@ import pytest
 import frontend.app  # noqa: F401  (instantiates the Dash app: the page modules register with it)
 from backend.routes.charts import layer_similarity_payload
 from backend.schemas import METHOD_PARAMS
-from frontend.api_client import ApiClient
+from moelab.api_client import ApiClient
 from frontend.pages import designer, layers as page
-from workers.engine.methods import REGISTRY
-from workers.engine.methods.dense2moe import Dense2MoEParams, choose_fusion
+from moelab.engine.methods import REGISTRY
+from moelab.engine.methods.dense2moe import Dense2MoEParams, choose_fusion
 
 PROFILE = "pr-0123456789abcdef"
 
@@ -65,7 +65,7 @@ def fake_api(monkeypatch):
     client = ApiClient(base_url="http://api.test/api/v1", token="", transport=httpx.MockTransport(handler))
     for module in (page, designer):
         monkeypatch.setattr(module, "api", lambda: client)
-    monkeypatch.setattr("frontend.api_client.api", lambda: client)  # profile_picker imports it at call time
+    monkeypatch.setattr("moelab.api_client.api", lambda: client)  # profile_picker imports it at call time
     return client
 
 

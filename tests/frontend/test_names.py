@@ -57,6 +57,8 @@ def test_job_progress_names_what_it_works_on_and_how_long_it_ran():
     # the API's estimate of the stage's time left (its pace so far), and a queued job's place in line
     slow = {**running, "progress": {**running["progress"], "stage_s": 240.0, "stage_left_s": 360.0}}
     assert progress(slow).children[0].children == "profile job-1: running — profile 2/5 · 240 s · about 6 min left in this stage"
+    stopping = {**running, "cancel_requested": True}
+    assert progress(stopping).children[0].children == "profile job-1: running — profile 2/5 · cancel requested: it stops at its next step"
     waiting = {**job, "state": "queued", "queue_position": 2, "progress": {}}
     assert progress(waiting).children[0].children == "profile job-1: queued · 2nd in line"
 
@@ -79,7 +81,8 @@ def test_stage_time_left_is_the_pace_so_far():
 
 
 def test_names_are_a_help_a_list_the_api_does_not_answer_leaves_ids(monkeypatch):
-    from frontend import api_client, components
+    from frontend import components
+    from moelab import api_client
 
     class Api:
         def models(self):
@@ -131,7 +134,7 @@ def test_the_proposed_calibration_is_the_mix_when_the_server_has_it():
 
 
 def test_a_conversion_named_in_the_url_but_not_ready_is_said_not_dropped(monkeypatch):
-    from frontend import api_client
+    from moelab import api_client
     from frontend.components import not_offered
 
     class Api:

@@ -7,7 +7,7 @@ import json
 import frontend.app  # noqa: F401  (instantiates the Dash app: the page modules register with it)
 from frontend import figures as F
 from frontend.pages.designer import _recipe, recipe_values
-from workers.engine.methods import describe_methods
+from moelab.engine.methods import describe_methods
 
 
 def _methods():

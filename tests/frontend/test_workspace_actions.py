@@ -22,7 +22,7 @@ from frontend.names import Names, fmt, ratio_ci
 from frontend.pages.finetune import form_values
 from frontend.pages.workspace import (AUTO_NOTE, cv_note, delete_message, dependants, evaluation_cells, getting_started, job_title,
                                       ppl, subjects)
-from workers.engine.data.builtin import bigbench_installed
+from moelab.engine.data.builtin import bigbench_installed
 
 from .conftest import ARTIFACTS, wait_job
 

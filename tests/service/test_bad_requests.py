@@ -302,7 +302,7 @@ def test_frontend_client_sends_the_token_on_reads(settings, ids):
     from fastapi.testclient import TestClient
 
     from backend.app import create_app
-    from frontend.api_client import ApiClient, ApiError
+    from moelab.api_client import ApiClient, ApiError
 
     import httpx
 

@@ -84,10 +84,10 @@ def test_cli_profile_refuses_atopk_k_over_d_ffn(cli, tiny_llama, tmp_path):
 
 def test_engine_refuses_atopk_k_over_d_ffn(tiny_llama, data_dir):
     """No silent clamp: the manifest would record a K that no layer used."""
-    from workers.engine.data.calibration import load_calibration
-    from workers.engine.models import load_model
-    from workers.engine.profiling.profiler import check_atopk, profile_model
-    from workers.engine.profiling.settings import ProfileError, ProfileSettings
+    from moelab.engine.data.calibration import load_calibration
+    from moelab.engine.models import load_model
+    from moelab.engine.profiling.profiler import check_atopk, profile_model
+    from moelab.engine.profiling.settings import ProfileError, ProfileSettings
 
     adapter = load_model(str(tiny_llama), data_dir=data_dir, device="cpu", dtype="float32")
     cset = load_calibration("builtin:mixed", samples=4, data_dir=data_dir)
@@ -99,9 +99,9 @@ def test_engine_refuses_atopk_k_over_d_ffn(tiny_llama, data_dir):
 
 
 def test_engine_midas_refuses_a_repeated_profile(settings, profile_id):
-    from workers.engine.core.params import ConversionError
-    from workers.engine.methods import get_method
-    from workers.engine.profiling.store import StoredProfile
+    from moelab.engine.core.params import ConversionError
+    from moelab.engine.methods import get_method
+    from moelab.engine.profiling.store import StoredProfile
 
     stored = StoredProfile.open(settings.resolved_artifacts_dir() / "profiles" / profile_id)
     method = get_method("midas")
@@ -115,9 +115,9 @@ def test_evaluation_forwards_are_bounded_and_cancel_lands_after_one(tiny_llama, 
     whole batch of windows (8 × 32768 tokens sat 220 s in one step)."""
     import torch
 
-    from workers.engine.evaluation.metrics import BATCH_TOKENS, perplexity
-    from workers.engine.models import load_model
-    from workers.engine.progress import Cancelled, Progress
+    from moelab.engine.evaluation.metrics import BATCH_TOKENS, perplexity
+    from moelab.engine.models import load_model
+    from moelab.engine.progress import Cancelled, Progress
 
     model = load_model(str(tiny_llama), data_dir=data_dir, device="cpu", dtype="float32").model
     seen: list[int] = []
@@ -145,8 +145,8 @@ def test_evaluation_forwards_are_bounded_and_cancel_lands_after_one(tiny_llama, 
 def test_multiple_choice_batches_are_bounded(tiny_llama, data_dir):
     import torch
 
-    from workers.engine.evaluation.metrics import BATCH_TOKENS, ChoiceItem, choice_loglikelihoods
-    from workers.engine.models import load_model
+    from moelab.engine.evaluation.metrics import BATCH_TOKENS, ChoiceItem, choice_loglikelihoods
+    from moelab.engine.models import load_model
 
     adapter = load_model(str(tiny_llama), data_dir=data_dir, device="cpu", dtype="float32")
     seen: list[int] = []

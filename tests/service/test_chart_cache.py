@@ -13,9 +13,9 @@ import pytest
 from backend import charts
 from backend.routes.charts import PAYLOADS, PayloadCache
 from tests.engine.test_profiling import make_set
-from workers.engine.methods import REGISTRY
-from workers.engine.profiling.profiler import ProfileSettings, profile_model
-from workers.engine.profiling.store import StoredProfile, write_profile
+from moelab.engine.methods import REGISTRY
+from moelab.engine.profiling.profiler import ProfileSettings, profile_model
+from moelab.engine.profiling.store import StoredProfile, write_profile
 
 HIST = "/api/v1/profiles/{}/charts/cv-histogram?bins=12&scale=linear"
 SUMMARY = "/api/v1/profiles/{}/charts/cv-summary?tau=0.5"
@@ -25,7 +25,7 @@ PREVIEW = "/api/v1/profiles/{}/preview/expertweaver?tau=0.5&alpha_min=0.1&alpha_
 @pytest.fixture(scope="module")
 def two_profiles(tiny_model, data_dir, tmp_path_factory) -> tuple[Path, Path]:
     """Two different complete profiles of one tiny model (different calibration texts)."""
-    from workers.engine.models import load_model
+    from moelab.engine.models import load_model
 
     adapter = load_model(str(tiny_model("llama")), data_dir=data_dir)
     root = tmp_path_factory.mktemp("chart-cache-profiles")

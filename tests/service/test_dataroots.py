@@ -167,7 +167,7 @@ def test_dataset_rules_typed_and_symlinks_inside_directories(tmp_path):
 
 
 def test_engine_load_hf_dataset_checks_every_file_it_opens(tmp_path):
-    from workers.engine.data.calibration import CalibrationError, CalibrationOutsideRoots, load_hf_dataset
+    from moelab.engine.data.calibration import CalibrationError, CalibrationOutsideRoots, load_hf_dataset
 
     root = (tmp_path / "root").resolve()
     good = root / "good"
@@ -199,7 +199,7 @@ def test_engine_load_hf_dataset_checks_every_file_it_opens(tmp_path):
 def test_engine_never_loads_a_hub_id_from_the_working_directory(tmp_path, monkeypatch, tiny_llama):
     """With allowed_roots (what a service worker uses) 'runs/c1' goes to the Hub even when the working
     directory holds a loadable model of that name; without (the CLI) the local directory is used."""
-    from workers.engine.models import ModelError, load_model
+    from moelab.engine.models import ModelError, load_model
 
     shutil.copytree(tiny_llama, tmp_path / "runs" / "c1")
     monkeypatch.chdir(tmp_path)
@@ -220,9 +220,9 @@ def test_engine_never_loads_a_hub_id_from_the_working_directory(tmp_path, monkey
 def test_streaming_and_moe_loaders_follow_the_service_rule(tmp_path, monkeypatch, tiny_llama):
     """Layer streaming and the MoE loader resolve sources themselves: under ``restrict_sources`` (a
     service worker) they too send 'runs/c1' to the Hub, never to the working directory."""
-    from workers.engine.models import ModelError, restrict_sources
-    from workers.engine.profiling.moe_experts import load_moe_model
-    from workers.engine.profiling.streaming import weights_location
+    from moelab.engine.models import ModelError, restrict_sources
+    from moelab.engine.profiling.moe_experts import load_moe_model
+    from moelab.engine.profiling.streaming import weights_location
 
     shutil.copytree(tiny_llama, tmp_path / "runs" / "c1")
     monkeypatch.chdir(tmp_path)

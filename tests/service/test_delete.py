@@ -55,7 +55,7 @@ def test_cancel_watch_interrupts_a_step_that_never_reports_progress():
     """The worker's watch raises Cancelled inside plain Python work that never calls Progress.update
     (a long engine step), within its poll interval of the request; disarmed, it raises nothing."""
     from workers.cancelwatch import CancelWatch
-    from workers.engine.progress import Cancelled
+    from moelab.engine.progress import Cancelled
 
     asked = threading.Event()
     outcome: dict[str, float | str] = {}

@@ -28,7 +28,7 @@ from .helpers import Worker, env_for, wait_job
 def test_disk_full_is_recognised_through_library_wrappers():
     from sqlalchemy.exc import OperationalError
 
-    from workers.engine.atomic import is_disk_full
+    from moelab.engine.atomic import is_disk_full
 
     assert is_disk_full(OSError(errno.ENOSPC, "No space left on device"))
     assert is_disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"))
@@ -65,7 +65,7 @@ def test_a_full_disk_in_a_job_is_a_storage_error_not_a_bug(tmp_path):
 
 
 def test_atomic_writes_leave_nothing_when_a_write_fails(tmp_path, monkeypatch):
-    from workers.engine.atomic import TMP_MARK, atomic_directory, write_bytes_atomic
+    from moelab.engine.atomic import TMP_MARK, atomic_directory, write_bytes_atomic
 
     final = tmp_path / "artifact"
     with pytest.raises(OSError):
@@ -83,7 +83,7 @@ def test_atomic_writes_leave_nothing_when_a_write_fails(tmp_path, monkeypatch):
     def full(_fd):  # the data reaches the disk at fsync: that is where a full disk shows
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("workers.engine.atomic.os.fsync", full)
+    monkeypatch.setattr("moelab.engine.atomic.os.fsync", full)
     with pytest.raises(OSError):
         write_bytes_atomic(tmp_path / "file.json", b"{}")
     assert not [p for p in tmp_path.iterdir() if TMP_MARK in p.name]

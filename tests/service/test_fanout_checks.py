@@ -15,9 +15,9 @@ import pytest
 import redis
 
 from moelab.store import liveness
-from workers.engine.core.params import ConversionError
-from workers.engine.core.partition import LayerExperts, save_layer_experts
-from workers.engine.progress import Progress
+from moelab.engine.core.params import ConversionError
+from moelab.engine.core.partition import LayerExperts, save_layer_experts
+from moelab.engine.progress import Progress
 from workers.fanout import LayerFanOut, _Claims, _keys, _layer_file
 
 LAYERS = [0, 1, 2, 3]

@@ -90,7 +90,7 @@ def test_a_conversion_without_a_result_is_409(client, cancelled_conversion_id):
 
 
 def test_bigbench_text_needs_the_set_installed(client, settings, conversion_id):
-    from workers.engine.data.builtin import bigbench_installed
+    from moelab.engine.data.builtin import bigbench_installed
 
     if bigbench_installed(settings.data_dir):
         pytest.skip("BIG-bench is installed in this data dir: there is nothing to refuse")
@@ -109,7 +109,7 @@ def test_api_defaults_are_the_engines():
     from typing import get_args
 
     from backend.schemas import FinetuneCreate, FinetuneMode
-    from workers.engine.training.finetune import MODES, FinetuneParams
+    from moelab.engine.training.finetune import MODES, FinetuneParams
 
     assert set(get_args(FinetuneMode)) == set(MODES)
 

@@ -42,7 +42,7 @@ NATIVE_REMEDY = ("fine-tune in mode expertweaver", "convert with", "native expor
 
 
 def _best(method: str, recipe: str = "best") -> dict[str, Any]:
-    from workers.engine.methods import get_method
+    from moelab.engine.methods import get_method
 
     return dict(get_method(method).recipes[recipe])
 

@@ -10,7 +10,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from workers.engine.methods.dense2moe import choose_fusion
+from moelab.engine.methods.dense2moe import choose_fusion
 
 from .helpers import jsonl, succeeded, wait_job
 

@@ -61,7 +61,7 @@ def test_bad_probes_are_refused_with_what_to_fix(client, conversion_id, profile_
 
 
 def test_an_experts_neurons_partition_the_layer(client, settings, conversion_id, profile_id):
-    from workers.engine.profiling.store import StoredProfile
+    from moelab.engine.profiling.store import StoredProfile
 
     conv = client.get(f"/api/v1/conversions/{conversion_id}").json()
     lay = next(x for x in conv["layers"] if x.get("n_routed"))

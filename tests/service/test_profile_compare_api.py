@@ -12,8 +12,8 @@ import pytest
 from backend.profile_compare import scatter
 from backend.routes.charts import PAYLOADS
 from tests.engine.synthetic_profiles import CODE_NEURON, CODE_WORDS, PROSE_NEURON, code_and_prose, synthetic_profile
-from workers.engine.profiling.compare import LayerComparison, compare_profiles
-from workers.engine.profiling.store import StoredProfile
+from moelab.engine.profiling.compare import LayerComparison, compare_profiles
+from moelab.engine.profiling.store import StoredProfile
 
 COMPARE = "/api/v1/profiles/compare"
 

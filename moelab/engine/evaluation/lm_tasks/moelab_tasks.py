@@ -19,7 +19,7 @@ from typing import Any
 
 import datasets
 
-from workers.engine.data import builtin
+from moelab.engine.data import builtin
 
 SEED = 1234
 LASTWORD_ITEMS = 500
@@ -86,7 +86,7 @@ def bigbench_mc(data_dir: str | None = None, **_: Any) -> dict[str, datasets.Dat
     as the task's metadata)."""
     from pathlib import Path
 
-    from workers.engine.evaluation.metrics import bigbench_choice_items
+    from moelab.engine.evaluation.metrics import bigbench_choice_items
 
     if not data_dir or not builtin.bigbench_installed(Path(data_dir)):
         raise FileNotFoundError("moelab_bigbench_mc needs BIG-bench: run `moelab data install bigbench` (358 MB, once)")

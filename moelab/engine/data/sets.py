@@ -1,7 +1,7 @@
 """A calibration set: named, ordered text samples with a content id, statistics and an on-disk form.
 
-The data model every calibration source builds (:mod:`workers.engine.data.calibration` reads user
-files and ``datasets`` and resolves spec strings; :mod:`workers.engine.data.builtin` makes the
+The data model every calibration source builds (:mod:`moelab.engine.data.calibration` reads user
+files and ``datasets`` and resolves spec strings; :mod:`moelab.engine.data.builtin` makes the
 built-in sets), with the line-based text chunking both use. ``calibration`` re-exports all of it.
 """
 

@@ -4,7 +4,7 @@ its section "TEAL": a magnitude threshold on the input of every weight matrix). 
 exported runtime (torch and transformers only).
 
 Spec: ``{"kind": "teal", "d_model", "d_ffn", "act", "t_in", "t_mid", "s_in", "s_mid"}``: the two
-thresholds, and the sparsities they were calibrated to (``workers.engine.core.teal``), which set
+thresholds, and the sparsities they were calibrated to (``moelab.engine.core.teal``), which set
 the cost the layer reports.
 """
 

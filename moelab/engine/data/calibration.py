@@ -6,13 +6,13 @@ the UI compares routing across sets. So a set is a first-class object here: it h
 deterministic content ``id`` (same text -> same id, whatever its source), per-task and
 per-domain statistics, a preview, and a durable on-disk form (``samples.parquet`` +
 ``calibration.json``). That type, :class:`CalibrationSet`, is defined in
-:mod:`workers.engine.data.sets` (below both this module and the built-in sets) and re-exported here.
+:mod:`moelab.engine.data.sets` (below both this module and the built-in sets) and re-exported here.
 
 Where the samples come from:
 
 * user uploads: JSONL (``text`` plus optional ``task``/``domain``) or plain ``.txt``;
 * Hugging Face ``datasets`` (hub names, local data files/dirs, ``save_to_disk`` dirs);
-* the built-in offline sets of :mod:`workers.engine.data.builtin` (``builtin:NAME``).
+* the built-in offline sets of :mod:`moelab.engine.data.builtin` (``builtin:NAME``).
 
 :func:`load_calibration` turns a one-string *spec* (what the CLI, API and UI pass around)
 into a :class:`CalibrationSet`.
@@ -394,7 +394,7 @@ def load_calibration(
     """Resolve a spec string into a calibration set (what CLI flags and API fields carry).
 
     ``builtin:NAME`` builds a built-in set with ``samples`` samples (240 by default) from the
-    given ``split`` ("calibration" or "heldout", see :mod:`workers.engine.data.builtin`); ``hf:X[@split]``
+    given ``split`` ("calibration" or "heldout", see :mod:`moelab.engine.data.builtin`); ``hf:X[@split]``
     loads with ``datasets`` (split defaults to "train"; ``split`` here does not apply);
     a saved set directory, a ``.jsonl``/``.json`` or a ``.txt`` file are read as-is. For all
     but builtins, ``samples`` takes a deterministic, task-balanced subsample.

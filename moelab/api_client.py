@@ -1,4 +1,5 @@
-"""The one place the frontend's URLs live: a thin httpx client of the moelab HTTP API (/api/v1).
+"""The one place the API's URLs live for its clients (the UI and the CLI): a thin httpx client of the moelab HTTP
+API (/api/v1).
 
 Every call returns the decoded JSON or raises :class:`ApiError` whose message a person can
 read ("profile p-… not found", "alpha_min (0.8) must not exceed alpha_max (0.5)", "the API at
@@ -13,7 +14,6 @@ from typing import Any
 import httpx
 
 from moelab.settings import get_settings
-from frontend.defaults import CALIBRATION_SAMPLES
 
 
 #: resource collections that answer DELETE /{kind}/{id}[?cascade=true] (and, but models, have artifacts)
@@ -98,8 +98,10 @@ class ApiClient:
     def calibration_set(self, set_id: str) -> dict[str, Any]:
         return self.get(f"/calibration-sets/{set_id}")
 
-    def create_builtin_set(self, name: str, samples: int = CALIBRATION_SAMPLES, split: str = "calibration") -> dict[str, Any]:
-        return self.post("/calibration-sets", {"source": "builtin", "name": name, "samples": samples, "split": split})
+    def create_builtin_set(self, name: str, samples: int | None = None, split: str = "calibration") -> dict[str, Any]:
+        """``samples`` unset: the API's default."""
+        body = {"source": "builtin", "name": name, "split": split} | ({"samples": samples} if samples else {})
+        return self.post("/calibration-sets", body)
 
     def upload_set(self, filename: str, content: bytes, name: str | None = None) -> dict[str, Any]:
         data = {"name": name} if name else {}
