@@ -44,7 +44,7 @@ def _trust(ctx: JobContext, model: Model) -> bool:
 def inspect_model(ctx: JobContext) -> Outcome:
     """Load the model once and describe its layers (the API never loads models itself)."""
     from moelab.engine.models import ModelError
-    from moelab.engine.profiling.streaming import footprint
+    from moelab.engine.streaming.footprint import footprint
 
     model = ctx.resource()
     s = ctx.settings
@@ -88,7 +88,8 @@ def _describe_on_meta(source: str, s: Any, trust: bool) -> dict[str, Any] | None
     """A dense model larger than the worker's MOELAB_MAX_MEMORY, described from its config on
     the meta device (its weights are never loaded whole); None: load it as usual."""
     from moelab.engine.models import ModelError
-    from moelab.engine.profiling.streaming import footprint, meta_model
+    from moelab.engine.streaming.footprint import footprint
+    from moelab.engine.streaming.plan import meta_model
     from moelab.engine.sizes import parse_size
 
     try:

@@ -50,7 +50,7 @@ def run_profile(
     here (``samples`` drawn with ``settings.seed``), or a ``CalibrationSet`` already read so.
 
     ``max_memory`` (bytes or "2GiB"): when the model's weights exceed it, the pass streams one
-    decoder layer at a time (``profiling.streaming``); a budget below one layer fails here,
+    decoder layer at a time (``streaming.profile``); a budget below one layer fails here,
     before the calibration set or any weight is read.
     """
     t0 = time.perf_counter()
@@ -58,14 +58,15 @@ def run_profile(
     settings.validate()
     plan = None
     if max_memory is not None:
-        from .profiling.streaming import parse_size, plan_streaming
+        from .sizes import parse_size
+        from .streaming.plan import plan_streaming
 
         plan = plan_streaming(model, parse_size(max_memory), data_dir=data_dir, device=device, dtype=dtype,
                               trust_remote_code=trust_remote_code)
     cset = calib if isinstance(calib, CalibrationSet) else load_calibration(calib, samples=samples, seed=settings.seed,
                                                                              data_dir=data_dir)
     if plan is not None and plan.stream:
-        from .profiling.streaming import profile_streamed, remove_scratch
+        from .streaming.profile import profile_streamed, remove_scratch
 
         result = profile_streamed(plan, cset, settings, progress, scratch_near=Path(out).parent)
         load_s = 0.0
@@ -113,7 +114,7 @@ def run_conversion(
     """Convert with any registered method (``methods.REGISTRY``) and export the result; returns the record.
     ``map_layers``: where a partition method's per-layer work runs (``core.slicing.LayerMap``).
     ``max_memory`` (bytes or "2GiB"): when the dense model's weights exceed it, a partition method
-    converts one decoder layer at a time straight into the export (``core.streamed_conversion``;
+    converts one decoder layer at a time straight into the export (``streaming.conversion``;
     its layers are not shared with other workers then, as each would load the whole model); a
     budget below one layer, or a method or recipe that needs the whole model, fails before any work.
 
@@ -142,15 +143,12 @@ def run_conversion(
         record["timings"].update(total_s=time.perf_counter() - t0, peak_rss_mib=peak_rss_mib(), **budget)
 
     if max_memory is not None and profiles:
-        from .core.params import check_streamable
-        from .core.streamed_conversion import convert_streamed
-        from .profiling.streaming import parse_size, plan_streaming
+        from .streaming.conversion import convert_streamed, plan_conversion
 
-        plan = plan_streaming(profiles[0].manifest["model"]["source"], parse_size(max_memory), data_dir=data_dir,
-                              device=device, dtype="float32", trust_remote_code=trust_remote_code)
+        plan = plan_conversion(method, params, profiles[0], max_memory, data_dir=data_dir, device=device,
+                               trust_remote_code=trust_remote_code)
         budget["max_memory_bytes"] = float(plan.max_memory)
         if plan.stream:
-            check_streamable(method, params)
             return convert_streamed(plan, profiles[0], params, method, out, progress, complete=complete)
     inputs = ConversionInputs(profiles=profiles, data_dir=data_dir, device=device, model=model, calib=calib,
                               map_layers=map_layers)

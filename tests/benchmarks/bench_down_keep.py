@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_moe_ffn import DenseGLU, bench_text, calibrate_inner, timed_interleaved  # noqa: E402
 from moelab.engine.models import load_model  # noqa: E402
+from moelab.engine.core.slicing import moe_from_dense  # noqa: E402
 from moelab.engine.runtime.modeling_moelab import MoeFFN  # noqa: E402
 from moelab.engine.runtime.moelab_routers import ffn_macs  # noqa: E402
 
@@ -54,9 +55,9 @@ def layer_at_cost(weights: tuple[torch.Tensor, ...], act: str, n_experts: int, c
             if ffn_macs(d, len(shared), len(routed), m, k, "ridge", "sum", down_keep) <= cost * 3 * d * d_ffn]
     if not fits:
         raise SystemExit(f"no top-k fits cost {cost} with {n_experts} experts")
-    return MoeFFN.from_dense(gate_w, up_w, down_w, act, shared, routed, fits[-1], "ridge", "sum",
-                             router_offset=torch.zeros(len(routed)),
-                             **({"down_keep": down_keep} if down_keep < 1 else {})).eval()
+    return moe_from_dense(gate_w, up_w, down_w, act, shared, routed, fits[-1], "ridge", "sum",
+                          router_offset=torch.zeros(len(routed)),
+                          **({"down_keep": down_keep} if down_keep < 1 else {})).eval()
 
 
 def main() -> None:

@@ -65,7 +65,7 @@ def layer_study(module: Any, dense_mlp: Any, calib_x: torch.Tensor, texts: dict[
             yhat = module(x).float()
             pred = torch.cat([x, torch.ones(len(x), 1)], 1).double() @ b
             r = {"base": float((y - yhat).pow(2).sum()) / den}
-            scores = module._route(x)[0].float()
+            scores = module.router(x)[0].float()
             contrib = expert_outputs(module, x) - mu  # selecting e adds its output and removes its mean
             base = module._shared(x).float() + mu.sum(0)
             for rank in RANKS:

@@ -57,6 +57,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from moelab.engine.core.slicing import moe_from_dense  # noqa: E402
 from moelab.engine.runtime.modeling_moelab import MoeFFN  # noqa: E402
 from moelab.engine.models import load_model  # noqa: E402
 
@@ -178,7 +179,7 @@ def make_moe(weights, act, E_total, active, router, combine, seed) -> MoeFFN:
     if router == "representative":  # CMoE: a representative neuron's gate/up rows per expert
         rep = routed[:, 0]
         extra = {"router_gate": gate_w[rep.to(gate_w.device)], "router_up": up_w[rep.to(up_w.device)]}
-    mod = MoeFFN.from_dense(gate_w, up_w, down_w, act, shared, routed, k, router, combine, **extra)
+    mod = moe_from_dense(gate_w, up_w, down_w, act, shared, routed, k, router, combine, **extra)
     return mod.eval()
 
 

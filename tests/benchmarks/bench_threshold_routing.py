@@ -48,7 +48,7 @@ import torch  # noqa: E402
 
 from moelab.settings import get_settings  # noqa: E402
 from moelab.engine.core.fitting import collect_inputs, profile_token_windows  # noqa: E402
-from moelab.engine.core.slicing import partition_modules  # noqa: E402
+from moelab.engine.core.slicing import expert_rows, partition_modules  # noqa: E402
 from moelab.engine.evaluation.metrics import heldout_windows  # noqa: E402
 from moelab.engine.methods import expertweaver, get_method  # noqa: E402
 from moelab.engine.models import load_model  # noqa: E402
@@ -60,7 +60,7 @@ DOMAINS = ("builtin:code", "builtin:prose", "builtin:literature", "builtin:chat"
 
 def expert_outputs(module: Any, x: torch.Tensor) -> torch.Tensor:
     """``[T, E, d]``: each routed expert's output on each token (sum combine: weights of 1)."""
-    g, u, dn = module.experts_gate.float(), module.experts_up.float(), module.experts_down.float()
+    g, u, dn = (t.float() for t in expert_rows(module))
     h = module.act_fn(torch.einsum("td,emd->tem", x, g)) * torch.einsum("td,emd->tem", x, u)
     return torch.einsum("tem,edm->ted", h, dn)
 
@@ -104,7 +104,7 @@ def layer_study(module: Any, dense_mlp: Any, calib_x: torch.Tensor, texts: dict[
     """One layer: the calibrated thresholds, then each selection's error terms on each text."""
     k, E = module.top_k, module.n_routed
     with torch.no_grad():
-        calib_scores = module._route(calib_x)[0].float()
+        calib_scores = module.router(calib_x)[0].float()
         tau, p = count_threshold(calib_scores, k), top_p_for_count(calib_scores, k)
         mu = module.skip_mean.float() if module.compensated else torch.zeros(E, module.d_model)
         out: dict[str, Any] = {"top_k": k, "n_routed": E, "tau": tau, "p": p}
@@ -113,7 +113,7 @@ def layer_study(module: Any, dense_mlp: Any, calib_x: torch.Tensor, texts: dict[
             base = module._shared(x).float()
             contrib = expert_outputs(module, x) - mu  # selecting e adds its output and removes its mean
             base = base + mu.sum(0)
-            scores = module._route(x)[0].float()
+            scores = module.router(x)[0].float()
             masks = {"topk": torch.zeros_like(scores, dtype=torch.bool).scatter(1, scores.topk(k, dim=1).indices, True),
                      "threshold": scores >= tau,
                      "threshold@equal": scores >= count_threshold(scores, k),
@@ -186,7 +186,7 @@ class ThresholdRouted(torch.nn.Module):
         m = self.m
         xt = x.reshape(-1, m.d_model)
         y = m._shared(xt)
-        scores = m._route(xt)[0]
+        scores = m.router(xt)[0]
         over = scores >= self.tau
         self.counts[0] += int(over.sum())
         self.counts[1] += xt.shape[0] * m.top_k
@@ -214,7 +214,7 @@ def perplexities(adapter: Any, modules: dict[int, Any], calib: Any, windows: dic
             routed[i] = m
             continue
         with torch.no_grad():
-            tau = count_threshold(m._route(calib.mlp_inputs[i][:4096])[0].float(), m.top_k)
+            tau = count_threshold(m.router(calib.mlp_inputs[i][:4096])[0].float(), m.top_k)
         routed[i] = ThresholdRouted(m, tau, counts)
     out = {}
     for dom, w in windows.items():

@@ -40,11 +40,12 @@ def auto_device_is_the_cpu(monkeypatch):
     CUDA in bf16 (five round-trip tests failed there so). The CUDA paths have their own tests, which
     move tensors to the GPU explicitly."""
     from moelab.engine import models
-    from moelab.engine.profiling import moe_experts, streaming
+    from moelab.engine.profiling import moe_experts
+    from moelab.engine.streaming import plan
     from moelab.engine.training import finetune
 
     def resolve(device: str = "auto") -> torch.device:
         return torch.device("cpu" if device == "auto" else device)
 
-    for module in (models, finetune, streaming, moe_experts):
+    for module in (models, finetune, plan, moe_experts):
         monkeypatch.setattr(module, "resolve_device", resolve)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from moelab.engine.core.params import ConversionError
 from moelab.engine.methods.dense2moe import Dense2MoEParams, choose_fusion, fuse_model, plan_fusion, prepare_recovery, preview
 from moelab.engine.core.fusion import fused_ffn, remove_decoder_layers
+from moelab.engine.core.slicing import expert_rows
 from moelab.engine.runtime.export import export_model, load_exported
 from moelab.engine.runtime.modeling_moelab import MoeFFN, decoder_layers
 from moelab.engine.models import adapt, load_model
@@ -216,12 +217,13 @@ def test_layer_and_parameter_counts_follow_eq6(tiny_model, data_dir, family, lay
 
     ffn = moe.moe_modules()[layer]
     sources = [layer] * N + [j for j in range(layer + 1, layer + n + 1) for _ in range(M)]
-    assert ffn.spec["expert_source_layers"] == sources and ffn.d_shared == 0 and ffn.router == "softmax"
+    assert ffn.spec["expert_source_layers"] == sources and ffn.d_shared == 0 and ffn.router.kind == "softmax"
     assert ffn.spec.get("expert_groups") == (sources if N > 1 or M > 1 else None)
+    gate_rows, up_rows, down = expert_rows(ffn)
     for e, src in enumerate(sources):  # expert e is an exact copy of MLP^(src)
         g, u, dn = weights[src]
-        assert torch.equal(ffn.experts_gate[e], g) and torch.equal(ffn.experts_up[e], u)
-        assert torch.equal(ffn.experts_down[e], dn)
+        assert torch.equal(gate_rows[e], g) and torch.equal(up_rows[e], u)
+        assert torch.equal(down[e], dn)
 
 
 # ------------------------------------------------------------------ Eq. 6 by hand
@@ -396,6 +398,7 @@ def test_normalized_combine_weights_the_selected_experts_by_their_own_softmax(di
     with torch.no_grad():
         y = mod(x)
         xt = x.reshape(-1, d)
+        gate_rows, up_rows, down = expert_rows(mod)
         s = xt @ mod.router_weight.T
         top = s.topk(k, dim=-1)
         w = torch.softmax(top.values, dim=-1)
@@ -403,8 +406,8 @@ def test_normalized_combine_weights_the_selected_experts_by_their_own_softmax(di
         for t in range(xt.shape[0]):
             for j in range(k):
                 e = top.indices[t, j]
-                h = F.silu(mod.experts_gate[e] @ xt[t]) * (mod.experts_up[e] @ xt[t])
-                ref[t] += w[t, j] * (mod.experts_down[e] @ h)
+                h = F.silu(gate_rows[e] @ xt[t]) * (up_rows[e] @ xt[t])
+                ref[t] += w[t, j] * (down[e] @ h)
     torch.testing.assert_close(y.reshape(-1, d), ref, rtol=1e-4, atol=1e-5)
     assert MoeFFN(mod.spec).combine == "normalized"
 
@@ -536,6 +539,7 @@ def test_copies_are_never_selected_twice_for_one_token(tiny_model, data_dir):
     xt = x.reshape(-1, adapter.d_model)
     scores = (xt @ ffn.router_weight.T).detach()
     unconstrained = scores.topk(2, -1).indices
+    gate_rows, up_rows, down = expert_rows(ffn)
     assert bool((sources[unconstrained[:, 0]] == sources[unconstrained[:, 1]]).any()), "the test needs the hard case"
     ref = torch.zeros_like(xt)
     for t in range(xt.shape[0]):  # reference: best copy of each source, then the top-2 sources, summed
@@ -547,12 +551,12 @@ def test_copies_are_never_selected_twice_for_one_token(tiny_model, data_dir):
         chosen = sorted(best.values(), key=lambda e: -float(scores[t, e]))[:2]
         assert sorted(chosen) == sorted(top[t].tolist())
         for e in chosen:
-            h = F.silu(ffn.experts_gate[e] @ xt[t]) * (ffn.experts_up[e] @ xt[t])
-            ref[t] += ffn.experts_down[e] @ h
+            h = F.silu(gate_rows[e] @ xt[t]) * (up_rows[e] @ xt[t])
+            ref[t] += down[e] @ h
     torch.testing.assert_close(y.reshape(-1, adapter.d_model), ref, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="exceeds the 3 expert groups"):
         MoeFFN({**ffn.spec, "top_k": 4})
-    assert MoeFFN({**ffn.spec, "top_k": 1})._groups is not None  # top-1: the best copy is the argmax anyway
+    assert MoeFFN({**ffn.spec, "top_k": 1}).router.groups is not None  # top-1: the best copy is the argmax anyway
 
 
 # ------------------------------------------------------------------ recovery fine-tuning switch (D2 §3)

@@ -16,7 +16,7 @@ from moelab.engine.core.fitting import (_curve_weights, collect_inputs, error_cu
                                          skipped_means)
 from moelab.engine.runtime.moelab_routers import ROUTERS
 from moelab.engine.core.params import ConversionError
-from moelab.engine.core.slicing import dense_weights, partition_modules
+from moelab.engine.core.slicing import dense_weights, moe_from_dense, partition_modules
 from moelab.engine.methods import cmoe, expertweaver, get_method
 from moelab.engine.methods.cmoe import CMoEParams
 from moelab.engine.methods.expertweaver import ExpertWeaverParams
@@ -105,8 +105,8 @@ def test_moe_ffn_adds_the_means_of_the_experts_a_token_skips(top_k):
     torch.manual_seed(1)
     gate, up, down = torch.randn(16, D_MODEL), torch.randn(16, D_MODEL), torch.randn(D_MODEL, 16)
     mu = torch.randn(4, D_MODEL)
-    plain = MoeFFN.from_dense(gate, up, down, "silu", [], torch.arange(16).reshape(4, 4), top_k, "centroid")
-    comp = MoeFFN.from_dense(gate, up, down, "silu", [], torch.arange(16).reshape(4, 4), top_k, "centroid", skip_mean=mu)
+    plain = moe_from_dense(gate, up, down, "silu", [], torch.arange(16).reshape(4, 4), top_k, "centroid")
+    comp = moe_from_dense(gate, up, down, "silu", [], torch.arange(16).reshape(4, 4), top_k, "centroid", skip_mean=mu)
     picked = []
     plain.recorder = picked.append
     x = torch.randn(7, D_MODEL)
@@ -120,7 +120,7 @@ def test_moe_ffn_adds_the_means_of_the_experts_a_token_skips(top_k):
         assert torch.equal(again.skip_mean, mu) and torch.allclose(again(x), want, atol=1e-4)
     assert comp.active_param_count() == plain.active_param_count()  # additions, not multiply-adds
     with pytest.raises(ValueError, match=r"skip_mean must be \[n_routed=4, d_model=64\]"):
-        MoeFFN.from_dense(gate, up, down, "silu", [], torch.arange(16).reshape(4, 4), 1, "centroid", skip_mean=mu[:2])
+        moe_from_dense(gate, up, down, "silu", [], torch.arange(16).reshape(4, 4), 1, "centroid", skip_mean=mu[:2])
 
 
 def test_compensation_lowers_the_error_at_the_same_cost(fitted):
@@ -171,15 +171,15 @@ def test_moe_ffn_ridge_router_scores_with_its_offset():
     torch.manual_seed(2)
     gate, up, down = torch.randn(16, D_MODEL), torch.randn(16, D_MODEL), torch.randn(D_MODEL, 16)
     w, b = torch.randn(4, D_MODEL), torch.tensor([0.0, 100.0, 0.0, -100.0])
-    mod = MoeFFN.from_dense(gate, up, down, "silu", [], torch.arange(16).reshape(4, 4), 1, "ridge",
-                            router_weight=w, router_offset=b)
+    mod = moe_from_dense(gate, up, down, "silu", [], torch.arange(16).reshape(4, 4), 1, "ridge",
+                         router_weight=w, router_offset=b)
     picked = []
     mod.recorder = picked.append
     mod(torch.randn(5, D_MODEL) * 0.01)
     assert picked[0].reshape(-1).tolist() == [1] * 5  # the offset dominates tiny inputs
     assert mod.spec["router"] == "ridge" and mod.active_param_count() == 4 * (D_MODEL + 1) + 3 * D_MODEL * 4
     with pytest.raises(ValueError, match="router_offset"):
-        MoeFFN.from_dense(gate, up, down, "silu", [], torch.arange(16).reshape(4, 4), 1, "ridge", router_weight=w)
+        moe_from_dense(gate, up, down, "silu", [], torch.arange(16).reshape(4, 4), 1, "ridge", router_weight=w)
 
 
 @pytest.mark.parametrize("params", [

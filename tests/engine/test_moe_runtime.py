@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import filecmp
 import json
 
@@ -14,13 +15,13 @@ from transformers.activations import ACT2FN
 from moelab.engine.runtime import modeling_moelab, moelab_kernels
 from moelab.engine.runtime.export import AUTO_MAP, RUNTIME_FILES, build_moe_model, export_model, load_exported
 from moelab.engine.runtime.modeling_moelab import (
-    AbsTopKGLU,
     MoeFFN,
     MoelabConfig,
     MoelabForCausalLM,
     build_layer_module,
     layer_spec,
 )
+from moelab.engine.core.slicing import abstopk_from_dense, expert_rows, moe_from_dense
 from moelab.engine.models import load_model
 
 ROUTERS = ("centroid", "representative", "gate_mass", "softmax")
@@ -56,7 +57,7 @@ def make_moe(d_model=32, d_ffn=48, d_shared=8, n_experts=5, top_k=2, router="cen
     if router == "representative" and n_experts:  # CMoE: one representative neuron per expert
         rep = routed[:, 0]
         extra = {"router_gate": wg[rep], "router_up": wu[rep]}
-    mod = MoeFFN.from_dense(wg, wu, wd, act, shared, routed, top_k, router, combine, **extra, **kw)
+    mod = moe_from_dense(wg, wu, wd, act, shared, routed, top_k, router, combine, **extra, **kw)
     return mod, (wg, wu, wd), (shared, routed)
 
 
@@ -67,7 +68,7 @@ def reference_moe(mod: MoeFFN, x: torch.Tensor):
     """Loop over tokens in float64: returns (output, chosen expert sets, ambiguous-token mask)."""
     act = mod.act_fn
     P = {n: p.detach().double() for n, p in mod.named_parameters()}
-    P.update({n: getattr(mod, n).detach().double() for n in ("experts_gate", "experts_up", "experts_down")})
+    P.update(zip(("experts_gate", "experts_up", "experts_down"), (t.detach().double() for t in expert_rows(mod))))
     xt = x.reshape(-1, mod.d_model).double()
     out = torch.zeros_like(xt)
     chosen, ambiguous = [], []
@@ -78,9 +79,9 @@ def reference_moe(mod: MoeFFN, x: torch.Tensor):
             h = act(P["shared_gate.weight"] @ v) * (P["shared_up.weight"] @ v)
             y += P["shared_down.weight"] @ h
         E = mod.n_routed
-        if mod.router in ("centroid", "softmax"):
+        if mod.router.kind in ("centroid", "softmax"):
             s = P["router_weight"] @ v
-        elif mod.router == "representative":
+        elif mod.router.kind == "representative":
             s = act(P["router_gate"] @ v) * (P["router_up"] @ v)
         else:
             s = torch.stack([act(P["experts_gate"][e] @ v).abs().sum() for e in range(E)])
@@ -135,7 +136,7 @@ def test_pruned_neurons_are_left_out():
     """Neurons in neither the shared nor a routed expert are dropped (a static prune)."""
     wg, wu, wd = random_glu(16, 40)
     keep_shared, keep_routed = torch.tensor([3, 1]), torch.tensor([[0, 5, 7], [9, 2, 11]])
-    mod = MoeFFN.from_dense(wg, wu, wd, "silu", keep_shared, keep_routed, 2, "centroid")
+    mod = moe_from_dense(wg, wu, wd, "silu", keep_shared, keep_routed, 2, "centroid")
     x = torch.randn(4, 16)
     keep = torch.cat([keep_shared, keep_routed.reshape(-1)])
     with torch.no_grad():
@@ -145,20 +146,20 @@ def test_pruned_neurons_are_left_out():
 def test_from_dense_validates_partition():
     wg, wu, wd = random_glu(8, 12)
     with pytest.raises(ValueError, match="twice"):
-        MoeFFN.from_dense(wg, wu, wd, "silu", [0, 1], [[1, 2], [3, 4]], 1, "centroid")
+        moe_from_dense(wg, wu, wd, "silu", [0, 1], [[1, 2], [3, 4]], 1, "centroid")
     with pytest.raises(ValueError, match="range"):
-        MoeFFN.from_dense(wg, wu, wd, "silu", [], [[0, 12]], 1, "centroid")
+        moe_from_dense(wg, wu, wd, "silu", [], [[0, 12]], 1, "centroid")
     with pytest.raises(ValueError, match="top_k"):
-        MoeFFN.from_dense(wg, wu, wd, "silu", [], [[0, 1], [2, 3]], 3, "centroid")
+        moe_from_dense(wg, wu, wd, "silu", [], [[0, 1], [2, 3]], 3, "centroid")
     with pytest.raises(ValueError, match="router"):
-        MoeFFN.from_dense(wg, wu, wd, "silu", [], [[0, 1], [2, 3]], 1, "nope")
+        moe_from_dense(wg, wu, wd, "silu", [], [[0, 1], [2, 3]], 1, "nope")
 
 
 def test_numpy_indices_and_centroid_router_default():
     np = pytest.importorskip("numpy")
     wg, wu, wd = random_glu(8, 12)
     routed = np.arange(12).reshape(3, 4)
-    mod = MoeFFN.from_dense(wg, wu, wd, "silu", np.zeros(0, dtype=np.int64), routed, 1, "centroid")
+    mod = moe_from_dense(wg, wu, wd, "silu", np.zeros(0, dtype=np.int64), routed, 1, "centroid")
     torch.testing.assert_close(mod.router_weight.detach(), wg.reshape(3, 4, 8).mean(1))  # EW Eq. 9
 
 
@@ -427,19 +428,56 @@ def test_auto_kernel_choice_on_cpu(monkeypatch):
 
 def test_legacy_state_dict_keys_load():
     """A state dict of the previous runtime (experts_gate/experts_up/experts_down) loads into the
-    stacked layout, and the views give back the same tensors."""
+    stacked layout (``moelab_compat``'s pre-hook), with the same experts."""
     mod = kernel_moe("centroid", "sum")
     legacy = {k: v for k, v in mod.state_dict().items() if not k.startswith("experts.")}
-    legacy.update(experts_gate=mod.experts_gate.detach().clone(), experts_up=mod.experts_up.detach().clone(),
-                  experts_down=mod.experts_down.detach().clone())
+    legacy.update(zip(("experts_gate", "experts_up", "experts_down"), (t.detach().clone() for t in expert_rows(mod))))
     fresh = MoeFFN(mod.spec)
     fresh.load_state_dict(legacy, strict=True)
-    for name in ("experts_gate", "experts_up", "experts_down"):
-        assert torch.equal(getattr(fresh, name), getattr(mod, name))
+    for new, old in zip(expert_rows(fresh), expert_rows(mod)):
+        assert torch.equal(new, old)
     x = torch.randn(7, 32)
     with torch.no_grad():
         assert torch.equal(fresh(x), mod(x))
 
+
+
+#: the state-dict keys of one MoE layer per router kind, as every export so far wrote them
+ROUTER_KEYS = {"centroid": ["router_weight"], "softmax": ["router_weight"], "ridge": ["router_weight", "router_offset"],
+               "representative": ["router_gate", "router_up"], "gate_mass": []}
+
+
+@pytest.mark.parametrize("router", sorted(ROUTER_KEYS))
+def test_the_router_is_a_child_module_and_the_keys_stay(router):
+    """``block.router`` is a ``MoeRouter`` (as transformers' sparse-MoE blocks own their router), but its
+    parameters stay on the block under the checkpoint's names: the state-dict keys are those every
+    export has (router parameters and the CM §3.3 scale ``use_scaled_combine`` adds, then the buffers in
+    the order they came: skipped-expert means and bias; the shared expert and the stacked experts), and
+    the router module holds none of them."""
+    from moelab.engine.runtime.modeling_moelab import MoeRouter
+
+    wg, wu, wd = random_glu(16, 40)
+    extra = {"router_offset": torch.randn(4)} if router == "ridge" else {}
+    mod = moe_from_dense(wg, wu, wd, "silu", torch.arange(8), torch.arange(8, 40).reshape(4, 8), 2, router, "sum",
+                         skip_mean=torch.randn(4, 16), **extra)
+    mod.use_scaled_combine()
+    assert isinstance(mod.router, MoeRouter) and dict(mod.named_children())["router"] is mod.router
+    assert mod.router.kind == mod.spec["router"] == router and mod.router.block is mod
+    assert not list(mod.router.parameters()) and not list(mod.router.buffers())
+    assert list(mod.state_dict()) == [*ROUTER_KEYS[router], "router_scale", "skip_mean", "router_bias",
+                                      "shared_gate.weight", "shared_up.weight", "shared_down.weight",
+                                      "experts.gate_up_proj", "experts.down_proj"]
+    x = torch.randn(5, 16)
+    twin = copy.deepcopy(mod)  # the copy's router reads the copy's parameters
+    assert twin.router.block is twin
+    seen = []
+    mod.router.register_forward_hook(lambda _m, _args, out: seen.append(out[0]))
+    with torch.no_grad():
+        assert torch.equal(twin(x), mod(x))
+        assert len(seen) == 1 and seen[0].shape == (5, 4)  # a hook on the router sees its scores
+        if router != "gate_mass":
+            twin.get_parameter(ROUTER_KEYS[router][0]).neg_()
+            assert not torch.equal(twin.router(x)[0], mod.router(x)[0])
 
 # ------------------------------------------------------------------ (c) gate_mass routing
 
@@ -462,11 +500,11 @@ def test_gate_mass_picks_largest_gate_activation_mass():
 def test_abstopk_glu():
     wg, wu, wd = random_glu(24, 40, seed=2)
     x = torch.randn(2, 6, 24)
-    full = AbsTopKGLU.from_dense(wg, wu, wd, "silu", 40)
+    full = abstopk_from_dense(wg, wu, wd, "silu", 40)
     with torch.no_grad():
         torch.testing.assert_close(full(x), dense_glu(x, wg, wu, wd), rtol=1e-5, atol=1e-5)
     k = 10
-    sparse = AbsTopKGLU.from_dense(wg, wu, wd, "silu", k)
+    sparse = abstopk_from_dense(wg, wu, wd, "silu", k)
     ref = torch.zeros_like(x)
     for idx in torch.cartesian_prod(torch.arange(2), torch.arange(6)):
         v = x[idx[0], idx[1]]
@@ -477,7 +515,7 @@ def test_abstopk_glu():
         ref[idx[0], idx[1]] = wd @ h
     with torch.no_grad():
         torch.testing.assert_close(sparse(x), ref, rtol=1e-5, atol=1e-5)
-        assert torch.equal(AbsTopKGLU.from_dense(wg, wu, wd, "silu", 0)(x), torch.zeros_like(x))
+        assert torch.equal(abstopk_from_dense(wg, wu, wd, "silu", 0)(x), torch.zeros_like(x))
     assert sparse.spec == {"kind": "abstopk", "d_model": 24, "d_ffn": 40, "act": "silu", "k": 10}
 
 
@@ -528,9 +566,9 @@ def test_down_keep_runs_the_largest_neurons_of_each_active_expert(router, combin
     assert full.active_param_count() - mod.active_param_count() == d * (4 + mod.top_k * 2)  # the skipped down rows
     x = torch.randn(7, 32, generator=torch.Generator().manual_seed(3), dtype=torch.float32)
     with torch.no_grad():
-        scores, _ = mod._route(x)
+        scores, _ = mod.router(x)
         top = scores.topk(mod.top_k, dim=-1).indices
-        w = mod._routing_weights(scores, top)
+        w = mod.router.weights(scores, top)
     xd = x.double()
 
     def largest(h, n):
@@ -540,7 +578,7 @@ def test_down_keep_runs_the_largest_neurons_of_each_active_expert(router, combin
         return keep
 
     want = torch.zeros(7, d, dtype=torch.float64)
-    G, U, D = (t.detach().double() for t in (mod.experts_gate, mod.experts_up, mod.experts_down))
+    G, U, D = (t.detach().double() for t in expert_rows(mod))
     for t in range(7):
         hs = F.silu(mod.shared_gate.weight.double() @ xd[t]) * (mod.shared_up.weight.double() @ xd[t])
         want[t] = mod.shared_down.weight.double() @ largest(hs, 4)
@@ -572,7 +610,7 @@ def convert_adapter(adapter, top_k, router="centroid", seed=0, n_shared=16, m=8)
         perm = torch.randperm(lay.d_ffn, generator=g)
         n_exp = (lay.d_ffn - n_shared) // m
         shared, routed = perm[:n_shared], perm[n_shared:].reshape(n_exp, m)
-        mods[lay.index] = MoeFFN.from_dense(
+        mods[lay.index] = moe_from_dense(
             lay.gate_weight(), lay.up_weight(), lay.down_weight(), adapter.activation, shared, routed,
             n_exp if top_k == "all" else top_k, router,
         )
@@ -605,7 +643,7 @@ def test_export_round_trip_on_tiny_models(family, tiny_model, data_dir, tmp_path
     assert type(loaded).__name__ == "MoelabForCausalLM"
     for mod in loaded.moe_modules().values():  # saved contiguous, loaded back into the decode layouts
         assert moelab_kernels.decode_layout_of(mod.experts.down_proj)
-        assert moelab_kernels.decode_layout_of(mod.experts.gate_up_proj) == (mod.router != "gate_mass")
+        assert moelab_kernels.decode_layout_of(mod.experts.gate_up_proj) == (mod.router.kind != "gate_mass")
     with torch.no_grad():
         again = loaded(input_ids=ids, attention_mask=mask).logits
     assert torch.equal(again, logits)
@@ -630,7 +668,7 @@ def test_mixed_layer_kinds_and_reexport(tiny_model, data_dir, tmp_path):
     adapter = load_model(str(tiny_model("llama")), data_dir=data_dir)
     lay0 = adapter.layers[0]
     mods = {
-        0: AbsTopKGLU.from_dense(lay0.gate_weight(), lay0.up_weight(), lay0.down_weight(), "silu", 40),
+        0: abstopk_from_dense(lay0.gate_weight(), lay0.up_weight(), lay0.down_weight(), "silu", 40),
         1: convert_adapter(adapter, top_k=2, router="gate_mass")[1],
     }
     moe = build_moe_model(adapter, mods)

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from moelab.cli import main
 from tests.engine.test_profiling import make_set
+from moelab.engine.core.slicing import expert_rows, moe_from_dense
 from moelab.engine.methods.dense2moe import Dense2MoEParams, fuse_model
 from moelab.engine.methods.expertweaver import ExpertWeaverParams, prepare_recovery
 from moelab.engine.methods.midas import MidasParams
@@ -26,7 +27,7 @@ from moelab.engine.profiling.profiler import ProfileSettings, profile_model
 from moelab.engine.profiling.store import write_profile
 from moelab.engine.runs import run_conversion
 from moelab.engine.runtime.export import export_model
-from moelab.engine.runtime.modeling_moelab import MoeFFN, MoelabForCausalLM, convert_in_place, layer_spec
+from moelab.engine.runtime.modeling_moelab import MoelabForCausalLM, convert_in_place, layer_spec
 from moelab.engine.runtime.native_export import NativeExportError, export_converted, native_layout
 from moelab.engine.training.finetune import load_tokenizer, routed_modules
 
@@ -141,14 +142,14 @@ def test_training_free_sum_combine_is_refused(convs, tmp_path):
 def test_per_layer_expert_counts_are_refused(convs):
     moe = MoelabForCausalLM.from_pretrained(str(convs["llama-ft"]), dtype=torch.float32)
     mod = moe.moe_modules()[1]
-    g, u = mod.experts_gate.detach(), mod.experts_up.detach()
+    g, u, dn = (t.detach() for t in expert_rows(mod))
     m = mod.expert_size
     gate_w = torch.cat([mod.shared_gate.weight, g.reshape(-1, g.shape[-1])])
     up_w = torch.cat([mod.shared_up.weight, u.reshape(-1, u.shape[-1])])
-    down_w = torch.cat([mod.shared_down.weight, mod.experts_down.detach().permute(1, 0, 2).reshape(mod.d_model, -1)], 1)
+    down_w = torch.cat([mod.shared_down.weight, dn.permute(1, 0, 2).reshape(mod.d_model, -1)], 1)
     E = 5  # drop the last routed expert: layer 1 has 5 routed experts, layer 0 has 6
-    new = MoeFFN.from_dense(gate_w, up_w, down_w, "silu", torch.arange(mod.d_shared),
-                            torch.arange(mod.d_shared, mod.d_shared + E * m).reshape(E, m), 4, "softmax", "weighted")
+    new = moe_from_dense(gate_w, up_w, down_w, "silu", torch.arange(mod.d_shared),
+                         torch.arange(mod.d_shared, mod.d_shared + E * m).reshape(E, m), 4, "softmax", "weighted")
     convert_in_place(moe.model, {1: new})
     moe.config.moe_layers[1] = new.spec
     with pytest.raises(NativeExportError, match=r"layer 0 has 6 routed experts and layer 1 has 5: native export needs a uniform plan"):
@@ -177,9 +178,9 @@ def _hand_moe(adapter, router="softmax", combine="weighted", **extra):
 
     extra |= {"router_offset": torch.zeros(4)} if router == "ridge" else {}
     mlp = adapter.model.model.layers[0].mlp
-    mod = MoeFFN.from_dense(mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach(), mlp.down_proj.weight.detach(),
-                            getattr(adapter.model.config, "hidden_activation", None) or adapter.model.config.hidden_act,
-                            [], torch.arange(96).reshape(4, 24), 2, router, combine, **extra)
+    mod = moe_from_dense(mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach(), mlp.down_proj.weight.detach(),
+                         getattr(adapter.model.config, "hidden_activation", None) or adapter.model.config.hidden_act,
+                         [], torch.arange(96).reshape(4, 24), 2, router, combine, **extra)
     return build_moe_model(adapter, {0: mod})
 
 

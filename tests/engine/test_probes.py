@@ -36,7 +36,7 @@ def test_routing_probe_reports_the_routers_own_choice(conversion, data_dir):
     assert out["layers"], "the conversion routes in some layer"
     for lay in out["layers"]:
         mod = routed[lay["layer"]]
-        assert mod.router == "centroid" and mod.combine == "sum"
+        assert mod.router.kind == "centroid" and mod.combine == "sum"
         with torch.no_grad():
             expected = torch.topk(F.linear(inputs[lay["layer"]], mod.router_weight), mod.top_k, dim=-1).indices  # EW Eq. 9
         got = torch.tensor(lay["experts"])

@@ -54,11 +54,12 @@ def _errors(module, dense_mlp, x: torch.Tensor, seed: int = 0) -> tuple[float, f
         k, n = module.top_k, module.n_routed
         gen = torch.Generator().manual_seed(seed)
         rand_idx = torch.rand(x.shape[0], n, generator=gen).argsort(dim=-1)[:, :k]
-        # the same module with a router replaced by random scores: the experts' weights are untouched
-        orig = module._route
-        module._route = lambda xt: (torch.zeros(xt.shape[0], n).scatter_(1, rand_idx, 1.0), orig(xt)[1])
+        # the same module with the router's scores replaced by random ones (a forward hook on the router
+        # module): the experts' weights are untouched
+        hook = module.router.register_forward_hook(
+            lambda _m, args, out: (torch.zeros(args[0].shape[0], n).scatter_(1, rand_idx, 1.0), out[1]))
         random = module(x)
-        module._route = orig
+        hook.remove()
     rel = lambda out: float((out - y).norm() / y.norm())  # noqa: E731
     return rel(routed), rel(random)
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from moelab.engine.core.allocation import layer_cost, layer_plan, plan_flops_fraction, plan_macs
+from moelab.engine.core.slicing import expert_rows, moe_from_dense
 from moelab.engine.runtime.modeling_moelab import MoeFFN
 from moelab.engine.runtime.moelab_routers import COMBINES, PARTITION_ROUTERS, ROUTERS, ffn_macs
 
@@ -23,8 +24,8 @@ def _module(router: str, combine: str, E: int, k: int) -> MoeFFN:
     gate, up = torch.randn(D_SHARED + E * M, D), torch.randn(D_SHARED + E * M, D)
     down = torch.randn(D, D_SHARED + E * M)
     extra = {"router_offset": torch.randn(E)} if router == "ridge" else {}
-    mod = MoeFFN.from_dense(gate, up, down, "silu", torch.arange(D_SHARED), torch.arange(D_SHARED, D_SHARED + E * M).reshape(E, M),
-                            k, router, combine, **extra)
+    mod = moe_from_dense(gate, up, down, "silu", torch.arange(D_SHARED), torch.arange(D_SHARED, D_SHARED + E * M).reshape(E, M),
+                         k, router, combine, **extra)
     mod.experts_impl = "loop"  # the reference: its matmuls are exactly the expert work
     return mod
 
@@ -72,7 +73,7 @@ def test_each_kind_scores_with_its_paper_formula():
         "softmax": x @ mods["softmax"].router_weight.T,  # EW Eq. 11's logits
         "ridge": x @ mods["ridge"].router_weight.T + mods["ridge"].router_offset,
         "representative": F.silu(x @ mods["representative"].router_gate.T) * (x @ mods["representative"].router_up.T),  # CM Eq. 18
-        "gate_mass": F.silu(x @ mods["gate_mass"].experts_gate.reshape(-1, D).T).abs().reshape(T, 4, M).sum(-1),
+        "gate_mass": F.silu(x @ expert_rows(mods["gate_mass"])[0].reshape(-1, D).T).abs().reshape(T, 4, M).sum(-1),
     }
     assert expect.keys() == ROUTERS.keys()
     for r, mod in mods.items():

@@ -17,7 +17,8 @@ from moelab.engine.methods.expertweaver import ExpertWeaverParams
 from moelab.engine.models import load_model
 from moelab.engine.profiling.profiler import ProfileSettings, profile_model
 from moelab.engine.profiling.store import write_profile
-from moelab.engine.profiling.streaming import MemoryBudgetError, plan_streaming
+from moelab.engine.streaming.footprint import MemoryBudgetError
+from moelab.engine.streaming.plan import plan_streaming
 from moelab.engine.runs import run_conversion
 from moelab.engine.runtime.export import load_exported
 

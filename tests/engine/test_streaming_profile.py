@@ -18,7 +18,9 @@ import pytest
 from moelab.engine.models import load_model
 from moelab.engine.profiling.profiler import ProfileSettings, profile_model
 from moelab.engine.profiling.store import StoredProfile, write_profile
-from moelab.engine.profiling.streaming import MemoryBudgetError, plan_streaming, profile_streamed, remove_scratch
+from moelab.engine.streaming.footprint import MemoryBudgetError
+from moelab.engine.streaming.plan import plan_streaming
+from moelab.engine.streaming.profile import profile_streamed, remove_scratch
 from moelab.engine.sizes import format_size, parse_size
 from moelab.engine.runs import run_profile
 
@@ -179,7 +181,7 @@ def test_cli_streams_under_a_budget(llama, data_dir, tmp_path):
 def test_worker_describes_a_model_over_its_budget_from_the_config(llama, data_dir):
     """The inspection job never loads a model larger than MOELAB_MAX_MEMORY: it describes the meta skeleton."""
     from moelab.settings import Settings
-    from moelab.engine.profiling.streaming import footprint
+    from moelab.engine.streaming.footprint import footprint
     from workers.tasks import _describe_on_meta
 
     loaded = load_model(str(llama), data_dir=data_dir, device="cpu")

@@ -13,7 +13,7 @@ from transformers.activations import ACT2FN
 from tests.engine.conftest import tiny_conversion
 from moelab.engine.core.fitting import collect_inputs
 from moelab.engine.core.teal import (
-    calibrate_layer, quantile_threshold, teal_cost, teal_flops_fraction, teal_layers, teal_modules,
+    calibrate_layer, quantile_threshold, teal_cost, teal_flops_fraction, teal_from_dense, teal_layers, teal_modules,
 )
 from moelab.engine.models import dense_weights, load_model
 from moelab.engine.progress import NO_PROGRESS
@@ -54,7 +54,7 @@ def _dense_macs(adapter) -> int:
 def test_zero_sparsity_is_the_dense_mlp_exactly(tiny):
     wg, wu, wd = random_glu(24, 40, seed=2)
     x = torch.randn(2, 6, 24)
-    mod = TealGLU.from_dense(wg, wu, wd, "silu", 0.0, 0.0, 0.0, 0.0)
+    mod = teal_from_dense(wg, wu, wd, "silu", 0.0, 0.0, 0.0, 0.0)
     with torch.no_grad():
         assert torch.equal(mod(x), dense_glu(x, wg, wu, wd))
     assert mod.active_param_count() == 3 * 24 * 40
@@ -68,7 +68,7 @@ def test_zero_sparsity_is_the_dense_mlp_exactly(tiny):
 
 def test_spec_round_trip_and_layer_kind():
     wg, wu, wd = random_glu(16, 24, seed=1)
-    mod = TealGLU.from_dense(wg, wu, wd, "silu", 0.25, 0.5, 0.3, 0.4)
+    mod = teal_from_dense(wg, wu, wd, "silu", 0.25, 0.5, 0.3, 0.4)
     assert mod.spec == {"kind": "teal", "d_model": 16, "d_ffn": 24, "act": "silu", "t_in": 0.25, "t_mid": 0.5,
                         "s_in": 0.3, "s_mid": 0.4}
     assert LAYER_KINDS["teal"] is TealGLU and layer_spec(mod) == mod.spec
@@ -144,7 +144,7 @@ def test_export_round_trip(tiny_model, data_dir, tmp_path, built):
 
     adapter = load_model(str(tiny_model("llama")), data_dir=data_dir)  # its own copy: build_moe_model wraps it in place
     teal = built[("greedy", 0.5)][1]
-    moe = build_moe_model(adapter, {1: TealGLU.from_dense(*dense_weights(adapter, 1), adapter.activation, teal.t_in,
+    moe = build_moe_model(adapter, {1: teal_from_dense(*dense_weights(adapter, 1), adapter.activation, teal.t_in,
                                                           teal.t_mid, teal.s_in, teal.s_mid)})
     ids = torch.randint(0, 500, (1, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -213,7 +213,7 @@ def test_the_row_skipping_decode_kernel_computes_the_dense_products(monkeypatch)
     wg, wu, wd = random_glu(48, 80, seed=4)
     x = torch.randn(2, 48, generator=torch.Generator().manual_seed(5))
     x[1] = 0.01  # every input under the threshold: an empty bag, an output of zeros
-    mod = TealGLU.from_dense(wg, wu, wd, "silu", 0.5, 0.05, 0.4, 0.3)
+    mod = teal_from_dense(wg, wu, wd, "silu", 0.5, 0.05, 0.4, 0.3)
     assert mod.gate_proj.weight.stride() == (1, 80) and mod.down_proj.weight.stride() == (1, 48)  # decode layout
     sparse = moelab_teal.magnitude_sparsify(x, 0.5)
     torch.testing.assert_close(skip_rows(sparse, row_major_t(wg)), sparse @ wg.t(), rtol=1e-5, atol=1e-6)

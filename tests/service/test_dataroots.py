@@ -222,7 +222,7 @@ def test_streaming_and_moe_loaders_follow_the_service_rule(tmp_path, monkeypatch
     service worker) they too send 'runs/c1' to the Hub, never to the working directory."""
     from moelab.engine.models import ModelError, restrict_sources
     from moelab.engine.profiling.moe_experts import load_moe_model
-    from moelab.engine.profiling.streaming import weights_location
+    from moelab.engine.streaming.checkpoint import weights_location
 
     shutil.copytree(tiny_llama, tmp_path / "runs" / "c1")
     monkeypatch.chdir(tmp_path)

@@ -103,11 +103,12 @@ def fused_ffn(adapter: ModelAdapter, layer: int, n_fused: int, params: Any) -> M
         mod = MoeFFN(spec)
     mod.to_empty(device=dev)
     mod.to(dt)
+    gate_up, down = mod.experts.gate_up_proj, mod.experts.down_proj
     for e, src in enumerate(sources):  # one copy per expert: a handful, not a hot loop
         lay = adapter.layers[src]
-        mod.experts_gate[e].copy_(lay.gate_weight())
-        mod.experts_up[e].copy_(lay.up_weight())
-        mod.experts_down[e].copy_(lay.down_weight())
+        gate_up[e, :d_ffn].copy_(lay.gate_weight())
+        gate_up[e, d_ffn:].copy_(lay.up_weight())
+        down[e].copy_(lay.down_weight())
     config = adapter.model.config
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     std = float(getattr(config, "initializer_range", 0.02) or 0.02)

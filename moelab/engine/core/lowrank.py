@@ -40,6 +40,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ..runtime.moelab_lowrank import LowRankMoeFFN
+
 
 def as_float64(a: Any, device: Any = None) -> torch.Tensor:
     """``a`` (array or tensor) as a float64 tensor on ``device`` (default: where it is; arrays: CPU)."""
@@ -128,3 +130,36 @@ def data_errors(weight: Any, approxes: Sequence[Any], moments: Sequence[Any]) ->
         for row, d in zip(out, deltas):
             row.append(float(torch.sqrt(torch.sum((d @ m) * d) / total)))
     return out
+
+
+#: the stacked factors of a ``LowRankMoeFFN``, by parameter name
+FACTORS = ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b")
+
+
+@torch.no_grad()
+def lowrank_moe_from_factors(factors: dict[str, torch.Tensor], router_weight: torch.Tensor, act: str, top_k: int,
+                             **extra: Any) -> LowRankMoeFFN:
+    """MIDAS's layer (``runtime.moelab_lowrank.LowRankMoeFFN``) from stacked factors (keys ``FACTORS``,
+    shapes as in its docstring) and the gating network's weight ``[E, d_model]``; dtype/device of
+    ``gate_a``."""
+    missing = [k for k in FACTORS if k not in factors]
+    if missing:
+        raise ValueError(f"missing factors: {', '.join(missing)}")
+    E, r, d = factors["gate_a"].shape
+    f = factors["gate_b"].shape[1]
+    spec = {"kind": "lowrank_moe", "d_model": int(d), "d_ffn": int(f), "act": str(act), "n_experts": int(E),
+            "rank": int(r), "top_k": int(top_k), **extra}
+    with torch.device("meta"):
+        mod = LowRankMoeFFN(spec)
+    ref = factors["gate_a"]
+    mod.to_empty(device=ref.device)
+    mod.to(ref.dtype)
+    for name in FACTORS:
+        p = getattr(mod, name)
+        if tuple(factors[name].shape) != tuple(p.shape):
+            raise ValueError(f"{name} must be {tuple(p.shape)}, got {tuple(factors[name].shape)}")
+        p.copy_(factors[name])
+    if tuple(router_weight.shape) != (E, d):
+        raise ValueError(f"router_weight must be [n_experts={E}, d_model={d}], got {tuple(router_weight.shape)}")
+    mod.router.weight.copy_(router_weight)
+    return mod

@@ -201,7 +201,7 @@ def check_compensation(params: Any) -> None:
 
 
 def check_streamable(method: Any, params: Any) -> None:
-    """Raise what blocks a layer-streamed conversion (``core.streamed_conversion``), and what to do instead."""
+    """Raise what blocks a layer-streamed conversion (``streaming.conversion``), and what to do instead."""
     if method.partition is None:
         raise ConversionError(
             f"{method.name} cannot convert under --max-memory: only the partition methods (expertweaver, cmoe) build one "

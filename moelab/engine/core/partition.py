@@ -18,7 +18,7 @@ from .allocation import LayerPlan
 
 @dataclass
 class LayerExperts:
-    """The neuron partition and router of one layer, ready for ``MoeFFN.from_dense``."""
+    """The neuron partition and router of one layer, ready for ``core.slicing.moe_from_dense``."""
 
     layer: int
     shared: np.ndarray  # [d_shared] neuron ids

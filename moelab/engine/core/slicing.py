@@ -3,7 +3,9 @@
 A partition method (``methods.expertweaver``, ``methods.cmoe``) plans each layer (``LayerPlan``)
 and partitions its neurons (``LayerExperts``); ``convert_partition`` runs that per layer with
 progress and slices the dense weights into one runtime ``MoeFFN`` per layer (EW Eqs. 7–8, CM
-Eq. 5). The AbsTopK-GLU baseline (EW Eq. 2) is built here too, from the same dense weights.
+Eq. 5; ``moe_from_dense``). The AbsTopK-GLU baseline (EW Eq. 2) is built here too, from the same
+dense weights (``abstopk_from_dense``). These builders run at conversion time only, so they live
+here and not in the runtime an export carries.
 """
 
 from __future__ import annotations
@@ -32,6 +34,121 @@ LayerBuilder = Callable[[LayerPlan, np.ndarray, np.ndarray], LayerExperts]
 #: ``(layers, build_one, progress) -> experts in the order of layers``: runs ``build_one(i)`` for every
 #: layer, here or elsewhere (``workers.fanout`` shares the layers with idle workers)
 LayerMap = Callable[[list[int], Callable[[int], LayerExperts], Progress], list[LayerExperts]]
+
+
+def _as_long(idx: Any) -> torch.Tensor:
+    if isinstance(idx, torch.Tensor):
+        return idx.detach().to(device="cpu", dtype=torch.long)
+    return torch.as_tensor(idx, dtype=torch.long)
+
+
+def expert_rows(block: MoeFFN) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of a ``MoeFFN``'s routed experts as separate matrices: gate rows ``[E, m, d]``, up rows
+    ``[E, m, d]`` (halves of ``experts.gate_up_proj``) and ``experts.down_proj`` ``[E, d, m]``;
+    writing into them writes the block's parameters."""
+    gate_up, m = block.experts.gate_up_proj, block.expert_size
+    return gate_up[:, :m], gate_up[:, m:], block.experts.down_proj
+
+
+@torch.no_grad()
+def moe_from_dense(
+    gate_w: torch.Tensor,
+    up_w: torch.Tensor,
+    down_w: torch.Tensor,
+    act: str,
+    shared_idx: Any,
+    routed_idx: Any,
+    top_k: int,
+    router: str,
+    combine: str = "sum",
+    router_weight: torch.Tensor | None = None,
+    router_gate: torch.Tensor | None = None,
+    router_up: torch.Tensor | None = None,
+    router_offset: torch.Tensor | None = None,
+    skip_mean: torch.Tensor | None = None,
+    **extra: Any,
+) -> MoeFFN:
+    """Slice a dense GLU into a shared expert and routed experts (EW Eqs. 7-8, CMoE Eq. 5).
+
+    ``gate_w``/``up_w``: ``[d_ffn, d_model]`` (nn.Linear layout); ``down_w``: ``[d_model, d_ffn]``.
+    ``shared_idx``: neuron ids of the shared expert (may be empty); ``routed_idx``:
+    ``[E, m]`` neuron ids of each routed expert. Neurons left out of both are pruned.
+    Router parameters not given take their kind's default (``moelab_routers``: the expert
+    centroids of the gate rows, EW Eq. 9; for the representative router the centroids of the
+    gate and up rows — pass CMoE's representative-neuron rows to follow Eq. 18 exactly).
+    ``skip_mean`` ``[E, d_model]``: the skipped experts' calibration means
+    (``core.fitting.skipped_means``), added for the experts a token skips. ``extra``: further spec
+    keys (``down_keep``, ``expert_groups`` …).
+    """
+    d_ffn, d_model = gate_w.shape
+    if up_w.shape != gate_w.shape or down_w.shape != (d_model, d_ffn):
+        raise ValueError(
+            f"shapes gate {tuple(gate_w.shape)}, up {tuple(up_w.shape)}, down {tuple(down_w.shape)} "
+            "do not form a GLU (gate/up [d_ffn, d_model], down [d_model, d_ffn])"
+        )
+    shared = _as_long(shared_idx).reshape(-1)
+    routed = _as_long(routed_idx)
+    if routed.numel() == 0:
+        routed = routed.reshape(0, 0)
+    if routed.dim() != 2:
+        raise ValueError(f"routed_idx must be [n_routed, expert_size], got shape {tuple(routed.shape)}")
+    used = torch.cat([shared, routed.reshape(-1)])
+    if used.numel() and (used.min() < 0 or used.max() >= d_ffn):
+        raise ValueError(f"neuron index out of range [0, {d_ffn})")
+    if torch.unique(used).numel() != used.numel():
+        raise ValueError("a neuron is assigned twice (shared/routed indices overlap)")
+    E, m = routed.shape
+    spec = {
+        "kind": "moe", "d_model": int(d_model), "act": str(act), "d_shared": int(shared.numel()),
+        "n_routed": int(E), "expert_size": int(m), "top_k": int(top_k), "router": router,
+        "combine": combine, **({"skip_mean": True} if skip_mean is not None else {}), **extra,
+    }
+    dev, dt = gate_w.device, gate_w.dtype
+    with torch.device("meta"):
+        mod = MoeFFN(spec)
+    mod.to_empty(device=dev)
+    mod.to(dt)
+    sh, rt = shared.to(dev), routed.to(dev)
+    if mod.d_shared:
+        mod.shared_gate.weight.copy_(gate_w.index_select(0, sh))
+        mod.shared_up.weight.copy_(up_w.index_select(0, sh))
+        mod.shared_down.weight.copy_(down_w.index_select(1, sh))
+    flat = rt.reshape(-1)
+    gate_rows, up_rows, down = expert_rows(mod)
+    gate_rows.copy_(gate_w.index_select(0, flat).reshape(E, m, d_model))
+    up_rows.copy_(up_w.index_select(0, flat).reshape(E, m, d_model))
+    # down_w[:, routed] is [d, E, m] -> [E, d, m]
+    down.copy_(down_w.index_select(1, flat).reshape(d_model, E, m).permute(1, 0, 2))
+    given = {"router_weight": router_weight, "router_gate": router_gate, "router_up": router_up,
+             "router_offset": router_offset}
+    given = {k: torch.as_tensor(v) for k, v in given.items() if v is not None}
+    for name, value in mod.router.scorer.init(E, d_model, gate_rows, up_rows, given).items():
+        if value is not None:
+            getattr(mod, name).copy_(value)
+    if mod.combine == "scaled":  # to_empty left them uninitialised
+        mod.router_scale.zero_()
+        mod.router_bias.zero_()
+    if skip_mean is not None:
+        if tuple(skip_mean.shape) != (E, d_model):
+            raise ValueError(f"skip_mean must be [n_routed={E}, d_model={d_model}], got {tuple(skip_mean.shape)}")
+        mod.skip_mean.copy_(skip_mean)
+    return mod
+
+
+@torch.no_grad()
+def abstopk_from_dense(gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor, act: str, k: int,
+                       **extra: Any) -> AbsTopKGLU:
+    """EW Eq. 2's AbsTopK-GLU over the whole dense GLU (its weights copied as they are)."""
+    d_ffn, d_model = gate_w.shape
+    with torch.device("meta"):
+        mod = AbsTopKGLU({"kind": "abstopk", "d_model": int(d_model), "d_ffn": int(d_ffn), "act": act, "k": int(k),
+                          **extra})
+    mod.to_empty(device=gate_w.device)
+    mod.to(gate_w.dtype)
+    mod.gate_proj.weight.copy_(gate_w)
+    mod.up_proj.weight.copy_(up_w)
+    mod.down_proj.weight.copy_(down_w)
+    return mod
 
 
 def check_compatible(adapter: ModelAdapter, profile: Any) -> None:
@@ -85,7 +202,7 @@ def build_modules(adapter: ModelAdapter, experts: list[LayerExperts], params: An
         if not len(e.routed) and len(e.shared) == gate_w.shape[0]:
             continue
         router_weights = {k: torch.as_tensor(v, dtype=gate_w.dtype, device=gate_w.device) for k, v in e.router_weights.items()}
-        modules[e.layer] = MoeFFN.from_dense(
+        modules[e.layer] = moe_from_dense(
             gate_w, up_w, down_w, adapter.activation, e.shared, e.routed, e.top_k, e.router, combine, **router_weights,
             **extra)
     return modules
@@ -174,5 +291,5 @@ def abstopk_modules(adapter: ModelAdapter, active_fraction: float) -> dict[int, 
     out = {}
     for lay in adapter.layers:
         k = max(1, int(round(active_fraction * lay.d_ffn)))
-        out[lay.index] = AbsTopKGLU.from_dense(*dense_weights(adapter, lay.index), adapter.activation, k)
+        out[lay.index] = abstopk_from_dense(*dense_weights(adapter, lay.index), adapter.activation, k)
     return out

@@ -32,7 +32,7 @@ batch of tokens reads every column some token needs (TEAL's "Hardware Aware Acce
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -148,6 +148,24 @@ def greedy_sparsities(probe: _MlpProbe, cost: float, step: float = STEP) -> tupl
     return min(s_in, 1.0), min(s_mid, 1.0)
 
 
+@torch.no_grad()
+def teal_from_dense(gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor, act: str, t_in: float,
+                    t_mid: float, s_in: float, s_mid: float, **extra: Any) -> TealGLU:
+    """A ``TealGLU`` over the dense GLU's weights (copied as they are, then in its decode layout) with these
+    thresholds and the sparsities they were calibrated at."""
+    d_ffn, d_model = gate_w.shape
+    with torch.device("meta"):
+        mod = TealGLU({"kind": "teal", "d_model": int(d_model), "d_ffn": int(d_ffn), "act": act, "t_in": float(t_in),
+                       "t_mid": float(t_mid), "s_in": float(s_in), "s_mid": float(s_mid), **extra})
+    mod.to_empty(device=gate_w.device)
+    mod.to(gate_w.dtype)
+    mod.gate_proj.weight.copy_(gate_w)
+    mod.up_proj.weight.copy_(up_w)
+    mod.down_proj.weight.copy_(down_w)
+    mod.use_decode_layout()
+    return mod
+
+
 def calibrate_layer(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor, act: str,
                     cost: float, allocation: Allocation = "greedy", step: float = STEP,
                     max_tokens: int = MAX_TOKENS) -> TealGLU:
@@ -171,7 +189,7 @@ def calibrate_layer(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, d
     # the final thresholds: exact quantiles over every calibration token
     t_in = quantile_threshold(x.abs(), s_in)
     t_mid = quantile_threshold(probe.glu(magnitude_sparsify(x, t_in)).abs(), s_mid)
-    module = TealGLU.from_dense(gate_w, up_w, down_w, act, t_in, t_mid, s_in, s_mid)
+    module = teal_from_dense(gate_w, up_w, down_w, act, t_in, t_mid, s_in, s_mid)
     with torch.no_grad():
         module.calibration_error = float((module(probe.x.to(gate_w.dtype)).float() - probe.y).norm()) / probe.y_norm
     return module
@@ -218,6 +236,6 @@ def teal_from_thresholds(adapter: ModelAdapter, layers: dict[str, dict[str, floa
     out: dict[int, TealGLU] = {}
     for key, t in layers.items():
         i = int(key)
-        out[i] = TealGLU.from_dense(*dense_weights(adapter, i), adapter.activation, t["t_in"], t["t_mid"], t["s_in"], t["s_mid"])
+        out[i] = teal_from_dense(*dense_weights(adapter, i), adapter.activation, t["t_in"], t["t_mid"], t["s_in"], t["s_mid"])
         out[i].calibration_error = t.get("calibration_error", float("nan"))
     return out

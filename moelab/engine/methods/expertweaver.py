@@ -255,9 +255,9 @@ def prepare_recovery(moe: Any, modules: dict[int, Any], batch: Any) -> tuple[dic
     """EW Eq. 11: every training-free layer becomes a softmax router (initialised from its centroids,
     scaled so the logits start with std ``EW_INIT_LOGIT_STD``) with a weighted combine."""
     from ..runtime.modeling_moelab import convert_in_place
-    from ..training.router_init import centroid_logit_std, to_softmax_router
+    from ..core.router_init import centroid_logit_std, to_softmax_router
 
-    switch = {i: m for i, m in modules.items() if not (m.router == "softmax" and m.combine == "weighted") and m.n_routed > 0}
+    switch = {i: m for i, m in modules.items() if not (m.router.kind == "softmax" and m.combine == "weighted") and m.n_routed > 0}
     if not switch:
         return modules, {}, False
     std = centroid_logit_std(moe, switch, batch)

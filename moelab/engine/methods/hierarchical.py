@@ -21,7 +21,7 @@ The pipeline, per expert, reuses the dense pieces:
 3. **Experts + router** (``cmoe.layer_experts``): shared = highest ATopK rates (CM Eq. 5 / AF
    §4.1), routed = balanced clustering of the ATopK features (CM Eqs. 6–10), sub-router = the
    representative neurons (CM Eqs. 17–19 / AF Eqs. 7–8).
-4. **Runtime**: one ``MoeFFN`` per expert (``MoeFFN.from_dense``) inside a
+4. **Runtime**: one ``MoeFFN`` per expert (``core.slicing.moe_from_dense``) inside a
    ``HierarchicalExperts`` that replaces the block's ``experts`` module with the same call, so
    the top-level router, its top-k weights and Qwen2-MoE's gated shared expert are untouched.
 
@@ -112,14 +112,31 @@ def restructure_expert(
     ATopK features, representative-neuron sub-router (CM Eqs. 5–10, 17–19; AF Eqs. 7–8)."""
     import torch
 
-    from ..runtime.modeling_moelab import MoeFFN
+    from ..core.slicing import moe_from_dense
 
     g, u = gate_w.float().cpu().numpy(), up_w.float().cpu().numpy()
     ex = cmoe.layer_experts(row, profile.rate, profile.markers, g, u, router="representative", max_iter=max_iter)
     weights = {k: torch.as_tensor(v).to(device=gate_w.device, dtype=gate_w.dtype) for k, v in ex.router_weights.items()}
-    sub = MoeFFN.from_dense(gate_w, up_w, down_w, act, ex.shared, ex.routed, ex.top_k, ex.router, "sum", **weights)
+    sub = moe_from_dense(gate_w, up_w, down_w, act, ex.shared, ex.routed, ex.top_k, ex.router, "sum", **weights)
     return sub, ex
 
+
+def wrap_sub_experts(subs: list[Any], experts_per_token: int, **extra: Any) -> Any:
+    """A ``HierarchicalExperts`` around already-built sub-MoEs (one ``MoeFFN`` per expert, in expert
+    order); no weight copy."""
+    import torch
+    from torch import nn
+
+    from ..runtime.modeling_moelab import HierarchicalExperts
+
+    if not subs:
+        raise ValueError("a hierarchical layer needs one MoeFFN per expert")
+    spec = {"kind": "hierarchical", "d_model": subs[0].d_model, "num_experts": len(subs),
+            "experts_per_token": int(experts_per_token), **extra, "experts": [m.spec for m in subs]}
+    with torch.device("meta"):  # validates the spec; the meta sub-MoEs are replaced right away
+        mod = HierarchicalExperts(spec)
+    mod.sub_experts = nn.ModuleList(subs)
+    return mod
 
 def _expert_record(e: int, row: LayerPlan, ex: LayerExperts, prof: Any) -> dict[str, Any]:
     return {
@@ -229,8 +246,6 @@ def _restructure_layers(layers: list[Any], profiles: Any, params: HierarchicalPa
     """AF Eq. 10 for every expert of every MoE layer: ``({layer: HierarchicalExperts}, layer records)``."""
     import torch
 
-    from ..runtime.modeling_moelab import HierarchicalExperts
-
     modules: dict[int, Any] = {}
     layer_records = []
     progress.update("restructure experts", 0, len(layers))
@@ -242,7 +257,7 @@ def _restructure_layers(layers: list[Any], profiles: Any, params: HierarchicalPa
                 sub, ex = restructure_expert(*lay.expert_weights(e), lay.act, prof, row, params.max_iter)
                 subs.append(sub)
                 records.append(_expert_record(e, row, ex, prof))
-            modules[lay.index] = HierarchicalExperts.from_sub_experts(subs, lay.experts_per_token)
+            modules[lay.index] = wrap_sub_experts(subs, lay.experts_per_token)
             layer_records.append({
                 "layer": lay.index, "num_experts": lay.num_experts, "experts_per_token": lay.experts_per_token,
                 "d_expert_ffn": lay.d_ffn, "fallback_experts": sum(r["fallback"] for r in records),

@@ -381,8 +381,7 @@ def _midas_layer(adapter: Any, i: int, lay: Any, profiles: Sequence[Any], router
     returns the layer's ``LowRankMoeFFN`` (router ``router``) and its record row (``convert_midas``)."""
     import torch
 
-    from ..core.lowrank import as_float64, data_errors
-    from ..runtime.modeling_moelab import LowRankMoeFFN
+    from ..core.lowrank import as_float64, data_errors, lowrank_moe_from_factors
 
     E = len(profiles)
     n_tokens = [int(p.manifest["n_tokens"]) for p in profiles]
@@ -415,7 +414,7 @@ def _midas_layer(adapter: Any, i: int, lay: Any, profiles: Sequence[Any], router
 
     factors = {f"{k}_a": stack(k, "B") for k in ("gate", "up", "down")}
     factors |= {f"{k}_b": stack(k, "A") for k in ("gate", "up", "down")}
-    return LowRankMoeFFN.from_factors(factors, router.to(ref.dtype), adapter.activation, params.top_k), row
+    return lowrank_moe_from_factors(factors, router.to(ref.dtype), adapter.activation, params.top_k), row
 
 
 def _mean_diag(layers: list[dict[str, Any]], key: str) -> float:

@@ -200,7 +200,7 @@ class _LayerAccumulator:
 class _PassInputs:
     """Everything a pass needs before a layer runs: tokens, groups, the feature sample, batches.
 
-    Shared by the in-memory pass below and the layer-streamed one (``streaming.py``), so both
+    Shared by the in-memory pass below and the layer-streamed one (``streaming.profile``), so both
     see the same batches in the same order and keep the same marker rows.
     """
 

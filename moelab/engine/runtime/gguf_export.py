@@ -107,7 +107,6 @@ def deepseek_state_dict(moe: Any, layout: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from .modeling_moelab import decoder_layers
-    from .moelab_routers import ROUTERS
 
     out: dict[str, torch.Tensor] = {}
     moe_layers = set(layout["shared_padding"])
@@ -121,8 +120,9 @@ def deepseek_state_dict(moe: Any, layout: dict[str, Any]) -> dict[str, Any]:
         if i not in moe_layers:
             continue
         mlp, p = block.mlp, f"model.layers.{i}.mlp"
-        out[f"{p}.gate.weight"] = ROUTERS[mlp.router].centroid(mlp).detach().float().contiguous()
-        gate, up, down = (t.detach().float() for t in (mlp.experts_gate, mlp.experts_up, mlp.experts_down))
+        out[f"{p}.gate.weight"] = mlp.router.scorer.centroid(mlp).detach().float().contiguous()
+        m, gate_up = mlp.expert_size, mlp.experts.gate_up_proj.detach().float()
+        gate, up, down = gate_up[:, :m], gate_up[:, m:], mlp.experts.down_proj.detach().float()
         for e in range(gate.shape[0]):
             out[f"{p}.experts.{e}.gate_proj.weight"] = gate[e].contiguous()
             out[f"{p}.experts.{e}.up_proj.weight"] = up[e].contiguous()

@@ -11,7 +11,7 @@ Files, read top to bottom (each imports only those above it)
 ``moelab_routers.py``       the router kinds (scores, cost, fit, init) and ``ffn_macs``, the cost
 ``moelab_kernels.py``       the routed experts' fast kernels and ``select_kernel``
 ``moelab_compat.py``        loading the keys earlier runtimes wrote
-``moelab_moe.py``           ``MoeExperts`` (reference forward) and ``MoeFFN``, the sparse block
+``moelab_moe.py``           ``MoeExperts`` (reference forward), ``MoeRouter`` and ``MoeFFN``, the sparse block
 ``moelab_abstopk.py``       ``AbsTopKGLU``: EW Eq. 2 baseline, per-token top-k neurons
 ``moelab_teal.py``          ``TealGLU``: TEAL baseline, magnitude thresholds on the projections' inputs
 ``moelab_hierarchical.py``  ``HierarchicalExperts``: AF Eq. 10, sub-experts inside every expert
@@ -44,7 +44,7 @@ from .moelab_compat import is_legacy_expert_conversion, legacy_expert_conversion
 from .moelab_hierarchical import HierarchicalExperts, set_experts
 from .moelab_kernels import EXPERTS_IMPLS, decode_layout
 from .moelab_lowrank import LowRankMoeFFN
-from .moelab_moe import MoeExperts, MoeFFN
+from .moelab_moe import MoeExperts, MoeFFN, MoeRouter
 from .moelab_routers import COMBINES, ROUTERS
 from .moelab_teal import TealGLU
 
@@ -324,6 +324,7 @@ __all__ = [
     "LowRankMoeFFN",
     "MoeExperts",
     "MoeFFN",
+    "MoeRouter",
     "MoelabConfig",
     "MoelabForCausalLM",
     "MoelabPreTrainedModel",

@@ -7,7 +7,7 @@ Spec: ``{"kind": "abstopk", "d_model", "d_ffn", "act", "k"}``.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -39,20 +39,6 @@ class AbsTopKGLU(nn.Module):
     def spec(self) -> dict:
         return {"kind": "abstopk", "d_model": self.d_model, "d_ffn": self.d_ffn, "act": self.act,
                 "k": self.k, **self._extra}
-
-    @classmethod
-    @torch.no_grad()
-    def from_dense(cls, gate_w, up_w, down_w, act: str, k: int, **extra: Any) -> "AbsTopKGLU":
-        d_ffn, d_model = gate_w.shape
-        with torch.device("meta"):
-            mod = cls({"kind": "abstopk", "d_model": int(d_model), "d_ffn": int(d_ffn), "act": act,
-                       "k": int(k), **extra})
-        mod.to_empty(device=gate_w.device)
-        mod.to(gate_w.dtype)
-        mod.gate_proj.weight.copy_(gate_w)
-        mod.up_proj.weight.copy_(up_w)
-        mod.down_proj.weight.copy_(down_w)
-        return mod
 
     def active_param_count(self) -> int:
         """All gate rows are computed to pick the top k; up and down only for those k neurons."""

@@ -9,7 +9,7 @@ layer spec, ...]}`` (the sparse-MoE block stays, only its ``experts`` module is 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -80,18 +80,6 @@ class HierarchicalExperts(nn.Module):
         return {"kind": "hierarchical", "d_model": self.d_model, "num_experts": self.num_experts,
                 "experts_per_token": self.experts_per_token, **self._extra,
                 "experts": [m.spec for m in self.sub_experts]}
-
-    @classmethod
-    def from_sub_experts(cls, subs: list[MoeFFN], experts_per_token: int, **extra: Any) -> "HierarchicalExperts":
-        """Wrap already-built sub-MoEs (one per expert, in expert order); no weight copy."""
-        if not subs:
-            raise ValueError("from_sub_experts needs one MoeFFN per expert")
-        spec = {"kind": "hierarchical", "d_model": subs[0].d_model, "num_experts": len(subs),
-                "experts_per_token": int(experts_per_token), **extra, "experts": [m.spec for m in subs]}
-        with torch.device("meta"):  # validates the spec; the meta sub-MoEs are replaced right away
-            mod = cls(spec)
-        mod.sub_experts = nn.ModuleList(subs)
-        return mod
 
     def active_param_count(self) -> int:
         """Per token: ``experts_per_token`` experts, each its shared part, its active sub-experts

@@ -7,14 +7,13 @@ Spec: ``{"kind": "lowrank_moe", "d_model", "d_ffn", "act", "n_experts", "rank", 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-_LOWRANK_FACTORS = ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b")
 _LOWRANK_KEYS = {"kind", "d_model", "d_ffn", "act", "n_experts", "rank", "top_k"}
 
 
@@ -81,35 +80,6 @@ class LowRankMoeFFN(nn.Module):
             "kind": "lowrank_moe", "d_model": self.d_model, "d_ffn": self.d_ffn, "act": self.act,
             "n_experts": self.n_experts, "rank": self.rank, "top_k": self.top_k, **self._extra,
         }
-
-    @classmethod
-    @torch.no_grad()
-    def from_factors(
-        cls, factors: dict[str, torch.Tensor], router_weight: torch.Tensor, act: str, top_k: int, **extra: Any
-    ) -> "LowRankMoeFFN":
-        """Build from stacked factors (keys ``gate_a`` … ``down_b``, shapes as in the class
-        docstring) and the gating network's weight ``[E, d_model]``; dtype/device of ``gate_a``."""
-        missing = [k for k in _LOWRANK_FACTORS if k not in factors]
-        if missing:
-            raise ValueError(f"missing factors: {', '.join(missing)}")
-        E, r, d = factors["gate_a"].shape
-        f = factors["gate_b"].shape[1]
-        spec = {"kind": "lowrank_moe", "d_model": int(d), "d_ffn": int(f), "act": str(act), "n_experts": int(E),
-                "rank": int(r), "top_k": int(top_k), **extra}
-        with torch.device("meta"):
-            mod = cls(spec)
-        ref = factors["gate_a"]
-        mod.to_empty(device=ref.device)
-        mod.to(ref.dtype)
-        for name in _LOWRANK_FACTORS:
-            p = getattr(mod, name)
-            if tuple(factors[name].shape) != tuple(p.shape):
-                raise ValueError(f"{name} must be {tuple(p.shape)}, got {tuple(factors[name].shape)}")
-            p.copy_(factors[name])
-        if tuple(router_weight.shape) != (E, d):
-            raise ValueError(f"router_weight must be [n_experts={E}, d_model={d}], got {tuple(router_weight.shape)}")
-        mod.router.weight.copy_(router_weight)
-        return mod
 
     def active_param_count(self) -> int:
         """Gating network plus ``top_k`` experts of three rank-r factor pairs each."""

@@ -50,17 +50,11 @@ from transformers.activations import ACT2FN
 
 from .moelab_compat import load_legacy_expert_keys, register_load_pre_hook
 from .moelab_kernels import EXPERTS_IMPLS, decode_layout, every_expert, keep_largest, per_expert, run_kernel, select_kernel
-from .moelab_routers import COMBINES, ROUTERS, ffn_macs, kept, router_kind
+from .moelab_routers import COMBINES, ffn_macs, kept, router_kind
 
 DISPATCHES = ("auto", "loop", "padded")
 # "padded" (the retired capacity-padded batched matmul, a speed choice) runs the default kernels
 _DISPATCH_TO_IMPL = {"auto": "auto", "loop": "loop", "padded": "auto"}
-
-
-def _as_long(idx: Any) -> torch.Tensor:
-    if isinstance(idx, torch.Tensor):
-        return idx.detach().to(device="cpu", dtype=torch.long)
-    return torch.as_tensor(idx, dtype=torch.long)
 
 
 class MoeExperts(nn.Module):
@@ -187,6 +181,66 @@ class MoeExperts(nn.Module):
         return y
 
 
+class MoeRouter(nn.Module):
+    """The sparse block's router (``block.router``), a child module as in transformers' sparse-MoE
+    blocks (``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``): ``forward(x [T, d])`` gives the scores
+    ``[T, E]`` that rank the routed experts (its ``kind``'s formula, ``moelab_routers.ROUTERS``) and,
+    for gate_mass, the gate activations ``[T, E*m]`` the selected experts reuse; ``select`` picks each
+    token's ``top_k`` experts from them, ``weights`` gives their combine weights.
+
+    The router's parameters stay registered on the block, under the names every checkpoint has
+    (``router_weight``, ``router_offset``, ``router_gate``/``router_up``, ``router_scale``, buffer
+    ``router_bias``; a kind's ``parameters(E, d)``), and the router reads them there (the registry's
+    ``scores(block, x)``). So state-dict keys, the native and GGUF exports, fine-tuning's choice of
+    router parameters by name and its saved optimizer states are what they were, with nothing to
+    remap: keys renamed in state-dict hooks would need transformers weight converters for
+    ``from_pretrained`` as well, and named parameters would still differ. The block is therefore a
+    plain attribute here, not a submodule (no cycle in ``modules()``; a deepcopy of the block copies
+    it along); ``top_k`` and ``combine``, the block's spec, are read there too. ``groups``: the
+    spec's ``expert_groups`` as group ids (None: every expert its own group).
+    """
+
+    def __init__(self, kind: str, block: nn.Module, groups: torch.Tensor | None = None):
+        super().__init__()
+        self.kind = kind
+        self.scorer = router_kind(kind)
+        self.groups = groups
+        object.__setattr__(self, "block", block)  # not registered: the block owns the router
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind}"
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.scorer.scores(self.block, x)
+
+    def select(self, scores: torch.Tensor, sort: bool = False) -> torch.Tensor:
+        """Each token's ``top_k`` experts ``[T, k]``, best first only when ``sort`` (unsorted top-k of
+        24 of 56 experts for 512 tokens takes 0.27 ms against 0.45 ms)."""
+        block = self.block
+        key = scores
+        if block.combine == "scaled":
+            # CM §3.3: TopK(softmax(s) + b). In float64, because a float32 softmax of widely
+            # spread scores underflows to ties at 0, and with b = 0 the selection must be TopK(s).
+            key = torch.softmax(scores.detach().double(), dim=-1) + block.router_bias.double()
+        if self.groups is not None and block.top_k > 1:  # top-1 is the best of its group anyway
+            key = _one_per_group(key.detach(), self.groups.to(key.device))
+        return torch.topk(key, block.top_k, dim=-1, sorted=sort).indices
+
+    def weights(self, scores: torch.Tensor, top: torch.Tensor | None) -> torch.Tensor | None:
+        """Weight of each selected expert, ``[T, k]`` (``[T, E]`` when ``top`` is None: every
+        expert); None for the ``sum`` combine (weights of 1, EW Eq. 10 / CMoE Eq. 11)."""
+        combine, dt = self.block.combine, scores.dtype
+        if combine == "sum":
+            return None
+        if combine == "normalized":  # softmax over the selected scores only (Mixtral)
+            sel = scores if top is None else scores.gather(1, top)
+            return torch.softmax(sel.float(), dim=-1).to(dt)
+        p = torch.softmax(scores.float(), dim=-1).to(dt)  # EW Eq. 11, D2 §2.1
+        if combine == "scaled":  # CM §3.3: g_i = 1 + s'_i u_i (exactly 1 while u = 0)
+            p = 1 + p * self.block.router_scale
+        return p if top is None else p.gather(1, top)
+
+
 class MoeFFN(nn.Module):
     """Shared expert + top-k routed experts; ``forward(x[..., d_model]) -> [..., d_model]``.
 
@@ -194,15 +248,14 @@ class MoeFFN(nn.Module):
     ``shared_down`` (d_shared -> d_model), absent when ``d_shared == 0``; ``experts`` (a
     ``MoeExperts``: ``gate_up_proj [E, 2m, d_model]``, ``down_proj [E, d_model, m]``); the router
     kind's parameters (``moelab_routers``: ``router_weight`` ``[E, d_model]``, ``router_offset``,
-    ``router_gate``/``router_up``; none for gate_mass).
+    ``router_gate``/``router_up``; none for gate_mass), registered on the block (``MoeRouter``
+    says why).
 
-    Laid out like a transformers sparse-MoE block: router (its kind's ``scores``; the ``router_*``
-    parameters sit on the block, because those names are the checkpoint format and fine-tuning
-    selects them), routing weights as a ``[T, k]`` tensor (None for the unweighted sum), and the
-    ``experts`` module that runs them.
-    ``experts_gate``/``experts_up``/``experts_down`` are views of the stacked tensors in the
-    previous runtime's ``[E, m, d]``/``[E, d, m]`` shapes; state dicts and checkpoints with those
-    keys are converted on load (``moelab_compat``).
+    Laid out like a transformers sparse-MoE block: ``router`` (a ``MoeRouter``: scores, top-k
+    selection, routing weights as a ``[T, k]`` tensor, None for the unweighted sum) and the
+    ``experts`` module that runs them. State dicts and checkpoints of earlier runtimes
+    (``experts_gate``/``experts_up``/``experts_down``) are converted on load (``moelab_compat``).
+    Built from a dense GLU at conversion time by ``core.slicing.moe_from_dense``, not here.
 
     ``recorder``: optional callable (not a submodule) receiving the selected expert indices,
     shaped ``[..., top_k]`` like the input's leading dims, on every forward.
@@ -221,11 +274,11 @@ class MoeFFN(nn.Module):
         self.n_routed = int(spec.get("n_routed", spec.get("n_experts", 0)))
         self.expert_size = int(spec.get("expert_size", 0))
         self.top_k = int(spec.get("top_k", 0))
-        self.router = str(spec.get("router", "centroid"))
+        router = str(spec.get("router", "centroid"))
         self.combine = str(spec.get("combine", "sum"))
         dispatch = str(spec.get("dispatch", "auto"))
         E, m, d = self.n_routed, self.expert_size, self.d_model
-        scorer = router_kind(self.router)
+        scorer = router_kind(router)
         if self.combine not in COMBINES:
             raise ValueError(f"unknown combine {self.combine!r}; one of {COMBINES}")
         if dispatch not in DISPATCHES:
@@ -237,7 +290,7 @@ class MoeFFN(nn.Module):
         if E > 0 and m == 0:
             raise ValueError("expert_size must be positive when there are routed experts")
         self._extra = {k: v for k, v in spec.items() if k not in _MOE_KEYS}
-        self._groups = _expert_groups(spec.get("expert_groups"), E, self.top_k)
+        groups = _expert_groups(spec.get("expert_groups"), E, self.top_k)
         self.act_fn = ACT2FN[self.act]
         if self.d_shared > 0:
             self.shared_gate = nn.Linear(d, self.d_shared, bias=False)
@@ -246,6 +299,7 @@ class MoeFFN(nn.Module):
         else:
             self.shared_gate = self.shared_up = self.shared_down = None
         self.experts = MoeExperts(E, m, d, self.act, column_major=scorer.column_major)
+        self.router = MoeRouter(router, self, groups)
         self.down_keep = float(spec.get("down_keep", 1.0))
         if not 0 < self.down_keep <= 1:
             raise ValueError(f"down_keep={self.down_keep}: a fraction in (0, 1] of each expert's neurons")
@@ -289,21 +343,6 @@ class MoeFFN(nn.Module):
             raise ValueError(f"unknown experts_impl {impl!r}; one of {EXPERTS_IMPLS}")
         self.experts.experts_impl = impl
 
-    @property
-    def experts_gate(self) -> torch.Tensor:
-        """``[E, m, d]`` view of the experts' gate rows (the previous runtime's parameter)."""
-        return self.experts.gate_up_proj[:, : self.expert_size]
-
-    @property
-    def experts_up(self) -> torch.Tensor:
-        """``[E, m, d]`` view of the experts' up rows."""
-        return self.experts.gate_up_proj[:, self.expert_size :]
-
-    @property
-    def experts_down(self) -> torch.Tensor:
-        """``[E, d, m]``: the experts' down projections."""
-        return self.experts.down_proj
-
     def _add_scaled_gating(self) -> None:
         # b is a persistent buffer: it is saved and reloaded, but never receives a gradient
         # (CM §3.3 updates it by +-gamma from the expert loads after each training step).
@@ -322,8 +361,6 @@ class MoeFFN(nn.Module):
         self.combine = "scaled"
         self._add_scaled_gating()
 
-    # ..................................................................... construction
-
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
         """Random init (a fresh model only; converted and loaded models overwrite it)."""
@@ -341,107 +378,22 @@ class MoeFFN(nn.Module):
         return {
             "kind": "moe", "d_model": self.d_model, "act": self.act, "d_shared": self.d_shared,
             "n_routed": self.n_routed, "expert_size": self.expert_size, "top_k": self.top_k,
-            "router": self.router, "combine": self.combine,
+            "router": self.router.kind, "combine": self.combine,
             **({"dispatch": self.dispatch} if self.dispatch != "auto" else {}),
             **({"skip_mean": True} if self.compensated else {}),
             **({"down_keep": self.down_keep} if self.down_keep < 1 else {}), **self._extra,
         }
 
-    @classmethod
-    @torch.no_grad()
-    def from_dense(
-        cls,
-        gate_w: torch.Tensor,
-        up_w: torch.Tensor,
-        down_w: torch.Tensor,
-        act: str,
-        shared_idx: Any,
-        routed_idx: Any,
-        top_k: int,
-        router: str,
-        combine: str = "sum",
-        router_weight: torch.Tensor | None = None,
-        router_gate: torch.Tensor | None = None,
-        router_up: torch.Tensor | None = None,
-        router_offset: torch.Tensor | None = None,
-        skip_mean: torch.Tensor | None = None,
-        **extra: Any,
-    ) -> "MoeFFN":
-        """Slice a dense GLU into a shared expert and routed experts (EW Eqs. 7-8, CMoE Eq. 5).
-
-        ``gate_w``/``up_w``: ``[d_ffn, d_model]`` (nn.Linear layout); ``down_w``: ``[d_model, d_ffn]``.
-        ``shared_idx``: neuron ids of the shared expert (may be empty); ``routed_idx``:
-        ``[E, m]`` neuron ids of each routed expert. Neurons left out of both are pruned.
-        Router parameters not given take their kind's default (``moelab_routers``: the expert
-        centroids of the gate rows, EW Eq. 9; for the representative router the centroids of the
-        gate and up rows — pass CMoE's representative-neuron rows to follow Eq. 18 exactly). ``skip_mean`` ``[E, d_model]``: the
-        skipped experts' calibration means (``core.fitting.skipped_means``), added for the experts
-        a token skips.
-        """
-        d_ffn, d_model = gate_w.shape
-        if up_w.shape != gate_w.shape or down_w.shape != (d_model, d_ffn):
-            raise ValueError(
-                f"shapes gate {tuple(gate_w.shape)}, up {tuple(up_w.shape)}, down {tuple(down_w.shape)} "
-                "do not form a GLU (gate/up [d_ffn, d_model], down [d_model, d_ffn])"
-            )
-        shared = _as_long(shared_idx).reshape(-1)
-        routed = _as_long(routed_idx)
-        if routed.numel() == 0:
-            routed = routed.reshape(0, 0)
-        if routed.dim() != 2:
-            raise ValueError(f"routed_idx must be [n_routed, expert_size], got shape {tuple(routed.shape)}")
-        used = torch.cat([shared, routed.reshape(-1)])
-        if used.numel() and (used.min() < 0 or used.max() >= d_ffn):
-            raise ValueError(f"neuron index out of range [0, {d_ffn})")
-        if torch.unique(used).numel() != used.numel():
-            raise ValueError("a neuron is assigned twice (shared/routed indices overlap)")
-        E, m = routed.shape
-        spec = {
-            "kind": "moe", "d_model": int(d_model), "act": str(act), "d_shared": int(shared.numel()),
-            "n_routed": int(E), "expert_size": int(m), "top_k": int(top_k), "router": router,
-            "combine": combine, **({"skip_mean": True} if skip_mean is not None else {}), **extra,
-        }
-        dev, dt = gate_w.device, gate_w.dtype
-        with torch.device("meta"):
-            mod = cls(spec)
-        mod.to_empty(device=dev)
-        mod.to(dt)
-        sh, rt = shared.to(dev), routed.to(dev)
-        if mod.d_shared:
-            mod.shared_gate.weight.copy_(gate_w.index_select(0, sh))
-            mod.shared_up.weight.copy_(up_w.index_select(0, sh))
-            mod.shared_down.weight.copy_(down_w.index_select(1, sh))
-        flat = rt.reshape(-1)
-        mod.experts_gate.copy_(gate_w.index_select(0, flat).reshape(E, m, d_model))
-        mod.experts_up.copy_(up_w.index_select(0, flat).reshape(E, m, d_model))
-        # down_w[:, routed] is [d, E, m] -> [E, d, m]
-        mod.experts.down_proj.copy_(down_w.index_select(1, flat).reshape(d_model, E, m).permute(1, 0, 2))
-        given = {"router_weight": router_weight, "router_gate": router_gate, "router_up": router_up,
-                 "router_offset": router_offset}
-        given = {k: torch.as_tensor(v) for k, v in given.items() if v is not None}
-        for name, value in router_kind(router).init(E, d_model, mod.experts_gate, mod.experts_up, given).items():
-            if value is not None:
-                getattr(mod, name).copy_(value)
-        if mod.combine == "scaled":  # to_empty left them uninitialised
-            mod.router_scale.zero_()
-            mod.router_bias.zero_()
-        if skip_mean is not None:
-            if tuple(skip_mean.shape) != (E, d_model):
-                raise ValueError(f"skip_mean must be [n_routed={E}, d_model={d_model}], got {tuple(skip_mean.shape)}")
-            mod.skip_mean.copy_(skip_mean)
-        return mod
-
     def active_param_count(self) -> int:
         """Multiply-adds per token (``moelab_routers.ffn_macs``: shared expert, router, ``top_k`` routed
         experts), the same function the plan's cost is computed with."""
-        return ffn_macs(self.d_model, self.d_shared, self.n_routed, self.expert_size, self.top_k, self.router,
+        return ffn_macs(self.d_model, self.d_shared, self.n_routed, self.expert_size, self.top_k, self.router.kind,
                         self.combine, self.down_keep)
 
     def extra_repr(self) -> str:
         return (
             f"d_model={self.d_model}, d_shared={self.d_shared}, n_routed={self.n_routed}, "
-            f"expert_size={self.expert_size}, top_k={self.top_k}, router={self.router}, "
-            f"combine={self.combine}, act={self.act}"
+            f"expert_size={self.expert_size}, top_k={self.top_k}, combine={self.combine}, act={self.act}"
         )
 
     # ..................................................................... forward
@@ -450,10 +402,6 @@ class MoeFFN(nn.Module):
         if self.d_shared == 0:
             return x.new_zeros(x.shape[0], self.d_model)
         return self.shared_down(keep_largest(self.act_fn(self.shared_gate(x)) * self.shared_up(x), self.shared_keep))
-
-    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Router scores ``[T, E]`` and, for gate_mass, act(gate) of every routed neuron ``[T, E*m]``."""
-        return ROUTERS[self.router].scores(self, x)
 
     def gate_activations(self, x: torch.Tensor) -> torch.Tensor:
         """``act(gate)`` of every routed neuron, ``[T, E*m]``. Under LoRA on the stacked experts, peft
@@ -486,46 +434,23 @@ class MoeFFN(nn.Module):
             self._record(torch.arange(E, device=x.device).expand(T, E), lead)
             y = y + self._all_experts(xt)
             return y.reshape(x.shape)
-        scores, act_gate = self._route(xt)
-        key = scores
-        if self.combine == "scaled":
-            # CM §3.3: TopK(softmax(s) + b). In float64, because a float32 softmax of widely
-            # spread scores underflows to ties at 0, and with b = 0 the selection must be TopK(s).
-            key = torch.softmax(scores.detach().double(), dim=-1) + self.router_bias.double()
-        if self._groups is not None and k > 1:  # top-1 is the best of its group anyway
-            key = _one_per_group(key.detach(), self._groups.to(key.device))
-        # [T, k]; best first only when recorded (the recorder's readers rank by it): unsorted top-k of
-        # 24 of 56 experts for 512 tokens takes 0.27 ms against 0.45 ms
-        top = torch.topk(key, k, dim=-1, sorted=self.recorder is not None).indices
+        scores, act_gate = self.router(xt)
+        top = self.router.select(scores, sort=self.recorder is not None)  # the recorder's readers rank by it
         self._record(top, lead)
-        y = y + self.experts(xt, top, self._routing_weights(scores, top), act_gate)
+        y = y + self.experts(xt, top, self.router.weights(scores, top), act_gate)
         if self.compensated:  # Σ_{e∉top} μ_e as (Σ_e μ_e) − Σ_{e∈top} μ_e: k + 1 additions per token
             # summed as they are read (embedding_bag): ``skip_mean[top]`` wrote [T, k, d] first, 4 ms
             # against 200 ms a layer for 1,024 tokens at top-91 of 128
             y = y + (self.skip_mean.sum(0) - F.embedding_bag(top, self.skip_mean, mode="sum"))
         return y.reshape(x.shape)
 
-    def _routing_weights(self, scores: torch.Tensor, top: torch.Tensor | None) -> torch.Tensor | None:
-        """Weight of each selected expert, ``[T, k]`` (``[T, E]`` when ``top`` is None: every
-        expert); None for the ``sum`` combine (weights of 1, EW Eq. 10 / CMoE Eq. 11)."""
-        dt = scores.dtype
-        if self.combine == "sum":
-            return None
-        if self.combine == "normalized":  # softmax over the selected scores only (Mixtral)
-            sel = scores if top is None else scores.gather(1, top)
-            return torch.softmax(sel.float(), dim=-1).to(dt)
-        p = torch.softmax(scores.float(), dim=-1).to(dt)  # EW Eq. 11, D2 §2.1
-        if self.combine == "scaled":  # CM §3.3: g_i = 1 + s'_i u_i (exactly 1 while u = 0)
-            p = 1 + p * self.router_scale
-        return p if top is None else p.gather(1, top)
-
     def _all_experts(self, x: torch.Tensor) -> torch.Tensor:
         """Every routed expert on every token: one GLU over the concatenated experts."""
         if self.combine == "sum":
             return self.experts(x, None, None)
         # every expert selected: the weighted and normalized combines coincide
-        scores, act_gate = self._route(x)
-        return self.experts(x, None, self._routing_weights(scores, None), act_gate)
+        scores, act_gate = self.router(x)
+        return self.experts(x, None, self.router.weights(scores, None), act_gate)
 
 
 _MOE_KEYS = {"kind", "d_model", "act", "d_shared", "n_routed", "n_experts", "expert_size", "top_k", "router", "combine",

@@ -7,12 +7,13 @@ methods (``torch`` itself is imported inside the one fit that solves a linear sy
 
 A router kind owns, in one place:
 
-* ``parameters(E, d)``: the names and shapes of its parameters. They live on the sparse block
-  (``MoeFFN.router_weight`` …), not on a router submodule: those names are the checkpoint format
-  of every export written so far, fine-tuning selects the routers by their ``router`` prefix, and
-  LoRA targets name the block's children.
+* ``parameters(E, d)``: the names and shapes of its parameters. They are registered on the sparse
+  block (``MoeFFN.router_weight`` …), not on its router submodule (``MoeFFN.router``, a
+  ``MoeRouter``, which reads them there): those names are the checkpoint format of every export
+  written so far, fine-tuning selects the routers by their ``router`` prefix, and LoRA targets
+  name the block's children.
 * ``scores(block, x)``: the ``[T, E]`` scores that rank the routed experts (and, for ``gate_mass``,
-  the gate activations the selected experts reuse).
+  the gate activations the selected experts reuse); ``MoeRouter.forward`` calls it.
 * ``macs(d, E, m)``: multiply-adds per token of scoring, and of one selected routed expert;
   ``ffn_macs`` turns them into a layer's cost, the one the plan reports (``core.allocation``) and
   the one the runtime counts (``MoeFFN.active_param_count``).
@@ -72,7 +73,7 @@ class Router:
     def centroid(self, block: Any) -> Any:
         """EW Eq. 9 weights ``[E, d]`` for a softmax router that replaces this one: the centroids of
         the experts' gate rows."""
-        return block.experts_gate.detach().mean(dim=1)
+        return block.experts.gate_up_proj[:, : block.expert_size].detach().mean(dim=1)
 
 
 class CentroidRouter(Router):

@@ -10,7 +10,7 @@ the cost the layer reports.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -94,22 +94,6 @@ class TealGLU(nn.Module):
     def spec(self) -> dict:
         return {"kind": "teal", "d_model": self.d_model, "d_ffn": self.d_ffn, "act": self.act, "t_in": self.t_in,
                 "t_mid": self.t_mid, "s_in": self.s_in, "s_mid": self.s_mid, **self._extra}
-
-    @classmethod
-    @torch.no_grad()
-    def from_dense(cls, gate_w, up_w, down_w, act: str, t_in: float, t_mid: float, s_in: float, s_mid: float,
-                   **extra: Any) -> "TealGLU":
-        d_ffn, d_model = gate_w.shape
-        with torch.device("meta"):
-            mod = cls({"kind": "teal", "d_model": int(d_model), "d_ffn": int(d_ffn), "act": act, "t_in": float(t_in),
-                       "t_mid": float(t_mid), "s_in": float(s_in), "s_mid": float(s_mid), **extra})
-        mod.to_empty(device=gate_w.device)
-        mod.to(gate_w.dtype)
-        mod.gate_proj.weight.copy_(gate_w)
-        mod.up_proj.weight.copy_(up_w)
-        mod.down_proj.weight.copy_(down_w)
-        mod.use_decode_layout()
-        return mod
 
     def active_param_count(self) -> int:
         """The weight columns a token reads at the calibrated sparsities: ``(1 − s_in)`` of gate's and

@@ -100,7 +100,7 @@ from ..runtime.param_count import parameter_counts
 from ..progress import NO_PROGRESS, Cancelled, Progress
 # Declared in a module without torch (the API generates its request body from them), used and re-exported here.
 from .params import MODES, FinetuneError, FinetuneParams
-from .router_init import is_router_param
+from ..core.router_init import is_router_param
 
 TRAIN_LOG = "train_log.json"
 SUMMARY_FILE = "finetune.json"
@@ -198,12 +198,11 @@ def update_router_bias(bias: torch.Tensor, counts: torch.Tensor, gamma: float) -
 def router_logits(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """The logits whose softmax is the router probability P of EW Eq. 12, or None when the
     module's routing has no such probabilities (centroid/representative/gate-mass scores)."""
-    w = getattr(module, "router_weight", None)
-    if isinstance(w, torch.Tensor) and getattr(module, "router", None) == "softmax":
+    router, w = getattr(module, "router", None), getattr(module, "router_weight", None)
+    if isinstance(w, torch.Tensor) and getattr(router, "kind", None) == "softmax":  # MoeFFN's MoeRouter
         return F.linear(x, w)
-    gate = getattr(module, "router", None)
-    if isinstance(gate, nn.Linear):  # MIDAS gating network G
-        return gate(x)
+    if isinstance(router, nn.Linear):  # MIDAS gating network G
+        return router(x)
     return None
 
 

@@ -1,4 +1,4 @@
-"""Layer-streamed profiling: the same pass as ``profiler.profile_model`` under a memory budget.
+"""Layer-streamed profiling: the same pass as ``profiling.profiler.profile_model`` under a memory budget.
 
 When a model's weights exceed ``--max-memory``, the pass runs layer by layer instead of batch
 by batch:
@@ -28,7 +28,6 @@ MB) nor one batch's transient activations (``batch_tokens`` bounds those).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -42,10 +41,7 @@ from torch import nn
 
 from ..atomic import temporary_sibling
 from ..data.calibration import CalibrationSet
-from ..models import DEFAULT_MODEL, ModelAdapter, ModelError, adapt, cache_default_model, resolve_device, resolve_dtype, service_location
-from ..progress import NO_PROGRESS, Progress
-from ..sizes import format_size, parse_size  # noqa: F401  (parse_size: re-exported for callers)
-from .profiler import (
+from ..profiling.profiler import (
     LayerStats,
     ProfileResult,
     ProfileSettings,
@@ -59,202 +55,12 @@ from .profiler import (
     _PassInputs,
     start_pass,
 )
+from ..progress import NO_PROGRESS, Progress
+from .checkpoint import Checkpoint, load_module, unload_module
+from .plan import StreamPlan
 
 #: Tokens per chunk when S_L / S_M are reduced from the per-layer unit vectors: 64 MiB of floats.
 _SIMILARITY_CHUNK_BYTES = 64 * 1024**2
-
-
-class MemoryBudgetError(ValueError):
-    """``max_memory`` cannot hold what one streamed step needs; raised before any work starts."""
-
-
-# --------------------------------------------------------------------------- how much a model needs
-
-
-@dataclass
-class Footprint:
-    """Weight bytes of a model in the dtype a job runs it in."""
-
-    total_bytes: int
-    layer_bytes: list[int]  # per decoder layer
-    resident_bytes: int  # the decoder's own weights (embeddings, final norm): loaded for step 2
-
-    @property
-    def floor_bytes(self) -> int:
-        """The least ``max_memory`` a streamed pass can run in: one layer, or the embeddings."""
-        return max(max(self.layer_bytes), self.resident_bytes)
-
-    def floor_reason(self) -> str:
-        i = int(np.argmax(self.layer_bytes))
-        if self.layer_bytes[i] >= self.resident_bytes:
-            return f"decoder layer {i} alone holds {format_size(self.layer_bytes[i])} of weights"
-        return f"the embeddings and other non-layer weights hold {format_size(self.resident_bytes)}"
-
-    def check(self, max_memory: int) -> None:
-        if max_memory < self.floor_bytes:
-            raise MemoryBudgetError(
-                f"memory budget (--max-memory / max_memory) {format_size(max_memory)} is too small: {self.floor_reason()}; "
-                f"give at least {format_size(self.floor_bytes)} ({self.floor_bytes} bytes)"
-            )
-
-    def to_dict(self) -> dict[str, int]:
-        return {"total_bytes": self.total_bytes, "max_layer_bytes": max(self.layer_bytes),
-                "resident_bytes": self.resident_bytes, "min_max_memory": self.floor_bytes}
-
-
-def _param_bytes(params: Any, dtype: torch.dtype | None) -> int:
-    # On a meta skeleton the parameters carry the dtype they will be loaded in, but
-    # ``dtype`` overrides it where the caller knows better.
-    seen: set[int] = set()
-    total = 0
-    for p in params:
-        if id(p) in seen:  # tied weights count once
-            continue
-        seen.add(id(p))
-        size = (dtype or p.dtype).itemsize if p.is_floating_point() else p.dtype.itemsize
-        total += p.numel() * size
-    return total
-
-
-def footprint(adapter: ModelAdapter, dtype: torch.dtype | None = None) -> Footprint:
-    """Bytes of the whole model, of each decoder layer and of the decoder's non-layer weights."""
-    layer_ids = {id(p) for lay in adapter.layers for p in lay.block.parameters()}
-    decoder = adapter.decoder()
-    resident = [p for p in decoder.parameters() if id(p) not in layer_ids]
-    return Footprint(
-        total_bytes=_param_bytes(adapter.model.parameters(), dtype),
-        layer_bytes=[_param_bytes(lay.block.parameters(), dtype) for lay in adapter.layers],
-        resident_bytes=_param_bytes(resident, dtype),
-    )
-
-
-# --------------------------------------------------------------------------- weights on disk
-
-
-def weights_location(spec: str, data_dir: Path) -> Path:
-    """The directory holding ``spec``'s config and safetensors (the default model: its cache)."""
-    if spec == DEFAULT_MODEL:
-        return cache_default_model(data_dir)
-    checked = service_location(spec)  # a service worker: never the working directory, only inside the data roots
-    if checked is not None:
-        if checked[1] is not None:
-            raise ModelError(f"{spec}: a GGUF file cannot be streamed layer by layer; save it as safetensors first")
-        return checked[0]
-    path = Path(spec)
-    if path.is_file() and path.suffix == ".gguf":
-        raise ModelError(f"{spec}: a GGUF file cannot be streamed layer by layer; save it as safetensors first")
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelError(f"{spec}: a local model directory needs a config.json (a Hugging Face save)")
-        return path
-    from huggingface_hub import snapshot_download
-
-    try:  # only what streaming reads: config, tokenizer and the safetensors shards
-        return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
-    except Exception as exc:  # the hub raises many types; all mean "not available"
-        raise ModelError(f"could not find model {spec!r} locally or on the Hugging Face Hub: {exc}") from exc
-
-
-class Checkpoint:
-    """Tensor name → shard of a safetensors checkpoint; tensors read one at a time (memory-mapped)."""
-
-    def __init__(self, location: Path) -> None:
-        index = location / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: location / shard for name, shard in weight_map.items()}
-        elif (location / "model.safetensors").is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(location / "model.safetensors"), framework="pt") as fh:
-                self.files = {name: location / "model.safetensors" for name in fh.keys()}
-        else:
-            raise ModelError(f"{location}: no safetensors weights (model.safetensors[.index.json]); streaming reads only those")
-
-    def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        shard = self.files.get(name)
-        if shard is None:
-            raise ModelError(f"weight {name!r} is not in the checkpoint; this model cannot be streamed layer by layer")
-        # One mapping per tensor: pages read through a mapping count as resident until it is
-        # unmapped, so a shard kept open would add up to every layer read from it.
-        with safe_open(str(shard), framework="pt") as fh:
-            return fh.get_tensor(name)
-
-
-def _load_module(model: nn.Module, prefix: str, module: nn.Module, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
-                 skip: tuple[str, ...] = ()) -> None:
-    from accelerate.utils import set_module_tensor_to_device
-
-    for name, _ in module.named_parameters():
-        if name.startswith(skip):
-            continue
-        full = f"{prefix}{name}"
-        set_module_tensor_to_device(model, full, device, value=ckpt.get(full), dtype=dtype)
-
-
-def _unload_module(module: nn.Module, skip: tuple[str, ...] = ()) -> None:
-    from accelerate.utils import set_module_tensor_to_device
-
-    for name, _ in module.named_parameters():
-        if not name.startswith(skip):
-            set_module_tensor_to_device(module, name, "meta")
-
-
-@dataclass
-class StreamPlan:
-    """A model built on ``meta`` with what streaming needs to load it layer by layer."""
-
-    adapter: ModelAdapter
-    location: Path
-    device: torch.device
-    dtype: torch.dtype
-    footprint: Footprint
-    max_memory: int
-
-    @property
-    def stream(self) -> bool:
-        """Whether the whole model exceeds the budget (else the ordinary in-memory pass runs)."""
-        return self.footprint.total_bytes > self.max_memory
-
-
-def meta_model(spec: str, *, data_dir: Path, device: str = "auto", dtype: str = "auto",
-               trust_remote_code: bool = False) -> tuple[ModelAdapter, Path, torch.device, torch.dtype]:
-    """``spec`` built on the meta device with its tokenizer: (adapter, weights dir, device, dtype).
-
-    Reads the config and tokenizer only, so a model of any size can be described and planned.
-    """
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    location = weights_location(spec, data_dir)
-    config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code)
-    with init_empty_weights():  # parameters on meta; buffers (rotary inv_freq) real, as the forward needs them
-        model = AutoModelForCausalLM.from_config(config, dtype=dt, trust_remote_code=trust_remote_code)
-    model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token  # as load_model: padding is masked out
-    source = spec if spec == DEFAULT_MODEL or not Path(spec).exists() else str(Path(spec).resolve())
-    adapter = adapt(model, tokenizer, source=source)
-    adapter.extra["device"] = str(dev)  # describe() would say "meta"
-    return adapter, location, dev, dt
-
-
-def plan_streaming(spec: str, max_memory: int, *, data_dir: Path, device: str = "auto", dtype: str = "auto",
-                   trust_remote_code: bool = False) -> StreamPlan:
-    """Build ``spec`` on the meta device and check ``max_memory`` against it (no weights read).
-
-    Raises MemoryBudgetError when the budget cannot hold one layer: before any work starts.
-    """
-    adapter, location, dev, dt = meta_model(spec, data_dir=data_dir, device=device, dtype=dtype,
-                                            trust_remote_code=trust_remote_code)
-    fp = footprint(adapter, dt)
-    fp.check(max_memory)
-    return StreamPlan(adapter, location, dev, dt, fp, max_memory)
 
 
 # --------------------------------------------------------------------------- carried tensors
@@ -478,7 +284,7 @@ def _embed(plan: StreamPlan, p: _PassInputs, ckpt: Checkpoint, decoder: nn.Modul
     model, device = plan.adapter.model, plan.device
     n_layers = plan.adapter.n_layers
     progress.update("embed", 0, len(p.batches))
-    _load_module(model, prefix, decoder, ckpt, device, plan.dtype, skip=(f"{layers_name}.",))
+    load_module(model, prefix, decoder, ckpt, device, plan.dtype, skip=(f"{layers_name}.",))
     calls_per_batch: list[dict[int, Any]] = []
     feature_rows: list[np.ndarray] = []
     originals = decoder.get_submodule(layers_name)
@@ -500,7 +306,7 @@ def _embed(plan: StreamPlan, p: _PassInputs, ckpt: Checkpoint, decoder: nn.Modul
                 progress.update("embed", b + 1, len(p.batches))
     finally:
         decoder.set_submodule(layers_name, originals)
-        _unload_module(decoder, skip=(f"{layers_name}.",))
+        unload_module(decoder, skip=(f"{layers_name}.",))
     return calls_per_batch, feature_rows
 
 
@@ -513,7 +319,7 @@ def _run_layer(i: int, lay: Any, plan: StreamPlan, p: _PassInputs, s: ProfileSet
     layer's accumulator."""
     device, d_model = plan.device, plan.adapter.d_model
     (ckpt, layer_prefix), (h_in, h_out), (units_out, units_mlp) = weights, hidden, units
-    _load_module(plan.adapter.model, layer_prefix, lay.block, ckpt, device, plan.dtype)
+    load_module(plan.adapter.model, layer_prefix, lay.block, ckpt, device, plan.dtype)
     acc = _LayerAccumulator(len(p.ids), lay.d_ffn, d_model, s, device)
     state: dict[str, Any] = {}
     handles = _layer_hooks(i, lay, acc, state, s)
@@ -533,7 +339,7 @@ def _run_layer(i: int, lay: Any, plan: StreamPlan, p: _PassInputs, s: ProfileSet
     finally:
         for h in handles:
             h.remove()
-        _unload_module(lay.block)
+        unload_module(lay.block)
     return acc
 
 

@@ -1,7 +1,7 @@
 """A partition conversion (ExpertWeaver, CMoE) under a memory budget: one decoder layer in memory
 at a time, written straight into the export (``moelab convert --max-memory``).
 
-The dense model is built on the ``meta`` device (``profiling.streaming.meta_model``). For each
+The dense model is built on the ``meta`` device (``streaming.plan.meta_model``). For each
 layer, only its MLP's weights are read from the safetensors shards (memory-mapped, one tensor at a
 time), its experts are built exactly as in memory (``core.slicing``: same plan, same clustering,
 same router) and sliced into a ``MoeFFN``, whose tensors go to that layer's shard of the export;
@@ -12,7 +12,8 @@ and computes the same logits.
 
 What cannot stream is refused before any weight is read: the ridge router and the budget plan fit
 on calibration activations of the whole model (``core.fitting``), and the other methods read the
-whole model by design.
+whole model by design. ``plan_conversion`` decides whether a conversion streams and checks that it
+can (``core.params.check_streamable``), once; ``convert_streamed`` takes that plan as the decision.
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ import torch
 from torch import nn
 
 from ..atomic import atomic_directory, write_json_atomic
+from ..core.params import MethodParams, check_streamable
+from ..core.slicing import build_modules, build_one_layer, check_compatible, partition_arrays, partition_record
 from ..progress import NO_PROGRESS, Progress
 from ..runtime.export import AUTO_MAP, CONVERSION_FILE, PARTITION_FILE, build_moe_model, copy_runtime
 from ..runtime.modeling_moelab import MoelabForCausalLM
 from ..runtime.param_count import parameter_counts
-from .params import MethodParams, check_streamable
-from .slicing import build_modules, build_one_layer, check_compatible, partition_arrays, partition_record
+from ..sizes import parse_size
+from .checkpoint import Checkpoint, load_module, unload_module
+from .plan import StreamPlan, plan_streaming
 
 INDEX_FILE = "model.safetensors.index.json"
 SHARD_BYTES = 256 << 20  # tensors other than the MLPs are grouped into shards of about this size (held until written)
@@ -38,20 +42,6 @@ SHARD_BYTES = 256 << 20  # tensors other than the MLPs are grouped into shards o
 
 def _module_names(model: nn.Module) -> dict[int, str]:
     return {id(m): name for name, m in model.named_modules()}
-
-
-def _load_tensors(model: nn.Module, module: nn.Module, prefix: str, ckpt: Any) -> None:
-    from accelerate.utils import set_module_tensor_to_device
-
-    for name, _ in module.named_parameters():
-        set_module_tensor_to_device(model, f"{prefix}{name}", "cpu", value=ckpt.get(f"{prefix}{name}"), dtype=torch.float32)
-
-
-def _unload(module: nn.Module) -> None:
-    from accelerate.utils import set_module_tensor_to_device
-
-    for name, _ in module.named_parameters():
-        set_module_tensor_to_device(module, name, "meta")
 
 
 class _ShardWriter:
@@ -90,18 +80,30 @@ class _ShardWriter:
         write_json_atomic(self.out / INDEX_FILE, index)
 
 
-def convert_streamed(plan: Any, profile: Any, params: MethodParams, method: Any, out: Path,
+def plan_conversion(method: Any, params: MethodParams, profile: Any, max_memory: int | str, *, data_dir: Path,
+                    device: str = "auto", trust_remote_code: bool = False) -> StreamPlan:
+    """The profiled model (``profile``'s source) built on ``meta`` in float32, as a conversion reads it,
+    against ``max_memory`` (bytes or "2GiB"): MemoryBudgetError when the budget cannot hold one layer;
+    when the model exceeds it (``plan.stream``), ConversionError when ``method`` or ``params`` cannot
+    stream. The plan is the decision ``convert_streamed`` acts on; nothing checks it again."""
+    plan = plan_streaming(profile.manifest["model"]["source"], parse_size(max_memory), data_dir=data_dir,
+                          device=device, dtype="float32", trust_remote_code=trust_remote_code)
+    if plan.stream:
+        check_streamable(method, params)
+    return plan
+
+
+def convert_streamed(plan: StreamPlan, profile: Any, params: MethodParams, method: Any, out: Path,
                      progress: Progress = NO_PROGRESS, complete: Callable[[dict[str, Any], Any], None] | None = None,
                      ) -> dict[str, Any]:
-    """Convert ``plan.adapter`` (a meta-device model, ``profiling.streaming.StreamPlan``) layer by
-    layer into the export directory ``out`` (atomic); returns the conversion record.
-    ``complete(record, moe)``: adds the caller's fields (cost, provenance) before it is written."""
+    """Convert ``plan.adapter`` (a meta-device model; ``plan`` from ``plan_conversion``, which checked that
+    ``method`` and ``params`` stream) layer by layer into the export directory ``out`` (atomic); returns
+    the conversion record. ``complete(record, moe)``: adds the caller's fields (cost, provenance) before
+    it is written."""
     from safetensors.numpy import save_file
 
-    from ..profiling.streaming import Checkpoint
     from ..runtime.model_card import write_model_card
 
-    check_streamable(method, params)
     t0 = time.perf_counter()
     adapter = plan.adapter
     hf = adapter.model
@@ -120,10 +122,10 @@ def convert_streamed(plan: Any, profile: Any, params: MethodParams, method: Any,
         progress.update("cluster experts", 0, len(rows))
         for i in range(len(rows)):
             mlp = adapter.layers[i].mlp
-            _load_tensors(hf, mlp, mlp_prefixes[i], ckpt)
+            load_module(hf, mlp_prefixes[i], mlp, ckpt, torch.device("cpu"), torch.float32)
             layer = build_one(i)
             module = build_modules(adapter, [layer], params)[i]
-            _unload(mlp)
+            unload_module(mlp)
             for name, t in module.state_dict().items():  # this layer's experts go to the export now, a shard of their own
                 shards.add(f"model.{mlp_prefixes[i]}{name}", t)
             shards.flush()

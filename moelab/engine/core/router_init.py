@@ -1,7 +1,8 @@
 """How recovery fine-tuning starts an EW Eq. 11 layer from a training-free one: a softmax router
 initialised from the expert centroids (EW Eq. 9; each router kind says which, ``Router.centroid``),
 scaled so its logits start with a chosen spread (``training.finetune`` docstring, "EW router
-initialisation"). Used by ``methods.expertweaver``'s recovery; imports no method."""
+initialisation"). Used by ``methods.expertweaver``'s recovery and by ``training.finetune``
+(``is_router_param``); imports no method and nothing of ``training``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime.modeling_moelab import MoeFFN, MoelabForCausalLM
-from ..runtime.moelab_routers import ROUTERS
 
 
 def is_router_param(name: str) -> bool:
@@ -25,7 +25,7 @@ def centroid_logit_std(moe: MoelabForCausalLM, modules: dict[int, MoeFFN], batch
     stds: dict[int, list[float]] = {i: [] for i in modules}
     hooks = []
     for i, mod in modules.items():
-        w = ROUTERS[mod.router].centroid(mod)
+        w = mod.router.scorer.centroid(mod)
 
         def pre(m, args, i=i, w=w):
             z = F.linear(args[0].reshape(-1, args[0].shape[-1]).float(), w.float())
@@ -53,11 +53,11 @@ def to_softmax_router(mod: MoeFFN, beta: float) -> MoeFFN:
     spec.update(router="softmax", combine="weighted")
     with torch.device("meta"):
         new = type(mod)(spec)
-    ref = mod.experts_gate
+    ref = mod.experts.gate_up_proj
     new.to_empty(device=ref.device)
     new.to(ref.dtype)
     state = {k: v for k, v in mod.state_dict().items() if not is_router_param(k) and k != "skip_mean"}
-    state["router_weight"] = ROUTERS[mod.router].centroid(mod) * beta
-    state["experts.down_proj"] = mod.experts_down.detach() * mod.n_routed
+    state["router_weight"] = mod.router.scorer.centroid(mod) * beta
+    state["experts.down_proj"] = mod.experts.down_proj.detach() * mod.n_routed
     new.load_state_dict(state, strict=True)
     return new

@@ -1,0 +1,86 @@
+"""Weights on disk: where a model's safetensors live, reading them one tensor at a time, and loading a
+module of a ``meta``-device model from them (and back to ``meta``) so only one layer is in memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..models import DEFAULT_MODEL, ModelError, cache_default_model, service_location
+
+
+def weights_location(spec: str, data_dir: Path) -> Path:
+    """The directory holding ``spec``'s config and safetensors (the default model: its cache)."""
+    if spec == DEFAULT_MODEL:
+        return cache_default_model(data_dir)
+    checked = service_location(spec)  # a service worker: never the working directory, only inside the data roots
+    if checked is not None:
+        if checked[1] is not None:
+            raise ModelError(f"{spec}: a GGUF file cannot be streamed layer by layer; save it as safetensors first")
+        return checked[0]
+    path = Path(spec)
+    if path.is_file() and path.suffix == ".gguf":
+        raise ModelError(f"{spec}: a GGUF file cannot be streamed layer by layer; save it as safetensors first")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{spec}: a local model directory needs a config.json (a Hugging Face save)")
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:  # only what streaming reads: config, tokenizer and the safetensors shards
+        return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as exc:  # the hub raises many types; all mean "not available"
+        raise ModelError(f"could not find model {spec!r} locally or on the Hugging Face Hub: {exc}") from exc
+
+
+class Checkpoint:
+    """Tensor name → shard of a safetensors checkpoint; tensors read one at a time (memory-mapped)."""
+
+    def __init__(self, location: Path) -> None:
+        index = location / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: location / shard for name, shard in weight_map.items()}
+        elif (location / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(location / "model.safetensors"), framework="pt") as fh:
+                self.files = {name: location / "model.safetensors" for name in fh.keys()}
+        else:
+            raise ModelError(f"{location}: no safetensors weights (model.safetensors[.index.json]); streaming reads only those")
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        shard = self.files.get(name)
+        if shard is None:
+            raise ModelError(f"weight {name!r} is not in the checkpoint; this model cannot be streamed layer by layer")
+        # One mapping per tensor: pages read through a mapping count as resident until it is
+        # unmapped, so a shard kept open would add up to every layer read from it.
+        with safe_open(str(shard), framework="pt") as fh:
+            return fh.get_tensor(name)
+
+
+def load_module(model: nn.Module, prefix: str, module: nn.Module, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
+                skip: tuple[str, ...] = ()) -> None:
+    """Read ``module``'s parameters (named ``prefix`` + name in ``model`` and the checkpoint; those under
+    ``skip`` left alone) into ``model`` on ``device`` as ``dtype``, one tensor at a time."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    for name, _ in module.named_parameters():
+        if name.startswith(skip):
+            continue
+        full = f"{prefix}{name}"
+        set_module_tensor_to_device(model, full, device, value=ckpt.get(full), dtype=dtype)
+
+
+def unload_module(module: nn.Module, skip: tuple[str, ...] = ()) -> None:
+    """``module``'s parameters (but those under ``skip``) back to ``meta``: their memory is freed."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    for name, _ in module.named_parameters():
+        if not name.startswith(skip):
+            set_module_tensor_to_device(module, name, "meta")
