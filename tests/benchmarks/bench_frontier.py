@@ -127,8 +127,7 @@ def start_modules(modules: dict[int, Any], calib: Any) -> dict[int, Any]:
     ``EW_INIT_LOGIT_STD`` on the calibration MLP inputs ``calib`` (recovery measures it on its first
     training batch), and the weighted combine; the model that exports to GGUF / native HF."""
     from moelab.engine.methods.expertweaver import EW_INIT_LOGIT_STD
-    from moelab.engine.runtime.moelab_routers import ROUTERS
-    from moelab.engine.training.router_init import to_softmax_router
+    from moelab.engine.core.router_init import to_softmax_router
 
     out = {}
     for i, m in modules.items():
@@ -136,7 +135,7 @@ def start_modules(modules: dict[int, Any], calib: Any) -> dict[int, Any]:
             out[i] = m
             continue
         with torch.no_grad():
-            std = float((calib.mlp_inputs[i][:2048] @ ROUTERS[m.router].centroid(m).float().T).std(dim=-1).mean())
+            std = float((calib.mlp_inputs[i][:2048] @ m.router.scorer.centroid(m).float().T).std(dim=-1).mean())
         out[i] = to_softmax_router(m, EW_INIT_LOGIT_STD / std if std > 0 else 1.0)
     return out
 
