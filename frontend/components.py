@@ -8,7 +8,7 @@ from urllib.parse import parse_qs, urlencode
 
 from dash import MATCH, Input, Output, State, callback, dcc, html, no_update
 
-from . import figures as F
+from frontend.figures import tables as F, common as FC
 from .names import Names, with_id
 
 GRAPH_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "png", "scale": 2}}
@@ -18,7 +18,7 @@ def figure_card(name: str, title: str = "", loading: bool = True) -> html.Div:
     """A graph with a note line and a 'CSV' button that downloads the figure's data.
 
     ``loading=False`` for graphs redrawn on every slider move (no spinner flicker)."""
-    graph = dcc.Graph(id=name, figure=F.message_figure("loading…"), config=GRAPH_CONFIG)
+    graph = dcc.Graph(id=name, figure=FC.message_figure("loading…"), config=GRAPH_CONFIG)
     return html.Div(className="card", children=[
         html.Div(className="card-head", children=[
             html.Span(title, className="card-title"),

@@ -9,7 +9,7 @@ import base64
 import dash
 from dash import Input, Output, State, callback, dcc, html, no_update
 
-from frontend import figures as F
+from frontend.figures import calibration as F, common as FC
 from moelab.api_client import ApiError, api
 from frontend.components import builtin_options, error_box, figure_card, options, progress, to_search
 from frontend.defaults import CALIBRATION_NOTE, CALIBRATION_SAMPLES, default_builtin
@@ -58,12 +58,12 @@ def layout(set: str | None = None, **_):  # noqa: A002  (the URL parameter's nam
 def _show(set_id):
     search = to_search(set=set_id)
     if not set_id:
-        return F.message_figure("no ready set yet: build or upload one"), None, "", None, None, search
+        return FC.message_figure("no ready set yet: build or upload one"), None, "", None, None, search
     try:
         cs = api().calibration_set(set_id)
         page = api().samples(set_id, limit=20)
     except ApiError as exc:
-        return F.message_figure(str(exc)), None, "", None, error_box(str(exc)), search
+        return FC.message_figure(str(exc)), None, "", None, error_box(str(exc)), search
     stats = cs.get("stats") or {}
     rows = [{"group": g, "label": k, **v} for g in ("tasks", "domains") for k, v in (stats.get(g) or {}).items()]
     text = f"{stats.get('n_samples')} samples, {stats.get('n_chars')} characters" + (f", {stats['n_tokens']} tokens" if "n_tokens" in stats else "")

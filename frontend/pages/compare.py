@@ -11,7 +11,7 @@ from __future__ import annotations
 import dash
 from dash import Input, Output, callback, dcc, html
 
-from frontend import figures as F
+from frontend.figures import compare as F, common as FC
 from moelab.api_client import ApiError, api
 from frontend.components import error_box, figure_card, named_options, page_names, to_search
 from frontend.speed import PHASES, phase_speedup
@@ -66,7 +66,7 @@ def _accuracy(ids, phase):
     """Each conversion's newest evaluation with tasks: accuracy against FFN cost and against the speed measured
     in that evaluation, the marker saying whether the task's text is in the conversion's calibration domain."""
     if not ids:
-        fig = F.message_figure("choose conversions to compare")
+        fig = FC.message_figure("choose conversions to compare")
         return fig, fig, None
     try:
         convs = [api().conversion(i) for i in ids]
@@ -76,7 +76,7 @@ def _accuracy(ids, phase):
         builtins = {b["name"]: b.get("domains") or [b["name"]] for b in api().builtin_sets()}
         methods = {m["name"]: m for m in api().methods()}
     except ApiError as exc:
-        fig = F.message_figure(str(exc))
+        fig = FC.message_figure(str(exc))
         return fig, fig, None
     labels = {c["id"]: chart_label(c, names, methods)[0] for c in convs}
 
@@ -97,14 +97,14 @@ def _update(ids, phase):
     ids = ids or []
     search = to_search(ids=",".join(ids), phase=phase if phase != "decode_b1" else None)
     if not ids:
-        fig = F.message_figure("choose conversions to compare")
+        fig = FC.message_figure("choose conversions to compare")
         return None, fig, fig, fig, fig, None, None, None, None, error_box("no conversion chosen"), search
     try:
         convs = [api().conversion(i) for i in ids]
         evals = {i: api().evaluations(i) for i in ids}
         names = page_names()
     except ApiError as exc:
-        fig = F.message_figure(str(exc))
+        fig = FC.message_figure(str(exc))
         return None, fig, fig, fig, fig, None, None, None, None, error_box(str(exc)), search
     try:
         methods = {m["name"]: m for m in api().methods()}

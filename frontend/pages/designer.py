@@ -14,7 +14,7 @@ from typing import Any
 import dash
 from dash import ALL, MATCH, Input, Output, State, callback, ctx, dcc, html, no_update
 
-from frontend import figures as F
+from frontend.figures import designer as F, common as FC, compare as FX
 from moelab.api_client import ApiError, api
 from frontend.exportability import planned_export
 from frontend.components import (baselines_choice, builtin_source_options, cancel_started, error_box, figure_card, options, profile_picker,
@@ -305,18 +305,18 @@ def _preview(profile, method, values, ids, methods, recipes, recipe_ids):
     m = next((m for m in methods or [] if m["name"] == method), None)
     if m is None or not m["preview"]:
         note = f"{m['title']}: {m['summary']}. No preview: it reads {m['needs'].replace('_', ' ')}." if m else ""
-        return F.message_figure("no preview for this method"), None, note, None, error_box(None), search
+        return FC.message_figure("no preview for this method"), None, note, None, error_box(None), search
     if not profile:
-        return (F.message_figure("choose a ready profile"), None, "", None, error_box("no profile chosen: create one on the Workspace page"),
+        return (FC.message_figure("choose a ready profile"), None, "", None, error_box("no profile chosen: create one on the Workspace page"),
                 search)
     problems = params_problems(m, method, values, ids)
     if problems:  # said before the API is asked: the bound, not a blank chart
         text = "; ".join(problems)
-        return F.message_figure(text), None, "", None, error_box(text), search
+        return FC.message_figure(text), None, "", None, error_box(text), search
     try:
         preview = api().method_preview(profile, method, **params)
     except ApiError as exc:
-        return F.message_figure(str(exc)), None, "", None, error_box(str(exc)), search
+        return FC.message_figure(str(exc)), None, "", None, error_box(str(exc)), search
     s = preview["summary"]
     if preview.get("fusion"):
         f = preview["fusion"]
@@ -324,7 +324,7 @@ def _preview(profile, method, values, ids, methods, recipes, recipe_ids):
         text = (f"fuse layers {s['removed_layers']} into layer {s['fused_layer']} (S_L {f['s_layer']:.3f}, MLP-input distance "
                 f"{1 - f['s_mlp']:.3f} {test}): {s['layers_before']} → {s['layers_after']} layers, "
                 f"{s['n_experts']} experts, top-{s['top_k']}.")
-        return F.message_figure(text), {"kind": "fusion", "data": preview, "filename": "fusion"}, text, None, error_box(None), search
+        return FC.message_figure(text), {"kind": "fusion", "data": preview, "filename": "fusion"}, text, None, error_box(None), search
     budget = budget_banner(preview)
     start = "starting plan: " if budget else ""
     text = [f"{start}active {s['active_fraction']:.1%} of FFN neurons (neuron sparsity {s['sparsity']:.1%}), mean α {s['mean_alpha']:.2f}."]
@@ -537,9 +537,9 @@ def _result(conversion_id: str, job: dict[str, Any] | None = None) -> tuple[html
         if not failed:
             children.append(html.Div("Not evaluated yet: press 'Evaluate result' for perplexity vs dense (and the baselines when ticked).", className="note"))
         return html.Div(children, className="card", id=f"{N}-result-card"), True
-    rows = F.perplexity_rows([conv], {conversion_id: evals[:1]})  # the newest evaluation, labelled with its text and size
+    rows = FX.perplexity_rows([conv], {conversion_id: evals[:1]})  # the newest evaluation, labelled with its text and size
     children.append(html.Div(className="row", children=[
-        dcc.Graph(id=f"{N}-ppl", figure=F.compare_perplexity(rows)),
+        dcc.Graph(id=f"{N}-ppl", figure=FX.compare_perplexity(rows)),
         dcc.Graph(id=f"{N}-recon", figure=F.reconstruction_error(report or {})),
     ]))
     return html.Div(children, className="card", id=f"{N}-result-card"), True

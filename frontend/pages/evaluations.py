@@ -11,7 +11,7 @@ from typing import Any
 import dash
 from dash import Input, Output, State, callback, dcc, html, no_update
 
-from frontend import figures as F
+from frontend.figures import evaluations as F, common as FC
 from moelab.api_client import ApiError, api
 from frontend.downloads import tasks_table_url
 from frontend.components import error_box, figure_card, page_names, to_search
@@ -206,13 +206,13 @@ def _overlay(ids, metric, against, *filters):
     ids = ids or []
     search = to_search(ids=",".join(ids), against=against, metric=metric, **dict(zip(FILTERS, filters, strict=True)))
     if len(ids) < 1:
-        return F.message_figure("choose evaluations to overlay"), None, search
+        return FC.message_figure("choose evaluations to overlay"), None, search
     if metric == "js" and not against:
-        return F.message_figure("choose the text to measure the routing's divergence against"), None, search
+        return FC.message_figure("choose the text to measure the routing's divergence against"), None, search
     try:
         runs, missing = overlay_runs(ids, metric, against)
     except ApiError as exc:
-        return F.message_figure(str(exc)), None, search
+        return FC.message_figure(str(exc)), None, search
     note = f"no evaluation on {against} of: {'; '.join(missing)}" if missing else None
     rows = [{"run": r["label"], "evaluation_id": r["evaluation_id"], "layer": layer, metric: v}
             for r in runs for layer, v in zip(r["layers"], r["values"], strict=True)]

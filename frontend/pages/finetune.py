@@ -14,7 +14,7 @@ from typing import Any
 import dash
 from dash import Input, Output, State, callback, ctx, dcc, html, no_update
 
-from frontend import figures as F
+from frontend.figures import finetune as F, common as FC
 from moelab.api_client import ApiError, api
 from frontend.components import error_box, figure_card, page_names, progress, to_search
 from frontend.names import Names, with_id
@@ -180,7 +180,7 @@ def _run_settings(run):
           Input(f"{N}-run", "value"), State(f"{N}-conversion", "value"))
 def _run_changed(run, conversion):
     """A run chosen (or started): poll it; none: say what to do."""
-    fig = F.message_figure("reading the train log…" if run else "start a fine-tune or pick an earlier one")
+    fig = FC.message_figure("reading the train log…" if run else "start a fine-tune or pick an earlier one")
     return not run, to_search(conversion=conversion, finetune=run), fig
 
 
@@ -218,12 +218,12 @@ def _poll(_n, run, options):
     """One poll: the run's job and train log; polling stops when the job has ended. The picker's label of the run
     follows its status (queued → running → ready)."""
     if not run:
-        return F.message_figure("start a fine-tune or pick an earlier one"), None, html.Div(), True, True, True, html.Div(), no_update
+        return FC.message_figure("start a fine-tune or pick an earlier one"), None, html.Div(), True, True, True, html.Div(), no_update
     try:
         ft = api().finetune(run)
         log = api().finetune_log(run, max_points=1000)
     except ApiError as exc:
-        return F.message_figure(str(exc)), None, error_box(str(exc)), True, True, True, html.Div(), no_update
+        return FC.message_figure(str(exc)), None, error_box(str(exc)), True, True, True, html.Div(), no_update
     job = ft.get("job") or {}
     state = job.get("state")
     done = state in TERMINAL

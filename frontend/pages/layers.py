@@ -13,7 +13,7 @@ from typing import Any
 import dash
 from dash import Input, Output, callback, dcc, html
 
-from frontend import figures as F
+from frontend.figures import layers as F, common as FC
 from moelab.api_client import ApiError, api
 from frontend.components import error_box, figure_card, num, profile_picker, to_search
 
@@ -115,12 +115,12 @@ def _update(profile, delta, n_fused, layer):
     search = to_search(profile=profile, **params)
     href = designer_href(profile, params)
     if not profile:
-        fig = F.message_figure("choose a ready profile")
+        fig = FC.message_figure("choose a ready profile")
         return fig, fig, None, None, "", error_box("no profile chosen: create one on the Workspace page"), search, href
     try:
         data = api().layer_similarity(profile, **params)
     except ApiError as exc:
-        fig = F.message_figure(str(exc))
+        fig = FC.message_figure(str(exc))
         return fig, fig, None, None, "", error_box(str(exc)), search, href
     store = {"kind": "layer-similarity", "data": data, "filename": "layer_similarity"}
     return (F.layer_similarity(data, "S_L"), F.layer_similarity(data, "S_M"), store, store, summary(data),

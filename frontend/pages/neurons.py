@@ -9,7 +9,7 @@ from __future__ import annotations
 import dash
 from dash import Input, Output, State, callback, dcc, html
 
-from frontend import figures as F
+from frontend.figures import neurons as F, common as FC
 from frontend import snippets as S
 from frontend import neuron_activation
 from moelab.api_client import ApiError, api
@@ -83,7 +83,7 @@ def _note(name: str) -> Output:
 
 def _split(fig) -> tuple:
     """(the figure titled by its title alone, its note for the card's subtitle line)."""
-    return F.without_note(fig)
+    return FC.without_note(fig)
 
 
 NO_PROFILE = "choose a ready profile (Workspace → Profile)"
@@ -116,14 +116,14 @@ def _url(profile, layer, order, normalize, tau, neuron):
 def _profile_charts(profile, tau):
     """CV by layer (EW Fig. 2, with τ) and the similarity of the CV's groups: the whole profile."""
     if not profile:
-        blank = F.message_figure(NO_PROFILE)
+        blank = FC.message_figure(NO_PROFILE)
         return blank, blank, None, None, error_box("no profile chosen: create one on the Workspace page"), "", ""
     try:
         summary = api().cv_summary(profile, tau=tau)
         sim = api().task_similarity(profile)
         basis, _ = _basis(profile)
     except ApiError as exc:
-        fig = F.message_figure(str(exc))
+        fig = FC.message_figure(str(exc))
         return fig, fig, None, None, error_box(str(exc)), "", ""
     (cv_fig, cv_note), (sim_fig, sim_note) = _split(F.cv_by_layer(summary)), _split(F.task_similarity(sim, basis))
     return (cv_fig, sim_fig, _store("cv-summary", summary, "cv_by_layer"),
@@ -137,7 +137,7 @@ def _profile_charts(profile, tau):
 def _layer_charts(profile, layer, tau):
     """The layer's CV histogram (τ drawn), activation rates and h values."""
     if not profile:
-        blank = F.message_figure(NO_PROFILE)
+        blank = FC.message_figure(NO_PROFILE)
         return blank, blank, blank, None, None, None, None, "", "", ""
     layer = int(layer or 0)
     try:
@@ -146,7 +146,7 @@ def _layer_charts(profile, layer, tau):
         hist = api().cv_histogram(profile)
         stats = api().neuron_stats(profile, layer=layer)
     except ApiError as exc:
-        fig = F.message_figure(str(exc))
+        fig = FC.message_figure(str(exc))
         return fig, fig, fig, None, None, None, error_box(str(exc)), "", "", ""
     figs = [_split(f) for f in (F.cv_histogram(hist, layer, tau=float(tau) if tau is not None else None, basis=basis),
                                 F.activation_rate_histogram(stats), F.h_value_histogram(stats))]
@@ -159,14 +159,14 @@ def _layer_charts(profile, layer, tau):
 def _activation_map(profile, layer, order, normalize):
     """EW Fig. 1a for the layer; the clicked column's profile is drawn from the stored tiles."""
     if not profile:
-        return F.message_figure(NO_PROFILE), None, "", None
+        return FC.message_figure(NO_PROFILE), None, "", None
     layer = int(layer or 0)
     try:
         basis, n_layers = _basis(profile)
         _check_layer(layer, n_layers)  # said once, in the layer's error line
         tiles = api().activations(profile, layer=layer, order=order, normalize=normalize, max_cols=MAP_COLUMNS)
     except ApiError as exc:
-        return F.message_figure(str(exc)), None, "", None
+        return FC.message_figure(str(exc)), None, "", None
     fig, _said = _split(F.activation_heatmap(tiles, basis))  # the note once, as the card's subtitle
     note = html.Span(f"Aggregated server-side: {tiles['note']}", className="aggregated") if tiles["aggregated"] else tiles["note"]
     return fig, _store("activations", tiles, f"activations_layer{layer}"), note, {**tiles, "basis": basis}
@@ -186,14 +186,14 @@ def _pick(click, tiles):
 def _card(profile, layer, neuron):
     """The chosen neuron's card; only it is fetched when the neuron changes."""
     if not profile:
-        return "neuron", "", None, F.message_figure(NO_PROFILE), None, None
+        return "neuron", "", None, FC.message_figure(NO_PROFILE), None, None
     layer, neuron = int(layer or 0), int(neuron or 0)
     try:
         card = api().neuron_card(profile, layer, neuron)
     except ApiError as exc:  # a bad layer is said once, in the layer's error line
         said = None if str(exc).startswith("layer:") else error_box(str(exc))
-        return f"layer {layer} · neuron {neuron}", "", said, F.message_figure(str(exc)), None, None
-    one = F.basis_names(card.get("cv_basis"))[0]
+        return f"layer {layer} · neuron {neuron}", "", said, FC.message_figure(str(exc)), None, None
+    one = FC.basis_names(card.get("cv_basis"))[0]
     rows = [{one: g, "mean_activation": v} for g, v in zip(card["groups"], card["group_means"], strict=True)]
     return (S.card_title(card), S.card_stats(card), None, F.neuron_card_profile(card),
             {"rows": rows, "filename": f"neuron_layer{layer}_{neuron}"}, S.snippets(card))

@@ -11,7 +11,7 @@ from typing import Any
 import dash
 from dash import Input, Output, State, callback, dcc, html
 
-from frontend import figures as F
+from frontend.figures import profile_compare as F, common as FC
 from frontend import snippets as S
 from moelab.api_client import ApiError, api
 from frontend.components import error_box, figure_card, num, options_or_error, page_names, to_search
@@ -199,7 +199,7 @@ def _pick_layer(click):
 
 
 def _blank(message: str) -> tuple:
-    fig = F.message_figure(message)
+    fig = FC.message_figure(message)
     return fig, fig, None, None, "", "", error_box(message), None, None, "Most specific to A", "Most specific to B"
 
 
@@ -220,7 +220,7 @@ def _compare(a, b, layer, threshold, fdr):
     except ApiError as exc:
         return _blank(str(exc))
     sets = set_names(a, b, names)
-    (scatter, s_note), (shares, b_note) = F.without_note(F.specificity_scatter(data, sets)), F.without_note(F.specific_share_bars(data, sets))
+    (scatter, s_note), (shares, b_note) = FC.without_note(F.specificity_scatter(data, sets)), FC.without_note(F.specific_share_bars(data, sets))
     return (scatter, shares, {"kind": "profile-compare", "data": data, "filename": f"specificity_layer{data['layer']}"},
             {"kind": "specific-shares", "data": data, "filename": "specific_share_by_layer"}, f"{s_note}; {data['note']}", b_note,
             error_box(None), specific_table(data, "a"), specific_table(data, "b"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dash
 from dash import Input, Output, State, callback, dcc, html, no_update
 
-from frontend import figures as F
+from frontend.figures import routing as F, common as FC, matching as FM
 from moelab.api_client import ApiError, api
 from frontend.components import (baselines_choice, cancel_started, builtin_source_options, error_box, figure_card, named_options, not_offered, progress, to_search,
                                  wants_baselines)
@@ -27,7 +27,7 @@ def _eval_options(conversion: str | None) -> list[dict]:
     if not conversion:
         return []
     # the text and its size (windows × tokens): two evaluations of one set at different sizes differ
-    return [{"label": with_id(F.heldout_label(e), e["id"]), "value": e["id"]}
+    return [{"label": with_id(FC.heldout_label(e), e["id"]), "value": e["id"]}
             for e in api().evaluations(conversion) if e["status"] == "ready"]
 
 
@@ -99,19 +99,19 @@ def _update(conversion, a, b, variant, match=None):
     ids = [i for i in (a, b) if i]
     if not conversion or not ids:
         msg = "choose a conversion and at least one evaluated set (or press Evaluate)"
-        fig = F.message_figure(msg)
+        fig = FC.message_figure(msg)
         return (*[fig] * 5, *[None] * 5, error_box(msg if conversion else "no conversion yet: use the Conversion designer"), search)
     try:
         heat = api().conversion_routing(conversion, ids, variant=variant)
         by_id = {e["id"]: e for e in api().evaluations(conversion)}
     except ApiError as exc:
-        fig = F.message_figure(str(exc))
+        fig = FC.message_figure(str(exc))
         return (*[fig] * 5, *[None] * 5, error_box(str(exc)), search)
     # each set named with its text and size (the API labels sets by source only)
-    heat = {**heat, "sets": [F.heldout_label(by_id[e]) if e in by_id else name for e, name in zip(heat["evaluations"], heat["sets"], strict=True)]}
+    heat = {**heat, "sets": [FC.heldout_label(by_id[e]) if e in by_id else name for e, name in zip(heat["evaluations"], heat["sets"], strict=True)]}
     store = {"kind": "routing", "data": heat, "filename": f"routing_{conversion}"}
     two = len(heat["sets"]) > 1
-    pair_msg = F.message_figure("choose a second set to compare")
+    pair_msg = FC.message_figure("choose a second set to compare")
     figs = [F.routing_heatmap(heat, 0), F.routing_heatmap(heat, 1) if two else pair_msg,
             F.routing_difference(heat, 0, 1) if two else pair_msg, F.routing_js_line(heat, 0, 1) if two else pair_msg, F.load_cv_by_layer(heat)]
     return (*figs, *[store] * 5, error_box(None), search)
@@ -123,8 +123,8 @@ def _same_text(evaluations: list[dict], like: dict | None) -> dict | None:
     ready = [e for e in evaluations if e["status"] == "ready"]
     if like is None:
         return ready[0] if ready else None
-    return (next((e for e in ready if F.heldout_key(e) == F.heldout_key(like)), None)
-            or next((e for e in ready if F.heldout_of(e)["source"] == F.heldout_of(like)["source"]), None))
+    return (next((e for e in ready if FC.heldout_key(e) == FC.heldout_key(like)), None)
+            or next((e for e in ready if FC.heldout_of(e)["source"] == FC.heldout_of(like)["source"]), None))
 
 
 @callback(Output(f"{N}-match-map", "figure"), Output(f"{N}-match-b", "figure"),
@@ -133,26 +133,26 @@ def _same_text(evaluations: list[dict], like: dict | None) -> dict | None:
 def _matched(conversion, match, a, variant):
     """B's experts matched to this conversion's, and B's routing on set A's text at A's matched ids."""
     if not conversion or not match:
-        fig = F.message_figure("choose conversion B (another conversion of this model) to match its experts to these")
+        fig = FC.message_figure("choose conversion B (another conversion of this model) to match its experts to these")
         return fig, fig, None, None
     try:
         matching = api().expert_matching(conversion, match)
     except ApiError as exc:
-        fig = F.message_figure(str(exc))
+        fig = FC.message_figure(str(exc))
         return fig, fig, None, None
     store = {"kind": "matching", "data": matching, "filename": f"matching_{conversion}_{match}"}
     try:
         by_id = {e["id"]: e for e in api().evaluations(conversion)}
         twin = _same_text(api().evaluations(match), by_id.get(a))
         if twin is None:
-            text = F.heldout_label(by_id[a]) if a in by_id else "any text"
-            return F.matching_by_layer(matching), F.message_figure(f"conversion B has no evaluation on {text}: choose B above "
+            text = FC.heldout_label(by_id[a]) if a in by_id else "any text"
+            return FM.matching_by_layer(matching), FC.message_figure(f"conversion B has no evaluation on {text}: choose B above "
                                                                    "as the conversion and press Evaluate"), store, None
         heat = api().conversion_routing(match, [twin["id"]], variant=variant)
     except ApiError as exc:
-        return F.matching_by_layer(matching), F.message_figure(str(exc)), store, None
-    heat = {**heat, "sets": [F.heldout_label(twin)]}
-    return (F.matching_by_layer(matching), F.routing_at_matched_ids(heat, matching), store,
+        return FM.matching_by_layer(matching), FC.message_figure(str(exc)), store, None
+    heat = {**heat, "sets": [FC.heldout_label(twin)]}
+    return (FM.matching_by_layer(matching), FM.routing_at_matched_ids(heat, matching), store,
             {"kind": "routing", "data": heat, "filename": f"routing_{match}"})
 
 

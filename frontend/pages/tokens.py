@@ -18,7 +18,7 @@ from typing import Any
 import dash
 from dash import Input, Output, State, callback, dcc, html, no_update
 
-from frontend import figures as F
+from frontend.figures import matching as F
 from moelab.api_client import ApiError, api
 from frontend.components import GRAPH_CONFIG, error_box, options_or_error, progress, to_search
 from frontend.token_view import expert_card, routed_layers, routed_tokens

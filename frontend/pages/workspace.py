@@ -16,7 +16,7 @@ import dash
 from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
 
 from moelab.api_client import ApiError, api
-from frontend import figures as F
+from frontend.figures import common as FC
 from frontend.components import baselines_choice, builtin_options, error_box, options, progress, source_options, wants_baselines
 from frontend.defaults import CALIBRATION_NOTE, CALIBRATION_SAMPLES, CALIBRATION_SET, CALIBRATION_TOKENS
 from frontend.downloads import download_url, export_download_url
@@ -463,7 +463,7 @@ def evaluation_cells(e: dict, conversion: dict | None) -> dict[str, str]:
     """An evaluation's row in words: held-out text, windows × tokens per window (what was read),
     dense and converted perplexity, their ratio, the conversion's FFN cost (its ``ffn_flops_fraction``) and its
     measured speed over dense's per phase."""
-    held = F.heldout_of(e)
+    held = FC.heldout_of(e)
     variants = (e.get("summary") or {}).get("variants") or {}
     dense = (variants.get("dense") or {}).get("perplexity")
     conv = variants.get("converted") or {}

@@ -322,3 +322,20 @@ def test_a_long_message_wraps_inside_the_figure():
     shown = F.message_figure(text).layout.annotations[0].text
     lines = shown.split("<br>")
     assert len(lines) > 1 and all(len(line) <= F.MESSAGE_LINE_CHARS for line in lines) and " ".join(lines) == text
+
+
+def test_figures_are_one_module_per_page_and_pure():
+    """frontend/figures/: a module per page (plus common, matching, tables), none importing Dash, HTTP or the API client:
+    a figure is a pure function of the data the page fetched."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(F.__file__).parent
+    modules = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    pages = {p.stem for p in (folder.parent / "pages").glob("*.py")}
+    assert modules - {"common", "matching", "tables"} <= pages, modules - pages
+    for path in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not [n for n in names if n.split(".")[0] in ("dash", "httpx", "requests") or "api_client" in n], (path.name, names)
