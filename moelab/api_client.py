@@ -228,6 +228,9 @@ class ApiClient:
     def export(self, export_id: str) -> dict[str, Any]:
         return self.get(f"/exports/{export_id}")
 
+    def finetune_params(self) -> list[dict[str, Any]]:
+        return self.get("/finetunes/params")["items"]
+
     def finetunes(self, conversion_id: str | None = None) -> list[dict[str, Any]]:
         return self.get("/finetunes", conversion_id=conversion_id)["items"]
 

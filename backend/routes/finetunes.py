@@ -24,7 +24,7 @@ from ..deletion import delete_resource
 from ..errors import ApiError
 from moelab.engine.limits import conversion_config, eval_tokens_problem, lora_rank_problem, seq_len_problem
 from moelab.store.jobs import new_id
-from ..schemas import DeleteOut, FinetuneCreate, FinetuneList, FinetuneMode, FinetuneOut, TrainLog, TrainStep
+from ..schemas import DeleteOut, FinetuneCreate, FinetuneList, FinetuneMode, FinetuneOut, ParamList, ParamOut, TrainLog, TrainStep
 from ..views import finetune_out
 
 router = APIRouter(prefix="/finetunes", tags=["finetunes"])
@@ -125,6 +125,16 @@ def list_finetunes(session: SessionDep, conversion_id: str | None = None, tag: T
     rows = session.execute(query).scalars().unique().all()
     rows = with_tag(rows, tag)
     return FinetuneList(items=[finetune_out(r) for r in rows], total=len(rows))
+
+
+@router.get("/params", response_model=ParamList,
+            summary="The fine-tune hyper-parameters (name, type, default, help, paper, bounds), from the engine's declarations")
+def finetune_params() -> ParamList:
+    """What the Fine-tune page and ``moelab finetune`` offer, so no client repeats a default or a bound; the modes
+    are the methods with a recovery (``GET /methods``: ``recovery``, ``recovery_summary``)."""
+    from moelab.engine.training.params import FinetuneParams
+
+    return ParamList(items=[ParamOut(**s.to_dict()) for s in FinetuneParams.specs()])
 
 
 @router.get("/{finetune_id}", response_model=FinetuneOut, summary="One fine-tune: perplexity before / after, result conversion")

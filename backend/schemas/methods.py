@@ -31,6 +31,7 @@ class MethodOut(BaseModel):
     needs: Literal["profile", "profiles", "moe_model"]
     preview: bool = Field(description="GET /profiles/{id}/preview/{method} draws its plan before converting")
     recovery: str | None = Field(description="recovery fine-tuning this method offers (null: none)")
+    recovery_summary: str | None = Field(None, description="what that fine-tuning mode trains, in one line (the Fine-tune page's words)")
     params: list[ParamOut]
     recipes: dict[str, dict[str, Any]] = Field(
         description="named parameter sets: 'paper' (the defaults: the paper's settings) and, where measured, 'best' "
@@ -40,3 +41,7 @@ class MethodOut(BaseModel):
 
 class MethodList(BaseModel):
     items: list[MethodOut]
+
+
+class ParamList(BaseModel):
+    items: list[ParamOut]

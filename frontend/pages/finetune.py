@@ -9,6 +9,7 @@ State in the URL: ?conversion=…&finetune=…"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import dash
@@ -24,30 +25,29 @@ dash.register_page(__name__, path="/finetune", name="Fine-tune", order=6)
 N = "ft"
 TERMINAL = ("succeeded", "failed", "cancelled")
 
-#: one line per mode: what is trained and the paper's equation
-MODES: dict[str, str] = {
-    "expertweaver": "ExpertWeaver: a softmax router (started from the centroid router) weights the top-k experts (EW Eq. 11); "
-                    "routers and LoRA adapters learn L_NTP + λ·L_LB (EW Eq. 12); γ unused.",
-    "cmoe": "CMoE: top-k of s′ + b, gate g_i = 1 + s′_i·u_i (CM §3.3); learns the scale u and LoRA adapters, moves the bias b "
-            "by γ per step toward equal load (AF Eq. 9); no auxiliary loss, λ unused.",
-    "midas": "MIDAS: trains the gating network G and LoRA adapters on attention and the low-rank experts (MI App. A.1, Alg. 1); "
-             "adds λ·L_LB (EW Eq. 12) when λ > 0.",
-    "dense2moe": "Dense2MoE: trains only the fused layers' softmax routers (D2 §2.1, §3): the unweighted sum becomes the gate "
-                 "1 + softmax(h W_g)_i·u_i with u = 0 (same model at the start), and W_g and u learn; adds λ·L_LB "
-                 "(EW Eq. 12) when λ > 0; no LoRA, γ unused.",
-}
-
-#: (field, label, default, min, max, step); defaults are the API's (tests/frontend/test_finetune_figures.py)
-BUDGET: list[tuple[str, str, float, float, float, float | str]] = [
-    ("steps", "steps", 60, 1, 100_000, 1),
-    ("batch_size", "batch (sequences)", 4, 1, 1024, 1),
-    ("seq_len", "seq len (tokens)", 256, 8, 32768, 1),
-    ("lr", "LR (LoRA)", 5e-4, 0, 1, "any"),
-    ("lora_rank", "LoRA rank", 8, 0, 4096, 1),
-    ("lb_coef", "λ load-balance loss (EW Eq. 12)", 0.01, 0, 100, "any"),
-    ("bias_step", "γ bias step (CM §3.3)", 0.001, 0, 1, "any"),
-    ("distill", "distillation w (dense teacher)", 0.0, 0, 1, "any"),
+#: (field, label, input step) of the budget the form shows; defaults and bounds are the API's (GET /finetunes/params)
+BUDGET: list[tuple[str, str, float | str]] = [
+    ("steps", "steps", 1),
+    ("batch_size", "batch (sequences)", 1),
+    ("seq_len", "seq len (tokens)", 1),
+    ("lr", "LR (LoRA)", "any"),
+    ("lora_rank", "LoRA rank", 1),
+    ("lb_coef", "λ load-balance loss (EW Eq. 12)", "any"),
+    ("bias_step", "γ bias step (CM §3.3)", "any"),
+    ("distill", "distillation w (dense teacher)", "any"),
 ]
+
+
+def modes() -> dict[str, str]:
+    """mode -> what it trains, in one line: the methods that offer a recovery fine-tune (GET /methods), so a new
+    method's mode appears here without a UI change."""
+    return {m["name"]: m.get("recovery_summary") or m["recovery"] for m in api().methods() if m.get("recovery")}
+
+
+def budget_fields() -> dict[str, dict[str, Any]]:
+    """The budget's declared fields (default and bounds) from GET /finetunes/params."""
+    names = {name for name, *_ in BUDGET}
+    return {p["name"]: p for p in api().finetune_params() if p["name"] in names}
 
 
 def _label(conversion: dict[str, Any], names: Names | None = None) -> str:
@@ -75,15 +75,20 @@ def current_run(runs: list[dict[str, Any]]) -> str | None:
     return (active or runs or [{"id": None}])[0]["id"]
 
 
-def form_values(params: dict[str, Any] | None) -> dict[str, Any]:
+def form_values(params: dict[str, Any] | None, fields: dict[str, dict[str, Any]], known_modes: Iterable[str]) -> dict[str, Any]:
     """The form's values for a run's stored ``params`` (mode, training text, budget); what a run
-    does not record keeps the form's default. Used when the page is reloaded on ``?finetune=…`` and
-    when another run is picked, so the form always says how the shown run was made."""
+    does not record keeps the API's default (``fields``: :func:`budget_fields`). Used when the page is reloaded on
+    ``?finetune=…`` and when another run is picked, so the form always says how the shown run was made."""
     p = params or {}
-    values: dict[str, Any] = {name: p.get(name, default) for name, _label, default, *_ in BUDGET}
+    values: dict[str, Any] = {name: p.get(name, fields[name]["default"]) for name, *_ in BUDGET}
     values["source"] = p.get("source") or "builtin:mixed"
-    values["mode"] = p.get("mode") if p.get("mode") in MODES else None
+    values["mode"] = p.get("mode") if p.get("mode") in known_modes else None
     return values
+
+
+def _bound(field: dict[str, Any], inclusive: str, exclusive: str) -> float | None:
+    """An input's min or max: the declared bound (an open one too: the API still refuses the bound itself)."""
+    return field.get(inclusive) if field.get(inclusive) is not None else field.get(exclusive)
 
 
 def layout(conversion: str | None = None, finetune: str | None = None, **_):
@@ -101,12 +106,14 @@ def layout(conversion: str | None = None, finetune: str | None = None, **_):
         finetune = finetune or current_run(listed)
         runs, err = _run_options(conversion, listed), None
         sources = [b["spec"] for b in api().builtin_sets() if b.get("installed", True)]  # bigbench only once installed
+        known, fields = modes(), budget_fields()
     except ApiError as exc:
         ready, runs, sources, err, names = [], [], ["builtin:mixed"], str(exc), Names()
+        known, fields = {}, {name: {"default": None} for name, *_ in BUDGET}
     methods = {c["id"]: c["method"] for c in ready}
-    mode = methods.get(conversion, "expertweaver")
-    mode = mode if mode in MODES else "expertweaver"
-    form = form_values(run_params)  # the shown run's settings (defaults without one)
+    mode = methods.get(conversion)
+    mode = mode if mode in known else next(iter(known), None)
+    form = form_values(run_params, fields, known)  # the shown run's settings (defaults without one)
     mode = form["mode"] or mode
     if form["source"] not in sources:
         sources = [*sources, form["source"]]  # an uploaded set the run trained on
@@ -117,13 +124,14 @@ def layout(conversion: str | None = None, finetune: str | None = None, **_):
         html.Div(className="controls", children=[
             html.Div([html.Label("conversion"), dcc.Dropdown(id=f"{N}-conversion", options=[{"label": _label(c, names), "value": c["id"]} for c in ready],
                                                              value=conversion, clearable=False, style={"width": 560})]),
-            html.Div([html.Label("mode"), dcc.RadioItems(id=f"{N}-mode", options=list(MODES), value=mode, inline=True)]),
+            html.Div([html.Label("mode"), dcc.RadioItems(id=f"{N}-mode", options=list(known), value=mode, inline=True)]),
         ]),
         html.Div(id=f"{N}-mode-help", className="note"),
         html.Div(className="controls", children=[
-            html.Div([html.Label(label), dcc.Input(id=f"{N}-{name}", type="number", value=form[name], min=lo, max=hi, step=step,
+            html.Div([html.Label(label), dcc.Input(id=f"{N}-{name}", type="number", value=form[name], step=step,
+                                                   min=_bound(fields[name], "ge", "gt"), max=_bound(fields[name], "le", "lt"),
                                                    style={"width": 110 if step == 1 else 140})])
-            for name, label, _default, lo, hi, step in BUDGET
+            for name, label, step in BUDGET
         ] + [html.Div([html.Label("training text (its held-out split measures perplexity)"),
                        dcc.Dropdown(id=f"{N}-source", options=sources, value=form["source"], clearable=False, style={"width": 220})])]),
         html.Div(className="controls", children=[
@@ -147,19 +155,23 @@ def _conversion_changed(conversion, methods):
     """Another conversion: its method's mode, and its newest fine-tune (if any) shown."""
     mode = (methods or {}).get(conversion)
     try:
-        runs = _run_options(conversion)
+        runs, known = _run_options(conversion), modes()
     except ApiError:
-        runs = []
-    return (mode if mode in MODES else no_update), runs, (runs[0]["value"] if runs else None)
+        runs, known = [], {}
+    return (mode if mode in known else no_update), runs, (runs[0]["value"] if runs else None)
 
 
 @callback(Output(f"{N}-mode-help", "children"), Input(f"{N}-mode", "value"), Input(f"{N}-conversion", "value"),
           State(f"{N}-methods", "data"))
 def _mode_help(mode, conversion, methods):
-    text = MODES.get(mode, "")
+    try:
+        known = modes()
+    except ApiError as exc:
+        return str(exc)
+    text = known.get(mode, "")
     method = (methods or {}).get(conversion)
     if method and method != mode:
-        text += f" (the conversion was made with {method}: its default mode is {method if method in MODES else 'none'})"
+        text += f" (the conversion was made with {method}: its default mode is {method if method in known else 'none'})"
     return text
 
 
@@ -170,7 +182,7 @@ def _run_settings(run):
     if not run:
         return [no_update] * (2 + len(BUDGET))
     try:
-        values = form_values(api().finetune(run).get("params"))
+        values = form_values(api().finetune(run).get("params"), budget_fields(), modes())
     except ApiError:
         return [no_update] * (2 + len(BUDGET))
     return [values["mode"] or no_update, values["source"], *[values[name] for name, *_ in BUDGET]]

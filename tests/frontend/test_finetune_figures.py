@@ -61,17 +61,48 @@ def test_summary_text_and_csv_rows():
     assert F.csv_text(rows).splitlines()[0] == "step,loss,ntp_loss,kd_loss,aux_loss,lr,tokens,elapsed_s"
 
 
-def test_the_pages_budget_defaults_are_the_apis():
+def test_the_page_offers_every_recovery_mode_and_the_apis_budget_without_a_copy(monkeypatch):
+    """The Fine-tune page's modes, their words and the budget's defaults and bounds come from the API (GET /methods,
+    GET /finetunes/params, answered here by the real route functions): a method registered with a recovery is
+    offered, with its summary, and no default or bound is copied into the UI."""
     import sys
 
+    import httpx
+
     import frontend.app  # noqa: F401  (Dash imports the pages, as "pages.<name>", when the app is made)
-    from backend.schemas import FinetuneCreate
+    import moelab.engine.methods as registry
+    from backend.routes.finetunes import finetune_params
+    from backend.routes.methods import list_methods
+    from moelab.api_client import ApiClient
+    from moelab.engine.methods.base import Method, Recovery
+    from moelab.engine.training.params import FinetuneParams
 
     page = sys.modules["pages.finetune"]
+    added = Method(name="prune_head", title="Prune", paper="-", summary="keep the first neurons",
+                   params=registry.REGISTRY["expertweaver"].params, needs="profile", build=lambda *a: None,
+                   recovery=Recovery(paper="-", summary="Prune: trains nothing but the LoRA adapters."))
+    monkeypatch.setattr(registry, "REGISTRY", {**registry.REGISTRY, "prune_head": added})
 
-    fields = FinetuneCreate.model_fields
-    assert {name: default for name, _, default, *_ in page.BUDGET} == {name: fields[name].default for name, *_ in page.BUDGET}
-    assert set(page.MODES) == set(FinetuneCreate.model_fields["mode"].annotation.__args__[0].__args__)
+    def handler(request: httpx.Request) -> httpx.Response:
+        routes = {"/api/v1/methods": list_methods, "/api/v1/finetunes/params": finetune_params}
+        return httpx.Response(200, json=routes[request.url.path]().model_dump(mode="json"))
+
+    client = ApiClient(base_url="http://api.test/api/v1", token="", transport=httpx.MockTransport(handler))
+    monkeypatch.setattr(page, "api", lambda: client)
+    known = page.modes()
+    assert set(known) == {"expertweaver", "cmoe", "dense2moe", "midas", "prune_head"}  # hierarchical has no recovery
+    assert known["prune_head"] == "Prune: trains nothing but the LoRA adapters."
+    assert known["cmoe"].startswith("CMoE: top-k of s′ + b") and "(AF Eq. 9)" in known["cmoe"]
+    assert page._mode_help("prune_head", None, {}) == known["prune_head"]
+    declared = {s.name: s for s in FinetuneParams.specs()}
+    fields = page.budget_fields()
+    assert set(fields) == {name for name, *_ in page.BUDGET}
+    for name, field in fields.items():
+        spec = declared[name]
+        assert (field["default"], field["ge"], field["gt"], field["le"]) == (spec.default, spec.ge, spec.gt, spec.le), name
+    assert page.form_values(None, fields, known) == {**{n: declared[n].default for n in fields}, "source": "builtin:mixed", "mode": None}
+    assert page.form_values({"mode": "prune_head", "steps": 7}, fields, known)["mode"] == "prune_head"
+    assert page._bound(fields["lr"], "ge", "gt") == 0 and page._bound(fields["lr"], "le", "lt") == 1
 
 
 def test_finetune_perplexity_says_what_text_and_how_much():

@@ -57,6 +57,8 @@ class Recovery:
     """
 
     paper: str
+    #: what the fine-tune trains and its loss, in one line with the paper's equations (the Fine-tune page shows it)
+    summary: str = ""
     layer_kind: str = "moe"
     lora: Literal["required", "optional", "off"] = "required"
     load_balance: bool = True
@@ -133,6 +135,7 @@ class Method:
             "name": self.name, "title": self.title, "paper": self.paper, "summary": self.summary,
             "needs": self.needs, "preview": self.preview is not None,
             "recovery": None if self.recovery is None else self.recovery.paper,
+            "recovery_summary": None if self.recovery is None else self.recovery.summary,
             "params": [s.to_dict() for s in self.params.specs()],
             "recipes": {"paper": {}, **self.recipes},
         }

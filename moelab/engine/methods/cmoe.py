@@ -160,6 +160,9 @@ METHOD = Method(
     preview=preview,
     # CM §4: u trains, not the router weights; b balances the load instead of EW's λ (AF §4.3).
     recovery=Recovery(paper="CM §3.3: gate scale u + balancing bias b, LoRA", load_balance=False,
+                      summary="CMoE: top-k of s′ + b, gate g_i = 1 + s′_i·u_i (CM §3.3); learns the scale u and LoRA "
+                              "adapters, moves the bias b by γ per step toward equal load (AF Eq. 9); no auxiliary loss, "
+                              "λ unused.",
                       router_params=("router_scale",), prepare=prepare_recovery,
                       accepts=accepts_recovery),
     baselines=baselines,

@@ -451,5 +451,8 @@ METHOD = Method(
     validate=validate,
     preview=preview,
     recovery=Recovery(paper="D2 §3: the router trains (scaled gate 1 + s′·u, u = 0 at start)", lora="off",
+                      summary="Dense2MoE: trains only the fused layers' softmax routers (D2 §2.1, §3): the unweighted sum "
+                              "becomes the gate 1 + softmax(h W_g)_i·u_i with u = 0 (same model at the start), and W_g and "
+                              "u learn; adds λ·L_LB (EW Eq. 12) when λ > 0; no LoRA, γ unused.",
                       balance_bias=False, prepare=prepare_recovery),
 )

@@ -287,6 +287,8 @@ METHOD = Method(
     validate=validate_partition,
     preview=preview,
     recovery=Recovery(paper="EW Eqs. 11-12: softmax router + load balancing, LoRA", lora="optional",
+                      summary="ExpertWeaver: a softmax router (started from the centroid router) weights the top-k "
+                              "experts (EW Eq. 11); routers and LoRA adapters learn L_NTP + λ·L_LB (EW Eq. 12); γ unused.",
                       prepare=prepare_recovery, accepts=accepts_recovery),
     baselines=baselines,
     # tests/benchmarks/bench_frontier.py: the best training-free conversion measured at every cost

@@ -465,6 +465,8 @@ METHOD = Method(
     needs="profiles",
     build=build,
     validate=validate,
-    recovery=Recovery(paper="MI §3.2: gate + LoRA", layer_kind="lowrank_moe"),
+    recovery=Recovery(paper="MI §3.2: gate + LoRA", layer_kind="lowrank_moe",
+                      summary="MIDAS: trains the gating network G and LoRA adapters on attention and the low-rank experts "
+                              "(MI App. A.1, Alg. 1); adds λ·L_LB (EW Eq. 12) when λ > 0."),
     extra_evaluation=load_cv_by_set,
 )
