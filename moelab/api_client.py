@@ -228,6 +228,9 @@ class ApiClient:
     def export(self, export_id: str) -> dict[str, Any]:
         return self.get(f"/exports/{export_id}")
 
+    def export_plan(self, method: str, params: dict[str, Any], family: str | None = None) -> dict[str, Any]:
+        return self.post(f"/methods/{method}/export-plan", {"params": params, "family": family})
+
     def finetune_params(self) -> list[dict[str, Any]]:
         return self.get("/finetunes/params")["items"]
 

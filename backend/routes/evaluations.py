@@ -91,7 +91,7 @@ def _check_tasks(body: EvaluationCreate, settings: Any) -> None:
         raise ApiError(422, f"task_dir: {exc}") from exc
     if unknown:
         raise ApiError(422, f"tasks: unknown task(s) {', '.join(unknown)}; GET /api/v1/tasks lists them")
-    offline = {t["name"] for t in list_tasks(task_dir) if t["offline"]}  # built-in and task_dir tasks
+    offline = {t["name"] for t in list_tasks(task_dir, registry=False) if t["offline"]}  # built-in and task_dir tasks
     registry = [t for t in body.tasks if t not in offline]
     if registry:
         try:

@@ -24,7 +24,7 @@ def list_tasks(settings: SettingsDep,
     from moelab.engine.evaluation.harness import list_tasks as listed
 
     try:
-        items = listed(checked_task_dir(task_dir, settings))
+        items = listed(checked_task_dir(task_dir, settings), registry=registry)
     except TaskError as exc:
         raise ApiError(422, f"task_dir: {exc}") from exc
     shown = items if registry else [t for t in items if t["source"] != "lm-eval"]

@@ -72,7 +72,7 @@ from .exports import ExportCreate, ExportList, ExportOut, GgufCheck, GgufType
 from .finetunes import FinetuneCreate, FinetuneList, FinetuneMode, FinetuneOut, TrainLog, TrainStep
 from .health import HealthDiskOut, HealthOut
 from .jobs import JobList
-from .methods import MethodList, MethodOut, ParamList, ParamOut
+from .methods import ExportPlanIn, ExportPlanOut, MethodList, MethodOut, ParamList, ParamOut
 from .models import LayerOut, ModelCreate, ModelLayers, ModelList, ModelOut
 from .notes import MAX_NOTES, MAX_TAGS, TAG_PATTERN, NotesOut, NotesUpdate, Tag, TagCount, TagList
 from .probes import PROBE_HELDOUT_PICK, PROBE_MAX_TEXT, ProbeCreate, ProbeList, ProbeOut
@@ -97,7 +97,7 @@ __all__ = [
     # profiles
     "ProfileCreate", "ProfileList", "ProfileOut",
     # methods
-    "MethodList", "MethodOut", "ParamList", "ParamOut",
+    "ExportPlanIn", "ExportPlanOut", "MethodList", "MethodOut", "ParamList", "ParamOut",
     # conversions
     "METHOD_PARAMS", "ConversionCreate", "ConversionList", "ConversionMethod", "ConversionOut", "ExpertMatching", "ExpertNeurons",
     "ExpertOut", "LayerMatchingOut", "MatchedExpert", "SkippedLayer", "method_params_model",

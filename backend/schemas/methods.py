@@ -45,3 +45,14 @@ class MethodList(BaseModel):
 
 class ParamList(BaseModel):
     items: list[ParamOut]
+
+
+class ExportPlanIn(BaseModel):
+    params: dict[str, Any] = Field(default_factory=dict, description="the method's parameters as planned (unset: its defaults)")
+    family: str | None = Field(None, description="the source model's family (config model_type), when known")
+
+
+class ExportPlanOut(BaseModel):
+    verdict: Literal["as_converted", "after_recovery", "no"] = Field(
+        description="exports as converted, after recovery fine-tuning in mode expertweaver, or not")
+    text: str = Field(description="which formats, or what blocks the export and what would export (CLI words)")

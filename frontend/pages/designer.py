@@ -16,7 +16,7 @@ from dash import ALL, MATCH, Input, Output, State, callback, ctx, dcc, html, no_
 
 from frontend.figures import designer as F, common as FC, compare as FX
 from moelab.api_client import ApiError, api
-from frontend.exportability import planned_export
+from frontend.exportability import ui_words
 from frontend.components import (baselines_choice, builtin_source_options, cancel_started, error_box, figure_card, options, profile_picker,
                                  progress, to_search, wants_baselines)
 from frontend.names import fmt
@@ -369,9 +369,14 @@ def _family(profile):
           Input({"type": PARAM, "method": ALL, "name": ALL}, "value"), Input(f"{N}-family", "data"),
           State({"type": PARAM, "method": ALL, "name": ALL}, "id"))
 def _export_note(method, values, family, ids):
-    """Whether the planned conversion will export to GGUF / native, from its parameters (``planned_export``)."""
-    verdict, text = planned_export(method, chosen_params(method, values, ids), family)
-    return html.Span(text, className=f"export-{verdict}")
+    """Whether the planned conversion will export to GGUF / native, from its parameters (the API's export plan)."""
+    if not method:
+        return None
+    try:
+        plan = api().export_plan(method, chosen_params(method, values, ids), family)
+    except ApiError as exc:
+        return html.Span(f"GGUF / native export: not known ({exc})", className="export-no")
+    return html.Span(ui_words(plan["text"]), className=f"export-{plan['verdict']}")
 
 
 def params_problems(m: dict[str, Any], method: str, values: list[Any], ids: list[dict[str, Any]]) -> list[str]:

@@ -3,13 +3,14 @@ offers the type choice and the button for a conversion whose layout exports (a u
 conversion recovered 1 step in mode expertweaver), runs the export job and offers the file through
 the frontend's relay (a GGUF the browser downloads); a conversion whose layout does not export says
 why in its row, in the API's words. The designer says whether the conversion being designed will
-export (pure rules, ``frontend.exportability``, and on the page)."""
+export (the engine's rules, ``moelab.engine.runtime.export_plan``, through ``POST /methods/{method}/export-plan``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from frontend.exportability import AFTER_RECOVERY, planned_export, ui_words
+from frontend.exportability import ui_words
+from moelab.engine.runtime.export_plan import AFTER_RECOVERY, NATIVE_FAMILIES, planned_export
 
 from .conftest import ARTIFACTS, wait_job
 
@@ -46,6 +47,48 @@ def _row(page, conversion_id: str):
 def test_designer_says_whether_the_planned_conversion_exports(method, params, family, verdict, words):
     got, text = planned_export(method, params, family)
     assert got == verdict and words in text, (got, text)
+
+
+def test_the_native_families_are_the_native_exporters():
+    from moelab.engine.runtime.native_export import SOURCE_TARGETS
+
+    assert set(NATIVE_FAMILIES) == set(SOURCE_TARGETS)
+
+
+def test_the_designer_shows_the_apis_export_plan_in_its_own_words(monkeypatch):
+    """The designer's note is the API's answer (the real route function behind a mock transport) in the UI's words:
+    no export rule is copied into the UI; an unknown method is a 404 that says which methods there are."""
+    import httpx
+
+    import frontend.app  # noqa: F401  (the pages register when the app is made)
+    from backend.errors import ApiError as RouteError
+    from backend.routes.methods import export_plan
+    from backend.schemas import ExportPlanIn
+    from frontend.pages import designer
+    from moelab.api_client import ApiClient
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        method = request.url.path.split("/")[-2]
+        try:
+            return httpx.Response(200, json=export_plan(method, ExportPlanIn.model_validate_json(request.content)).model_dump())
+        except RouteError as exc:
+            return httpx.Response(exc.status, json={"detail": exc.detail})
+
+    client = ApiClient(base_url="http://api.test/api/v1", token="", transport=httpx.MockTransport(handler))
+    monkeypatch.setattr(designer, "api", lambda: client)
+    plan = client.export_plan("cmoe", {})
+    assert plan["verdict"] == "no" and plan["text"].endswith("this one exports with --format moelab")
+    ids = [{"type": designer.PARAM, "method": "expertweaver", "name": n} for n in ("plan", "combine")]
+    note = designer._export_note("expertweaver", ["leading", "weighted"], "llama", ids)
+    assert note.className == "export-as_converted" and note.children == (
+        "GGUF / native export: exportable as converted, to GGUF (llama.cpp / Ollama) and native transformers")
+    note = designer._export_note("cmoe", [], None, [])
+    assert note.className == "export-no" and note.children.endswith("this one downloads in moelab's format (zip)")
+    assert "--" not in note.children
+    note = designer._export_note("expertweaver", ["leading", "sum"], "qwen3", ids)
+    assert "(the Fine-tune page, mode expertweaver)" in note.children and "native transformers only" in note.children
+    missing = designer._export_note("nosuch", [], None, [])
+    assert missing.className == "export-no" and "no method 'nosuch': choose one of expertweaver" in missing.children
 
 
 # ----------------------------------------------------------------------------- in the browser
@@ -113,7 +156,7 @@ def test_workspace_exports_a_gguf_and_says_why_another_does_not(page, live, api,
 @pytest.mark.slow
 def test_designer_says_whether_the_design_will_export(page, live, profile_id):
     page.goto(f"{live['ui']}/designer?profile={profile_id}&method=expertweaver&recipe=portable")
-    page.wait_for_selector(f"#cd-export-note >> text={AFTER_RECOVERY}")
+    page.wait_for_selector(f"#cd-export-note >> text={ui_words(AFTER_RECOVERY)}")  # the API's plan, in the page's words
     assert "to GGUF (llama.cpp / Ollama) and native transformers" in page.inner_text("#cd-export-note")  # a Llama source
     page.goto(f"{live['ui']}/designer?profile={profile_id}&method=expertweaver")  # the paper recipe: α per layer
     page.wait_for_selector("#cd-export-note >> text=not exportable")

@@ -66,30 +66,34 @@ class TaskRequest:
 
 
 @lru_cache(maxsize=8)
-def _task_manager(task_dir: str | None, data_dir: str | None) -> Any:
+def _task_manager(task_dir: str | None, data_dir: str | None, registry: bool = True) -> Any:
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=[str(BUILTIN_TASK_DIR), *([task_dir] if task_dir else [])],
+    return TaskManager(include_path=[str(BUILTIN_TASK_DIR), *([task_dir] if task_dir else [])], include_defaults=registry,
                        metadata={"data_dir": data_dir} if data_dir else None)
 
 
-def task_manager(task_dir: Path | None = None, data_dir: Path | None = None) -> Any:
-    """lm-eval's TaskManager over its registry, moelab's built-in tasks and ``task_dir``; ``data_dir`` reaches the
-    built-in tasks' data functions as metadata (where BIG-bench is installed)."""
+def task_manager(task_dir: Path | None = None, data_dir: Path | None = None, registry: bool = True) -> Any:
+    """lm-eval's TaskManager over moelab's built-in tasks, ``task_dir`` and (``registry``) lm-eval's own thousands,
+    whose index takes seconds to build; ``data_dir`` reaches the built-in tasks' data functions as metadata (where
+    BIG-bench is installed)."""
     if task_dir is not None and not Path(task_dir).is_dir():
         raise TaskError(f"task directory {task_dir} does not exist: give a directory of lm-eval task YAMLs")
-    return _task_manager(str(Path(task_dir).resolve()) if task_dir else None, str(data_dir) if data_dir else None)
+    return _task_manager(str(Path(task_dir).resolve()) if task_dir else None, str(data_dir) if data_dir else None, registry)
 
 
-def list_tasks(task_dir: Path | None = None) -> list[dict[str, Any]]:
+def list_tasks(task_dir: Path | None = None, registry: bool = True) -> list[dict[str, Any]]:
     """Every task a run can name: moelab's built-in ones first (offline), then a user's (``task_dir``),
-    then lm-eval's registry (their data must be in the HF cache, or ``online``)."""
-    manager = task_manager(task_dir)
+    then (``registry``) lm-eval's registry (their data must be in the HF cache, or ``online``). Without the registry
+    nothing indexes lm-eval's own tasks: the API's default answer takes milliseconds, not the index's seconds."""
+    out = [{"name": n, "source": "builtin", "offline": True, "domain": BUILTIN_TASK_DOMAINS[n],
+            **({"needs": NEEDS_INSTALL[n]} if n in NEEDS_INSTALL else {})} for n in BUILTIN_TASKS]
+    if not registry and task_dir is None:
+        return out
+    manager = task_manager(task_dir, registry=registry)
     user = set()
     if task_dir is not None:
         user = {n for n, e in manager.task_index.items() if e.yaml_path and Path(e.yaml_path).resolve().is_relative_to(Path(task_dir).resolve())}
-    out = [{"name": n, "source": "builtin", "offline": True, "domain": BUILTIN_TASK_DOMAINS[n],
-            **({"needs": NEEDS_INSTALL[n]} if n in NEEDS_INSTALL else {})} for n in BUILTIN_TASKS]
     out += [{"name": n, "source": "task_dir", "offline": True, "domain": None} for n in sorted(user)]
     out += [{"name": n, "source": "lm-eval", "offline": False, "domain": None} for n in manager.all_subtasks
             if n not in BUILTIN_TASKS and n not in user]
