@@ -187,6 +187,7 @@ def layout(profile: str | None = None, method: str = "expertweaver", **query: st
     methods, m_err = _methods()
     names = [m["name"] for m in methods]
     method = method if method in names else (names[0] if names else method)
+    needs = next((m["needs"] for m in methods if m["name"] == method), "profile")  # which inputs besides a profile
     try:
         profiles, models = options(api().profiles()), options(api().models())
     except ApiError:
@@ -201,11 +202,11 @@ def layout(profile: str | None = None, method: str = "expertweaver", **query: st
                                                            options=[{"label": m["title"], "value": m["name"]} for m in methods])]),
         ]),
         *[method_panel(m, query, m["name"] == method) for m in methods],
-        html.Div(className="controls", id=f"{N}-inputs-profiles", style={} if method == "midas" else {"display": "none"}, children=[
+        html.Div(className="controls", id=f"{N}-inputs-profiles", style={} if needs == "profiles" else {"display": "none"}, children=[
             html.Div([html.Label("other calibration sets' profiles (one expert per set)"),
                       dcc.Dropdown(id=f"{N}-extra_profiles", options=profiles, multi=True, style={"width": 420})]),
         ]),
-        html.Div(className="controls", id=f"{N}-inputs-moe_model", style={} if method == "hierarchical" else {"display": "none"},
+        html.Div(className="controls", id=f"{N}-inputs-moe_model", style={} if needs == "moe_model" else {"display": "none"},
                  children=[
             html.Div([html.Label("MoE model"), dcc.Dropdown(id=f"{N}-moe_model", options=models, style={"width": 320})]),
             html.Div([html.Label("calibration"), dcc.Input(id=f"{N}-calibration", value=query.get("calibration", "builtin:mixed"), debounce=True)]),
