@@ -12,6 +12,7 @@ from torch import nn
 
 from ..models import ModelAdapter
 from ..runtime.modeling_moelab import MoeFFN, decoder_layers
+from .empty_module import empty_module
 from .params import ConversionError
 
 #: Block attributes that normalise the MLP output (Gemma2/3, OLMo2 …): refused, see methods.dense2moe.
@@ -91,7 +92,7 @@ def fused_ffn(adapter: ModelAdapter, layer: int, n_fused: int, params: Any) -> M
     ]
     first = adapter.layers[layer]
     d_model, d_ffn = adapter.d_model, first.d_ffn
-    dev, dt = first.down_proj.weight.device, first.down_proj.weight.dtype
+    like = first.down_proj.weight
     spec = {
         "kind": "moe", "d_model": d_model, "act": adapter.activation, "d_shared": 0,
         "n_routed": len(sources), "expert_size": d_ffn, "top_k": params.top_k, "router": "softmax",
@@ -99,10 +100,7 @@ def fused_ffn(adapter: ModelAdapter, layer: int, n_fused: int, params: Any) -> M
     }
     if len(set(sources)) < len(sources):
         spec["expert_groups"] = sources
-    with torch.device("meta"):
-        mod = MoeFFN(spec)
-    mod.to_empty(device=dev)
-    mod.to(dt)
+    mod = empty_module(MoeFFN, spec, like)
     gate_up, down = mod.experts.gate_up_proj, mod.experts.down_proj
     for e, src in enumerate(sources):  # one copy per expert: a handful, not a hot loop
         lay = adapter.layers[src]
@@ -114,5 +112,5 @@ def fused_ffn(adapter: ModelAdapter, layer: int, n_fused: int, params: Any) -> M
     std = float(getattr(config, "initializer_range", 0.02) or 0.02)
     gen = torch.Generator().manual_seed(params.seed)
     router = torch.randn(len(sources), d_model, generator=gen, dtype=torch.float32) * std
-    mod.router_weight.copy_(router.to(device=dev, dtype=dt))
+    mod.router_weight.copy_(router.to(device=like.device, dtype=like.dtype))
     return mod

@@ -41,6 +41,7 @@ from typing import Any, Sequence
 import torch
 
 from ..runtime.moelab_lowrank import LowRankMoeFFN
+from .empty_module import empty_module
 
 
 def as_float64(a: Any, device: Any = None) -> torch.Tensor:
@@ -149,11 +150,7 @@ def lowrank_moe_from_factors(factors: dict[str, torch.Tensor], router_weight: to
     f = factors["gate_b"].shape[1]
     spec = {"kind": "lowrank_moe", "d_model": int(d), "d_ffn": int(f), "act": str(act), "n_experts": int(E),
             "rank": int(r), "top_k": int(top_k), **extra}
-    with torch.device("meta"):
-        mod = LowRankMoeFFN(spec)
-    ref = factors["gate_a"]
-    mod.to_empty(device=ref.device)
-    mod.to(ref.dtype)
+    mod = empty_module(LowRankMoeFFN, spec, factors["gate_a"])
     for name in FACTORS:
         p = getattr(mod, name)
         if tuple(factors[name].shape) != tuple(p.shape):

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime.modeling_moelab import MoeFFN, MoelabForCausalLM
+from .empty_module import empty_module
 
 
 def is_router_param(name: str) -> bool:
@@ -51,11 +52,7 @@ def to_softmax_router(mod: MoeFFN, beta: float) -> MoeFFN:
     Without it the fine-tuned layer is EW Eq. 11 exactly, which exports natively."""
     spec = {k: v for k, v in mod.spec.items() if k != "skip_mean"}
     spec.update(router="softmax", combine="weighted")
-    with torch.device("meta"):
-        new = type(mod)(spec)
-    ref = mod.experts.gate_up_proj
-    new.to_empty(device=ref.device)
-    new.to(ref.dtype)
+    new = empty_module(type(mod), spec, mod.experts.gate_up_proj)
     state = {k: v for k, v in mod.state_dict().items() if not is_router_param(k) and k != "skip_mean"}
     state["router_weight"] = mod.router.scorer.centroid(mod) * beta
     state["experts.down_proj"] = mod.experts.down_proj.detach() * mod.n_routed

@@ -24,6 +24,7 @@ from ..runtime.export import build_moe_model
 from ..runtime.modeling_moelab import AbsTopKGLU, MoeFFN
 from ..runtime.param_count import parameter_counts
 from .allocation import LayerPlan, summarize
+from .empty_module import dense_glu_module, empty_module
 from .fitting import fit_layers, profile_token_windows, refit_on_converted
 from .params import ConversionError, MethodParams, needs_fitting
 from .partition import LayerExperts
@@ -103,11 +104,8 @@ def moe_from_dense(
         "n_routed": int(E), "expert_size": int(m), "top_k": int(top_k), "router": router,
         "combine": combine, **({"skip_mean": True} if skip_mean is not None else {}), **extra,
     }
-    dev, dt = gate_w.device, gate_w.dtype
-    with torch.device("meta"):
-        mod = MoeFFN(spec)
-    mod.to_empty(device=dev)
-    mod.to(dt)
+    dev = gate_w.device
+    mod = empty_module(MoeFFN, spec, gate_w)
     sh, rt = shared.to(dev), routed.to(dev)
     if mod.d_shared:
         mod.shared_gate.weight.copy_(gate_w.index_select(0, sh))
@@ -140,15 +138,8 @@ def abstopk_from_dense(gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.T
                        **extra: Any) -> AbsTopKGLU:
     """EW Eq. 2's AbsTopK-GLU over the whole dense GLU (its weights copied as they are)."""
     d_ffn, d_model = gate_w.shape
-    with torch.device("meta"):
-        mod = AbsTopKGLU({"kind": "abstopk", "d_model": int(d_model), "d_ffn": int(d_ffn), "act": act, "k": int(k),
-                          **extra})
-    mod.to_empty(device=gate_w.device)
-    mod.to(gate_w.dtype)
-    mod.gate_proj.weight.copy_(gate_w)
-    mod.up_proj.weight.copy_(up_w)
-    mod.down_proj.weight.copy_(down_w)
-    return mod
+    spec = {"kind": "abstopk", "d_model": int(d_model), "d_ffn": int(d_ffn), "act": act, "k": int(k), **extra}
+    return dense_glu_module(AbsTopKGLU, spec, gate_w, up_w, down_w)
 
 
 def check_compatible(adapter: ModelAdapter, profile: Any) -> None:

@@ -39,6 +39,7 @@ import torch
 from ..models import ModelAdapter, dense_weights
 from ..progress import NO_PROGRESS, Progress
 from ..runtime.moelab_teal import TealGLU, magnitude_sparsify
+from .empty_module import dense_glu_module
 from .fitting import CalibrationInputs
 
 STEP = 0.05  # sparsity added per greedy step (TEAL's greedy also advances in fixed increments; 0.05 keeps a 30-layer model under a minute)
@@ -154,14 +155,9 @@ def teal_from_dense(gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tens
     """A ``TealGLU`` over the dense GLU's weights (copied as they are, then in its decode layout) with these
     thresholds and the sparsities they were calibrated at."""
     d_ffn, d_model = gate_w.shape
-    with torch.device("meta"):
-        mod = TealGLU({"kind": "teal", "d_model": int(d_model), "d_ffn": int(d_ffn), "act": act, "t_in": float(t_in),
-                       "t_mid": float(t_mid), "s_in": float(s_in), "s_mid": float(s_mid), **extra})
-    mod.to_empty(device=gate_w.device)
-    mod.to(gate_w.dtype)
-    mod.gate_proj.weight.copy_(gate_w)
-    mod.up_proj.weight.copy_(up_w)
-    mod.down_proj.weight.copy_(down_w)
+    spec = {"kind": "teal", "d_model": int(d_model), "d_ffn": int(d_ffn), "act": act, "t_in": float(t_in),
+            "t_mid": float(t_mid), "s_in": float(s_in), "s_mid": float(s_mid), **extra}
+    mod = dense_glu_module(TealGLU, spec, gate_w, up_w, down_w)
     mod.use_decode_layout()
     return mod
 
