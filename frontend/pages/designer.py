@@ -8,7 +8,6 @@ State in the URL: ?profile=…&method=…&<parameter>=… (one key per parameter
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import dash
@@ -17,6 +16,7 @@ from dash import ALL, MATCH, Input, Output, State, callback, ctx, dcc, html, no_
 from frontend.figures import designer as F, common as FC, compare as FX
 from moelab.api_client import ApiError, api
 from frontend.exportability import ui_words
+from frontend.param_controls import param_bounds, param_step
 from frontend.components import (baselines_choice, builtin_source_options, cancel_started, error_box, figure_card, options, profile_picker,
                                  progress, to_search, wants_baselines)
 from frontend.names import fmt
@@ -52,35 +52,6 @@ def _typed(spec: dict[str, Any], raw: Any) -> Any:
 def _label(spec: dict[str, Any]) -> html.Label:
     paper = f" ({spec['paper']})" if spec.get("paper") else ""
     return html.Label(f"{spec['name']}{paper}", title=spec["help"])
-
-
-def _nice(x: float) -> float:
-    """The 1-2-5 number at or below ``x`` (0.06 → 0.05, 0.3 → 0.2)."""
-    e = math.floor(math.log10(x))
-    return next(m * 10.0**e for m in (5, 2, 1) if m * 10.0**e <= x * (1 + 1e-9))
-
-
-def param_step(spec: dict[str, Any]) -> float | int:
-    """The step of a numeric control: 1 for an int; for a float, 0.05 on a bounded range of at most 2
-    (a share in [0, 1]; a twentieth of a narrower range), a hundredth of a wider one, else a tenth of
-    its default's size (τ 0.6: 0.05), rounded down to 1-2-5 (0.01 when the default is 0 or absent)."""
-    if spec["type"] == "int":
-        return 1
-    lo = spec["ge"] if spec["ge"] is not None else spec["gt"]
-    hi = spec["le"] if spec["le"] is not None else spec["lt"]
-    if lo is not None and hi is not None and hi > lo:
-        return min(0.05, _nice((hi - lo) / 20)) if hi - lo <= 2 else _nice((hi - lo) / 100)
-    default = spec.get("default")
-    return _nice(abs(default) / 10) if isinstance(default, (int, float)) and default else 0.01
-
-
-def param_bounds(spec: dict[str, Any]) -> tuple[float | None, float | None]:
-    """The control's inclusive ``min``/``max``: ``ge``/``le`` as they are, a strict ``gt``/``lt`` one
-    step inside (τ > 0 with step 0.05: min 0.05), so the stepper never lands on a refused value."""
-    step = param_step(spec)
-    lo = spec["ge"] if spec["ge"] is not None else (round(spec["gt"] + step, 6) if spec["gt"] is not None else None)
-    hi = spec["le"] if spec["le"] is not None else (round(spec["lt"] - step, 6) if spec["lt"] is not None else None)
-    return lo, hi
 
 
 def bound_text(spec: dict[str, Any]) -> str:

@@ -19,6 +19,7 @@ from frontend.figures import finetune as F, common as FC
 from moelab.api_client import ApiError, api
 from frontend.components import error_box, figure_card, page_names, progress, to_search
 from frontend.names import Names, with_id
+from frontend.param_controls import param_bounds
 
 dash.register_page(__name__, path="/finetune", name="Fine-tune", order=6)
 
@@ -86,11 +87,6 @@ def form_values(params: dict[str, Any] | None, fields: dict[str, dict[str, Any]]
     return values
 
 
-def _bound(field: dict[str, Any], inclusive: str, exclusive: str) -> float | None:
-    """An input's min or max: the declared bound (an open one too: the API still refuses the bound itself)."""
-    return field.get(inclusive) if field.get(inclusive) is not None else field.get(exclusive)
-
-
 def layout(conversion: str | None = None, finetune: str | None = None, **_):
     run_params: dict[str, Any] | None = None
     try:
@@ -109,7 +105,7 @@ def layout(conversion: str | None = None, finetune: str | None = None, **_):
         known, fields = modes(), budget_fields()
     except ApiError as exc:
         ready, runs, sources, err, names = [], [], ["builtin:mixed"], str(exc), Names()
-        known, fields = {}, {name: {"default": None} for name, *_ in BUDGET}
+        known, fields = {}, {name: dict.fromkeys(("default", "ge", "gt", "le", "lt")) for name, *_ in BUDGET}
     methods = {c["id"]: c["method"] for c in ready}
     mode = methods.get(conversion)
     mode = mode if mode in known else next(iter(known), None)
@@ -129,9 +125,8 @@ def layout(conversion: str | None = None, finetune: str | None = None, **_):
         html.Div(id=f"{N}-mode-help", className="note"),
         html.Div(className="controls", children=[
             html.Div([html.Label(label), dcc.Input(id=f"{N}-{name}", type="number", value=form[name], step=step,
-                                                   min=_bound(fields[name], "ge", "gt"), max=_bound(fields[name], "le", "lt"),
-                                                   style={"width": 110 if step == 1 else 140})])
-            for name, label, step in BUDGET
+                                                   min=bounds[0], max=bounds[1], style={"width": 110 if step == 1 else 140})])
+            for name, label, step in BUDGET for bounds in [param_bounds(fields[name], step)]
         ] + [html.Div([html.Label("training text (its held-out split measures perplexity)"),
                        dcc.Dropdown(id=f"{N}-source", options=sources, value=form["source"], clearable=False, style={"width": 220})])]),
         html.Div(className="controls", children=[
@@ -145,29 +140,27 @@ def layout(conversion: str | None = None, finetune: str | None = None, **_):
         html.Div(className="row", children=[figure_card(f"{N}-loss", "Training loss", loading=False)]),
         html.Div(id=f"{N}-result"),
         dcc.Store(id=f"{N}-methods", data=methods),
+        dcc.Store(id=f"{N}-modes", data=known), dcc.Store(id=f"{N}-fields", data=fields),  # read once, for the callbacks
         dcc.Interval(id=f"{N}-poll", interval=1000, disabled=True),
     ])
 
 
 @callback(Output(f"{N}-mode", "value"), Output(f"{N}-run", "options"), Output(f"{N}-run", "value"),
-          Input(f"{N}-conversion", "value"), State(f"{N}-methods", "data"), prevent_initial_call=True)
-def _conversion_changed(conversion, methods):
+          Input(f"{N}-conversion", "value"), State(f"{N}-methods", "data"), State(f"{N}-modes", "data"), prevent_initial_call=True)
+def _conversion_changed(conversion, methods, known):
     """Another conversion: its method's mode, and its newest fine-tune (if any) shown."""
     mode = (methods or {}).get(conversion)
     try:
-        runs, known = _run_options(conversion), modes()
+        runs = _run_options(conversion)
     except ApiError:
-        runs, known = [], {}
-    return (mode if mode in known else no_update), runs, (runs[0]["value"] if runs else None)
+        runs = []
+    return (mode if mode in (known or {}) else no_update), runs, (runs[0]["value"] if runs else None)
 
 
 @callback(Output(f"{N}-mode-help", "children"), Input(f"{N}-mode", "value"), Input(f"{N}-conversion", "value"),
-          State(f"{N}-methods", "data"))
-def _mode_help(mode, conversion, methods):
-    try:
-        known = modes()
-    except ApiError as exc:
-        return str(exc)
+          State(f"{N}-methods", "data"), State(f"{N}-modes", "data"))
+def _mode_help(mode, conversion, methods, known):
+    known = known or {}
     text = known.get(mode, "")
     method = (methods or {}).get(conversion)
     if method and method != mode:
@@ -176,13 +169,14 @@ def _mode_help(mode, conversion, methods):
 
 
 @callback(Output(f"{N}-mode", "value", allow_duplicate=True), Output(f"{N}-source", "value"),
-          *[Output(f"{N}-{name}", "value") for name, *_ in BUDGET], Input(f"{N}-run", "value"), prevent_initial_call=True)
-def _run_settings(run):
+          *[Output(f"{N}-{name}", "value") for name, *_ in BUDGET], Input(f"{N}-run", "value"), State(f"{N}-fields", "data"),
+          State(f"{N}-modes", "data"), prevent_initial_call=True)
+def _run_settings(run, fields, known):
     """Another run picked: the form shows how it was made (Start then repeats or varies it)."""
     if not run:
         return [no_update] * (2 + len(BUDGET))
     try:
-        values = form_values(api().finetune(run).get("params"), budget_fields(), modes())
+        values = form_values(api().finetune(run).get("params"), fields, known or {})
     except ApiError:
         return [no_update] * (2 + len(BUDGET))
     return [values["mode"] or no_update, values["source"], *[values[name] for name, *_ in BUDGET]]

@@ -73,6 +73,7 @@ def test_the_page_offers_every_recovery_mode_and_the_apis_budget_without_a_copy(
     import moelab.engine.methods as registry
     from backend.routes.finetunes import finetune_params
     from backend.routes.methods import list_methods
+    from frontend.param_controls import param_bounds
     from moelab.api_client import ApiClient
     from moelab.engine.methods.base import Method, Recovery
     from moelab.engine.training.params import FinetuneParams
@@ -93,7 +94,7 @@ def test_the_page_offers_every_recovery_mode_and_the_apis_budget_without_a_copy(
     assert set(known) == {"expertweaver", "cmoe", "dense2moe", "midas", "prune_head"}  # hierarchical has no recovery
     assert known["prune_head"] == "Prune: trains nothing but the LoRA adapters."
     assert known["cmoe"].startswith("CMoE: top-k of s′ + b") and "(AF Eq. 9)" in known["cmoe"]
-    assert page._mode_help("prune_head", None, {}) == known["prune_head"]
+    assert page._mode_help("prune_head", None, {}, known) == known["prune_head"]
     declared = {s.name: s for s in FinetuneParams.specs()}
     fields = page.budget_fields()
     assert set(fields) == {name for name, *_ in page.BUDGET}
@@ -102,7 +103,7 @@ def test_the_page_offers_every_recovery_mode_and_the_apis_budget_without_a_copy(
         assert (field["default"], field["ge"], field["gt"], field["le"]) == (spec.default, spec.ge, spec.gt, spec.le), name
     assert page.form_values(None, fields, known) == {**{n: declared[n].default for n in fields}, "source": "builtin:mixed", "mode": None}
     assert page.form_values({"mode": "prune_head", "steps": 7}, fields, known)["mode"] == "prune_head"
-    assert page._bound(fields["lr"], "ge", "gt") == 0 and page._bound(fields["lr"], "le", "lt") == 1
+    assert param_bounds(fields["lr"], "any") == (0, 1)  # a strict bound is the control's when typed freely
 
 
 def test_finetune_perplexity_says_what_text_and_how_much():

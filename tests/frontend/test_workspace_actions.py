@@ -168,9 +168,12 @@ def test_evaluation_offers_every_builtin_set_and_ready_sets():
 
 
 def test_form_values_from_a_runs_params():
-    v = form_values({"mode": "cmoe", "steps": 7, "lr": 0.002, "source": "builtin:code"})
+    from moelab.engine.training.params import MODES, FinetuneParams
+
+    fields = {s.name: s.to_dict() for s in FinetuneParams.specs()}  # what GET /finetunes/params answers
+    v = form_values({"mode": "cmoe", "steps": 7, "lr": 0.002, "source": "builtin:code"}, fields, MODES)
     assert (v["mode"], v["steps"], v["lr"], v["source"], v["seq_len"]) == ("cmoe", 7, 0.002, "builtin:code", 256)
-    assert form_values(None)["mode"] is None and form_values(None)["source"] == "builtin:mixed"
+    assert form_values(None, fields, MODES)["mode"] is None and form_values(None, fields, MODES)["source"] == "builtin:mixed"
 
 
 @pytest.mark.slow
