@@ -102,11 +102,11 @@ def profile_out(row: Profile) -> ProfileOut:
 
 def conversion_out(row: Conversion, layers: list[dict[str, Any]] | None = None, gguf: GgufCheck | None = None,
                    exports: list[ExportOut] | None = None) -> ConversionOut:
-    from moelab.engine.methods import method_of, normalise_params
+    from moelab.engine.methods import conversion_label, method_of, normalise_params
 
     common = {**_common(row), "params": normalise_params(row.params or {})}  # records from before the registry too
     return ConversionOut(
-        **common, method=method_of(common["params"]), profile_id=row.profile_id, model_id=row.model_id,
+        **common, method=method_of(common["params"]), label=conversion_label(common["params"]), profile_id=row.profile_id, model_id=row.model_id,
         summary=row.summary, layers=layers, gguf=gguf, exports=exports or [],
     )
 

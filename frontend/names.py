@@ -46,32 +46,13 @@ def fmt_pct(value: Any) -> str:
     return f"{value:.1%}".replace(".0%", "%") if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
 
 
-def key_params(method: str | None, params: Mapping[str, Any]) -> str:
-    """The few parameters that tell conversions of one method apart (the rest is in the table)."""
-    p = params or {}
-    if method in ("cmoe", "hierarchical"):
-        parts = [f"S{p.get('shared', '?')}·A{p.get('active', '?')}·E{p.get('n_experts', '?')}"]
-    elif method == "dense2moe":
-        lstar = p.get("layer")
-        parts = [f"δ {fmt(p.get('delta'))}", f"l* {lstar if lstar is not None else 'auto'}", f"n* {p.get('n_fused', '?') or 'auto'}",
-                 f"top-{p.get('top_k', 1)}"]
-    elif method == "midas":
-        parts = [f"keep {fmt_pct(p.get('keep_ratio'))}", f"top-{p.get('top_k', '?')}"]
-    else:  # expertweaver and records from before the method registry; a missing parameter is left out, not shown blank
-        parts = [f"{p.get('n_experts', '?')} experts"]
-        if p.get("alpha_min") is not None and p.get("alpha_max") is not None:
-            parts.append(f"α {fmt(p['alpha_min'])}–{fmt(p['alpha_max'])}")
-        parts += [f"τ {fmt(p['tau'])}"] if p.get("tau") is not None else []
-        parts += [f"sparsity {fmt_pct(p['sparsity'])}"] if p.get("sparsity") is not None else []
-    if p.get("router"):
-        parts.append(f"{p['router']} router")
-    if p.get("plan") and p.get("plan") != "paper":
-        parts.append(f"{p['plan']} plan")
-    if p.get("compensation") and p.get("compensation") != "none":
-        parts.append("skipped-expert means")
-    if p.get("down_keep") is not None and p["down_keep"] < 1:
-        parts.append(f"down {fmt_pct(p['down_keep'])} kept")
-    return ", ".join(parts)
+def key_params(c: Mapping[str, Any]) -> str:
+    """The few parameters that tell conversions of one method apart: the API's ``label``, which the
+    method declares (the rest is in the table); a record without one shows its first parameters."""
+    if c.get("label"):
+        return str(c["label"])
+    params = {k: v for k, v in (c.get("params") or {}).items() if k != "method" and not isinstance(v, (dict, list))}
+    return ", ".join(f"{k} {fmt(v)}" for k, v in list(params.items())[:3])
 
 
 @dataclass
@@ -114,13 +95,13 @@ class Names:
             base = [self.model(prof["model_id"]), self.set(prof["calibration_set_id"])]
         else:
             base = [self.model(c.get("model_id"))] if c.get("model_id") else []
-        return " · ".join([*base, method, key_params(method, params)])
+        return " · ".join([*base, method, key_params(c)])
 
 
 def short_conversion(c: dict[str, Any]) -> str:
     """'expertweaver · 64 experts, α 0.2–0.7, …': the name without model and set (chart labels)."""
     method = c.get("method") or (c.get("params") or {}).get("method") or "expertweaver"
-    return f"{method} · {key_params(method, c.get('params') or {})}"
+    return f"{method} · {key_params(c)}"
 
 
 def with_id(name: str, record_id: str) -> str:
@@ -254,7 +235,7 @@ def chart_label(c: dict[str, Any], names: Names, methods: dict[str, dict[str, An
     params = c.get("params") or {}
     method = c.get("method") or params.get("method") or "expertweaver"
     recipe = recipe_of(methods.get(method), params)
-    what = recipe if recipe else key_params(method, params).split(", ")[0]
+    what = recipe if recipe else key_params(c).split(", ")[0]
     if recipe is None and method in methods and len(methods[method].get("recipes") or {}) > 1:
         what = "own recipe"
     return f"{calibration_of(c, names)} · {method} {what}", recipe

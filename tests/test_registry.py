@@ -245,6 +245,7 @@ def test_a_new_method_is_one_module_and_one_registration(monkeypatch):
     import backend.schemas
     import backend.schemas.conversions
     import moelab.cli
+    from moelab.engine.methods import conversion_label
 
     monkeypatch.setattr("moelab.engine.methods.REGISTRY", dict(REGISTRY))
     import moelab.engine.methods as registry
@@ -266,6 +267,8 @@ def test_a_new_method_is_one_module_and_one_registration(monkeypatch):
         opts = {p.name: p for p in cli.convert.params if isinstance(p, click.Option)}
         assert "--keep" in opts["keep"].opts and "prune_head" in opts["method"].type.choices
         assert params_from_dict({"method": "prune_head", "keep": 0.3}) == PruneParams(keep=0.3)
+        # no label declared: its conversions are named by their first parameters (the API's `label`, the UI's names)
+        assert conversion_label({"method": "prune_head", "keep": 0.3, "router": "ridge"}) == "keep 0.3, ridge router"
         with pytest.raises(ConversionError, match="keep=0.0: must be > 0"):
             PruneParams(keep=0.0).check()
     finally:

@@ -99,6 +99,8 @@ class ConversionOut(_Noted):
     profile_id: str | None = Field(None, description="the profile it was made from (null for hierarchical)")
     model_id: str | None = Field(None, description="hierarchical: the MoE model it restructures")
     params: dict[str, Any]
+    label: str = Field("", description="its method's key parameters in words ('64 experts, α 0.2–0.7, τ 0.6, sparsity 25%'), "
+                                       "from the method's declaration")
     status: ResourceStatus
     summary: dict[str, Any] | None = Field(None, description="active fraction, static and clamped layers, timings")
     layers: list[dict[str, Any]] | None = Field(None, description="per-layer plan and clustering (detail view only)")

@@ -150,7 +150,8 @@ def test_chart_labels_name_the_calibration_set_method_and_recipe():
     a = {"id": "c1", "profile_id": "p1", "method": "expertweaver", "params": {"n_experts": 8, "router": "centroid", "plan": "paper"}}
     b = {"id": "c2", "profile_id": "p2", "method": "expertweaver", "params": {"n_experts": 8, **BEST}}
     c = {"id": "c3", "profile_id": "p2", "method": "expertweaver", "params": {"n_experts": 8, "router": "ridge"}}
-    d = {"id": "c4", "profile_id": "p1", "method": "cmoe", "params": {"shared": 1, "active": 2, "n_experts": 8}}
+    d = {"id": "c4", "profile_id": "p1", "method": "cmoe", "params": {"shared": 1, "active": 2, "n_experts": 8},
+         "label": "S1·A2·E8"}
     assert chart_label(a, NAMES, methods) == ("code · expertweaver paper", "paper")
     assert chart_label(b, NAMES, methods) == ("literature · expertweaver best", "best")
     assert chart_label(c, NAMES, methods) == ("literature · expertweaver own recipe", None)

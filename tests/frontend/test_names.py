@@ -11,9 +11,11 @@ PROFILES = [{"id": "pr-e06989ec8ade3ce0", "model_id": "m-1", "calibration_set_id
              "status": "ready"}]
 EW = {"id": "cv-1", "method": "expertweaver", "profile_id": "pr-e06989ec8ade3ce0", "status": "ready",
       "params": {"method": "expertweaver", "n_experts": 64, "alpha_min": 0.2, "alpha_max": 0.7, "tau": 0.6, "sparsity": 0.25,
-                 "router": "centroid", "plan": "paper"}}
+                 "router": "centroid", "plan": "paper"},
+      "label": "64 experts, α 0.2–0.7, τ 0.6, sparsity 25%, centroid router"}
 CM = {"id": "cv-2", "method": "cmoe", "profile_id": "pr-e06989ec8ade3ce0", "status": "ready",
-      "params": {"method": "cmoe", "n_experts": 64, "shared": 1, "active": 1, "router": "representative", "plan": "budget"}}
+      "params": {"method": "cmoe", "n_experts": 64, "shared": 1, "active": 1, "router": "representative", "plan": "budget"},
+      "label": "S1·A1·E64, representative router, budget plan"}
 
 
 def test_values_are_formatted_not_printed():
@@ -30,10 +32,9 @@ def test_records_are_named_model_set_method_parameters():
                                     "centroid router")
     assert names.conversion(CM) == "SmolLM2-135M-Instruct · mixed · cmoe · S1·A1·E64, representative router, budget plan"
     assert short_conversion(CM) == "cmoe · S1·A1·E64, representative router, budget plan"
-    assert key_params("dense2moe", {"delta": 0.3, "layer": None, "n_fused": 0, "top_k": 1}) == "δ 0.3, l* auto, n* auto, top-1"
-    assert key_params("midas", {"keep_ratio": 0.25, "top_k": 2}) == "keep 25%, top-2"
-    assert key_params("expertweaver", {"n_experts": 8, "sparsity": 0.5}) == "8 experts, sparsity 50%"  # nothing shown blank
-    assert key_params("expertweaver", {"n_experts": 128, "sparsity": 0.5, "down_keep": 0.5}) == "128 experts, sparsity 50%, down 50% kept"
+    # the words come from the API's label (the method's declaration: tests/engine/test_method_labels.py);
+    # a record without one still shows its first parameters, never nothing
+    assert key_params({"params": {"method": "new", "width": 3, "gate": 0.25, "nested": {"a": 1}}}) == "width 3, gate 0.25"
     assert Names().conversion(EW).startswith("expertweaver · 64 experts")  # unknown profile: still a name, never only an id
     assert with_id("mixed", "cal-1") == "mixed — cal-1" and with_id("", "cal-1") == "cal-1"
 

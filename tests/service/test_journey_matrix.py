@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from moelab.engine.methods import conversion_label
 from tests.conftest import FAMILIES, REPO, build_tiny_model, build_tiny_moe, tiny_models_root
 
 from .helpers import succeeded, wait_job
@@ -193,6 +194,9 @@ def test_journey(row, client, settings, profile_id, second_profile_id, tmp_path)
         body["extra_profile_ids"] = [second_profile_id]
     conv = _run(client, "/conversions", body)
     c = client.get(f"{API}/conversions/{conv['id']}").json()
+    # every page names it by the words its method declares, for any method (GET /conversions too)
+    assert c["label"] == conversion_label(c["params"]) and c["label"]
+    assert next(x for x in client.get(f"{API}/conversions").json()["items"] if x["id"] == c["id"])["label"] == c["label"]
     cost = c["summary"].get("ffn_flops_fraction")
     _cell(row, "convert", f"✓ (cost {cost:.2f})" if cost is not None else "✓")
 

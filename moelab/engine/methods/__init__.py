@@ -17,9 +17,10 @@ from typing import Any, Mapping, Sequence
 from ..core.params import ConversionError, MethodParams
 from . import cmoe, dense2moe, expertweaver, hierarchical, midas
 from .base import ConversionInputs, Method, Recovery
+from .labels import generic_label, num, shared_parts
 
 __all__ = ["ConversionInputs", "Method", "Recovery", "REGISTRY", "register", "get_method", "method_of",
-           "params_from_dict", "describe_methods", "check_conversion", "METHODS"]
+           "params_from_dict", "describe_methods", "check_conversion", "conversion_label", "METHODS"]
 
 REGISTRY: dict[str, Method] = {}
 
@@ -105,6 +106,18 @@ def check_conversion(params: MethodParams, profile_paths: Sequence[Any], model: 
     if method.validate is not None:
         method.validate(params, profiles)
     return profiles
+
+
+def conversion_label(params: Mapping[str, Any]) -> str:
+    """The few parameters that tell conversions of one method apart, in words (the method's ``label``, or its
+    first three declared parameters, then the options methods share); ``params``: a stored params dict of any
+    method, old records too. What the API returns as a conversion's ``label``."""
+    p = normalise_params(params or {})
+    method = REGISTRY.get(method_of(p))
+    if method is None:
+        return ", ".join(f"{k} {num(v)}" for k, v in list(p.items())[:3] if k != "method")
+    own = method.label(p) if method.label else generic_label(p, [s.name for s in method.params.specs()])
+    return ", ".join([*own, *shared_parts(p)])
 
 
 def describe_methods() -> list[dict[str, Any]]:

@@ -119,6 +119,9 @@ class Method:
     # partition methods: ``(plan_for(profile, params), layer_builder(profile, params))``, so another
     # process can build any one layer's experts alone (``workers.fanout``)
     partition: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+    # ``label(params) -> ['64 experts', 'τ 0.6']``: the parameters that tell this method's conversions
+    # apart, in words (``methods.conversion_label`` adds the shared options); None: the first three declared
+    label: Callable[[Any], list[str]] | None = None
 
     def recipe(self, name: str, **given: Any) -> MethodParams:
         """The parameters of recipe ``name`` (``paper``: the defaults), with ``given`` on top."""

@@ -27,6 +27,7 @@ from ..runtime.moelab_routers import PARTITION_ROUTERS
 from ..core.params import ConversionError, MethodParams, check_compensation, param
 from ..core.partition import LayerExperts, cluster_routed, finish, split_shared
 from .base import ConversionInputs, Method, Recovery
+from .labels import num
 
 #: this method's own router and the ones any partition can use (``moelab_routers.PARTITION_ROUTERS``)
 Router = Literal[("representative", *PARTITION_ROUTERS)]
@@ -147,8 +148,14 @@ def accepts_recovery(spec: dict[str, Any]) -> str | None:
             "use mode expertweaver or dense2moe for those")
 
 
+def _label(p) -> list[str]:
+    """CM's own name for a split: S shared, A active, E experts in all ('S1·A1·E64')."""
+    return [f"S{num(p.get('shared'))}·A{num(p.get('active'))}·E{num(p.get('n_experts'))}"]
+
+
 METHOD = Method(
     name="cmoe",
+    label=_label,
     title="CMoE",
     paper="CM §3",
     summary="uniform S·A·E split: shared experts by ATopK rate (Eq. 5), balanced clustering of ATopK markers (Eqs. 6-10), representative-neuron router (Eqs. 17-19)",

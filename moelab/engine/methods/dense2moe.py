@@ -90,6 +90,7 @@ import numpy as np
 from ..core.params import ConversionError, MethodParams, param
 from ..progress import NO_PROGRESS, Progress
 from .base import ConversionInputs, Method, Recovery
+from .labels import num
 
 Combine = Literal["weighted", "normalized", "sum"]
 COMBINES: tuple[str, ...] = ("weighted", "normalized", "sum")
@@ -440,8 +441,16 @@ def prepare_recovery(moe: Any, modules: dict[int, Any], batch: Any) -> tuple[dic
     return modules, notes, False
 
 
+def _label(p) -> list[str]:
+    """δ, the fused layer l* and count n* (D2 §2.3; 'auto' when chosen by the method), top-k."""
+    lstar, nstar = p.get("layer"), p.get("n_fused")
+    return [f"δ {num(p.get('delta'))}", f"l* {'auto' if lstar is None else lstar}", f"n* {nstar or 'auto'}",
+            f"top-{p.get('top_k', 1)}"]
+
+
 METHOD = Method(
     name="dense2moe",
+    label=_label,
     title="Dense2MoE",
     paper="D2 §2.3",
     summary="layer-fusion upcycling: drop the blocks after l* whose MLP inputs S_M are close, keep their MLPs as experts of l* (Eq. 6)",

@@ -40,6 +40,7 @@ from ..runtime.moelab_routers import PARTITION_ROUTERS
 from ..core.params import ConversionError, MethodParams, check_compensation, needs_fitting, param
 from ..core.partition import LayerExperts, cluster_routed, finish, split_shared
 from .base import ConversionInputs, Method, Recovery
+from .labels import num, pct
 
 #: this method's own router and the ones any partition can use (``moelab_routers.PARTITION_ROUTERS``)
 Router = Literal[("centroid", *PARTITION_ROUTERS)]
@@ -275,8 +276,19 @@ def accepts_recovery(spec: dict[str, Any]) -> str | None:
             f"{spec.get('combine')!r}: use mode cmoe or dense2moe, or convert with combine 'sum'")
 
 
+def _label(p) -> list[str]:
+    """Experts, the α range and τ (EW Eqs. 4-5), sparsity; an option the record lacks is left out, not '?'."""
+    parts = [f"{num(p.get('n_experts'))} experts"]
+    if p.get("alpha_min") is not None and p.get("alpha_max") is not None:
+        parts.append(f"α {num(p['alpha_min'])}–{num(p['alpha_max'])}")
+    parts += [f"τ {num(p['tau'])}"] if p.get("tau") is not None else []
+    parts += [f"sparsity {pct(p['sparsity'])}"] if p.get("sparsity") is not None else []
+    return parts
+
+
 METHOD = Method(
     name="expertweaver",
+    label=_label,
     title="ExpertWeaver",
     paper="EW §3",
     summary="layer-adaptive shared expert from neuron CV (Eqs. 4-7), balanced k-means routed experts (Eq. 8), centroid router (Eq. 9)",

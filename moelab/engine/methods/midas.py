@@ -77,6 +77,7 @@ import numpy as np
 
 from ..core.params import ConversionError, MethodParams, param
 from .base import ConversionInputs, Method, Recovery
+from .labels import num, pct
 from ..progress import NO_PROGRESS, Progress
 
 if TYPE_CHECKING:  # core.lowrank is torch: imported where a conversion runs, never by the API's registry
@@ -456,8 +457,14 @@ def load_cv_by_set(converted: Any, tokenizer: Any, record: dict[str, Any], *, da
                                                 seq_len=seq_len, progress=progress)}
 
 
+def _label(p) -> list[str]:
+    """The kept fraction of each FFN and the experts chosen per token."""
+    return [f"keep {pct(p.get('keep_ratio'))}", f"top-{num(p.get('top_k'))}"]
+
+
 METHOD = Method(
     name="midas",
+    label=_label,
     title="MIDAS",
     paper="MI §3.2",
     summary="one whitened low-rank expert per calibration set (Eqs. 1-2) behind a new top-k gate; one profile per set",
