@@ -22,7 +22,9 @@ Perplexity is measured on the held-out split of several built-in domains (never 
 text) and summarised by the geometric mean of the per-domain ratios; each domain's ratio is
 kept too. Every variant is also timed whole against dense in the same process (``evaluation.speed``: decode at
 batch 1 and 8, prefill of 512; its MLPs swapped into the dense model for its rounds; ``--speed-repeats 0`` skips
-it), so each quality sits beside its measured speed as well as its multiply-adds. Downstream accuracy:
+it), so each quality sits beside its measured speed as well as its multiply-adds. ``--llamacpp f16 q8_0`` also times
+every variant that exports to GGUF (``portable@start``) in llama.cpp against the dense GGUF of the same type
+(``time_llamacpp``). Downstream accuracy:
 bench_tasks.py (lm-evaluation-harness). Writes
 tests/benchmarks/results/bench_frontier.json, a markdown table and an SVG plot next to it, and
 prints one summary line.
@@ -212,9 +214,13 @@ def write(report: dict[str, Any], out: Path) -> None:
 
 
 def _speed_words(row: dict[str, Any]) -> str:
-    """' · speed 1.24/1.41/1.31×' (decode b1 / decode b8 / prefill over dense, measured), or '' when not timed."""
+    """' · speed 1.24/1.41/1.31×' (decode b1 / decode b8 / prefill over dense, measured), then ' · llama.cpp f16
+    1.39/1.11×' (decode b1 / prefill) per GGUF type timed, or '' when not timed."""
     sp = row.get("speed")
-    return " · speed " + "/".join(f"{sp[p]:.2f}" for p in PHASES) + "×" if sp else ""
+    words = " · speed " + "/".join(f"{sp[p]:.2f}" for p in PHASES) + "×" if sp else ""
+    for t, lc in (row.get("llamacpp") or {}).items():  # decode b1 / prefill in llama.cpp over dense at the same type
+        words += f" · llama.cpp {t} {lc['decode_b1']:.2f}/{lc['prefill']:.2f}×"
+    return words
 
 
 def tables(report: dict[str, Any], out: Path) -> None:
@@ -229,7 +235,8 @@ def tables(report: dict[str, Any], out: Path) -> None:
     if report.get("protocol") == "leave-domain-out":
         lines.insert(0, "Each cell: in-domain / out-of-domain perplexity ratio to dense (geomean over the folds), mean cost.\n")
     lines.insert(0, "Speed: the whole model over dense, decode batch 1 / decode batch 8 / prefill of 512, measured in one "
-                    "process (evaluation.speed; geomean over the folds).\n")
+                    "process (evaluation.speed; geomean over the folds); llama.cpp TYPE: decode batch 1 / prefill of the "
+                    "variant's GGUF over the dense GGUF of the same type (--llamacpp).\n")
     for name, r in report.get("own_cost", {}).items():
         lines.append(f"\n{name} (own cost {r['ffn_flops_fraction']:.3f}): {r['ratio_geomean']:.2f}× dense")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -285,6 +292,11 @@ def measure_levels(adapter: Any, profile: Any, windows: dict[str, torch.Tensor],
             by_domain = {dom: evaluate_variants(adapter, variants, w, reconstruction=False)
                          for dom, w in windows.items()}
             timed = time_variants(adapter, variants, windows, args.speed_repeats) if args.speed_repeats else {}
+            if args.llamacpp:  # last: building a model to export hands the variant's modules to it
+                gguf = time_llamacpp(args.model if args.protocol == "leave-domain-out" else profile.manifest["model"]["source"],
+                                     {n: v for n, v in variants.items() if n.endswith("@start")}, args.llamacpp,
+                                     torch.get_num_threads(), max(args.speed_repeats, 1), data_dir)
+                timed = {n: {**timed.get(n, {}), **gguf.get(n, {})} for n in variants}
             done.update({name: {**meta[name], **score(by_domain, name, dense_ppl), **timed.get(name, {})} for name in variants})
         save()  # after every level: a long run that is stopped keeps what it measured
         print(f"level {level}: " + ", ".join(f"{n} {r['ratio_geomean']:.2f}x@{r['ffn_flops_fraction']:.3f}"
@@ -305,6 +317,46 @@ def time_variants(adapter: Any, variants: dict[str, dict[int, Any]], windows: di
                    "speed_ms": {p: round(1e3 * e["seconds"][name], 2) for p, e in measured["phases"].items()},
                    "dense_ms": {p: round(1e3 * e["seconds"]["dense"], 2) for p, e in measured["phases"].items()}}
             for name in variants}
+
+
+def time_llamacpp(model: str, variants: dict[str, dict[int, Any]], types: list[str], threads: int, repeats: int,
+                  data_dir: Path) -> dict[str, dict[str, Any]]:
+    """Each variant that exports to GGUF (``gguf_layout`` accepts its layers: ``portable@start``, the layout EW Eq. 11
+    recovery starts from) written at every type of ``types`` and timed in llama.cpp against the dense model written by
+    the same converter at the same type (``bench_llamacpp.time_files``: decode at batch 1 after a 16-token prompt,
+    prefill of 512, fresh processes, interleaved, best of ``repeats``). llama-cpp-python runs one sequence, so llama.cpp
+    has no batch-8 decode here. Variants that do not export are left out, with the refusal:
+    ``{name: {"llamacpp": {type: {phase: speed-up}}}`` or ``{name: {"llamacpp_refusal": why}}``."""
+    from moelab.engine.runtime.export import build_moe_model, export_model
+    from moelab.engine.runtime.gguf_export import export_gguf_file
+    from moelab.engine.runtime.gguf_layout import GgufExportError
+    from tests.benchmarks.bench_llamacpp import time_files
+
+    out: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="frontier-gguf-") as tmp:
+        files: dict[tuple[str, str], Path] = {}
+        for name, modules in variants.items():
+            fresh = load_model(model, data_dir=data_dir, dtype="float32")  # build_moe_model takes the model over
+            src = export_model(build_moe_model(fresh, modules), Path(tmp) / name, tokenizer=fresh.tokenizer,
+                               conversion={"variant": name})
+            try:
+                for t in types:
+                    files[(name, t)] = Path(export_gguf_file(src, Path(tmp) / "gguf", t, data_dir)["file"])
+            except GgufExportError as exc:
+                out[name] = {"llamacpp_refusal": str(exc)}
+        if not files:
+            return out
+        for t in types:
+            files[("dense", t)] = Path(export_gguf_file(model, Path(tmp) / "gguf", t, data_dir)["file"])
+        timed = time_files(files, threads, repeats)
+    for (name, t), row in timed.items():
+        if name != "dense":
+            dense = timed[("dense", t)]
+            out.setdefault(name, {"llamacpp": {}})["llamacpp"][t] = {
+                "decode_b1": round(row["decode_tok_s"] / dense["decode_tok_s"], 3),
+                "prefill": round(row["prefill_tok_s"] / dense["prefill_tok_s"], 3),
+                "tok_s": {k: round(v, 1) for k, v in row.items()}, "dense_tok_s": {k: round(v, 1) for k, v in dense.items()}}
+    return out
 
 
 def _speed_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -404,6 +456,9 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "frontier_ldo", help="leave-domain-out: the folds' profiles")
     ap.add_argument("--speed-repeats", type=int, default=3,
                     help="time every variant's whole model against dense (median of this many interleaved rounds; 0: not)")
+    ap.add_argument("--llamacpp", nargs="*", default=[], metavar="TYPE", choices=("f32", "f16", "q8_0"),
+                    help="also time the variants that export to GGUF in llama.cpp at these types (e.g. f16 q8_0) against "
+                         "the dense model at the same type (decode batch 1, prefill 512)")
     ap.add_argument("--folds", nargs="+", default=None, choices=DOMAINS, metavar="DOMAIN",
                     help="leave-domain-out: only these folds (a variant is summarised over the folds once all four have it)")
     args = ap.parse_args()

@@ -94,6 +94,18 @@ def _in_subprocess(path: Path, what: str, threads: int, windows_file: Path | Non
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def time_files(files: dict[Any, Path], threads: int, repeat: int) -> dict[Any, dict[str, float]]:
+    """``{key: {"prefill_tok_s", "decode_tok_s"}}`` of every GGUF file, each measurement in a fresh process, the
+    files interleaved round by round and the best of ``repeat`` rounds kept: the machine's drift hits every file alike."""
+    rows: dict[Any, dict[str, float]] = {key: {} for key in files}
+    for _ in range(repeat):
+        for key, f in files.items():
+            for what in ("prefill", "decode"):
+                for k, v in _in_subprocess(f, what, threads).items():
+                    rows[key][k] = max(v, rows[key].get(k, 0.0))
+    return rows
+
+
 def _profile(work: Path, given: Path | None, data_dir: Path) -> Path:
     from moelab.engine.profiling.profiler import ProfileSettings
     from moelab.engine.runs import run_profile
@@ -177,12 +189,8 @@ def main() -> None:
     windows_file = work / "heldout_windows.json"
     windows_file.write_text(json.dumps(heldout_windows(tok, data_dir, seq_len=SEQ, n_windows=args.windows).tolist()))
 
-    rows: dict[str, dict[str, Any]] = {f"{n}/{t}": {"bytes": f.stat().st_size} for (n, t), f in files.items()}
-    for _ in range(args.repeat):  # interleaved rounds, best kept: the machine's drift hits every file alike
-        for (n, t), f in files.items():
-            for what in ("prefill", "decode"):
-                for k, v in _in_subprocess(f, what, args.threads).items():
-                    rows[f"{n}/{t}"][k] = max(v, rows[f"{n}/{t}"].get(k, 0.0))
+    timed = time_files(files, args.threads, args.repeat)
+    rows: dict[str, dict[str, Any]] = {f"{n}/{t}": {"bytes": f.stat().st_size, **timed[(n, t)]} for (n, t), f in files.items()}
     for (n, t), f in files.items():
         rows[f"{n}/{t}"].update(_in_subprocess(f, "perplexity", args.threads, windows_file))
     for (n, t) in files:

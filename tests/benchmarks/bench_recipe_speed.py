@@ -3,7 +3,7 @@
 this machine's kernel table) and to its multiply-adds.
 
     python tests/benchmarks/bench_recipe_speed.py [--samples 64] [--max-tokens 256] [--repeats 3]
-        [--variant NAME=RECIPE:SPARSITY ...] [--teal COST ...] [--work DIR]
+        [--variant NAME=RECIPE:SPARSITY[:OPTION=VALUE] ...] [--teal COST ...] [--work DIR]
 
 The profile is the README's shape (``builtin:mixed``, 64 × 256 tokens); each variant is built with ``moelab convert
 --recipe R --sparsity S`` as a user does (timed: building costs seconds too), then loaded with ``from_pretrained``. The
@@ -55,8 +55,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--variant", action="append", default=None, help="NAME=RECIPE:SPARSITY (default: %s)" % ", ".join(VARIANTS))
+    ap.add_argument("--variant", action="append", default=None, help="NAME=RECIPE:SPARSITY[:OPTION=VALUE ...] (e.g. whole-0.5=best:0.5:down-keep=1; default: %s)" % ", ".join(VARIANTS))
     ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=OUT, help="the JSON result (a probe need not replace the recorded one)")
     ap.add_argument("--teal", type=float, nargs="*", default=[0.5, 0.75],
                     help="TEAL at these FFN costs, calibrated on the profile's text as an evaluation does, timed alike")
     args = ap.parse_args()
@@ -70,14 +71,16 @@ def main() -> None:
              str(args.max_tokens), "--quiet", "--out", str(profile), env=env)
     built = {}
     for spec in args.variant or VARIANTS:
-        name, rest = spec.split("=")
-        recipe, sparsity = rest.split(":")
+        name, rest = spec.split("=", 1)
+        recipe, sparsity, *options = rest.split(":")  # options: 'down-keep=1' -> --down-keep 1
+        flags = [x for o in options for x in (f"--{o.split('=')[0]}", o.split("=", 1)[1])]
         out = work / name
         t0 = time.perf_counter()
         if not (out / "config.json").exists():
-            _cli("convert", "--profile", str(profile), "--recipe", recipe, "--sparsity", sparsity, "--quiet", "--out", str(out),
-                 env=env)
-        built[name] = {"recipe": recipe, "sparsity": float(sparsity), "dir": out, "convert_s": time.perf_counter() - t0}
+            _cli("convert", "--profile", str(profile), "--recipe", recipe, "--sparsity", sparsity, *flags, "--quiet",
+                 "--out", str(out), env=env)
+        built[name] = {"recipe": recipe, "sparsity": float(sparsity), "options": options, "dir": out,
+                       "convert_s": time.perf_counter() - t0}
 
     adapter = load_model("default", data_dir=data_dir)
     dense = adapter.model.eval()
@@ -104,7 +107,7 @@ def main() -> None:
             predicted = {p: round(x["speedup"], 3) for p, x in predict(table, layers).items()}
         except ValueError as exc:
             predicted = {"note": str(exc)}
-        rows.append({"variant": name, "recipe": v["recipe"], "sparsity": v["sparsity"],
+        rows.append({"variant": name, "recipe": v["recipe"], "sparsity": v["sparsity"], "options": v["options"],
                      "ffn_flops_fraction": record["summary"].get("ffn_flops_fraction"),
                      "convert_s": round(v["convert_s"], 1),
                      "measured": {p: round(e["speedup"][name], 3) for p, e in measured["phases"].items()},
@@ -113,8 +116,8 @@ def main() -> None:
     out = {"machine": table["machine"], "threads": args.threads, "dtype": table["dtype"], "repeats": args.repeats,
            "table_s": round(table_s, 1), "dense_ms": {p: round(1e3 * e["seconds"]["dense"], 2) for p, e in measured["phases"].items()},
            "protocol": measured["protocol"], "rows": rows}
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(out, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
     line = "; ".join(f"{r['variant']} (cost {r['ffn_flops_fraction']:.3f}): "
                      + ", ".join(f"{p} {r['measured'][p]:.2f}×" + (f" (pred {r['predicted'][p]:.2f}×)" if p in r["predicted"] else "")
                                  for p in r["measured"])
