@@ -140,10 +140,13 @@ def getting_started(models: list[dict], sets: list[dict], profiles: list[dict], 
 
 def _clicked() -> dict | None:
     """The pattern id whose button was clicked; None when a callback fired because the lists were
-    redrawn (new buttons arrive with n_clicks None)."""
-    if not ctx.triggered or not ctx.triggered[0].get("value"):
-        return None
-    return ctx.triggered_id if isinstance(ctx.triggered_id, dict) else None
+    redrawn (new buttons arrive with n_clicks None). A click and a redraw can reach one call together:
+    the clicked button is the triggering input with a count, wherever it is in the list."""
+    for trig in ctx.triggered or ():
+        ident = trig.get("prop_id", "").rsplit(".", 1)[0]
+        if trig.get("value") and ident.startswith("{"):
+            return json.loads(ident)
+    return None
 
 
 def job_title(job: dict, subjects: dict[str, str]) -> str:

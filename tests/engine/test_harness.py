@@ -112,7 +112,8 @@ def all_active(tmp_path_factory, default_model_dir, data_dir):
 
 @pytest.mark.slow
 def test_a_conversion_with_every_expert_active_scores_the_dense_accuracy(all_active, data_dir):
-    proc = moelab("evaluate", str(all_active), "--windows", "2", "--seq-len", "32", "--no-baselines", "--tasks",
+    # --no-speed: accuracy is the subject here (timing is test_speed.py's)
+    proc = moelab("evaluate", str(all_active), "--windows", "2", "--seq-len", "32", "--no-baselines", "--no-speed", "--tasks",
                   "moelab_chat_qa,moelab_lastword", "--limit", "40", "--json", data_dir=data_dir)
     report = json.loads(proc.stdout)
     assert report["task_settings"] == {"tasks": ["moelab_chat_qa", "moelab_lastword"], "num_fewshot": None, "limit": 40,
@@ -122,7 +123,7 @@ def test_a_conversion_with_every_expert_active_scores_the_dense_accuracy(all_act
         assert dense["n"] == conv["n"] == 40 and dense["acc_stderr"] is not None
         assert conv["acc"] == dense["acc"], (task, dense, conv)
     assert report["tasks"]["moelab_chat_qa"]["dense"]["acc"] > 0.25  # above chance (4 choices) on 40 items
-    table = moelab("evaluate", str(all_active), "--windows", "2", "--seq-len", "32", "--no-baselines", "--tasks",
+    table = moelab("evaluate", str(all_active), "--windows", "2", "--seq-len", "32", "--no-baselines", "--no-speed", "--tasks",
                    "moelab_chat_qa", "--limit", "40", "--table", "csv", "--quiet", data_dir=data_dir).stdout
     acc = 100 * report["tasks"]["moelab_chat_qa"]["dense"]["acc"]
     assert table.splitlines()[0] == "model,moelab_chat_qa" and table.splitlines()[1].startswith(f"dense,{acc:.1f} ± ")
@@ -145,8 +146,8 @@ def test_a_users_task_directory_runs_through_the_cli(tmp_path, tiny_model, data_
            "--out", str(prof), "--quiet", data_dir=data_dir)
     moelab("convert", "--profile", str(prof), "--method", "cmoe", "--experts", "8", "--shared", "2", "--active", "2",
            "--out", str(conv), "--quiet", data_dir=data_dir)
-    report = json.loads(moelab("evaluate", str(conv), "--windows", "2", "--seq-len", "16", "--no-baselines", "--tasks", "my_sums",
-                               "--task-dir", str(tasks), "--json", data_dir=data_dir).stdout)
+    report = json.loads(moelab("evaluate", str(conv), "--windows", "2", "--seq-len", "16", "--no-baselines", "--no-speed", "--tasks",
+                               "my_sums", "--task-dir", str(tasks), "--json", data_dir=data_dir).stdout)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(conv)

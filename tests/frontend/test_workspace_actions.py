@@ -227,6 +227,26 @@ LISTS = {
 CONV1 = "tiny · prose · expertweaver · 4 experts"
 
 
+def test_a_click_that_arrives_with_a_redraw_of_the_list_is_still_the_click():
+    """The jobs list redraws every few seconds (new buttons, n_clicks None); when a redraw and a click reach the
+    callback together, the click is found wherever it is among the triggering inputs (it was lost when first)."""
+    from dash._callback_context import context_value
+    from dash._utils import AttributeDict
+
+    from frontend.pages.workspace import _clicked
+
+    def clicked(*triggered):
+        token = context_value.set(AttributeDict(triggered_inputs=[{"prop_id": f"{p}.n_clicks", "value": v} for p, v in triggered]))
+        try:
+            return _clicked()
+        finally:
+            context_value.reset(token)
+
+    redrawn, click = ('{"job":"j-1","type":"ws-cancel"}', None), ('{"job":"j-2","type":"ws-cancel"}', 1)
+    assert clicked(redrawn, click) == {"job": "j-2", "type": "ws-cancel"}
+    assert clicked(redrawn) is None and clicked() is None
+
+
 def test_every_job_is_named_by_what_it_works_on():
     said = subjects(LISTS)
     assert said["ev-1"] == f"evaluation of {CONV1} on builtin:mixed" and said["ev-2"] == f"evaluation of {CONV1} on mine"
