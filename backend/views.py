@@ -106,8 +106,8 @@ def conversion_out(row: Conversion, layers: list[dict[str, Any]] | None = None, 
 
     common = {**_common(row), "params": normalise_params(row.params or {})}  # records from before the registry too
     return ConversionOut(
-        **common, method=method_of(common["params"]), label=conversion_label(common["params"]), profile_id=row.profile_id, model_id=row.model_id,
-        summary=row.summary, layers=layers, gguf=gguf, exports=exports or [],
+        **common, method=method_of(common["params"]), label=conversion_label(common["params"]), profile_id=row.profile_id,
+        model_id=row.model_id, summary=row.summary, layers=layers, gguf=gguf, exports=exports or [],
     )
 
 

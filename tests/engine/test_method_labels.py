@@ -35,4 +35,4 @@ def test_values_read_as_a_person_reads_them():
 
 
 def test_an_unknown_method_still_gets_words():
-    assert conversion_label({"method": "gone", "k": 2, "ratio": 0.125}) == "k 2, ratio 0.125"
+    assert conversion_label({"method": "gone", "k": 2, "ratio": 0.125, "tau": 0.5, "x": 1}) == "k 2, ratio 0.125, tau 0.5"

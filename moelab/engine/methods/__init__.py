@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 from ..core.params import ConversionError, MethodParams
 from . import cmoe, dense2moe, expertweaver, hierarchical, midas
 from .base import ConversionInputs, Method, Recovery
-from .labels import generic_label, num, shared_parts
+from .labels import generic_label, shared_parts
 
 __all__ = ["ConversionInputs", "Method", "Recovery", "REGISTRY", "register", "get_method", "method_of",
            "params_from_dict", "describe_methods", "check_conversion", "conversion_label", "METHODS"]
@@ -114,8 +114,8 @@ def conversion_label(params: Mapping[str, Any]) -> str:
     method, old records too. What the API returns as a conversion's ``label``."""
     p = normalise_params(params or {})
     method = REGISTRY.get(method_of(p))
-    if method is None:
-        return ", ".join(f"{k} {num(v)}" for k, v in list(p.items())[:3] if k != "method")
+    if method is None:  # a method no longer registered: its first stored parameters
+        return ", ".join(generic_label(p, [k for k in p if k != "method"]))
     own = method.label(p) if method.label else generic_label(p, [s.name for s in method.params.specs()])
     return ", ".join([*own, *shared_parts(p)])
 

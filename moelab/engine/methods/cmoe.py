@@ -148,14 +148,14 @@ def accepts_recovery(spec: dict[str, Any]) -> str | None:
             "use mode expertweaver or dense2moe for those")
 
 
-def _label(p) -> list[str]:
+def split_label(p) -> list[str]:
     """CM's own name for a split: S shared, A active, E experts in all ('S1·A1·E64')."""
     return [f"S{num(p.get('shared'))}·A{num(p.get('active'))}·E{num(p.get('n_experts'))}"]
 
 
 METHOD = Method(
     name="cmoe",
-    label=_label,
+    label=split_label,
     title="CMoE",
     paper="CM §3",
     summary="uniform S·A·E split: shared experts by ATopK rate (Eq. 5), balanced clustering of ATopK markers (Eqs. 6-10), representative-neuron router (Eqs. 17-19)",

@@ -53,7 +53,6 @@ from ..core.partition import LayerExperts
 from ..progress import NO_PROGRESS, Progress
 from . import cmoe
 from .base import ConversionInputs, Method
-from .labels import num
 
 
 # --------------------------------------------------------------------------- parameters
@@ -288,14 +287,9 @@ def validate(params: HierarchicalParams, profiles: list[Any]) -> None:
     params.validate()
 
 
-def _label(p) -> list[str]:
-    """Named as CMoE names its split (S shared, A active, E experts)."""
-    return [f"S{num(p.get('shared'))}·A{num(p.get('active'))}·E{num(p.get('n_experts'))}"]
-
-
 METHOD = Method(
     name="hierarchical",
-    label=_label,
+    label=cmoe.split_label,  # named as CMoE names its split (S shared, A active, E experts)
     title="Hierarchical (AF)",
     paper="AF §4.4",
     summary="shared + routed sub-experts inside every expert of an existing MoE model (Mixtral, Qwen2/3-MoE), CMoE recipe per expert",

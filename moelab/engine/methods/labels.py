@@ -23,7 +23,7 @@ def pct(value: Any) -> str:
 
 
 def generic_label(params: Mapping[str, Any], names: list[str]) -> list[str]:
-    """A method without its own ``label``: its first three declared parameters, 'name value'."""
+    """A method without its own ``label``: the first three of ``names`` (its declared parameters), 'name value'."""
     return [f"{n} {num(params.get(n))}" for n in names[:3] if params.get(n) is not None]
 
 
