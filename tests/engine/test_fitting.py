@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from moelab.cli import main
 from moelab.engine.core.allocation import plan_flops_fraction
 from moelab.engine.core.fitting import (_curve_weights, collect_inputs, error_curve, fit_router, greedy_budget, output_fisher, router_scores,
-                                         skipped_means)
+                                         rank_sums, routed_hidden, skipped_means, skipped_means_at)
 from moelab.engine.runtime.moelab_routers import ROUTERS
 from moelab.engine.core.params import ConversionError
 from moelab.engine.core.slicing import dense_weights, moe_from_dense, partition_modules
@@ -87,7 +87,7 @@ def test_skipped_means_are_each_experts_mean_over_the_tokens_that_skip_it():
     routed = torch.randperm(E * m).reshape(E, m).numpy()
     scores = torch.randn(T, E)
     scores[:, 4] = 100.0  # every token selects expert 4: nobody skips it
-    mu = skipped_means(x, g, u, dn, routed, scores, k, "silu", chunk=7)
+    mu = skipped_means(x, g, u, dn, routed, scores, k, "silu")
     top = scores.topk(k, dim=1).indices.tolist()
     for e in range(E):
         idx = torch.as_tensor(routed[e])
@@ -98,6 +98,12 @@ def test_skipped_means_are_each_experts_mean_over_the_tokens_that_skip_it():
     assert not mu[4].any()
     every = skipped_means(x, g, u, dn, routed, scores, 0, "silu")  # top-k 0: the plain mean of every expert
     assert np.allclose(every.sum(0), ((torch.nn.functional.silu(x @ g.T) * (x @ u.T)) @ dn.T).mean(0).numpy(), atol=1e-4)
+    # one pass of rank sums gives the means at every top-k (the budget plan picks k after the fit)
+    sums, counts = rank_sums(routed_hidden(x, g, u, routed, "silu"), scores)
+    assert counts.sum(1).tolist() == [T] * E and counts.sum(0).tolist() == [T] * E
+    for top_k in range(E + 1):
+        assert np.allclose(skipped_means_at(sums, counts, top_k, dn, routed),
+                           skipped_means(x, g, u, dn, routed, scores, top_k, "silu"), atol=1e-6), top_k
 
 
 @pytest.mark.parametrize("top_k", [0, 2, 4])

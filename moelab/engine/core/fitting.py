@@ -217,53 +217,71 @@ def _routed_weights(gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tens
     return gate_w[idx], up_w[idx], down_w[:, idx].reshape(-1, E, m)
 
 
-def skipped_means(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
-                  routed: np.ndarray, scores: torch.Tensor, top_k: int, act: str, chunk: int = 4096) -> np.ndarray:
-    """``μ`` ``[E, d]`` (module docstring, compensation): the mean output of each routed expert over
-    the tokens of ``x`` whose ``top_k`` best ``scores`` leave it out; 0 for an expert no token skips.
+def rank_sums(hidden: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per routed expert and rank: the sum of its hidden activations over the tokens that rank it there,
+    ``[E, E, m]``, and their count ``[E, E]``; ``hidden`` ``[T, E·m]`` in expert order, ranks by
+    descending ``scores`` ``[T, E]``. A top-k router skips expert ``e`` on the tokens that rank it ``k`` or
+    lower, so these give its skipped mean at every ``k`` (``skipped_means_at``)."""
+    T, E = scores.shape
+    rank = torch.empty_like(scores, dtype=torch.long).scatter_(
+        1, scores.argsort(dim=1, descending=True), torch.arange(E).expand(T, -1))
+    slot = (torch.arange(E) * E + rank).reshape(-1)  # (expert, rank) of each (token, expert) pair
+    sums = torch.zeros(E * E, hidden.shape[1] // E)  # float32: about T / E terms a sum
+    sums.index_add_(0, slot, hidden.reshape(T * E, -1))
+    return sums.double().reshape(E, E, -1), torch.bincount(slot, minlength=E * E).reshape(E, E).double()
 
-    An expert's output is linear in its hidden activations (``D_e h_e``), so the skipping tokens' hidden
-    rows are averaged first (``[E, m]``) and each expert's down block applied once: ``T·E·m`` sums where
-    the outputs themselves would move ``T·E·d`` numbers (the fit's cost on 16k tokens)."""
+
+def skipped_means_at(sums: torch.Tensor, counts: torch.Tensor, top_k: int, down_w: torch.Tensor,
+                     routed: np.ndarray) -> np.ndarray:
+    """``μ`` ``[E, d]`` (module docstring, compensation) from ``rank_sums``: each routed expert's mean output
+    over the tokens whose ``top_k`` leave it out (ranks ``top_k`` and below); 0 for an expert no token skips.
+    An expert's output is linear in its hidden activations (``D_e h_e``), so the mean hidden row is
+    formed first and its down block applied once: ``T·E·m`` sums where the outputs would move ``T·E·d``."""
     E, m = routed.shape
+    mean_h = sums[:, top_k:].sum(1) / counts[:, top_k:].sum(1).clamp_min(1)[:, None]
+    dn = down_w[:, torch.as_tensor(routed.reshape(-1), dtype=torch.long)].reshape(-1, E, m).double()
+    return torch.einsum("em,dem->ed", mean_h, dn).float().numpy()
+
+
+def routed_hidden(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, routed: np.ndarray, act: str) -> torch.Tensor:
+    """``[T, E·m]``: the routed experts' hidden activations ``act(g·x)·(u·x)`` on ``x``, in expert order."""
     idx = torch.as_tensor(routed.reshape(-1), dtype=torch.long)
-    g, u = gate_w[idx], up_w[idx]
-    h_sum = torch.zeros(E, m, dtype=torch.float64)
-    count = torch.zeros(E, dtype=torch.float64)
-    for s in range(0, len(x), chunk):
-        sc = scores[s : s + chunk]
-        skipped = torch.ones(sc.shape, dtype=torch.float64)
-        if top_k:
-            skipped.scatter_(1, sc.topk(top_k, dim=1).indices, 0.0)
-        h_sum += torch.einsum("te,tem->em", skipped, _hidden(x[s : s + chunk], g, u, act).reshape(-1, E, m).double())
-        count += skipped.sum(0)
-    mean_h = h_sum / count.clamp_min(1)[:, None]
-    return torch.einsum("em,dem->ed", mean_h, down_w[:, idx].reshape(-1, E, m).double()).float().numpy()
+    return _hidden(x, gate_w[idx], up_w[idx], act)
+
+
+def skipped_means(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
+                  routed: np.ndarray, scores: torch.Tensor, top_k: int, act: str) -> np.ndarray:
+    """``μ`` ``[E, d]``: ``skipped_means_at`` of the routed experts' hidden activations on ``x``."""
+    return skipped_means_at(*rank_sums(routed_hidden(x, gate_w, up_w, routed, act), scores), top_k, down_w, routed)
 
 
 def error_curve(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
-                routed: np.ndarray, scores: torch.Tensor, act: str, chunk: int = 512,
+                routed: np.ndarray, scores: torch.Tensor, act: str, chunk: int = 256,
                 weights: torch.Tensor | None = None) -> np.ndarray:
     """``err[k]`` for k = 0 … E: ``Σ_t w_t ‖y_t − ŷ_t(k)‖²`` where ``ŷ(k)`` keeps the k best-scored
     routed experts of each token (the shared part is always computed, so it cancels); ``w_t = 1``
     unless ``weights`` are given: ``[T]`` per token, or ``[T, d]`` per token and output dimension
-    (``Σ_t Σ_i w_ti (y_ti − ŷ_ti(k))²``)."""
+    (``Σ_t Σ_i w_ti (y_ti − ŷ_ti(k))²``).
+
+    What ``k`` experts miss is the sum of the contributions ranked ``k`` and below, so with ``G`` each
+    token's Gram matrix of its (``√w``-scaled) contributions in rank order, ``err[k] = Σ_t Σ_{i ≥ k}
+    (G_ii + 2 Σ_{j > i} G_ij)``: one ``[E, E]`` product per token and a suffix sum, where the partial
+    sums themselves would be ``E`` vectors of ``d`` per token, each moved several times."""
     E = routed.shape[0]
     g, u, dn = _routed_weights(gate_w, up_w, down_w, routed)
-    err = torch.zeros(E + 1, dtype=torch.float64)
+    own_and_below = torch.ones(E, E).triu(1) * 2 + torch.eye(E)  # row i: G_ii once, G_ij (j ranked below) twice
+    per_rank = torch.zeros(E, dtype=torch.float64)
     for s in range(0, len(x), chunk):
         contrib = _contributions(x[s : s + chunk], g, u, dn, act)  # [t, E, d]
+        if weights is not None:
+            w = weights[s : s + chunk].sqrt()
+            contrib = contrib * (w[:, None, :] if w.dim() == 2 else w[:, None, None])
+        gram = contrib @ contrib.transpose(1, 2)  # [t, E, E]
         order = scores[s : s + chunk].argsort(dim=1, descending=True)
-        sorted_c = contrib.gather(1, order[..., None].expand_as(contrib))
-        # missing part after k experts = sum of the experts ranked k+1 … E
-        missing = sorted_c.flip(1).cumsum(1).flip(1)  # missing[:, k] = Σ_{j ≥ k}
-        if weights is not None and weights.dim() == 2:
-            sq = torch.einsum("ted,td->te", missing.pow(2), weights[s : s + chunk])
-        else:
-            sq = missing.pow(2).sum(dim=2)  # [t, E]
-            if weights is not None:
-                sq = sq * weights[s : s + chunk, None]
-        err[:E] += sq.double().sum(dim=0)
+        ranked = gram.gather(1, order[:, :, None].expand(-1, -1, E)).gather(2, order[:, None, :].expand(-1, E, -1))
+        per_rank += (ranked * own_and_below).sum(-1).double().sum(0)
+    err = torch.zeros(E + 1, dtype=torch.float64)
+    err[:E] = per_rank.flip(0).cumsum(0).flip(0)
     return err.numpy()
 
 
@@ -337,8 +355,9 @@ def router_scores(x: torch.Tensor, router: str, weights: dict[str, np.ndarray], 
 
 
 def fit_router(x: torch.Tensor, router: str, gate_w: torch.Tensor, up_w: torch.Tensor, routed: np.ndarray,
-               act: str) -> dict[str, np.ndarray] | None:
-    """The router kind's closed-form fit on calibration inputs ``x`` (None: it has none)."""
+               act: str, hidden: torch.Tensor | None = None) -> dict[str, np.ndarray] | None:
+    """The router kind's closed-form fit on calibration inputs ``x`` (None: it has none); ``hidden``: the
+    routed experts' ``[T, E·m]`` hidden activations on ``x`` where the caller has them already."""
     from transformers.activations import ACT2FN
 
     kind = router_kind(router)
@@ -347,7 +366,7 @@ def fit_router(x: torch.Tensor, router: str, gate_w: torch.Tensor, up_w: torch.T
     E, m = routed.shape
     idx = torch.as_tensor(routed.reshape(-1), dtype=torch.long)
     d = gate_w.shape[1]
-    fitted = kind.fit(x, gate_w[idx].reshape(E, m, d), up_w[idx].reshape(E, m, d), ACT2FN[act])
+    fitted = kind.fit(x, gate_w[idx].reshape(E, m, d), up_w[idx].reshape(E, m, d), ACT2FN[act], hidden=hidden)
     return {k: v.numpy() for k, v in fitted.items()}
 
 
@@ -377,13 +396,20 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
     def weights_of(layer: int) -> tuple[torch.Tensor, ...]:
         return tuple(w.detach().float().cpu() for w in dense_weights(adapter, layer))
 
+    skip_sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for n, (row, ex) in enumerate(zip(rows, experts)):
         gate_w, up_w, down_w = weights_of(row.layer)
         x = calib.mlp_inputs[row.layer]
-        if len(ex.routed) and (fitted := fit_router(x, ex.router, gate_w, up_w, ex.routed, adapter.activation)):
+        hidden = None  # the routed experts' activations on every token, computed once for the router fit and compensation
+        if len(ex.routed) and (compensate or router_kind(ex.router).fitted):
+            hidden = routed_hidden(x, gate_w, up_w, ex.routed, adapter.activation)
+        if len(ex.routed) and (fitted := fit_router(x, ex.router, gate_w, up_w, ex.routed, adapter.activation, hidden)):
             ex.router_weights = fitted
         if len(ex.routed) and (budget_plan or compensate):
             scores[row.layer] = router_scores(x, ex.router, ex.router_weights, gate_w, ex.routed, adapter.activation)
+        if len(ex.routed) and compensate:
+            skip_sums[row.layer] = rank_sums(hidden, scores[row.layer])
+        del hidden
         if budget_plan:
             f, c = layer_cost(row, ex.router, d, getattr(params, "down_keep", 1.0))
             fixed.append(f)
@@ -406,10 +432,8 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
     if compensate:
         for n, ex in enumerate(experts):
             if len(ex.routed) and ex.top_k < len(ex.routed):
-                gate_w, up_w, down_w = weights_of(ex.layer)
-                ex.router_weights = {**ex.router_weights, "skip_mean": skipped_means(
-                    calib.mlp_inputs[ex.layer], gate_w, up_w, down_w, ex.routed, scores[ex.layer], ex.top_k,
-                    adapter.activation)}
+                ex.router_weights = {**ex.router_weights, "skip_mean": skipped_means_at(
+                    *skip_sums[ex.layer], ex.top_k, weights_of(ex.layer)[2], ex.routed)}
             progress.update("fit: skipped-expert compensation", n + 1, len(experts))
         record["compensation"] = "skipped_mean"
     return rows, experts, record
@@ -469,11 +493,12 @@ def refit_on_converted(adapter: ModelAdapter, params: Any, experts: list[Any], m
         if len(ex.routed):
             gate_w, up_w, down_w = (w.detach().float().cpu() for w in dense_weights(adapter, ex.layer))
             x = calib.mlp_inputs[ex.layer]
-            fitted = fit_router(x, ex.router, gate_w, up_w, ex.routed, adapter.activation)
+            hidden = routed_hidden(x, gate_w, up_w, ex.routed, adapter.activation)
+            fitted = fit_router(x, ex.router, gate_w, up_w, ex.routed, adapter.activation, hidden)
             weights = {k: v for k, v in ex.router_weights.items() if k != "skip_mean"} | (fitted or {})
             if compensate and ex.top_k < len(ex.routed):
                 scores = router_scores(x, ex.router, weights, gate_w, ex.routed, adapter.activation)
-                weights["skip_mean"] = skipped_means(x, gate_w, up_w, down_w, ex.routed, scores, ex.top_k, adapter.activation)
+                weights["skip_mean"] = skipped_means_at(*rank_sums(hidden, scores), ex.top_k, down_w, ex.routed)
             ex.router_weights = weights
         progress.update("refit: routers on the converted model's inputs", n + 1, len(experts))
     return {"refit": "converted_inputs", "refit_tokens": calib.n_tokens}

@@ -66,8 +66,9 @@ class Router:
         experts' rows, ``given`` the values a conversion computed (a missing one: the default)."""
         return {"router_weight": _checked(given.get("router_weight"), gate_rows.mean(dim=1), (E, d), "router_weight")}
 
-    def fit(self, x: Any, gate_rows: Any, up_rows: Any, act_fn: Any) -> dict[str, Any] | None:
-        """Parameters fitted on calibration inputs ``x`` ``[T, d]`` (called for a kind that is ``fitted``)."""
+    def fit(self, x: Any, gate_rows: Any, up_rows: Any, act_fn: Any, hidden: Any = None) -> dict[str, Any] | None:
+        """Parameters fitted on calibration inputs ``x`` ``[T, d]`` (called for a kind that is ``fitted``);
+        ``hidden``: the experts' hidden activations ``act(g·x)·(u·x)`` ``[T, E·m]`` where the caller has them."""
         return None
 
     def centroid(self, block: Any) -> Any:
@@ -118,7 +119,8 @@ class RidgeRouter(Router):
             raise ValueError(f"the ridge router needs router_offset [n_routed={E}]")
         return {**super().init(E, d, gate_rows, up_rows, given), "router_offset": offset}
 
-    def fit(self, x: Any, gate_rows: Any, up_rows: Any, act_fn: Any, lam: float | None = None) -> dict[str, Any]:
+    def fit(self, x: Any, gate_rows: Any, up_rows: Any, act_fn: Any, hidden: Any = None,
+            lam: float | None = None) -> dict[str, Any]:
         """``[W b] = (X̃ᵀX̃ + λI)⁻¹ X̃ᵀ M``, ``X̃ = [X 1]``, ``M`` each expert's output mass
         ``Σ_{j∈e} |act(g_j·x) u_j·x|``, ``λ = lam · mean‖x̃‖²`` (``lam`` defaults to ``LAMBDA``); in float64, because ``XᵀX`` of
         thousands of tokens loses float32 digits."""
@@ -126,7 +128,8 @@ class RidgeRouter(Router):
 
         E, m, d = gate_rows.shape
         xf = x.float()
-        hidden = act_fn(xf @ gate_rows.reshape(E * m, d).float().t()) * (xf @ up_rows.reshape(E * m, d).float().t())
+        if hidden is None:
+            hidden = act_fn(xf @ gate_rows.reshape(E * m, d).float().t()) * (xf @ up_rows.reshape(E * m, d).float().t())
         mass = hidden.abs().reshape(-1, E, m).sum(-1).double()
         xa = torch.cat([x.double(), torch.ones(len(x), 1, dtype=torch.float64)], 1)
         gram = xa.t() @ xa
