@@ -226,9 +226,9 @@ def rank_sums(hidden: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor,
     rank = torch.empty_like(scores, dtype=torch.long).scatter_(
         1, scores.argsort(dim=1, descending=True), torch.arange(E).expand(T, -1))
     slot = (torch.arange(E) * E + rank).reshape(-1)  # (expert, rank) of each (token, expert) pair
-    sums = torch.zeros(E * E, hidden.shape[1] // E)  # float32: about T / E terms a sum
-    sums.index_add_(0, slot, hidden.reshape(T * E, -1))
-    return sums.double().reshape(E, E, -1), torch.bincount(slot, minlength=E * E).reshape(E, E).double()
+    sums = torch.zeros(E * E, hidden.shape[1] // E, dtype=torch.float64)
+    sums.index_add_(0, slot, hidden.reshape(T * E, -1).double())
+    return sums.reshape(E, E, -1), torch.bincount(slot, minlength=E * E).reshape(E, E).double()
 
 
 def skipped_means_at(sums: torch.Tensor, counts: torch.Tensor, top_k: int, down_w: torch.Tensor,
