@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from moelab.cli import main
 from moelab.engine.core.allocation import plan_flops_fraction
-from moelab.engine.core.fitting import (_curve_weights, collect_inputs, error_curve, fit_router, greedy_budget, output_fisher, router_scores,
+from moelab.engine.core.fitting import (_curve_weights, collect_inputs, error_curve, fit_router, greedy_budget, output_fisher,
                                          rank_sums, routed_hidden, skipped_means, skipped_means_at)
 from moelab.engine.runtime.moelab_routers import ROUTERS
 from moelab.engine.core.params import ConversionError
@@ -21,7 +21,7 @@ from moelab.engine.methods import cmoe, expertweaver, get_method
 from moelab.engine.methods.cmoe import CMoEParams
 from moelab.engine.methods.expertweaver import ExpertWeaverParams
 from moelab.engine.models import load_model
-from moelab.engine.runs import run_conversion, run_profile
+from moelab.engine.runs import run_profile
 from moelab.engine.profiling.profiler import ProfileSettings
 from moelab.engine.runtime.export import load_exported
 from moelab.engine.runtime.modeling_moelab import MoeFFN
