@@ -156,8 +156,8 @@ def test_a_users_task_directory_runs_through_the_cli(tmp_path, tiny_model, data_
     table = moelab("evaluate", str(conv), "--windows", "2", "--seq-len", "16", "--no-baselines", "--no-speed", "--tasks",
                    "my_sums", "--task-dir", str(tasks), "--table", "csv", "--quiet", data_dir=data_dir).stdout.splitlines()
     acc = {m: 100 * report["tasks"]["my_sums"][m]["acc"] for m in ("dense", "converted")}
-    assert table[0] == "model,my_sums" and table[1].startswith(f"dense,{acc['dense']:.1f}") and \
-        table[2].startswith(f"converted,{acc['converted']:.1f}"), table
+    assert table[0] == "model,my_sums" and table[1].startswith(f"dense,{acc['dense']:.1f} ± ") and \
+        table[2].startswith(f"converted,{acc['converted']:.1f} ± "), table
     # The export's config answers what transformers, PEFT and lm-eval ask of it.
     cfg = AutoConfig.from_pretrained(conv, trust_remote_code=True)
     base = AutoConfig.from_pretrained(tiny_model("llama"))

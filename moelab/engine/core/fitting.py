@@ -400,16 +400,17 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
     for n, (row, ex) in enumerate(zip(rows, experts)):
         gate_w, up_w, down_w = weights_of(row.layer)
         x = calib.mlp_inputs[row.layer]
-        hidden = None  # the routed experts' activations on every token, computed once for the router fit and compensation
-        if len(ex.routed) and (compensate or router_kind(ex.router).fitted):
-            hidden = routed_hidden(x, gate_w, up_w, ex.routed, adapter.activation)
-        if len(ex.routed) and (fitted := fit_router(x, ex.router, gate_w, up_w, ex.routed, adapter.activation, hidden)):
-            ex.router_weights = fitted
-        if len(ex.routed) and (budget_plan or compensate):
-            scores[row.layer] = router_scores(x, ex.router, ex.router_weights, gate_w, ex.routed, adapter.activation)
-        if len(ex.routed) and compensate:
-            skip_sums[row.layer] = rank_sums(hidden, scores[row.layer])
-        del hidden
+        if len(ex.routed):
+            # the routed experts' activations on every token, computed once for the router fit and the compensation
+            hidden = (routed_hidden(x, gate_w, up_w, ex.routed, adapter.activation)
+                      if compensate or router_kind(ex.router).fitted else None)
+            if fitted := fit_router(x, ex.router, gate_w, up_w, ex.routed, adapter.activation, hidden):
+                ex.router_weights = fitted
+            if budget_plan or compensate:
+                scores[row.layer] = router_scores(x, ex.router, ex.router_weights, gate_w, ex.routed, adapter.activation)
+            if compensate:
+                skip_sums[row.layer] = rank_sums(hidden, scores[row.layer])
+            del hidden
         if budget_plan:
             f, c = layer_cost(row, ex.router, d, getattr(params, "down_keep", 1.0))
             fixed.append(f)
@@ -493,10 +494,12 @@ def refit_on_converted(adapter: ModelAdapter, params: Any, experts: list[Any], m
         if len(ex.routed):
             gate_w, up_w, down_w = (w.detach().float().cpu() for w in dense_weights(adapter, ex.layer))
             x = calib.mlp_inputs[ex.layer]
-            hidden = routed_hidden(x, gate_w, up_w, ex.routed, adapter.activation)
+            skips = compensate and ex.top_k < len(ex.routed)
+            hidden = (routed_hidden(x, gate_w, up_w, ex.routed, adapter.activation)
+                      if skips or router_kind(ex.router).fitted else None)
             fitted = fit_router(x, ex.router, gate_w, up_w, ex.routed, adapter.activation, hidden)
             weights = {k: v for k, v in ex.router_weights.items() if k != "skip_mean"} | (fitted or {})
-            if compensate and ex.top_k < len(ex.routed):
+            if skips:
                 scores = router_scores(x, ex.router, weights, gate_w, ex.routed, adapter.activation)
                 weights["skip_mean"] = skipped_means_at(*rank_sums(hidden, scores), ex.top_k, down_w, ex.routed)
             ex.router_weights = weights
