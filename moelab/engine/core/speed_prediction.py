@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 TABLE_DIR = "speed-tables"
-TABLE_VERSION = 2  # 2: routed experts may run every expert masked at prefill (``runs_dense``)
+TABLE_VERSION = 3  # 2: routed experts may run every expert masked at prefill (``runs_dense``); 3: native decode kernel
 FEATURES = ("fixed", "shared_neurons", "touched_neurons", "computed_rows", "pairs", "router_scores", "dense_rows")
 
 #: ``runtime.moelab_kernels``' CPU choice, mirrored here without torch (tests/engine/test_speed_prediction.py checks

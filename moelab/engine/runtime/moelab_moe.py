@@ -49,7 +49,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .moelab_compat import load_legacy_expert_keys, register_load_pre_hook
-from .moelab_kernels import EXPERTS_IMPLS, decode_layout, every_expert, keep_largest, per_expert, run_kernel, select_kernel
+from .moelab_native import moe_decode, usable as native_usable
+from .moelab_kernels import EXPERTS_IMPLS, GATHER_MAX_TOKENS, decode_layout, every_expert, keep_largest, per_expert, run_kernel, select_kernel
 from .moelab_routers import COMBINES, ffn_macs, kept, router_kind
 
 DISPATCHES = ("auto", "loop", "padded")
@@ -437,12 +438,34 @@ class MoeFFN(nn.Module):
         scores, act_gate = self.router(xt)
         top = self.router.select(scores, sort=self.recorder is not None)  # the recorder's readers rank by it
         self._record(top, lead)
-        y = y + self.experts(xt, top, self.router.weights(scores, top), act_gate)
+        weights = self.router.weights(scores, top)
+        if act_gate is None and self._native_decode(xt, weights):
+            wgu, wd = self.experts.gate_up_proj, self.experts.down_proj
+            y = y + moe_decode(xt, top, weights, wgu.transpose(1, 2), wd.transpose(1, 2), self.expert_size,
+                               self.experts.down_keep, self.act, self.skip_mean if self.compensated else None)
+            return y.reshape(x.shape)
+        y = y + self.experts(xt, top, weights, act_gate)
         if self.compensated:  # Σ_{e∉top} μ_e as (Σ_e μ_e) − Σ_{e∈top} μ_e: k + 1 additions per token
             # summed as they are read (embedding_bag): ``skip_mean[top]`` wrote [T, k, d] first, 4 ms
             # against 200 ms a layer for 1,024 tokens at top-91 of 128
             y = y + (self.skip_mean.sum(0) - F.embedding_bag(top, self.skip_mean, mode="sum"))
         return y.reshape(x.shape)
+
+    def _native_decode(self, x: torch.Tensor, weights: torch.Tensor | None) -> bool:
+        """Whether this call's routed experts and compensation run ``moelab_native.moe_decode``: a CPU decode
+        step (at most ``GATHER_MAX_TOKENS`` tokens, no gradient) of plain float32 experts (not wrapped by an
+        adapter) in the decode layout, the kernel chosen by ``auto``, and the kernel built on this machine."""
+        experts = self.experts
+        if (not isinstance(experts, MoeExperts) or experts.experts_impl != "auto" or x.shape[0] > GATHER_MAX_TOKENS
+                or x.device.type != "cpu"):
+            return False
+        wgu, wd = experts.gate_up_proj, experts.down_proj
+        if torch.is_grad_enabled() and (x.requires_grad or wgu.requires_grad or wd.requires_grad
+                                        or (weights is not None and weights.requires_grad)):
+            return False
+        return (wgu.transpose(1, 2).is_contiguous() and wd.transpose(1, 2).is_contiguous()
+                and native_usable(x, wgu, self.act) and wd.dtype == torch.float32
+                and (not self.compensated or self.skip_mean.dtype == torch.float32))
 
     def _all_experts(self, x: torch.Tensor) -> torch.Tensor:
         """Every routed expert on every token: one GLU over the concatenated experts."""

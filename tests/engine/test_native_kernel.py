@@ -1,0 +1,113 @@
+"""The native CPU decode kernel (``runtime/moelab_native.py``) against the torch reference loop."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from moelab.engine.runtime import moelab_native
+from moelab.engine.runtime.modeling_moelab import MoeFFN
+
+from .test_moe_runtime import kernel_moe
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler")
+
+
+@pytest.fixture(autouse=True)
+def kernel_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("MOELAB_KERNEL_CACHE", str(tmp_path_factory.getbasetemp() / "kernels"))
+    monkeypatch.setattr(moelab_native, "_tried", False)
+    monkeypatch.setattr(moelab_native, "_library", None)
+
+
+def calls(monkeypatch) -> list[int]:
+    """Counts the native kernel's calls (tokens per call) from now on."""
+    seen: list[int] = []
+    real = moelab_native.moe_decode
+
+    def counted(x, *args, **kwargs):
+        seen.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr("moelab.engine.runtime.moelab_moe.moe_decode", counted)
+    return seen
+
+
+def run(mod: MoeFFN, x: torch.Tensor, impl: str) -> torch.Tensor:
+    mod.experts_impl = impl
+    try:
+        with torch.no_grad():
+            return mod(x)
+    finally:
+        mod.experts_impl = "auto"
+
+
+def test_the_kernel_builds_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOELAB_KERNEL_CACHE", str(tmp_path))
+    assert moelab_native.library() is not None
+    built = list(tmp_path.glob("moe_decode-*.so"))
+    assert len(built) == 1 and not list(tmp_path.glob("tmp*")), "one library, no temporary left"
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(moelab_native, "_tried", False)
+    assert moelab_native.library() is not None
+    assert built[0].stat().st_mtime_ns == stamp, "the cached library is reused"
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh", "relu"])
+@pytest.mark.parametrize("combine", ["sum", "weighted", "normalized"])
+@pytest.mark.parametrize("down_keep", [1.0, 0.5])
+def test_decode_steps_equal_the_reference_loop(act, combine, down_keep, monkeypatch):
+    """One and eight tokens (auto: the native kernel) == the reference loop, with the skipped-expert means."""
+    mod = kernel_moe("ridge", combine, act=act, down_keep=down_keep, skip_mean=torch.randn(16, 32))
+    seen = calls(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    for T in (1, 3, 8):
+        x = torch.randn(T, 32, generator=g)
+        torch.testing.assert_close(run(mod, x, "auto"), run(mod, x, "loop"), rtol=1e-5, atol=1e-5)
+    assert seen == [1, 3, 8]
+
+
+def test_the_kernel_keeps_the_largest_products_and_the_lower_index_on_ties(monkeypatch):
+    """down_keep 0.5 of 4 neurons: the two largest |act(gate)·up| run their down rows; where all four tie, the
+    first two (the module docstring's choice), where they differ the two largest whatever their order."""
+    mod = kernel_moe("ridge", "sum", n_experts=2, d_shared=0, d_ffn=8, top_k=1, down_keep=0.5)
+    E, m, d = 2, 4, 32
+    seen = calls(monkeypatch)
+    down = torch.randn(m, d)
+    with torch.no_grad():
+        mod.experts.down_proj.copy_(down.T.expand(E, d, m))  # both experts alike: either may be selected
+        for up, kept in ((torch.ones(m), [0, 1]), (torch.tensor([0.5, 3.0, -4.0, 1.0]), [1, 2])):
+            gate_up = torch.cat([torch.ones(m, d) / d, up[:, None] * torch.ones(m, d) / d])  # on ones: gate 1, up `up`
+            mod.experts.gate_up_proj.copy_(gate_up.expand(E, 2 * m, d))
+            x = torch.ones(1, d)
+            g = torch.nn.functional.silu(torch.ones(m)) * up
+            want = (g[kept, None] * down[kept]).sum(0, keepdim=True)
+            torch.testing.assert_close(run(mod, x, "auto"), want, rtol=1e-5, atol=1e-6)
+    assert seen == [1, 1]
+
+
+def test_same_inputs_same_bits(monkeypatch):
+    """Each thread sums into its own accumulator and they are added in thread order: no run-to-run jitter."""
+    mod = kernel_moe("ridge", "weighted", n_experts=16, top_k=5)
+    x = torch.randn(8, 32)
+    first = run(mod, x, "auto")
+    for _ in range(5):
+        assert torch.equal(run(mod, x, "auto"), first)
+
+
+def test_the_torch_kernels_run_where_the_native_one_does_not(monkeypatch):
+    """Prefill-sized calls, a gradient, float64, the gate-mass router (its scores reuse the gate products), an explicit
+    kernel choice and MOELAB_NATIVE_KERNELS=0 all run the torch kernels."""
+    seen = calls(monkeypatch)
+    mod = kernel_moe("ridge", "sum")
+    run(mod, torch.randn(9, 32), "auto")
+    run(mod, torch.randn(1, 32), "gather")
+    mod(torch.randn(1, 32, requires_grad=True)).sum().backward()
+    run(kernel_moe("gate_mass", "sum"), torch.randn(1, 32), "auto")
+    run(kernel_moe("ridge", "sum").double(), torch.randn(1, 32, dtype=torch.float64), "auto")
+    assert seen == []
+    monkeypatch.setenv("MOELAB_NATIVE_KERNELS", "0")
+    run(mod, torch.randn(1, 32), "auto")
+    assert seen == [] and moelab_native.library() is None
