@@ -15,8 +15,6 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from .moelab_native import select_products, usable as native_usable
-
 # "auto" on accelerators: up to this many (token, expert) pairs the gather path runs (one batched
 # matmul, no host synchronisation); above it grouped_mm, whose torch fallback reads the group
 # offsets on the host.
@@ -219,23 +217,20 @@ def expert_glu(experts, x, gate_act, gate_up, down):
 FLAT_MIN_TOKENS = 64
 
 
-def _gate_up_all(experts, x, wgu):
-    """Every expert's gate and up products for every token, ``[T, E, 2m]``."""
-    E, m, d = experts.num_experts, experts.expert_size, experts.d_model
-    T = x.shape[0]
-    if decode_layout_of(wgu):  # stored [E, d, 2m]
-        if T >= FLAT_MIN_TOKENS:
-            return F.linear(x, wgu.transpose(1, 2).permute(1, 0, 2).reshape(d, E * 2 * m).t()).view(T, E, 2 * m)
-        return torch.matmul(x, wgu.transpose(1, 2)).transpose(0, 1)  # E GEMMs of one batched matmul: no copy
-    return F.linear(x, wgu.reshape(E * 2 * m, d)).view(T, E, 2 * m)
-
-
 def _products(experts, x, wgu, gate_act):
     """``act(gate) * up`` of every expert's neurons for every token, ``[T, E, m]``, nothing kept yet."""
-    E, m = experts.num_experts, experts.expert_size
+    E, m, d = experts.num_experts, experts.expert_size, experts.d_model
+    T = x.shape[0]
     if gate_act is not None:  # the router computed the gates: the up rows only, E GEMMs of one batched matmul
-        return gate_act.view(x.shape[0], E, m) * torch.matmul(x, wgu[:, m:].transpose(1, 2)).transpose(0, 1)
-    return glu(experts, _gate_up_all(experts, x, wgu), keep=False)
+        return gate_act.view(T, E, m) * torch.matmul(x, wgu[:, m:].transpose(1, 2)).transpose(0, 1)
+    if decode_layout_of(wgu):  # stored [E, d, 2m]
+        if T >= FLAT_MIN_TOKENS:
+            h = F.linear(x, wgu.transpose(1, 2).permute(1, 0, 2).reshape(d, E * 2 * m).t()).view(T, E, 2 * m)
+        else:  # E GEMMs of one batched matmul: no copy of the weights for a few tokens
+            h = torch.matmul(x, wgu.transpose(1, 2)).transpose(0, 1)
+    else:
+        h = F.linear(x, wgu.reshape(E * 2 * m, d)).view(T, E, 2 * m)
+    return glu(experts, h, keep=False)
 
 
 def _down_all(experts, wd, g):
@@ -261,24 +256,15 @@ def masked_dense(experts, x, w, top, weights, gate_act):
     gradient), at E/k times the multiply-adds, but GEMMs of the whole layer instead of E small ones over k
     copies of the input: 0.76 s against 2.9 s forward + backward for 1,024 tokens at the
     default model's 64 × 24 experts, top-24, LoRA on the experts (CPU, a loaded machine). Only the selected
-    (token, expert) pairs are gathered for ``down_keep``'s largest-kept choice (k/E of the work) and scattered back;
-    at inference in float32 on the CPU that step is one pass of ``moelab_native.select_products``."""
+    (token, expert) pairs are gathered for ``down_keep``'s largest-kept choice (k/E of the work) and scattered back."""
     wgu, wd = w
     T, k = top.shape
-    if gate_act is None and inference(x, wgu, wd, weights) and native_usable(x, wgu, experts.act):
-        h = _gate_up_all(experts, x, wgu)
-        return _down_all(experts, wd, select_products(h, top, weights, experts.expert_size, experts.down_keep, experts.act))
     g = _products(experts, x, wgu, gate_act)
     idx = top.unsqueeze(-1).expand(T, k, g.shape[-1])
     sel = keep_largest(g.gather(1, idx), experts.down_keep)
     if weights is not None:
         sel = sel * weights.unsqueeze(-1).to(sel.dtype)
     return _down_all(experts, wd, torch.zeros_like(g).scatter(1, idx, sel))
-
-
-def inference(*tensors: torch.Tensor | None) -> bool:
-    """No gradient is to flow through any of ``tensors`` (the native kernels have no backward)."""
-    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors)
 
 
 def sort_pairs(experts, top):

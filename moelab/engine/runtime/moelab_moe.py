@@ -50,7 +50,7 @@ from transformers.activations import ACT2FN
 
 from .moelab_compat import load_legacy_expert_keys, register_load_pre_hook
 from .moelab_native import moe_decode, usable as native_usable
-from .moelab_kernels import EXPERTS_IMPLS, GATHER_MAX_TOKENS, inference, decode_layout, every_expert, keep_largest, per_expert, run_kernel, select_kernel
+from .moelab_kernels import EXPERTS_IMPLS, GATHER_MAX_TOKENS, decode_layout, every_expert, keep_largest, per_expert, run_kernel, select_kernel
 from .moelab_routers import COMBINES, ffn_macs, kept, router_kind
 
 DISPATCHES = ("auto", "loop", "padded")
@@ -92,7 +92,7 @@ class MoeExperts(nn.Module):
     def __init__(self, num_experts: int, expert_size: int, d_model: int, act: str = "silu", column_major: bool = True):
         super().__init__()
         self.num_experts, self.expert_size, self.d_model = int(num_experts), int(expert_size), int(d_model)
-        self.act, self.act_fn = act, ACT2FN[act]
+        self.act_fn = ACT2FN[act]
         self.column_major = bool(column_major)
         E, m, d = self.num_experts, self.expert_size, self.d_model
         gate_up = torch.empty(E, d, 2 * m).transpose(1, 2) if self.column_major else torch.empty(E, 2 * m, d)
@@ -445,21 +445,11 @@ class MoeFFN(nn.Module):
                                self.experts.down_keep, self.act, self.skip_mean if self.compensated else None)
             return y.reshape(x.shape)
         y = y + self.experts(xt, top, weights, act_gate)
-        if self.compensated:
-            y = y + self._skipped_means(top)
+        if self.compensated:  # Σ_{e∉top} μ_e as (Σ_e μ_e) − Σ_{e∈top} μ_e: k + 1 additions per token
+            # summed as they are read (embedding_bag): ``skip_mean[top]`` wrote [T, k, d] first, 4 ms
+            # against 200 ms a layer for 1,024 tokens at top-91 of 128
+            y = y + (self.skip_mean.sum(0) - F.embedding_bag(top, self.skip_mean, mode="sum"))
         return y.reshape(x.shape)
-
-    def _skipped_means(self, top: torch.Tensor) -> torch.Tensor:
-        """``Σ_{e∉top} μ_e`` per token, ``[T, d]``. For a few tokens as ``(Σ_e μ_e) − Σ_{e∈top} μ_e``, k + 1 rows
-        summed as they are read (embedding_bag; ``skip_mean[top]`` wrote [T, k, d] first: 200 ms against 4 ms a
-        layer for 1,024 tokens at top-91 of 128); for more, the skipped-expert mask ``[T, E]`` times ``μ`` in one
-        GEMM, E multiply-adds a dimension where the bags add k at a fraction of a GEMM's rate (a 512-token
-        prefill of 128 experts at top-64: 0.5 ms against 3 ms a layer)."""
-        mu = self.skip_mean
-        if top.shape[0] <= GATHER_MAX_TOKENS:
-            return mu.sum(0) - F.embedding_bag(top, mu, mode="sum")
-        skipped = torch.ones(top.shape[0], self.n_routed, dtype=mu.dtype, device=mu.device).scatter_(1, top, 0.0)
-        return skipped @ mu
 
     def _native_decode(self, x: torch.Tensor, weights: torch.Tensor | None) -> bool:
         """Whether this call's routed experts and compensation run ``moelab_native.moe_decode``: a CPU decode
@@ -470,8 +460,11 @@ class MoeFFN(nn.Module):
                 or x.device.type != "cpu"):
             return False
         wgu, wd = experts.gate_up_proj, experts.down_proj
-        return (inference(x, wgu, wd, weights) and native_usable(x, wgu, self.act) and wd.dtype == torch.float32
-                and wgu.transpose(1, 2).is_contiguous() and wd.transpose(1, 2).is_contiguous()
+        if torch.is_grad_enabled() and (x.requires_grad or wgu.requires_grad or wd.requires_grad
+                                        or (weights is not None and weights.requires_grad)):
+            return False
+        return (wgu.transpose(1, 2).is_contiguous() and wd.transpose(1, 2).is_contiguous()
+                and native_usable(x, wgu, self.act) and wd.dtype == torch.float32
                 and (not self.compensated or self.skip_mean.dtype == torch.float32))
 
     def _all_experts(self, x: torch.Tensor) -> torch.Tensor:

@@ -72,9 +72,10 @@ static float kth_largest(float *a, int64_t n, int64_t keep) {
     return a[want];
 }
 
-/* g = act(h[:m]) * h[m:] in h[:m], then all but its keep entries of largest |g| set to 0 (ties: the
-   lower index keeps), each kept one times scale */
-static void kept_products(float *h, float *mag, int64_t m, int64_t keep, int act, float scale) {
+/* the kept products of one (token, expert) pair added into acct: g = act(h[:m]) * h[m:], its keep
+   entries of largest |g| (ties: the lower index), each times its row of the expert's down block wde */
+static void add_down(float *h, float *mag, int64_t m, int64_t keep, int act, float scale,
+                     const float *wde, int64_t d, float *acct) {
     for (int64_t r = 0; r < m; r++) h[r] = act_fn(h[r], act) * h[m + r];
     float thr = -1.0f;
     int64_t ties = 0;
@@ -87,42 +88,10 @@ static void kept_products(float *h, float *mag, int64_t m, int64_t keep, int act
     }
     for (int64_t r = 0; r < m; r++) {
         const float a = fabsf(h[r]);
-        h[r] = (a < thr || (a == thr && ties-- <= 0)) ? 0.0f : h[r] * scale;
-    }
-}
-
-/* the kept products of one (token, expert) pair, each times its row of the expert's down block wde,
-   added into acct */
-static void add_down(float *h, float *mag, int64_t m, int64_t keep, int act, float scale,
-                     const float *wde, int64_t d, float *acct) {
-    kept_products(h, mag, m, keep, act, scale);
-    for (int64_t r = 0; r < m; r++) {
-        const float coef = h[r];
-        if (coef == 0.0f) continue;
+        if (a < thr || (a == thr && ties-- <= 0)) continue;
+        const float coef = h[r] * scale;
         const float *drow = wde + r * d;
         for (int64_t i = 0; i < d; i++) acct[i] += coef * drow[i];
-    }
-}
-
-/* Prefill: h [T,E,2m] every expert's gate/up products (one GEMM); g [T,E,m] written: the selected pairs'
-   kept products times their weight, 0 elsewhere, ready for the down GEMM. */
-void moelab_select_products(int64_t T, int64_t k, int64_t E, int64_t m, int64_t keep, int act,
-                            const float *h, const int64_t *top, const float *wts, float *g, int nthreads) {
-    #pragma omp parallel num_threads(nthreads)
-    {
-        float *buf = malloc(sizeof(float) * 2 * m), *mag = malloc(sizeof(float) * m);
-        #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) {
-            float *gt = g + t * E * m;
-            memset(gt, 0, sizeof(float) * E * m);
-            for (int64_t j = 0; j < k; j++) {
-                const int64_t e = top[t * k + j];
-                memcpy(buf, h + (t * E + e) * 2 * m, sizeof(float) * 2 * m);
-                kept_products(buf, mag, m, keep, act, wts ? wts[t * k + j] : 1.0f);
-                memcpy(gt + e * m, buf, sizeof(float) * m);
-            }
-        }
-        free(buf); free(mag);
     }
 }
 
@@ -231,10 +200,9 @@ def _compile() -> ctypes.CDLL | None:
                 return None
             os.replace(lib, target)
     library = ctypes.CDLL(str(target))
-    decode, select = library.moelab_moe_decode, library.moelab_select_products
-    decode.restype = select.restype = None
-    decode.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int]
-    select.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int]
+    fn = library.moelab_moe_decode
+    fn.restype = None
+    fn.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int]
     return library
 
 
@@ -277,19 +245,3 @@ def moe_decode(x: torch.Tensor, top: torch.Tensor, weights: torch.Tensor | None,
                                 wd_rows.data_ptr(), None if skip_mean is None else skip_mean.data_ptr(),
                                 out.data_ptr(), torch.get_num_threads())
     return out
-
-
-def select_products(h: torch.Tensor, top: torch.Tensor, weights: torch.Tensor | None, m: int, keep: int,
-                    act: str) -> torch.Tensor:
-    """``[T, E·m]``: from every expert's gate/up products ``h [T, E, 2m]``, each selected pair's ``act(gate)·up``
-    with its ``keep`` largest kept, times its weight; 0 for the pairs not selected (the down GEMM's input of
-    ``moelab_kernels.masked_dense``, in one pass over the selected pairs instead of several over all of them)."""
-    T, E = h.shape[0], h.shape[1]
-    h, top = h.contiguous(), top.contiguous().to(torch.int64)
-    if weights is not None:
-        weights = weights.to(torch.float32).contiguous()
-    g = torch.empty(T, E * m, dtype=torch.float32)
-    library().moelab_select_products(T, top.shape[1], E, m, min(keep, m), ACTIVATIONS[act], h.data_ptr(), top.data_ptr(),
-                                     None if weights is None else weights.data_ptr(), g.data_ptr(),
-                                     torch.get_num_threads())
-    return g
