@@ -111,3 +111,18 @@ def test_the_torch_kernels_run_where_the_native_one_does_not(monkeypatch):
     monkeypatch.setenv("MOELAB_NATIVE_KERNELS", "0")
     run(mod, torch.randn(1, 32), "auto")
     assert seen == [] and moelab_native.library() is None
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_the_shared_experts_kept_products_equal_torchs(act, monkeypatch):
+    """A decode step's shared expert under down_keep (``glu_keep``: one call) == torch's keep_largest of its products."""
+    mod = kernel_moe("ridge", "sum", d_shared=24, d_ffn=88, act=act, down_keep=0.5)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        native = [mod._shared(x[:1]), mod._shared(x)]
+    monkeypatch.setattr(moelab_native, "_library", None)
+    monkeypatch.setattr(moelab_native, "_tried", True)
+    with torch.no_grad():
+        reference = [mod._shared(x[:1]), mod._shared(x)]
+    for a, b in zip(native, reference):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

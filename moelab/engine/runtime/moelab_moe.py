@@ -49,7 +49,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .moelab_compat import load_legacy_expert_keys, register_load_pre_hook
-from .moelab_native import moe_decode, usable as native_usable
+from .moelab_native import glu_keep, moe_decode, usable as native_usable
 from .moelab_kernels import EXPERTS_IMPLS, GATHER_MAX_TOKENS, decode_layout, every_expert, keep_largest, per_expert, run_kernel, select_kernel
 from .moelab_routers import COMBINES, ffn_macs, kept, router_kind
 
@@ -402,7 +402,11 @@ class MoeFFN(nn.Module):
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         if self.d_shared == 0:
             return x.new_zeros(x.shape[0], self.d_model)
-        return self.shared_down(keep_largest(self.act_fn(self.shared_gate(x)) * self.shared_up(x), self.shared_keep))
+        gate, up = self.shared_gate(x), self.shared_up(x)
+        if (self.shared_keep < self.d_shared and x.shape[0] <= GATHER_MAX_TOKENS and not gate.requires_grad
+                and native_usable(x, gate, self.act)):  # a decode step: one call, not six
+            return self.shared_down(glu_keep(gate, up, self.shared_keep, self.act))
+        return self.shared_down(keep_largest(self.act_fn(gate) * up, self.shared_keep))
 
     def gate_activations(self, x: torch.Tensor) -> torch.Tensor:
         """``act(gate)`` of every routed neuron, ``[T, E*m]``. Under LoRA on the stacked experts, peft

@@ -72,10 +72,9 @@ static float kth_largest(float *a, int64_t n, int64_t keep) {
     return a[want];
 }
 
-/* the kept products of one (token, expert) pair added into acct: g = act(h[:m]) * h[m:], its keep
-   entries of largest |g| (ties: the lower index), each times its row of the expert's down block wde */
-static void add_down(float *h, float *mag, int64_t m, int64_t keep, int act, float scale,
-                     const float *wde, int64_t d, float *acct) {
+/* g = act(h[:m]) * h[m:] into h[:m], all but its keep entries of largest |g| set to 0 (ties: the lower index
+   keeps), each kept one times scale */
+static void kept_products(float *h, float *mag, int64_t m, int64_t keep, int act, float scale) {
     for (int64_t r = 0; r < m; r++) h[r] = act_fn(h[r], act) * h[m + r];
     float thr = -1.0f;
     int64_t ties = 0;
@@ -88,11 +87,33 @@ static void add_down(float *h, float *mag, int64_t m, int64_t keep, int act, flo
     }
     for (int64_t r = 0; r < m; r++) {
         const float a = fabsf(h[r]);
-        if (a < thr || (a == thr && ties-- <= 0)) continue;
-        const float coef = h[r] * scale;
+        h[r] = (a < thr || (a == thr && ties-- <= 0)) ? 0.0f : h[r] * scale;
+    }
+}
+
+/* one (token, expert) pair's kept products, each times its row of the expert's down block wde, added into acct */
+static void add_down(float *h, float *mag, int64_t m, int64_t keep, int act, float scale,
+                     const float *wde, int64_t d, float *acct) {
+    kept_products(h, mag, m, keep, act, scale);
+    for (int64_t r = 0; r < m; r++) {
+        const float coef = h[r];
+        if (coef == 0.0f) continue;
         const float *drow = wde + r * d;
         for (int64_t i = 0; i < d; i++) acct[i] += coef * drow[i];
     }
+}
+
+/* a dense GLU's kept products (the shared expert's down_keep): out [T,n] = act(gate) * up ([T,n] each), all but
+   each row's keep entries of largest magnitude set to 0 */
+void moelab_glu_keep(int64_t T, int64_t n, int64_t keep, int act, const float *gate, const float *up, float *out) {
+    float *buf = malloc(sizeof(float) * 2 * n), *mag = malloc(sizeof(float) * n);
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(buf, gate + t * n, sizeof(float) * n);
+        memcpy(buf + n, up + t * n, sizeof(float) * n);
+        kept_products(buf, mag, n, keep, act, 1.0f);
+        memcpy(out + t * n, buf, sizeof(float) * n);
+    }
+    free(buf); free(mag);
 }
 
 /* x [T,d]; top [T,k]; wts [T,k] or NULL; wgu [E,d,2m]; wd [E,m,d]; mu [E,d] or NULL; out [T,d].
@@ -200,9 +221,10 @@ def _compile() -> ctypes.CDLL | None:
                 return None
             os.replace(lib, target)
     library = ctypes.CDLL(str(target))
-    fn = library.moelab_moe_decode
-    fn.restype = None
-    fn.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int]
+    decode, glu = library.moelab_moe_decode, library.moelab_glu_keep
+    decode.restype = glu.restype = None
+    decode.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int]
+    glu.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3
     return library
 
 
@@ -244,4 +266,15 @@ def moe_decode(x: torch.Tensor, top: torch.Tensor, weights: torch.Tensor | None,
                                 None if weights is None else weights.data_ptr(), wgu_rows.data_ptr(),
                                 wd_rows.data_ptr(), None if skip_mean is None else skip_mean.data_ptr(),
                                 out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def glu_keep(gate: torch.Tensor, up: torch.Tensor, keep: int, act: str) -> torch.Tensor:
+    """``act(gate) · up`` (``[T, n]`` each) with all but each row's ``keep`` entries of largest magnitude set to 0:
+    ``moelab_kernels.keep_largest`` of a dense GLU's products (the shared expert's), one call where torch takes six.
+    Single-threaded: for a decode step's few rows, a fork of the thread pool costs more than it saves."""
+    T, n = gate.shape
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty(T, n, dtype=torch.float32)
+    library().moelab_glu_keep(T, n, min(keep, n), ACTIVATIONS[act], gate.data_ptr(), up.data_ptr(), out.data_ptr())
     return out
