@@ -129,6 +129,9 @@ void moelab_moe_decode(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, in
     int64_t *fill = malloc(sizeof(int64_t) * E);
     memcpy(fill, start, sizeof(int64_t) * E);
     for (int64_t p = 0; p < P; p++) pairs[fill[top[p]]++] = p;  /* token-ordered within an expert */
+    int64_t n_used = 0;  /* the selected experts, shared out evenly among the threads */
+    for (int64_t e = 0; e < E; e++)
+        if (start[e + 1] > start[e]) fill[n_used++] = e;
     /* one accumulator per thread, summed in thread order afterwards: with the static schedules
        the result does not depend on timing (same inputs and threads, same bits) */
     float *accs = calloc((size_t)nthreads * T * d, sizeof(float));
@@ -140,17 +143,20 @@ void moelab_moe_decode(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, in
         used = omp_get_num_threads();
         float *h = malloc(sizeof(float) * T * m2);
         float *mag = malloc(sizeof(float) * m);
+        const float **xs = malloc(sizeof(float *) * T);
         #pragma omp for schedule(static) nowait
-        for (int64_t e = 0; e < E; e++) {
-            const int64_t n = start[e + 1] - start[e];
-            if (n == 0) continue;
+        for (int64_t u = 0; u < n_used; u++) {
+            const int64_t e = fill[u], n = start[e + 1] - start[e];
             const int64_t *own = pairs + start[e];
             const float *W = wgu + e * d * m2;
+            if (u + 1 < n_used)  /* the next block's first lines, while this one is computed */
+                for (int64_t b = 0; b < 64 * 16 && b < d * m2; b += 16) __builtin_prefetch(wgu + fill[u + 1] * d * m2 + b);
+            for (int64_t q = 0; q < n; q++) xs[q] = x + (own[q] / k) * d;
             memset(h, 0, sizeof(float) * n * m2);
             for (int64_t i = 0; i < d; i++) {
                 const float *row = W + i * m2;
                 for (int64_t q = 0; q < n; q++) {
-                    const float xi = x[(own[q] / k) * d + i];
+                    const float xi = xs[q][i];
                     float *hq = h + q * m2;
                     for (int64_t c = 0; c < m2; c++) hq[c] += xi * row[c];
                 }
@@ -172,7 +178,7 @@ void moelab_moe_decode(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, in
                 }
             }
         }
-        free(h); free(mag);
+        free(h); free(mag); free(xs);
     }
     memcpy(out, accs, sizeof(float) * T * d);
     for (int th = 1; th < used; th++)
