@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from moelab.engine.runtime import moelab_native
-from moelab.engine.runtime.modeling_moelab import MoeFFN
 
-from .test_moe_runtime import kernel_moe
+from .test_moe_runtime import kernel_moe, run_impl as run
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler")
 
@@ -33,15 +32,6 @@ def calls(monkeypatch) -> list[int]:
 
     monkeypatch.setattr("moelab.engine.runtime.moelab_moe.moe_decode", counted)
     return seen
-
-
-def run(mod: MoeFFN, x: torch.Tensor, impl: str) -> torch.Tensor:
-    mod.experts_impl = impl
-    try:
-        with torch.no_grad():
-            return mod(x)
-    finally:
-        mod.experts_impl = "auto"
 
 
 def test_the_kernel_builds_once_into_the_cache(tmp_path, monkeypatch):

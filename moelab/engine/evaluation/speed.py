@@ -163,8 +163,19 @@ def time_phases(models: Mapping[str, nn.Module], tokens: torch.Tensor, *, refere
     return {
         "reference": reference, "phases": phases, "protocol": {**asdict(protocol), "prefill_tokens": prefill, "context": context},
         "device": _device_name(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-        "runtime": RUNTIME,
+        "runtime": runtime_name(models.values(), device, dtype),
     }
+
+
+def runtime_name(models: Any, device: torch.device, dtype: torch.dtype) -> str:
+    """``RUNTIME``, naming moelab's native CPU decode kernel where a model's MoE layers run it here (float32 on the
+    CPU, the kernel built: ``runtime.moelab_native``), since the same model decodes at another speed without it."""
+    from ..runtime.moelab_native import library
+
+    moe = any(hasattr(m, "_native_decode") for model in models for m in model.modules())
+    if moe and device.type == "cpu" and dtype == torch.float32 and library() is not None:
+        return RUNTIME + " + moelab native CPU decode kernel"
+    return RUNTIME
 
 
 def _device_name(device: torch.device) -> str:
