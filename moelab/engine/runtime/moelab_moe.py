@@ -49,8 +49,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .moelab_compat import load_legacy_expert_keys, register_load_pre_hook
-from .moelab_native import glu_keep, moe_decode, usable as native_usable
 from .moelab_kernels import EXPERTS_IMPLS, GATHER_MAX_TOKENS, decode_layout, every_expert, keep_largest, per_expert, run_kernel, select_kernel
+from .moelab_native import glu_keep, moe_decode, usable as native_usable
 from .moelab_routers import COMBINES, ffn_macs, kept, router_kind
 
 DISPATCHES = ("auto", "loop", "padded")
