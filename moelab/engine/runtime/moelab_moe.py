@@ -140,10 +140,7 @@ class MoeExperts(nn.Module):
         w = (self.gate_up_proj, self.down_proj)
         if top_k_index is None:
             return every_expert(self, x, w, top_k_weights, gate_act)
-        needs_grad = torch.is_grad_enabled() and (
-            x.requires_grad or w[0].requires_grad or w[1].requires_grad
-            or (top_k_weights is not None and top_k_weights.requires_grad)
-            or (gate_act is not None and gate_act.requires_grad))
+        needs_grad = _needs_grad(x, *w, top_k_weights, gate_act)
         impl = self.resolve_impl(x, top_k_index, needs_grad, w)
         if impl == "loop":
             return self.reference(x, w, top_k_index, top_k_weights, gate_act)
@@ -460,14 +457,10 @@ class MoeFFN(nn.Module):
         step (at most ``GATHER_MAX_TOKENS`` tokens, no gradient) of plain float32 experts (not wrapped by an
         adapter) in the decode layout, the kernel chosen by ``auto``, and the kernel built on this machine."""
         experts = self.experts
-        if (not isinstance(experts, MoeExperts) or experts.experts_impl != "auto" or x.shape[0] > GATHER_MAX_TOKENS
-                or x.device.type != "cpu"):
+        if not isinstance(experts, MoeExperts) or experts.experts_impl != "auto" or x.shape[0] > GATHER_MAX_TOKENS:
             return False
         wgu, wd = experts.gate_up_proj, experts.down_proj
-        if torch.is_grad_enabled() and (x.requires_grad or wgu.requires_grad or wd.requires_grad
-                                        or (weights is not None and weights.requires_grad)):
-            return False
-        return (wgu.transpose(1, 2).is_contiguous() and wd.transpose(1, 2).is_contiguous()
+        return (not _needs_grad(x, wgu, wd, weights) and wgu.transpose(1, 2).is_contiguous() and wd.transpose(1, 2).is_contiguous()
                 and native_usable(x, wgu, self.act) and wd.dtype == torch.float32
                 and (not self.compensated or self.skip_mean.dtype == torch.float32))
 
@@ -482,6 +475,11 @@ class MoeFFN(nn.Module):
 
 _MOE_KEYS = {"kind", "d_model", "act", "d_shared", "n_routed", "n_experts", "expert_size", "top_k", "router", "combine",
              "dispatch", "skip_mean", "down_keep"}
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether a gradient is to flow through any of ``tensors`` (None: absent) in this call."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _expert_groups(groups: Any, E: int, k: int) -> torch.Tensor | None:
