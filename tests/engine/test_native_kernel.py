@@ -1,4 +1,4 @@
-"""The native CPU decode kernel (``runtime/moelab_native.py``) against the torch reference loop."""
+"""The native CPU kernels (``runtime/moelab_native.py``) against the torch reference loop."""
 
 from __future__ import annotations
 
@@ -24,20 +24,20 @@ def kernel_cache(tmp_path_factory, monkeypatch):
 def calls(monkeypatch) -> list[int]:
     """Counts the native kernel's calls (tokens per call) from now on."""
     seen: list[int] = []
-    real = moelab_native.moe_decode
+    real = moelab_native.moe_routed
 
     def counted(x, *args, **kwargs):
         seen.append(x.shape[0])
         return real(x, *args, **kwargs)
 
-    monkeypatch.setattr("moelab.engine.runtime.moelab_moe.moe_decode", counted)
+    monkeypatch.setattr("moelab.engine.runtime.moelab_moe.moe_routed", counted)
     return seen
 
 
 def test_the_kernel_builds_once_into_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MOELAB_KERNEL_CACHE", str(tmp_path))
     assert moelab_native.library() is not None
-    built = list(tmp_path.glob("moe_decode-*.so"))
+    built = list(tmp_path.glob("moelab_native-*.so"))
     assert len(built) == 1 and not list(tmp_path.glob("tmp*")), "one library, no temporary left"
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(moelab_native, "_tried", False)
@@ -48,15 +48,31 @@ def test_the_kernel_builds_once_into_the_cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh", "relu"])
 @pytest.mark.parametrize("combine", ["sum", "weighted", "normalized"])
 @pytest.mark.parametrize("down_keep", [1.0, 0.5])
-def test_decode_steps_equal_the_reference_loop(act, combine, down_keep, monkeypatch):
-    """One and eight tokens (auto: the native kernel) == the reference loop, with the skipped-expert means."""
+def test_decode_and_prefill_equal_the_reference_loop(act, combine, down_keep, monkeypatch):
+    """Decode steps (1-8 tokens: the selected experts shared among threads) and prefills (9 and more: tokens shared
+    among threads, in blocks of four and the rest one by one) on the native kernel == the reference loop, with the
+    skipped-expert means."""
     mod = kernel_moe("ridge", combine, act=act, down_keep=down_keep, skip_mean=torch.randn(16, 32))
     seen = calls(monkeypatch)
     g = torch.Generator().manual_seed(3)
-    for T in (1, 3, 8):
+    for T in (1, 3, 8, 9, 64, 203):
         x = torch.randn(T, 32, generator=g)
         torch.testing.assert_close(run(mod, x, "auto"), run(mod, x, "loop"), rtol=1e-5, atol=1e-5)
-    assert seen == [1, 3, 8]
+    assert seen == [1, 3, 8, 9, 64, 203]
+
+
+@pytest.mark.parametrize("d_model, expert_size", [(40, 13), (576, 12), (50, 40)])
+def test_odd_sizes_take_the_remainder_paths(d_model, expert_size, monkeypatch):
+    """Widths that are not multiples of the kernels' 24-number tiles (d_model 40 and 50, 2m 26 and 80) and the
+    quickselect of experts wider than 32 neurons (down_keep 0.5 of 40) == the reference loop."""
+    mod = kernel_moe("ridge", "weighted", d_model=d_model, n_experts=6, top_k=3, d_shared=0, d_ffn=6 * expert_size,
+                     down_keep=0.5)
+    seen = calls(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    for T in (1, 8, 37):
+        x = torch.randn(T, d_model, generator=g)
+        torch.testing.assert_close(run(mod, x, "auto"), run(mod, x, "loop"), rtol=1e-5, atol=1e-5)
+    assert seen == [1, 8, 37]
 
 
 def test_the_kernel_keeps_the_largest_products_and_the_lower_index_on_ties(monkeypatch):
@@ -79,21 +95,38 @@ def test_the_kernel_keeps_the_largest_products_and_the_lower_index_on_ties(monke
 
 
 def test_same_inputs_same_bits(monkeypatch):
-    """Each thread sums into its own accumulator and they are added in thread order: no run-to-run jitter."""
-    mod = kernel_moe("ridge", "weighted", n_experts=16, top_k=5)
-    x = torch.randn(8, 32)
-    first = run(mod, x, "auto")
-    for _ in range(5):
-        assert torch.equal(run(mod, x, "auto"), first)
+    """Decode: each thread sums into its own accumulator and they are added in thread order; prefill: each token's
+    row is summed by one thread in expert order. No run-to-run jitter, and a prefill's bits do not depend on the
+    thread count."""
+    mod = kernel_moe("ridge", "weighted", n_experts=16, top_k=5, skip_mean=torch.randn(16, 32))
+    for T in (8, 100):
+        x = torch.randn(T, 32)
+        first = run(mod, x, "auto")
+        for _ in range(5):
+            assert torch.equal(run(mod, x, "auto"), first)
+    experts = mod.experts
+    top = torch.randn(T, 16).topk(5, dim=1).indices
+    routed = lambda: moelab_native.moe_routed(x, top, torch.rand(T, 5), experts.gate_up_proj.transpose(1, 2),  # noqa: E731
+                                              experts.down_proj.transpose(1, 2), 4, 4, "silu", mod.skip_mean)
+    threads = torch.get_num_threads()
+    try:
+        torch.manual_seed(0)
+        first = routed()
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            torch.manual_seed(0)
+            assert torch.equal(routed(), first), f"{n} threads"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_torch_kernels_run_where_the_native_one_does_not(monkeypatch):
-    """Prefill-sized calls, a gradient, float64, the gate-mass router (its scores reuse the gate products), an explicit
-    kernel choice and MOELAB_NATIVE_KERNELS=0 all run the torch kernels."""
+    """A gradient, float64, the gate-mass router (its scores reuse the gate products), an explicit kernel choice and
+    MOELAB_NATIVE_KERNELS=0 all run the torch kernels."""
     seen = calls(monkeypatch)
     mod = kernel_moe("ridge", "sum")
-    run(mod, torch.randn(9, 32), "auto")
     run(mod, torch.randn(1, 32), "gather")
+    run(mod, torch.randn(64, 32), "dense")
     mod(torch.randn(1, 32, requires_grad=True)).sum().backward()
     run(kernel_moe("gate_mass", "sum"), torch.randn(1, 32), "auto")
     run(kernel_moe("ridge", "sum").double(), torch.randn(1, 32, dtype=torch.float64), "auto")
@@ -105,14 +138,15 @@ def test_the_torch_kernels_run_where_the_native_one_does_not(monkeypatch):
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 def test_the_shared_experts_kept_products_equal_torchs(act, monkeypatch):
-    """A decode step's shared expert under down_keep (``glu_keep``: one call) == torch's keep_largest of its products."""
-    mod = kernel_moe("ridge", "sum", d_shared=24, d_ffn=88, act=act, down_keep=0.5)
-    x = torch.randn(3, 32)
+    """The shared expert under down_keep (``glu_keep``: one call, its rows shared among threads past a decode step)
+    == torch's keep_largest of its products; 24 neurons rank, 40 quickselect."""
+    mods = [kernel_moe("ridge", "sum", d_shared=n, d_ffn=n + 64, act=act, down_keep=0.5) for n in (24, 40)]
+    x = torch.randn(50, 32)
     with torch.no_grad():
-        native = [mod._shared(x[:1]), mod._shared(x)]
+        native = [mod._shared(rows) for mod in mods for rows in (x[:1], x[:3], x)]
     monkeypatch.setattr(moelab_native, "_library", None)
     monkeypatch.setattr(moelab_native, "_tried", True)
     with torch.no_grad():
-        reference = [mod._shared(x[:1]), mod._shared(x)]
+        reference = [mod._shared(rows) for mod in mods for rows in (x[:1], x[:3], x)]
     for a, b in zip(native, reference):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -28,43 +28,47 @@ from typing import Any
 import numpy as np
 
 TABLE_DIR = "speed-tables"
-TABLE_VERSION = 3  # 2: routed experts may run every expert masked at prefill (``runs_dense``); 3: native decode kernel
+TABLE_VERSION = 4  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill
 FEATURES = ("fixed", "shared_neurons", "touched_neurons", "computed_rows", "pairs", "router_scores", "dense_rows")
 
-#: ``runtime.moelab_kernels``' CPU choice, mirrored here without torch (tests/engine/test_speed_prediction.py checks
-#: they agree): above GATHER_MAX_TOKENS tokens, routed experts of m neurons run every expert masked (``dense``) once
-#: the selected share k/E reaches DENSE_SHARE + m / DENSE_NEURONS.
+#: ``runtime.moelab_kernels``' CPU choice where the native kernels cannot run, mirrored here without torch
+#: (tests/engine/test_speed_prediction.py checks they agree): above GATHER_MAX_TOKENS tokens, routed experts of m
+#: neurons run every expert masked (``dense``) once the selected share k/E reaches DENSE_SHARE + m / DENSE_NEURONS.
 GATHER_MAX_TOKENS = 8
 DENSE_SHARE = 0.1
 DENSE_NEURONS = 100
 
 
-def runs_dense(layer: Mapping[str, Any], tokens: int) -> bool:
-    """Whether the runtime computes every routed expert of ``layer`` for ``tokens`` tokens (the ``dense`` kernel)."""
+def runs_dense(layer: Mapping[str, Any], tokens: int, native: bool = False) -> bool:
+    """Whether the runtime computes every routed expert of ``layer`` for ``tokens`` tokens (the ``dense`` kernel);
+    ``native``: the native kernels run (they compute the selected pairs only, at every size)."""
     e, m, k = int(layer.get("n_routed", 0)), int(layer.get("expert_size", 0)), int(layer.get("top_k", 0))
-    return tokens > GATHER_MAX_TOKENS and 0 < k < e and k >= e * (DENSE_SHARE + m / DENSE_NEURONS)
+    return not native and tokens > GATHER_MAX_TOKENS and 0 < k < e and k >= e * (DENSE_SHARE + m / DENSE_NEURONS)
 
 
-def layer_features(layer: Mapping[str, Any], tokens: int) -> np.ndarray:
+def layer_features(layer: Mapping[str, Any], tokens: int, native: bool = False) -> np.ndarray:
     """``FEATURES`` of one FFN layer run on ``tokens`` tokens. ``layer``: a ``moe_layers`` entry (``kind`` moe: d_shared,
     n_routed, expert_size, top_k, down_keep) or ``{"kind": "dense", "d_ffn": D}`` (all of it shared). A layer that
-    ``runs_dense`` computes all its routed rows in large GEMMs (``dense_rows``) and moves no (token, expert) pairs."""
+    ``runs_dense`` computes all its routed rows in large GEMMs (``dense_rows``) and moves no (token, expert) pairs.
+    ``native``: the native kernels run, whose prefill multiplies every down row of a selected expert (the rows a
+    token did not keep as zeros), so its computed rows do not shrink with ``down_keep``."""
     if layer.get("kind", "moe") == "dense":
         return np.array([1.0, tokens * float(layer["d_ffn"]), 0, 0, 0, 0, 0])
     e, m, k = int(layer.get("n_routed", 0)), int(layer.get("expert_size", 0)), int(layer.get("top_k", 0))
     shared, scores = tokens * float(layer.get("d_shared", 0)), float(tokens * e) if k else 0.0
-    if runs_dense(layer, tokens):
+    if runs_dense(layer, tokens, native):
         return np.array([1.0, shared, 0, 0, 0, scores, float(tokens * e * m)])
-    down = (2 + float(layer.get("down_keep", 1.0))) / 3  # gate and up rows whole, the down rows kept
+    # gate and up rows whole, the down rows kept (all of them multiplied by the native prefill)
+    down = 1.0 if native and tokens > GATHER_MAX_TOKENS else (2 + float(layer.get("down_keep", 1.0))) / 3
     touched = e * (1 - (1 - k / e) ** tokens) if e and k else 0.0
     return np.array([1.0, shared, touched * m * down, tokens * k * m * down, float(tokens * k), scores, 0.0])
 
 
-def fit(rows: Sequence[Mapping[str, Any]], tokens: int, phase: str) -> np.ndarray:
+def fit(rows: Sequence[Mapping[str, Any]], tokens: int, phase: str, native: bool = False) -> np.ndarray:
     """Non-negative coefficients of ``FEATURES`` fitting the grid's measured seconds of ``phase`` (relative error)."""
     from scipy.optimize import nnls
 
-    x = np.stack([layer_features(r["layer"], tokens) for r in rows])
+    x = np.stack([layer_features(r["layer"], tokens, native) for r in rows])
     y = np.array([r["seconds"][phase] for r in rows])
     scale = 1 / y  # each layout weighs by its relative error, not its size
     coef, _ = nnls(x * scale[:, None], np.ones_like(y))
@@ -82,7 +86,7 @@ def predict(table: Mapping[str, Any], layers: Sequence[Mapping[str, Any]]) -> di
         coef = np.asarray(entry["coef"])
         tokens = int(entry["tokens"])
         dense_ffn = [l if l.get("kind") != "dense" else {"kind": "dense", "d_ffn": table["d_ffn"]} for l in layers]
-        planned = sum(float(layer_features(l, tokens) @ coef) for l in dense_ffn)
+        planned = sum(float(layer_features(l, tokens, bool(table.get("native"))) @ coef) for l in dense_ffn)
         seconds = entry["dense_model_s"] - table["n_layers"] * entry["dense_ffn_s"] + planned
         out[phase] = {"seconds": seconds, "dense_seconds": entry["dense_model_s"],
                       "speedup": entry["dense_model_s"] / seconds if seconds > 0 else None}

@@ -24,6 +24,7 @@ from torch import nn
 from ..atomic import write_json_atomic
 from ..core.speed_prediction import TABLE_DIR, TABLE_VERSION, fit, table_key
 from ..runtime.modeling_moelab import decoder_layers
+from ..runtime import moelab_native
 from ..runtime.moelab_moe import MoeFFN
 from .speed import SpeedProtocol, time_phases
 
@@ -105,11 +106,12 @@ def measure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], 
         spec = {**layout, "d_model": d_model, "router": "centroid", "combine": "sum"}
         rows.append({"layer": layout, "seconds": _layer_seconds(lambda s=spec: MoeFFN(s), d_model, tokens_by_phase, device,
                                                                 dtype, repeats)})
+    native = device.type == "cpu" and dtype == torch.float32 and moelab_native.library() is not None
     phases = {}
     for phase, t in tokens_by_phase.items():
         phases[phase] = {"tokens": t, "dense_model_s": whole["phases"][phase]["seconds"]["dense"], "dense_ffn_s": dense_ffn[phase],
-                         "coef": fit(rows, t, phase).tolist()}
-    return {"version": TABLE_VERSION, "model": {k: info[k] for k in ("source", "d_model", "d_ffn", "n_layers")},
+                         "coef": fit(rows, t, phase, native).tolist()}
+    return {"version": TABLE_VERSION, "native": native, "model": {k: info[k] for k in ("source", "d_model", "d_ffn", "n_layers")},
             "d_ffn": d_ffn, "n_layers": int(info["n_layers"]), "machine": machine_name(device),
             "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
             "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "phases": phases, "grid": rows}

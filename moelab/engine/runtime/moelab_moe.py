@@ -46,11 +46,12 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.parametrize import is_parametrized
 from transformers.activations import ACT2FN
 
 from .moelab_compat import load_legacy_expert_keys, register_load_pre_hook
-from .moelab_kernels import EXPERTS_IMPLS, GATHER_MAX_TOKENS, decode_layout, every_expert, keep_largest, per_expert, run_kernel, select_kernel
-from .moelab_native import glu_keep, moe_decode, usable as native_usable
+from .moelab_kernels import EXPERTS_IMPLS, decode_layout, every_expert, keep_largest, per_expert, run_kernel, select_kernel
+from .moelab_native import glu_keep, moe_routed, usable as native_usable
 from .moelab_routers import COMBINES, ffn_macs, kept, router_kind
 
 DISPATCHES = ("auto", "loop", "padded")
@@ -400,9 +401,8 @@ class MoeFFN(nn.Module):
         if self.d_shared == 0:
             return x.new_zeros(x.shape[0], self.d_model)
         gate, up = self.shared_gate(x), self.shared_up(x)
-        if (self.shared_keep < self.d_shared and x.shape[0] <= GATHER_MAX_TOKENS and not gate.requires_grad
-                and native_usable(x, gate, self.act)):  # a decode step: one call, not six
-            return self.shared_down(glu_keep(gate, up, self.shared_keep, self.act))
+        if self.shared_keep < self.d_shared and not gate.requires_grad and native_usable(x, gate, self.act):
+            return self.shared_down(glu_keep(gate, up, self.shared_keep, self.act))  # one call, not six
         return self.shared_down(keep_largest(self.act_fn(gate) * up, self.shared_keep))
 
     def gate_activations(self, x: torch.Tensor) -> torch.Tensor:
@@ -440,9 +440,9 @@ class MoeFFN(nn.Module):
         top = self.router.select(scores, sort=self.recorder is not None)  # the recorder's readers rank by it
         self._record(top, lead)
         weights = self.router.weights(scores, top)
-        if act_gate is None and self._native_decode(xt, weights):
+        if act_gate is None and self._native_routed(xt, weights):
             wgu, wd = self.experts.gate_up_proj, self.experts.down_proj
-            y = y + moe_decode(xt, top, weights, wgu.transpose(1, 2), wd.transpose(1, 2), self.expert_size,
+            y = y + moe_routed(xt, top, weights, wgu.transpose(1, 2), wd.transpose(1, 2), self.expert_size,
                                self.experts.down_keep, self.act, self.skip_mean if self.compensated else None)
             return y.reshape(x.shape)
         y = y + self.experts(xt, top, weights, act_gate)
@@ -452,12 +452,14 @@ class MoeFFN(nn.Module):
             y = y + (self.skip_mean.sum(0) - F.embedding_bag(top, self.skip_mean, mode="sum"))
         return y.reshape(x.shape)
 
-    def _native_decode(self, x: torch.Tensor, weights: torch.Tensor | None) -> bool:
-        """Whether this call's routed experts and compensation run ``moelab_native.moe_decode``: a CPU decode
-        step (at most ``GATHER_MAX_TOKENS`` tokens, no gradient) of plain float32 experts (not wrapped by an
-        adapter) in the decode layout, the kernel chosen by ``auto``, and the kernel built on this machine."""
+    def _native_routed(self, x: torch.Tensor, weights: torch.Tensor | None) -> bool:
+        """Whether this call's routed experts and compensation run ``moelab_native.moe_routed``: a CPU call
+        without gradient, of plain float32 experts (not wrapped by an adapter) in the decode layout, the kernel
+        chosen by ``auto``, and the kernel built on this machine. Decided before the weights are read: under a
+        parametrisation (LoRA on the stacked experts) every read recomputes them."""
         experts = self.experts
-        if not isinstance(experts, MoeExperts) or experts.experts_impl != "auto" or x.shape[0] > GATHER_MAX_TOKENS:
+        if (not isinstance(experts, MoeExperts) or experts.experts_impl != "auto" or is_parametrized(experts)
+                or _needs_grad(x, weights)):
             return False
         wgu, wd = experts.gate_up_proj, experts.down_proj
         return (not _needs_grad(x, wgu, wd, weights) and wgu.transpose(1, 2).is_contiguous() and wd.transpose(1, 2).is_contiguous()

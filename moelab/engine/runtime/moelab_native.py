@@ -1,17 +1,27 @@
-"""A native CPU decode kernel for the routed experts: one call per layer and step instead of some twenty
-torch operations. Part of the exported runtime; it needs only a C compiler at run time, and without one
-(or on anything but float32 on the CPU) the torch kernels run as before.
+"""Native CPU kernels for the routed experts: one call per layer and forward instead of some twenty torch
+operations at a decode step, and sparse products that beat the dense FFN's GEMMs at prefill. Part of the exported
+runtime; it needs only a C compiler at run time, and without one (or on anything but float32 on the CPU) the torch
+kernels run as before.
 
-Why: a decode step of 128 twelve-neuron experts reads little memory per layer (the selected blocks), so
-the fixed cost of each torch call (dispatch, a tensor allocated per intermediate, a Python frame) is a
-large share of it: on the default model's ``--recipe best`` conversion the MoE layers' operators other than
-the products took about as long as the products of the routed experts themselves. ``moe_decode`` does what
-``moelab_kernels.gather_rows`` does, with the skipped-expert compensation folded in, for every token and
-selected expert of a call:
+Why, at a decode step: 128 twelve-neuron experts read little memory per layer (the selected blocks), so the fixed
+cost of each torch call (dispatch, a tensor allocated per intermediate, a Python frame) is a large share of it: on
+the default model's ``--recipe best`` conversion the MoE layers' operators other than the products took about as
+long as the products of the routed experts themselves. At prefill: torch has no sparse product that pays for such
+small experts (``sorted`` moves a d_model row in and out per pair for a 24-wide GEMM), so every expert ran masked,
+the dense FFN's cost plus the routing. ``moe_routed`` does, for every token and selected expert of a call, what
+``moelab_kernels.gather_rows`` does, with the skipped-expert compensation folded in:
 
     h = x · W_gu[e]  (the expert's [d_model, 2m] block, rows read in storage order)
     g = act(h[:m]) · h[m:], the ``keep`` entries of largest |g| kept (``MoeFFN``'s down_keep)
     out += weight · Σ_kept g_r · W_down[e, r]  (+ Σ_{e not selected} μ_e under compensation)
+
+Up to ``DECODE_TOKENS`` tokens (``moelab_moe_decode``) the pairs are grouped by expert and the selected experts
+shared among the threads, so a block that several tokens of a batch selected is read from memory once; each
+thread sums into its own accumulator and they are added in thread order. More tokens (``moelab_moe_prefill``) are
+shared among the threads by range, and each thread walks every expert's pairs of its tokens four at a time: four
+tokens × 24 columns of a product stay in registers, so each weight is loaded once per four tokens (as a GEMM's
+micro-kernel does; 1.2-2× the dense FFN's speed at the shares plans use, ``bench_prefill_kernels.py``). Either way
+the same inputs give the same bits.
 
 The source is compiled once per machine and source text (``-O3 -march=native -fopenmp``) into the user's
 cache (``MOELAB_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/moelab/kernels`` or ``~/.cache/moelab/kernels``),
@@ -19,8 +29,9 @@ written atomically, and loaded with ctypes. It links the OpenMP runtime torch it
 (``libgomp.so.1``), so one thread pool serves both. ``MOELAB_NATIVE_KERNELS=0`` turns it off.
 
 Choices: ties at the ``keep``-th largest |g| keep the lower neuron index (torch's topk may keep
-either: float products tie with probability about 0); sums run in a different order than torch's, so
-results agree to float32 rounding (``tests/engine/test_native_kernel.py`` checks 1e-5 relative).
+either: float products tie with probability about 0); SiLU's exponential is a polynomial (Cephes' expf, about
+1e-7 relative) so that it vectorises; sums run in a different order than torch's, so results agree to float32
+rounding (``tests/engine/test_native_kernel.py`` checks 1e-5 relative).
 """
 
 from __future__ import annotations
@@ -47,9 +58,30 @@ _SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
+typedef float v8 __attribute__((vector_size(32), aligned(4)));  /* unaligned 8-float vectors */
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* e^x, branch-free so that loops over it vectorise: x = n ln2 + r, e^r by Cephes' expf polynomial (relative error
+   about 1e-7 over float's range; below -87.3 it flushes towards 0, above 88.7 saturates) */
+static inline float exp_approx(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    x = x > 88.7f ? 88.7f : x;
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3333519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } scale = { .i = ((int32_t)n + 127) << 23 };
+    return p * scale.f;
+}
+
 static inline float act_fn(float v, int act) {
     switch (act) {
-    case 0: return v / (1.0f + expf(-v));
+    case 0: return v / (1.0f + exp_approx(-v));
     case 1: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
     case 2: return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
     default: return v > 0.0f ? v : 0.0f;
@@ -73,47 +105,175 @@ static float kth_largest(float *a, int64_t n, int64_t keep) {
 }
 
 /* g = act(h[:m]) * h[m:] into h[:m], all but its keep entries of largest |g| set to 0 (ties: the lower index
-   keeps), each kept one times scale */
+   keeps), each kept one times scale. Small experts rank each entry against the others (m² comparisons that
+   vectorise, no branches); larger ones find the threshold by quickselect. */
 static void kept_products(float *h, float *mag, int64_t m, int64_t keep, int act, float scale) {
-    for (int64_t r = 0; r < m; r++) h[r] = act_fn(h[r], act) * h[m + r];
-    float thr = -1.0f;
-    int64_t ties = 0;
-    if (keep < m) {
-        for (int64_t r = 0; r < m; r++) mag[r] = fabsf(h[r]);
-        thr = kth_largest(mag, m, keep);
-        int64_t above = 0;
-        for (int64_t r = 0; r < m; r++) above += fabsf(h[r]) > thr;
-        ties = keep - above;
+    if (act == 0)
+        for (int64_t r = 0; r < m; r++) h[r] = h[r] / (1.0f + exp_approx(-h[r])) * h[m + r];
+    else
+        for (int64_t r = 0; r < m; r++) h[r] = act_fn(h[r], act) * h[m + r];
+    if (keep >= m) {
+        for (int64_t r = 0; r < m; r++) h[r] *= scale;
+        return;
     }
+    for (int64_t r = 0; r < m; r++) mag[r] = fabsf(h[r]);
+    if (m <= 32) {  /* entry r's rank: the entries larger, or as large at a lower index; 8 ranks at a time */
+        for (int64_t r0 = 0; r0 < m; r0 += 8) {
+            v8 mv;
+            memcpy(&mv, mag + r0, sizeof(mv));  /* mag has 8 entries of room past m */
+            v8i rv = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + (int32_t)r0, rank = {0};
+            for (int64_t s = 0; s < m; s++) {
+                const v8 a = (v8){0} + mag[s];
+                rank -= (a > mv) | ((a == mv) & ((v8i){0} + (int32_t)s < rv));
+            }
+            for (int64_t j = 0; j < 8 && r0 + j < m; j++) h[r0 + j] = rank[j] < keep ? h[r0 + j] * scale : 0.0f;
+        }
+        return;
+    }
+    const float thr = kth_largest(mag, m, keep);
+    int64_t above = 0;
+    for (int64_t r = 0; r < m; r++) above += fabsf(h[r]) > thr;
+    int64_t ties = keep - above;
     for (int64_t r = 0; r < m; r++) {
         const float a = fabsf(h[r]);
         h[r] = (a < thr || (a == thr && ties-- <= 0)) ? 0.0f : h[r] * scale;
     }
 }
 
-/* one (token, expert) pair's kept products, each times its row of the expert's down block wde, added into acct */
-static void add_down(float *h, float *mag, int64_t m, int64_t keep, int act, float scale,
-                     const float *wde, int64_t d, float *acct) {
-    kept_products(h, mag, m, keep, act, scale);
-    for (int64_t r = 0; r < m; r++) {
-        const float coef = h[r];
-        if (coef == 0.0f) continue;
-        const float *drow = wde + r * d;
-        for (int64_t i = 0; i < d; i++) acct[i] += coef * drow[i];
+/* ---- an expert's pairs, TB tokens at a time: its products as a GEMM micro-kernel computes them ---- */
+#define TB 4
+/* an empty asm that "changes" three vectors: they are then loaded once into registers, where the compiler
+   would otherwise fold the same load into each of the TB multiply-adds that read it (TB loads, not one) */
+#if defined(__x86_64__)
+#define IN_REGISTERS(a, b, c) __asm__("" : "+x"(a), "+x"(b), "+x"(c))
+#elif defined(__aarch64__)
+#define IN_REGISTERS(a, b, c) __asm__("" : "+w"(a), "+w"(b), "+w"(c))
+#else
+#define IN_REGISTERS(a, b, c) ((void)0)
+#endif
+
+/* h[q][0..m2) = x_q · W (W [d, m2]) for the TB token rows xs, or for the one row xs[0] when one: TB tokens × 24
+   columns held in registers, so each weight row is loaded once per TB tokens and each input number once per 24
+   columns; named accumulators, not arrays, so that the compiler keeps them in registers */
+static void gate_up_block(const float *W, int64_t d, int64_t m2, const float *const *xs, int one, float *h) {
+    const float *x0 = xs[0], *x1 = one ? x0 : xs[1], *x2 = one ? x0 : xs[2], *x3 = one ? x0 : xs[3];
+    int64_t c = 0;
+    for (; c + 24 <= m2; c += 24) {
+        v8 a00 = {0}, a01 = {0}, a02 = {0}, a10 = {0}, a11 = {0}, a12 = {0};
+        v8 a20 = {0}, a21 = {0}, a22 = {0}, a30 = {0}, a31 = {0}, a32 = {0};
+        if (one) {
+            for (int64_t i = 0; i < d; i++) {
+                const float *row = W + i * m2 + c;
+                const float b0 = x0[i];
+                a00 += b0 * *(const v8 *)row; a01 += b0 * *(const v8 *)(row + 8); a02 += b0 * *(const v8 *)(row + 16);
+            }
+        } else {
+            for (int64_t i = 0; i < d; i++) {
+                const float *row = W + i * m2 + c;
+                v8 w0 = *(const v8 *)row, w1 = *(const v8 *)(row + 8), w2 = *(const v8 *)(row + 16);
+                IN_REGISTERS(w0, w1, w2);
+                const float b0 = x0[i], b1 = x1[i], b2 = x2[i], b3 = x3[i];
+                a00 += b0 * w0; a01 += b0 * w1; a02 += b0 * w2;
+                a10 += b1 * w0; a11 += b1 * w1; a12 += b1 * w2;
+                a20 += b2 * w0; a21 += b2 * w1; a22 += b2 * w2;
+                a30 += b3 * w0; a31 += b3 * w1; a32 += b3 * w2;
+            }
+        }
+        float *o = h + c;
+        *(v8 *)o = a00; *(v8 *)(o + 8) = a01; *(v8 *)(o + 16) = a02;
+        if (one) continue;
+        o += m2; *(v8 *)o = a10; *(v8 *)(o + 8) = a11; *(v8 *)(o + 16) = a12;
+        o += m2; *(v8 *)o = a20; *(v8 *)(o + 8) = a21; *(v8 *)(o + 16) = a22;
+        o += m2; *(v8 *)o = a30; *(v8 *)(o + 8) = a31; *(v8 *)(o + 16) = a32;
     }
+    const int nq = one ? 1 : TB;
+    for (; c + 8 <= m2; c += 8) {  /* what is left of the columns: 8 at a time (a single row computed 4 times, so that
+                                      it takes the same operations as in a block), then one by one */
+        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t i = 0; i < d; i++) {
+            const v8 w = *(const v8 *)(W + i * m2 + c);
+            a0 += x0[i] * w; a1 += x1[i] * w; a2 += x2[i] * w; a3 += x3[i] * w;
+        }
+        *(v8 *)(h + c) = a0;
+        if (one) continue;
+        *(v8 *)(h + m2 + c) = a1; *(v8 *)(h + 2 * m2 + c) = a2; *(v8 *)(h + 3 * m2 + c) = a3;
+    }
+    for (; c < m2; c++)
+        for (int q = 0; q < nq; q++) {
+            float s = 0.0f;
+            for (int64_t i = 0; i < d; i++) s += xs[q][i] * W[i * m2 + c];
+            h[q * m2 + c] = s;
+        }
+}
+
+/* outs[q] += h_q · Wd (Wd [m, d]; h_q: row q of h, stride m2, its first m entries) for the TB tokens outs, or the
+   one outs[0]: TB tokens × 24 outputs in registers. The zeros of the rows a token did not keep are multiplied too:
+   with each weight load shared by the block that is faster than a sparse pass per token. */
+static void down_block(const float *h, int64_t m2, int64_t m, const float *Wd, int64_t d, float *const *outs, int one) {
+    float *o0 = outs[0], *o1 = one ? o0 : outs[1], *o2 = one ? o0 : outs[2], *o3 = one ? o0 : outs[3];
+    const float *h0 = h, *h1 = one ? h : h + m2, *h2 = one ? h : h + 2 * m2, *h3 = one ? h : h + 3 * m2;
+    int64_t i = 0;
+    for (; i + 24 <= d; i += 24) {
+        v8 a00 = *(v8 *)(o0 + i), a01 = *(v8 *)(o0 + i + 8), a02 = *(v8 *)(o0 + i + 16);
+        if (one) {
+            for (int64_t r = 0; r < m; r++) {
+                const float *row = Wd + r * d + i;
+                const float c0 = h0[r];
+                a00 += c0 * *(const v8 *)row; a01 += c0 * *(const v8 *)(row + 8); a02 += c0 * *(const v8 *)(row + 16);
+            }
+        } else {
+            v8 a10 = *(v8 *)(o1 + i), a11 = *(v8 *)(o1 + i + 8), a12 = *(v8 *)(o1 + i + 16);
+            v8 a20 = *(v8 *)(o2 + i), a21 = *(v8 *)(o2 + i + 8), a22 = *(v8 *)(o2 + i + 16);
+            v8 a30 = *(v8 *)(o3 + i), a31 = *(v8 *)(o3 + i + 8), a32 = *(v8 *)(o3 + i + 16);
+            for (int64_t r = 0; r < m; r++) {
+                const float *row = Wd + r * d + i;
+                v8 w0 = *(const v8 *)row, w1 = *(const v8 *)(row + 8), w2 = *(const v8 *)(row + 16);
+                IN_REGISTERS(w0, w1, w2);
+                const float c0 = h0[r], c1 = h1[r], c2 = h2[r], c3 = h3[r];
+                a00 += c0 * w0; a01 += c0 * w1; a02 += c0 * w2;
+                a10 += c1 * w0; a11 += c1 * w1; a12 += c1 * w2;
+                a20 += c2 * w0; a21 += c2 * w1; a22 += c2 * w2;
+                a30 += c3 * w0; a31 += c3 * w1; a32 += c3 * w2;
+            }
+            *(v8 *)(o1 + i) = a10; *(v8 *)(o1 + i + 8) = a11; *(v8 *)(o1 + i + 16) = a12;
+            *(v8 *)(o2 + i) = a20; *(v8 *)(o2 + i + 8) = a21; *(v8 *)(o2 + i + 16) = a22;
+            *(v8 *)(o3 + i) = a30; *(v8 *)(o3 + i + 8) = a31; *(v8 *)(o3 + i + 16) = a32;
+        }
+        *(v8 *)(o0 + i) = a00; *(v8 *)(o0 + i + 8) = a01; *(v8 *)(o0 + i + 16) = a02;
+    }
+    const int nq = one ? 1 : TB;
+    for (; i + 8 <= d; i += 8) {  /* what is left of the outputs: 8 at a time (a single row 4 times, as above), then
+                                     one by one */
+        v8 a0 = *(v8 *)(o0 + i), a1 = *(v8 *)(o1 + i), a2 = *(v8 *)(o2 + i), a3 = *(v8 *)(o3 + i);
+        for (int64_t r = 0; r < m; r++) {
+            const v8 w = *(const v8 *)(Wd + r * d + i);
+            a0 += h0[r] * w; a1 += h1[r] * w; a2 += h2[r] * w; a3 += h3[r] * w;
+        }
+        *(v8 *)(o0 + i) = a0;
+        if (one) continue;
+        *(v8 *)(o1 + i) = a1; *(v8 *)(o2 + i) = a2; *(v8 *)(o3 + i) = a3;
+    }
+    for (; i < d; i++)
+        for (int q = 0; q < nq; q++)
+            for (int64_t r = 0; r < m; r++) outs[q][i] += h[q * m2 + r] * Wd[r * d + i];
 }
 
 /* a dense GLU's kept products (the shared expert's down_keep): out [T,n] = act(gate) * up ([T,n] each), all but
-   each row's keep entries of largest magnitude set to 0 */
-void moelab_glu_keep(int64_t T, int64_t n, int64_t keep, int act, const float *gate, const float *up, float *out) {
-    float *buf = malloc(sizeof(float) * 2 * n), *mag = malloc(sizeof(float) * n);
-    for (int64_t t = 0; t < T; t++) {
-        memcpy(buf, gate + t * n, sizeof(float) * n);
-        memcpy(buf + n, up + t * n, sizeof(float) * n);
-        kept_products(buf, mag, n, keep, act, 1.0f);
-        memcpy(out + t * n, buf, sizeof(float) * n);
+   each row's keep entries of largest magnitude set to 0; rows shared among nthreads */
+void moelab_glu_keep(int64_t T, int64_t n, int64_t keep, int act, const float *gate, const float *up, float *out,
+                     int nthreads) {
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float *buf = malloc(sizeof(float) * 2 * n), *mag = malloc(sizeof(float) * (n + 8));
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(buf, gate + t * n, sizeof(float) * n);
+            memcpy(buf + n, up + t * n, sizeof(float) * n);
+            kept_products(buf, mag, n, keep, act, 1.0f);
+            memcpy(out + t * n, buf, sizeof(float) * n);
+        }
+        free(buf); free(mag);
     }
-    free(buf); free(mag);
 }
 
 /* x [T,d]; top [T,k]; wts [T,k] or NULL; wgu [E,d,2m]; wd [E,m,d]; mu [E,d] or NULL; out [T,d].
@@ -141,9 +301,9 @@ void moelab_moe_decode(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, in
         float *acc = accs + (size_t)omp_get_thread_num() * T * d;
         #pragma omp single
         used = omp_get_num_threads();
-        float *h = malloc(sizeof(float) * T * m2);
-        float *mag = malloc(sizeof(float) * m);
-        const float **xs = malloc(sizeof(float *) * T);
+        float *h = malloc(sizeof(float) * TB * m2), *mag = malloc(sizeof(float) * (m + 8));
+        const float *xs[TB];
+        float *outs[TB];
         #pragma omp for schedule(static) nowait
         for (int64_t u = 0; u < n_used; u++) {
             const int64_t e = fill[u], n = start[e + 1] - start[e];
@@ -151,19 +311,18 @@ void moelab_moe_decode(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, in
             const float *W = wgu + e * d * m2;
             if (u + 1 < n_used)  /* the next block's first lines, while this one is computed */
                 for (int64_t b = 0; b < 64 * 16 && b < d * m2; b += 16) __builtin_prefetch(wgu + fill[u + 1] * d * m2 + b);
-            for (int64_t q = 0; q < n; q++) xs[q] = x + (own[q] / k) * d;
-            memset(h, 0, sizeof(float) * n * m2);
-            for (int64_t i = 0; i < d; i++) {
-                const float *row = W + i * m2;
-                for (int64_t q = 0; q < n; q++) {
-                    const float xi = xs[q][i];
-                    float *hq = h + q * m2;
-                    for (int64_t c = 0; c < m2; c++) hq[c] += xi * row[c];
+            const float *Wd = wd + e * m * d;
+            for (int64_t q0 = 0; q0 < n;) {
+                const int nq = n - q0 >= TB ? TB : 1;  /* blocks of TB tokens, the rest one by one */
+                for (int q = 0; q < nq; q++) {
+                    xs[q] = x + (own[q0 + q] / k) * d;
+                    outs[q] = acc + (own[q0 + q] / k) * d;
                 }
+                gate_up_block(W, d, m2, xs, nq == 1, h);
+                for (int q = 0; q < nq; q++) kept_products(h + q * m2, mag, m, keep, act, wts ? wts[own[q0 + q]] : 1.0f);
+                down_block(h, m2, m, Wd, d, outs, nq == 1);
+                q0 += nq;
             }
-            for (int64_t q = 0; q < n; q++)
-                add_down(h + q * m2, mag, m, keep, act, wts ? wts[own[q]] : 1.0f, wd + e * m * d, d,
-                         acc + (own[q] / k) * d);
         }
         if (mu) {  /* the means of the experts each token skips */
             #pragma omp for schedule(static) nowait
@@ -178,14 +337,80 @@ void moelab_moe_decode(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, in
                 }
             }
         }
-        free(h); free(mag); free(xs);
+        free(h); free(mag);
     }
     memcpy(out, accs, sizeof(float) * T * d);
     for (int th = 1; th < used; th++)
         for (int64_t i = 0; i < T * d; i++) out[i] += accs[(size_t)th * T * d + i];
     free(accs); free(start); free(pairs); free(fill);
 }
+/* what moelab_moe_decode computes, for many tokens: each thread owns a range of tokens (their output rows
+   start with the skipped experts' means, then add the experts in expert order, so the bits do not depend on
+   the thread count) and walks every expert's pairs within that range, TB tokens at a time */
+void moelab_moe_prefill(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, int64_t keep, int act,
+                        const float *x, const int64_t *top, const float *wts, const float *wgu,
+                        const float *wd, const float *mu, float *out, int nthreads) {
+    const int64_t m2 = 2 * m, P = T * k;
+    int64_t *start = calloc(E + 1, sizeof(int64_t)), *pairs = malloc(sizeof(int64_t) * P);
+    for (int64_t p = 0; p < P; p++) start[top[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    int64_t *fill = malloc(sizeof(int64_t) * E);
+    memcpy(fill, start, sizeof(int64_t) * E);
+    for (int64_t p = 0; p < P; p++) pairs[fill[top[p]]++] = p;  /* token-ordered within an expert */
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const int nth = omp_get_num_threads(), th = omp_get_thread_num();
+        const int64_t t0 = T * th / nth, t1 = T * (th + 1) / nth;
+        float *h = malloc(sizeof(float) * TB * m2), *mag = malloc(sizeof(float) * (m + 8));
+        int64_t *idx = malloc(sizeof(int64_t) * (m > E ? m : E));
+        unsigned char *chosen = malloc(E);
+        const float *xs[TB];
+        float *outs[TB];
+        for (int64_t t = t0; t < t1; t++) {
+            float *o = out + t * d;
+            memset(o, 0, sizeof(float) * d);
+            if (!mu) continue;
+            memset(chosen, 0, E);
+            for (int64_t j = 0; j < k; j++) chosen[top[t * k + j]] = 1;
+            int64_t n = 0;
+            for (int64_t e = 0; e < E; e++) if (!chosen[e]) idx[n++] = e;
+            int64_t i = 0;
+            for (; i + 8 <= d; i += 8) {
+                v8 s = *(v8 *)(o + i);
+                for (int64_t j = 0; j < n; j++) s += *(const v8 *)(mu + idx[j] * d + i);
+                *(v8 *)(o + i) = s;
+            }
+            for (; i < d; i++)
+                for (int64_t j = 0; j < n; j++) o[i] += mu[idx[j] * d + i];
+        }
+        for (int64_t e = 0; e < E; e++) {
+            int64_t lo = start[e], hi = start[e + 1], a, b;
+            for (a = lo, b = hi; a < b;) { int64_t c = (a + b) / 2; if (pairs[c] / k < t0) a = c + 1; else b = c; }
+            lo = a;
+            for (b = hi; a < b;) { int64_t c = (a + b) / 2; if (pairs[c] / k < t1) a = c + 1; else b = c; }
+            hi = a;
+            const float *W = wgu + e * d * m2, *Wd = wd + e * m * d;
+            for (int64_t q0 = lo; q0 < hi;) {
+                const int nq = hi - q0 >= TB ? TB : 1;  /* blocks of TB tokens, the rest one by one */
+                for (int q = 0; q < nq; q++) {
+                    xs[q] = x + (pairs[q0 + q] / k) * d;
+                    outs[q] = out + (pairs[q0 + q] / k) * d;
+                }
+                gate_up_block(W, d, m2, xs, nq == 1, h);
+                for (int q = 0; q < nq; q++)
+                    kept_products(h + q * m2, mag, m, keep, act, wts ? wts[pairs[q0 + q]] : 1.0f);
+                down_block(h, m2, m, Wd, d, outs, nq == 1);
+                q0 += nq;
+            }
+        }
+        free(h); free(mag); free(idx); free(chosen);
+    }
+    free(start); free(pairs); free(fill);
+}
 """
+
+#: up to this many tokens a call shares the selected experts among the threads (``moelab_moe_decode``)
+DECODE_TOKENS = 8
 
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared")
 _lock = threading.Lock()
@@ -216,21 +441,21 @@ def _compile() -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None or platform.system() != "Linux":
         return None
-    target = _cache_dir() / f"moe_decode-{_machine_key()}.so"
+    target = _cache_dir() / f"moelab_native-{_machine_key()}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src, lib = Path(tmp) / "moe_decode.c", Path(tmp) / "moe_decode.so"
+            src, lib = Path(tmp) / "moelab_native.c", Path(tmp) / "moelab_native.so"
             src.write_text(_SOURCE)
             done = subprocess.run([compiler, *_FLAGS, str(src), "-o", str(lib), "-lm"], capture_output=True)
             if done.returncode:
                 return None
             os.replace(lib, target)
     library = ctypes.CDLL(str(target))
-    decode, glu = library.moelab_moe_decode, library.moelab_glu_keep
-    decode.restype = glu.restype = None
-    decode.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int]
-    glu.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3
+    decode, prefill, glu = library.moelab_moe_decode, library.moelab_moe_prefill, library.moelab_glu_keep
+    decode.restype = prefill.restype = glu.restype = None
+    decode.argtypes = prefill.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int]
+    glu.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
     return library
 
 
@@ -251,16 +476,18 @@ def library() -> ctypes.CDLL | None:
 
 
 def usable(x: torch.Tensor, wgu_rows: torch.Tensor, act: str) -> bool:
-    """Whether ``moe_decode`` runs this call: float32 CPU tensors, an activation it has, the kernel built."""
+    """Whether ``moe_routed`` runs this call: float32 CPU tensors, an activation it has, the kernel built."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and wgu_rows.dtype == torch.float32
             and act in ACTIVATIONS and library() is not None)
 
 
-def moe_decode(x: torch.Tensor, top: torch.Tensor, weights: torch.Tensor | None, wgu_rows: torch.Tensor,
+def moe_routed(x: torch.Tensor, top: torch.Tensor, weights: torch.Tensor | None, wgu_rows: torch.Tensor,
                wd_rows: torch.Tensor, m: int, keep: int, act: str, skip_mean: torch.Tensor | None = None) -> torch.Tensor:
     """``[T, d]``: each token's selected experts (``top [T, k]``, scaled by ``weights [T, k]``) and, with
     ``skip_mean [E, d]``, the sum of the means of the experts it skips. ``wgu_rows``: the gate/up blocks as
-    ``[E, d, 2m]`` contiguous storage; ``wd_rows``: the down blocks as ``[E, m, d]`` contiguous storage."""
+    ``[E, d, 2m]`` contiguous storage; ``wd_rows``: the down blocks as ``[E, m, d]`` contiguous storage.
+    Up to ``DECODE_TOKENS`` tokens the selected experts are shared among the threads (a decode step reads
+    each selected block once); more tokens are shared among them (``moelab_moe_prefill``)."""
     T, k = top.shape
     E, d = wgu_rows.shape[0], wgu_rows.shape[1]
     x = x.contiguous()
@@ -268,19 +495,20 @@ def moe_decode(x: torch.Tensor, top: torch.Tensor, weights: torch.Tensor | None,
     if weights is not None:
         weights = weights.to(torch.float32).contiguous()
     out = torch.empty(T, d, dtype=torch.float32)
-    library().moelab_moe_decode(T, k, E, d, m, min(keep, m), ACTIVATIONS[act], x.data_ptr(), top.data_ptr(),
-                                None if weights is None else weights.data_ptr(), wgu_rows.data_ptr(),
-                                wd_rows.data_ptr(), None if skip_mean is None else skip_mean.data_ptr(),
-                                out.data_ptr(), torch.get_num_threads())
+    run = library().moelab_moe_decode if T <= DECODE_TOKENS else library().moelab_moe_prefill
+    run(T, k, E, d, m, min(keep, m), ACTIVATIONS[act], x.data_ptr(), top.data_ptr(),
+        None if weights is None else weights.data_ptr(), wgu_rows.data_ptr(), wd_rows.data_ptr(),
+        None if skip_mean is None else skip_mean.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
 
 
 def glu_keep(gate: torch.Tensor, up: torch.Tensor, keep: int, act: str) -> torch.Tensor:
     """``act(gate) · up`` (``[T, n]`` each) with all but each row's ``keep`` entries of largest magnitude set to 0:
     ``moelab_kernels.keep_largest`` of a dense GLU's products (the shared expert's), one call where torch takes six.
-    Single-threaded: for a decode step's few rows, a fork of the thread pool costs more than it saves."""
+    A decode step's few rows run on one thread: a fork of the thread pool would cost more than it saves."""
     T, n = gate.shape
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty(T, n, dtype=torch.float32)
-    library().moelab_glu_keep(T, n, min(keep, n), ACTIVATIONS[act], gate.data_ptr(), up.data_ptr(), out.data_ptr())
+    threads = 1 if T <= DECODE_TOKENS else torch.get_num_threads()
+    library().moelab_glu_keep(T, n, min(keep, n), ACTIVATIONS[act], gate.data_ptr(), up.data_ptr(), out.data_ptr(), threads)
     return out
