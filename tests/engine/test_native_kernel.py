@@ -150,3 +150,21 @@ def test_the_shared_experts_kept_products_equal_torchs(act, monkeypatch):
         reference = [mod._shared(rows) for mod in mods for rows in (x[:1], x[:3], x)]
     for a, b in zip(native, reference):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("combine", ["sum", "weighted"])
+def test_a_layer_with_every_expert_selected_runs_the_native_kernel(combine, monkeypatch):
+    """top_k = n_routed (a budget plan's layer that keeps every expert): the native kernel with every expert selected
+    == the torch GLU over all of them with each expert's kept products (down_keep 0.5), decode and prefill."""
+    mod = kernel_moe("ridge", combine, n_experts=8, top_k=8, down_keep=0.5)
+    seen = calls(monkeypatch)
+    x = torch.randn(40, 32)
+    with torch.no_grad():
+        native = [mod(x[:1]), mod(x[:8]), mod(x)]
+    assert seen == [1, 8, 40]
+    monkeypatch.setattr(moelab_native, "_library", None)
+    monkeypatch.setattr(moelab_native, "_tried", True)
+    with torch.no_grad():
+        reference = [mod(x[:1]), mod(x[:8]), mod(x)]
+    for a, b in zip(native, reference):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -76,6 +76,16 @@ def test_the_prediction_runs_the_kernels_the_runtime_chooses():
     assert dense_at_prefill[3] == dense_at_prefill[4] == 0 and dense_at_prefill[6] == 512 * 128 * 12
 
 
+def test_where_the_native_kernels_run_a_prefill_computes_the_selected_pairs_with_their_down_rows_whole():
+    """The native kernels (the table says whether they ran when it was measured) compute the selected pairs only, at
+    every size, and their prefill multiplies every down row of a selected expert; a decode step reads the kept ones."""
+    layer = {"kind": "moe", "d_shared": 0, "n_routed": 128, "expert_size": 12, "top_k": 40, "down_keep": 0.5}
+    assert runs_dense(layer, 512) and not runs_dense(layer, 512, native=True)
+    prefill, step = layer_features(layer, 512, native=True), layer_features(layer, 1, native=True)
+    assert prefill[6] == 0 and prefill[3] == 512 * 40 * 12 and prefill[4] == 512 * 40
+    assert step[3] == pytest.approx(40 * 12 * 2.5 / 3) and (step == layer_features(layer, 1)).all()
+
+
 def test_a_batch_touches_fewer_experts_than_it_selects_and_down_rows_kept_count():
     layer = {"kind": "moe", "d_shared": 0, "n_routed": 16, "expert_size": 32, "top_k": 4}
     one, eight = layer_features(layer, 1), layer_features(layer, 8)

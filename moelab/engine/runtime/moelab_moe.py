@@ -467,12 +467,19 @@ class MoeFFN(nn.Module):
                 and (not self.compensated or self.skip_mean.dtype == torch.float32))
 
     def _all_experts(self, x: torch.Tensor) -> torch.Tensor:
-        """Every routed expert on every token: one GLU over the concatenated experts."""
-        if self.combine == "sum":
-            return self.experts(x, None, None)
-        # every expert selected: the weighted and normalized combines coincide
-        scores, act_gate = self.router(x)
-        return self.experts(x, None, self.router.weights(scores, None), act_gate)
+        """Every routed expert on every token: one GLU over the concatenated experts, or the native kernel with
+        every expert selected (under down_keep each expert's kept products are chosen per token, which the one
+        GLU does with torch's top-k over all of them)."""
+        weights = act_gate = None
+        if self.combine != "sum":  # every expert selected: the weighted and normalized combines coincide
+            scores, act_gate = self.router(x)
+            weights = self.router.weights(scores, None)
+        if act_gate is None and self._native_routed(x, weights):
+            wgu, wd = self.experts.gate_up_proj, self.experts.down_proj
+            every = torch.arange(self.n_routed, device=x.device).expand(x.shape[0], self.n_routed)
+            return moe_routed(x, every, weights, wgu.transpose(1, 2), wd.transpose(1, 2), self.expert_size,
+                              self.experts.down_keep, self.act)
+        return self.experts(x, None, weights, act_gate)
 
 
 _MOE_KEYS = {"kind", "d_model", "act", "d_shared", "n_routed", "n_experts", "expert_size", "top_k", "router", "combine",

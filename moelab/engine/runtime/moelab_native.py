@@ -207,16 +207,22 @@ static void gate_up_block(const float *W, int64_t d, int64_t m2, const float *co
 }
 
 /* outs[q] += h_q · Wd (Wd [m, d]; h_q: row q of h, stride m2, its first m entries) for the TB tokens outs, or the
-   one outs[0]: TB tokens × 24 outputs in registers. The zeros of the rows a token did not keep are multiplied too:
-   with each weight load shared by the block that is faster than a sparse pass per token. */
-static void down_block(const float *h, int64_t m2, int64_t m, const float *Wd, int64_t d, float *const *outs, int one) {
+   one outs[0]: TB tokens × 24 outputs in registers. Only the rows some token of the block kept are read (a decode
+   step's down_keep halves the bytes it reads); within the block a row one token did not keep is multiplied by its
+   zero, which adds nothing and is cheaper than a sparse pass per token. rows: room for m indices. */
+static void down_block(const float *h, int64_t m2, int64_t m, const float *Wd, int64_t d, float *const *outs, int one,
+                       int64_t *rows) {
     float *o0 = outs[0], *o1 = one ? o0 : outs[1], *o2 = one ? o0 : outs[2], *o3 = one ? o0 : outs[3];
     const float *h0 = h, *h1 = one ? h : h + m2, *h2 = one ? h : h + 2 * m2, *h3 = one ? h : h + 3 * m2;
+    int64_t n = 0;
+    for (int64_t r = 0; r < m; r++)
+        if (h0[r] != 0.0f || h1[r] != 0.0f || h2[r] != 0.0f || h3[r] != 0.0f) rows[n++] = r;
     int64_t i = 0;
     for (; i + 24 <= d; i += 24) {
         v8 a00 = *(v8 *)(o0 + i), a01 = *(v8 *)(o0 + i + 8), a02 = *(v8 *)(o0 + i + 16);
         if (one) {
-            for (int64_t r = 0; r < m; r++) {
+            for (int64_t j = 0; j < n; j++) {
+                const int64_t r = rows[j];
                 const float *row = Wd + r * d + i;
                 const float c0 = h0[r];
                 a00 += c0 * *(const v8 *)row; a01 += c0 * *(const v8 *)(row + 8); a02 += c0 * *(const v8 *)(row + 16);
@@ -225,7 +231,8 @@ static void down_block(const float *h, int64_t m2, int64_t m, const float *Wd, i
             v8 a10 = *(v8 *)(o1 + i), a11 = *(v8 *)(o1 + i + 8), a12 = *(v8 *)(o1 + i + 16);
             v8 a20 = *(v8 *)(o2 + i), a21 = *(v8 *)(o2 + i + 8), a22 = *(v8 *)(o2 + i + 16);
             v8 a30 = *(v8 *)(o3 + i), a31 = *(v8 *)(o3 + i + 8), a32 = *(v8 *)(o3 + i + 16);
-            for (int64_t r = 0; r < m; r++) {
+            for (int64_t j = 0; j < n; j++) {
+                const int64_t r = rows[j];
                 const float *row = Wd + r * d + i;
                 v8 w0 = *(const v8 *)row, w1 = *(const v8 *)(row + 8), w2 = *(const v8 *)(row + 16);
                 IN_REGISTERS(w0, w1, w2);
@@ -245,7 +252,8 @@ static void down_block(const float *h, int64_t m2, int64_t m, const float *Wd, i
     for (; i + 8 <= d; i += 8) {  /* what is left of the outputs: 8 at a time (a single row 4 times, as above), then
                                      one by one */
         v8 a0 = *(v8 *)(o0 + i), a1 = *(v8 *)(o1 + i), a2 = *(v8 *)(o2 + i), a3 = *(v8 *)(o3 + i);
-        for (int64_t r = 0; r < m; r++) {
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t r = rows[j];
             const v8 w = *(const v8 *)(Wd + r * d + i);
             a0 += h0[r] * w; a1 += h1[r] * w; a2 += h2[r] * w; a3 += h3[r] * w;
         }
@@ -255,7 +263,7 @@ static void down_block(const float *h, int64_t m2, int64_t m, const float *Wd, i
     }
     for (; i < d; i++)
         for (int q = 0; q < nq; q++)
-            for (int64_t r = 0; r < m; r++) outs[q][i] += h[q * m2 + r] * Wd[r * d + i];
+            for (int64_t j = 0; j < n; j++) outs[q][i] += h[q * m2 + rows[j]] * Wd[rows[j] * d + i];
 }
 
 /* a dense GLU's kept products (the shared expert's down_keep): out [T,n] = act(gate) * up ([T,n] each), all but
@@ -302,6 +310,7 @@ void moelab_moe_decode(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, in
         #pragma omp single
         used = omp_get_num_threads();
         float *h = malloc(sizeof(float) * TB * m2), *mag = malloc(sizeof(float) * (m + 8));
+        int64_t *rows = malloc(sizeof(int64_t) * m);
         const float *xs[TB];
         float *outs[TB];
         #pragma omp for schedule(static) nowait
@@ -320,7 +329,7 @@ void moelab_moe_decode(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, in
                 }
                 gate_up_block(W, d, m2, xs, nq == 1, h);
                 for (int q = 0; q < nq; q++) kept_products(h + q * m2, mag, m, keep, act, wts ? wts[own[q0 + q]] : 1.0f);
-                down_block(h, m2, m, Wd, d, outs, nq == 1);
+                down_block(h, m2, m, Wd, d, outs, nq == 1, rows);
                 q0 += nq;
             }
         }
@@ -337,7 +346,7 @@ void moelab_moe_decode(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, in
                 }
             }
         }
-        free(h); free(mag);
+        free(h); free(mag); free(rows);
     }
     memcpy(out, accs, sizeof(float) * T * d);
     for (int th = 1; th < used; th++)
@@ -362,7 +371,7 @@ void moelab_moe_prefill(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, i
         const int nth = omp_get_num_threads(), th = omp_get_thread_num();
         const int64_t t0 = T * th / nth, t1 = T * (th + 1) / nth;
         float *h = malloc(sizeof(float) * TB * m2), *mag = malloc(sizeof(float) * (m + 8));
-        int64_t *idx = malloc(sizeof(int64_t) * (m > E ? m : E));
+        int64_t *idx = malloc(sizeof(int64_t) * E), *rows = malloc(sizeof(int64_t) * m);
         unsigned char *chosen = malloc(E);
         const float *xs[TB];
         float *outs[TB];
@@ -399,11 +408,11 @@ void moelab_moe_prefill(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, i
                 gate_up_block(W, d, m2, xs, nq == 1, h);
                 for (int q = 0; q < nq; q++)
                     kept_products(h + q * m2, mag, m, keep, act, wts ? wts[pairs[q0 + q]] : 1.0f);
-                down_block(h, m2, m, Wd, d, outs, nq == 1);
+                down_block(h, m2, m, Wd, d, outs, nq == 1, rows);
                 q0 += nq;
             }
         }
-        free(h); free(mag); free(idx); free(chosen);
+        free(h); free(mag); free(idx); free(rows); free(chosen);
     }
     free(start); free(pairs); free(fill);
 }
