@@ -88,25 +88,23 @@ static inline float act_fn(float v, int act) {
     }
 }
 
-/* the keep-th largest of a[0..n) (a is reordered): quickselect */
-static float kth_largest(float *a, int64_t n, int64_t keep) {
-    int64_t lo = 0, hi = n - 1, want = keep - 1;
-    while (lo < hi) {
-        float pivot = a[(lo + hi) / 2];
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (a[i] > pivot) i++;
-            while (a[j] < pivot) j--;
-            if (i <= j) { float t = a[i]; a[i] = a[j]; a[j] = t; i++; j--; }
-        }
-        if (want <= j) hi = j; else if (want >= i) lo = i; else break;
+/* the bits of the keep-th largest of n non-negative floats, given as their bits (which order as the floats do):
+   built from the top bit down, each bit kept when at least keep entries reach the value so far; every pass is a
+   count that vectorises, where a quickselect branches unpredictably on every entry */
+static int32_t kth_largest_bits(const int32_t *bits, int64_t n, int64_t keep) {
+    int32_t thr = 0;
+    for (int b = 30; b >= 0; b--) {
+        const int32_t cand = thr | (int32_t)(1u << b);
+        int32_t count = 0;
+        for (int32_t r = 0; r < (int32_t)n; r++) count += bits[r] >= cand;
+        if (count >= keep) thr = cand;
     }
-    return a[want];
+    return thr;
 }
 
 /* g = act(h[:m]) * h[m:] into h[:m], all but its keep entries of largest |g| set to 0 (ties: the lower index
    keeps), each kept one times scale. Small experts rank each entry against the others (m² comparisons that
-   vectorise, no branches); larger ones find the threshold by quickselect. */
+   vectorise, no branches); larger ones find the threshold bit by bit (kth_largest_bits). */
 static void kept_products(float *h, float *mag, int64_t m, int64_t keep, int act, float scale) {
     if (act == 0)
         for (int64_t r = 0; r < m; r++) h[r] = h[r] / (1.0f + exp_approx(-h[r])) * h[m + r];
@@ -116,8 +114,8 @@ static void kept_products(float *h, float *mag, int64_t m, int64_t keep, int act
         for (int64_t r = 0; r < m; r++) h[r] *= scale;
         return;
     }
-    for (int64_t r = 0; r < m; r++) mag[r] = fabsf(h[r]);
-    if (m <= 32) {  /* entry r's rank: the entries larger, or as large at a lower index; 8 ranks at a time */
+    if (m <= 32) {
+        for (int64_t r = 0; r < m; r++) mag[r] = fabsf(h[r]);  /* entry r's rank: the entries larger, or as large at a lower index; 8 ranks at a time */
         for (int64_t r0 = 0; r0 < m; r0 += 8) {
             v8 mv;
             memcpy(&mv, mag + r0, sizeof(mv));  /* mag has 8 entries of room past m */
@@ -130,14 +128,14 @@ static void kept_products(float *h, float *mag, int64_t m, int64_t keep, int act
         }
         return;
     }
-    const float thr = kth_largest(mag, m, keep);
+    int32_t *bits = (int32_t *)mag;  /* |g| as bits (mag is allocated memory: it takes the type stored into it) */
+    for (int64_t r = 0; r < m; r++) { const float a = fabsf(h[r]); memcpy(bits + r, &a, sizeof(a)); }
+    const int32_t thr = kth_largest_bits(bits, m, keep);
     int64_t above = 0;
-    for (int64_t r = 0; r < m; r++) above += fabsf(h[r]) > thr;
+    for (int64_t r = 0; r < m; r++) above += bits[r] > thr;
     int64_t ties = keep - above;
-    for (int64_t r = 0; r < m; r++) {
-        const float a = fabsf(h[r]);
-        h[r] = (a < thr || (a == thr && ties-- <= 0)) ? 0.0f : h[r] * scale;
-    }
+    for (int64_t r = 0; r < m; r++)
+        h[r] = (bits[r] > thr || (bits[r] == thr && ties-- > 0)) ? h[r] * scale : 0.0f;
 }
 
 /* ---- an expert's pairs, TB tokens at a time: its products as a GEMM micro-kernel computes them ---- */
