@@ -168,12 +168,17 @@ def time_phases(models: Mapping[str, nn.Module], tokens: torch.Tensor, *, refere
 
 
 def runtime_name(models: Any, device: torch.device, dtype: torch.dtype) -> str:
-    """``RUNTIME``, naming moelab's native CPU decode kernel where a model's MoE layers run it here (float32 on the
-    CPU, the kernel built: ``runtime.moelab_native``), since the same model decodes at another speed without it."""
+    """``RUNTIME``, naming moelab's native CPU kernels where a model's MoE layers run them here (float32 on the CPU,
+    the kernels built: ``runtime.moelab_native``), since the same model runs at another speed without them. A model
+    exported before the prefill kernel carries the decode kernel only (its layers have ``_native_decode``)."""
     from ..runtime.moelab_native import library
 
-    moe = any(hasattr(m, "_native_decode") for model in models for m in model.modules())
-    if moe and device.type == "cpu" and dtype == torch.float32 and library() is not None:
+    if device.type != "cpu" or dtype != torch.float32 or library() is None:
+        return RUNTIME
+    layers = [m for model in models for m in model.modules()]
+    if any(hasattr(m, "_native_routed") for m in layers):
+        return RUNTIME + " + moelab native CPU kernels"
+    if any(hasattr(m, "_native_decode") for m in layers):
         return RUNTIME + " + moelab native CPU decode kernel"
     return RUNTIME
 

@@ -9,7 +9,7 @@ loaded from there through the ``auto_map`` of its config.json::
 Files, read top to bottom (each imports only those above it)
 -----------------------------------------------------------
 ``moelab_routers.py``       the router kinds (scores, cost, fit, init) and ``ffn_macs``, the cost
-``moelab_native.py``        the native CPU decode kernel (C, compiled on first use; torch where it cannot run)
+``moelab_native.py``        the native CPU kernels (C, compiled on first use; torch where they cannot run)
 ``moelab_kernels.py``       the routed experts' fast kernels and ``select_kernel``
 ``moelab_compat.py``        loading the keys earlier runtimes wrote
 ``moelab_moe.py``           ``MoeExperts`` (reference forward), ``MoeRouter`` and ``MoeFFN``, the sparse block

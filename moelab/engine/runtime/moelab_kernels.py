@@ -77,7 +77,8 @@ def select_kernel(experts, x: torch.Tensor, top: torch.Tensor | None, needs_grad
     ======================  ==========================================================  ============
 
     ``sorted`` under a gradient trains through ``masked_dense`` (top_k ≥ E / GRAD_DENSE_RATIO) or
-    ``segments`` (``run_kernel``)."""
+    ``segments`` (``run_kernel``). On a CPU with a C compiler, ``MoeFFN`` runs ``auto``'s float32 calls without
+    gradient on the native kernels (``moelab_native``) before this table is asked."""
     impl = experts.experts_impl
     if impl not in EXPERTS_IMPLS:
         raise ValueError(f"unknown experts_impl {impl!r}; one of {EXPERTS_IMPLS}")

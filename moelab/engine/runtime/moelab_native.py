@@ -114,8 +114,8 @@ static void kept_products(float *h, float *mag, int64_t m, int64_t keep, int act
         for (int64_t r = 0; r < m; r++) h[r] *= scale;
         return;
     }
-    if (m <= 32) {
-        for (int64_t r = 0; r < m; r++) mag[r] = fabsf(h[r]);  /* entry r's rank: the entries larger, or as large at a lower index; 8 ranks at a time */
+    if (m <= 32) {  /* entry r's rank: the entries larger, or as large at a lower index; 8 ranks at a time */
+        for (int64_t r = 0; r < m; r++) mag[r] = fabsf(h[r]);
         for (int64_t r0 = 0; r0 < m; r0 += 8) {
             v8 mv;
             memcpy(&mv, mag + r0, sizeof(mv));  /* mag has 8 entries of room past m */
