@@ -282,6 +282,38 @@ void moelab_glu_keep(int64_t T, int64_t n, int64_t keep, int act, const float *g
     }
 }
 
+/* the P = T·k (token, expert) pairs of top grouped by expert: pairs[start[e] .. start[e+1]) are expert e's positions
+   in top, token-ordered; fill: room for E numbers */
+static void group_by_expert(const int64_t *top, int64_t P, int64_t E, int64_t *start, int64_t *pairs, int64_t *fill) {
+    memset(start, 0, sizeof(int64_t) * (E + 1));
+    for (int64_t p = 0; p < P; p++) start[top[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    memcpy(fill, start, sizeof(int64_t) * E);
+    for (int64_t p = 0; p < P; p++) pairs[fill[top[p]]++] = p;
+}
+
+/* one expert's n pairs (own: positions in top; token = position / k): its products TB tokens at a time, the kept
+   ones scaled by their weights, added into the rows of acc (one per token). h, mag, rows: scratch of TB·2m, m + 8
+   and m numbers */
+static void expert_pairs(const float *W, const float *Wd, const int64_t *own, int64_t n, int64_t k, int64_t d,
+                         int64_t m, int64_t keep, int act, const float *x, const float *wts, float *acc,
+                         float *h, float *mag, int64_t *rows) {
+    const int64_t m2 = 2 * m;
+    const float *xs[TB];
+    float *outs[TB];
+    for (int64_t q0 = 0; q0 < n;) {
+        const int nq = n - q0 >= TB ? TB : 1;  /* blocks of TB tokens, the rest one by one */
+        for (int q = 0; q < nq; q++) {
+            xs[q] = x + (own[q0 + q] / k) * d;
+            outs[q] = acc + (own[q0 + q] / k) * d;
+        }
+        gate_up_block(W, d, m2, xs, nq == 1, h);
+        for (int q = 0; q < nq; q++) kept_products(h + q * m2, mag, m, keep, act, wts ? wts[own[q0 + q]] : 1.0f);
+        down_block(h, m2, m, Wd, d, outs, nq == 1, rows);
+        q0 += nq;
+    }
+}
+
 /* x [T,d]; top [T,k]; wts [T,k] or NULL; wgu [E,d,2m]; wd [E,m,d]; mu [E,d] or NULL; out [T,d].
    Expert-major: the pairs are grouped by expert, so a block that several tokens selected is read from
    memory once (a batch of 8 tokens selects most experts of a layer) and re-read from cache. */
@@ -289,12 +321,9 @@ void moelab_moe_decode(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, in
                        const float *x, const int64_t *top, const float *wts, const float *wgu,
                        const float *wd, const float *mu, float *out, int nthreads) {
     const int64_t m2 = 2 * m, P = T * k;
-    int64_t *start = calloc(E + 1, sizeof(int64_t)), *pairs = malloc(sizeof(int64_t) * P);
-    for (int64_t p = 0; p < P; p++) start[top[p] + 1]++;
-    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    int64_t *start = malloc(sizeof(int64_t) * (E + 1)), *pairs = malloc(sizeof(int64_t) * P);
     int64_t *fill = malloc(sizeof(int64_t) * E);
-    memcpy(fill, start, sizeof(int64_t) * E);
-    for (int64_t p = 0; p < P; p++) pairs[fill[top[p]]++] = p;  /* token-ordered within an expert */
+    group_by_expert(top, P, E, start, pairs, fill);
     int64_t n_used = 0;  /* the selected experts, shared out evenly among the threads */
     for (int64_t e = 0; e < E; e++)
         if (start[e + 1] > start[e]) fill[n_used++] = e;
@@ -309,8 +338,6 @@ void moelab_moe_decode(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, in
         used = omp_get_num_threads();
         float *h = malloc(sizeof(float) * TB * m2), *mag = malloc(sizeof(float) * (m + 8));
         int64_t *rows = malloc(sizeof(int64_t) * m);
-        const float *xs[TB];
-        float *outs[TB];
         #pragma omp for schedule(static) nowait
         for (int64_t u = 0; u < n_used; u++) {
             const int64_t e = fill[u], n = start[e + 1] - start[e];
@@ -318,18 +345,7 @@ void moelab_moe_decode(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, in
             const float *W = wgu + e * d * m2;
             if (u + 1 < n_used)  /* the next block's first lines, while this one is computed */
                 for (int64_t b = 0; b < 64 * 16 && b < d * m2; b += 16) __builtin_prefetch(wgu + fill[u + 1] * d * m2 + b);
-            const float *Wd = wd + e * m * d;
-            for (int64_t q0 = 0; q0 < n;) {
-                const int nq = n - q0 >= TB ? TB : 1;  /* blocks of TB tokens, the rest one by one */
-                for (int q = 0; q < nq; q++) {
-                    xs[q] = x + (own[q0 + q] / k) * d;
-                    outs[q] = acc + (own[q0 + q] / k) * d;
-                }
-                gate_up_block(W, d, m2, xs, nq == 1, h);
-                for (int q = 0; q < nq; q++) kept_products(h + q * m2, mag, m, keep, act, wts ? wts[own[q0 + q]] : 1.0f);
-                down_block(h, m2, m, Wd, d, outs, nq == 1, rows);
-                q0 += nq;
-            }
+            expert_pairs(W, wd + e * m * d, own, n, k, d, m, keep, act, x, wts, acc, h, mag, rows);
         }
         if (mu) {  /* the means of the experts each token skips */
             #pragma omp for schedule(static) nowait
@@ -351,6 +367,7 @@ void moelab_moe_decode(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, in
         for (int64_t i = 0; i < T * d; i++) out[i] += accs[(size_t)th * T * d + i];
     free(accs); free(start); free(pairs); free(fill);
 }
+
 /* what moelab_moe_decode computes, for many tokens: each thread owns a range of tokens (their output rows
    start with the skipped experts' means, then add the experts in expert order, so the bits do not depend on
    the thread count) and walks every expert's pairs within that range, TB tokens at a time */
@@ -358,12 +375,9 @@ void moelab_moe_prefill(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, i
                         const float *x, const int64_t *top, const float *wts, const float *wgu,
                         const float *wd, const float *mu, float *out, int nthreads) {
     const int64_t m2 = 2 * m, P = T * k;
-    int64_t *start = calloc(E + 1, sizeof(int64_t)), *pairs = malloc(sizeof(int64_t) * P);
-    for (int64_t p = 0; p < P; p++) start[top[p] + 1]++;
-    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    int64_t *start = malloc(sizeof(int64_t) * (E + 1)), *pairs = malloc(sizeof(int64_t) * P);
     int64_t *fill = malloc(sizeof(int64_t) * E);
-    memcpy(fill, start, sizeof(int64_t) * E);
-    for (int64_t p = 0; p < P; p++) pairs[fill[top[p]]++] = p;  /* token-ordered within an expert */
+    group_by_expert(top, P, E, start, pairs, fill);
     #pragma omp parallel num_threads(nthreads)
     {
         const int nth = omp_get_num_threads(), th = omp_get_thread_num();
@@ -371,8 +385,6 @@ void moelab_moe_prefill(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, i
         float *h = malloc(sizeof(float) * TB * m2), *mag = malloc(sizeof(float) * (m + 8));
         int64_t *idx = malloc(sizeof(int64_t) * E), *rows = malloc(sizeof(int64_t) * m);
         unsigned char *chosen = malloc(E);
-        const float *xs[TB];
-        float *outs[TB];
         for (int64_t t = t0; t < t1; t++) {
             float *o = out + t * d;
             memset(o, 0, sizeof(float) * d);
@@ -396,19 +408,8 @@ void moelab_moe_prefill(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, i
             lo = a;
             for (b = hi; a < b;) { int64_t c = (a + b) / 2; if (pairs[c] / k < t1) a = c + 1; else b = c; }
             hi = a;
-            const float *W = wgu + e * d * m2, *Wd = wd + e * m * d;
-            for (int64_t q0 = lo; q0 < hi;) {
-                const int nq = hi - q0 >= TB ? TB : 1;  /* blocks of TB tokens, the rest one by one */
-                for (int q = 0; q < nq; q++) {
-                    xs[q] = x + (pairs[q0 + q] / k) * d;
-                    outs[q] = out + (pairs[q0 + q] / k) * d;
-                }
-                gate_up_block(W, d, m2, xs, nq == 1, h);
-                for (int q = 0; q < nq; q++)
-                    kept_products(h + q * m2, mag, m, keep, act, wts ? wts[pairs[q0 + q]] : 1.0f);
-                down_block(h, m2, m, Wd, d, outs, nq == 1, rows);
-                q0 += nq;
-            }
+            expert_pairs(wgu + e * d * m2, wd + e * m * d, pairs + lo, hi - lo, k, d, m, keep, act, x, wts, out, h, mag,
+                         rows);
         }
         free(h); free(mag); free(idx); free(rows); free(chosen);
     }
