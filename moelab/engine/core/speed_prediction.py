@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 TABLE_DIR = "speed-tables"
-TABLE_VERSION = 4  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill
+TABLE_VERSION = 5  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
+# 5: layouts timed as ratios to the dense FFN in the same rounds
 FEATURES = ("fixed", "shared_neurons", "touched_neurons", "computed_rows", "pairs", "router_scores", "dense_rows")
 
 #: ``runtime.moelab_kernels``' CPU choice where the native kernels cannot run, mirrored here without torch
@@ -125,7 +126,7 @@ def predicted_summary(table: Mapping[str, Any] | None, layers: Sequence[Mapping[
     """What the designer and ``moelab convert`` show: each phase's predicted speed over dense and where the kernel
     times come from, or why there is no prediction."""
     if table is None:
-        return {"note": "no kernel timings of this model on this machine yet: they are measured (once, about 20 s) "
+        return {"note": "no kernel timings of this model on this machine yet: they are measured (once, about 30 s) "
                         "by the next profile of it (a table measured before this runtime's kernels changed is not used)"}
     try:
         phases = predict(table, layers)

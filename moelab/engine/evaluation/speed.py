@@ -11,8 +11,11 @@ round r+1), so each ratio compares the same machine state:
 
 A phase's time is the median over ``repeats`` rounds (decode: seconds per step, the mean over its
 ``decode_steps`` steps in that round), after one untimed warm-up round, so neither model pays
-first-call costs (allocator, lazily built kernels) in the numbers. ``speedup[name]`` is the
-reference model's time over ``name``'s. The tokens are real held-out text: routing, and so the
+first-call costs (allocator, lazily built kernels) in the numbers; within a round each phase times
+the models one after the other. ``speedup[name]`` is the median over rounds of the reference
+model's time over ``name``'s in the same round (``rounds`` keeps every round's seconds): a machine
+whose speed drifts over seconds (a shared host) moves both times of a round alike, where a ratio of
+the two medians would mix rounds. The tokens are real held-out text: routing, and so the
 experts a batch touches, depends on the text.
 
 Choice (the issue asks for "decode at batch 1 and 8, prefill of 512"): the prefill is capped at
@@ -143,20 +146,22 @@ def time_phases(models: Mapping[str, nn.Module], tokens: torch.Tensor, *, refere
 
     times: dict[str, dict[str, list[float]]] = {phase: {name: [] for name in models} for phase in PHASES}
     for round_ in range(protocol.repeats + 1):  # round 0 warms up
-        for name, model in models.items():
-            with (setups or {}).get(name, contextlib.nullcontext)():
-                for phase in PHASES:
+        for phase in PHASES:  # the models one after the other within a phase: what is compared is timed close together
+            for name, model in models.items():
+                with (setups or {}).get(name, contextlib.nullcontext)():
                     seconds = once(model, phase)
-                    if round_:
-                        times[phase][name].append(seconds)
+                if round_:
+                    times[phase][name].append(seconds)
     phases: dict[str, Any] = {}
     for phase in PHASES:
         median = {name: statistics.median(ts) for name, ts in times[phase].items()}
         rows = inputs[phase].shape[0] * (1 if phase != "prefill" else inputs[phase].shape[1])
+        ref = times[phase][reference]
         phases[phase] = {
             "seconds": median,
+            "rounds": times[phase],
             "tokens_per_s": {name: rows / s for name, s in median.items()},
-            "speedup": {name: median[reference] / s for name, s in median.items()},
+            "speedup": {name: statistics.median(r / t for r, t in zip(ref, ts)) for name, ts in times[phase].items()},
             "tokens": int(inputs[phase].shape[1]) if phase == "prefill" else None,
             "batch": int(inputs[phase].shape[0]),
         }

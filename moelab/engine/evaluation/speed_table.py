@@ -4,7 +4,8 @@
 random-weight MoE FFN layers of moelab's runtime over a grid of layouts around the model's FFN width (expert sizes
 D/128 … D/8, shared shares 0.1–0.5, active shares 0.25–0.75, whole and half down rows), then fits each phase's
 coefficients. Each layout's weights are cycled through enough copies (≥ ``WORKING_SET_BYTES`` in all) that a call
-reads them from memory as a whole model's layer does, not from a cache the previous call warmed.
+reads them from memory as a whole model's layer does, not from a cache the previous call warmed, and each layout is
+timed in the same rounds as the dense FFN, as a ratio to it (a busy or drifting machine moves both alike).
 """
 
 from __future__ import annotations
@@ -50,34 +51,50 @@ def grid(d_ffn: int) -> list[dict[str, Any]]:
     return out
 
 
-def _layer_seconds(make: Any, d_model: int, tokens: dict[str, int], device: torch.device, dtype: torch.dtype,
-                   repeats: int) -> dict[str, float]:
-    """Median seconds per call of a layer ``make()`` builds, per phase. A decode step reads every weight for a few
-    tokens, so its calls cycle through copies and read them from memory; a prefill computes long enough on each weight
-    that one warm copy times it (and its calls are the costly ones to repeat)."""
-    first = make().to(device=device, dtype=dtype).eval()
-    size = sum(p.numel() * p.element_size() for p in first.parameters())
-    copies = [first] + [copy.deepcopy(first) for _ in range(min(MAX_COPIES, max(1, WORKING_SET_BYTES // max(1, size))) - 1)]
-    out = {}
+def _round_times(makes: list[Any], d_model: int, tokens: dict[str, int], device: torch.device, dtype: torch.dtype,
+                 repeats: int) -> dict[str, list[list[float]]]:
+    """Per phase, per round, the seconds per call of each layer ``makes`` build, timed one after the other within each
+    round, so that a machine's drift (this one's GEMMs swing 11-16 ms within a minute) hits them alike. A decode step
+    reads every weight for a few tokens, so its calls cycle through copies and read them from memory; a prefill
+    computes long enough on each weight that one warm copy times it."""
+    families = []
+    for make in makes:
+        first = make().to(device=device, dtype=dtype).eval()
+        size = sum(p.numel() * p.element_size() for p in first.parameters())
+        n = min(MAX_COPIES, max(1, WORKING_SET_BYTES // max(1, size)))
+        families.append([first] + [copy.deepcopy(first) for _ in range(n - 1)])
+    out: dict[str, list[list[float]]] = {}
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for phase, t in tokens.items():
             x = torch.randn(t, d_model, generator=gen).to(device=device, dtype=dtype)
-            layers = copies if t <= max(PHASE_TOKENS.values()) else copies[:1]
-            for layer in layers:  # warm-up: first calls build kernels and buffers
-                layer(x)
-            times = []
-            for _ in range(repeats if len(layers) > 1 else max(2, repeats // 2)):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
+            cycled = [f if t <= max(PHASE_TOKENS.values()) else f[:1] for f in families]
+            for layers in cycled:  # warm-up: first calls build kernels and buffers
                 for layer in layers:
                     layer(x)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                times.append((time.perf_counter() - t0) / len(layers))
-            out[phase] = statistics.median(times)
+            rounds = []
+            for _ in range(repeats):
+                row = []
+                for layers in cycled:
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    t0 = time.perf_counter()
+                    for layer in layers:
+                        layer(x)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    row.append((time.perf_counter() - t0) / len(layers))
+                rounds.append(row)
+            out[phase] = rounds
     return out
+
+
+def _layer_seconds(make: Any, reference: Any, reference_s: dict[str, float], d_model: int, tokens: dict[str, int],
+                   device: torch.device, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    """Seconds per call of the layer ``make()`` builds, per phase: its median ratio to the ``reference`` layer (the dense
+    FFN) timed in the same rounds, times the reference's own seconds ``reference_s``."""
+    rounds = _round_times([make, reference], d_model, tokens, device, dtype, repeats)
+    return {phase: statistics.median(a / b for a, b in r) * reference_s[phase] for phase, r in rounds.items()}
 
 
 def machine_name(device: torch.device) -> str:
@@ -100,12 +117,14 @@ def measure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], 
     tokens_by_phase = {**PHASE_TOKENS, "prefill": int(whole["phases"]["prefill"]["tokens"])}
     own = decoder_layers(model)[0]
     mlp = own.mlp if hasattr(own, "mlp") else own.feed_forward  # the dense FFN a conversion replaces, as the model runs it
-    dense_ffn = _layer_seconds(lambda: copy.deepcopy(mlp), d_model, tokens_by_phase, device, dtype, repeats)
+    dense = lambda: copy.deepcopy(mlp)  # noqa: E731
+    dense_ffn = {phase: statistics.median(r[0] for r in rounds)
+                 for phase, rounds in _round_times([dense], d_model, tokens_by_phase, device, dtype, repeats).items()}
     rows = []
     for layout in grid(d_ffn):
         spec = {**layout, "d_model": d_model, "router": "centroid", "combine": "sum"}
-        rows.append({"layer": layout, "seconds": _layer_seconds(lambda s=spec: MoeFFN(s), d_model, tokens_by_phase, device,
-                                                                dtype, repeats)})
+        rows.append({"layer": layout, "seconds": _layer_seconds(lambda s=spec: MoeFFN(s), dense, dense_ffn, d_model,
+                                                                tokens_by_phase, device, dtype, repeats)})
     native = device.type == "cpu" and dtype == torch.float32 and moelab_native.library() is not None
     phases = {}
     for phase, t in tokens_by_phase.items():
