@@ -29,9 +29,9 @@ moelab's own). Optional ``down_keep`` (a fraction in (0, 1], default 1): activat
 the active experts, as TEAL thresholds the down projection's input: per token, only the
 ``kept(m, down_keep)`` neurons of largest ``|act(gate) * up|`` of each selected routed expert, and
 the ``kept(d_shared, down_keep)`` of the shared expert, run their down projection (a count, not a
-threshold, so the cost does not depend on the text; moelab's). The CPU decode kernel reads only
-the kept rows; the other kernels zero the rest, so the saving needs such a kernel at every batch
-size, as TEAL's does. Any other keys are kept and written back by ``MoeFFN.spec``.
+threshold, so the cost does not depend on the text; moelab's). The native CPU kernels read only
+the kept rows at a decode step (at prefill, the rows some token of a block of four kept); the other
+kernels zero the rest, so the saving needs such a kernel at every batch size, as TEAL's does. Any other keys are kept and written back by ``MoeFFN.spec``.
 
 Neuron order inside an expert is irrelevant to the result; with ``top_k == n_routed`` and
 ``combine == "sum"`` a MoeFFN computes exactly the dense GLU it was sliced from (up to float
