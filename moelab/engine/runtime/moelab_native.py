@@ -314,6 +314,24 @@ static void expert_pairs(const float *W, const float *Wd, const int64_t *own, in
     }
 }
 
+/* o [d] += Σ of mu [E, d]'s rows over the experts a token skips (tk: its k selected ones), 8 outputs at a time
+   over every skipped row; chosen, idx: scratch of E entries */
+static void add_skipped_means(float *o, const int64_t *tk, int64_t k, int64_t E, const float *mu, int64_t d,
+                              unsigned char *chosen, int64_t *idx) {
+    memset(chosen, 0, E);
+    for (int64_t j = 0; j < k; j++) chosen[tk[j]] = 1;
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; e++) if (!chosen[e]) idx[n++] = e;
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) {
+        v8 s = *(v8 *)(o + i);
+        for (int64_t j = 0; j < n; j++) s += *(const v8 *)(mu + idx[j] * d + i);
+        *(v8 *)(o + i) = s;
+    }
+    for (; i < d; i++)
+        for (int64_t j = 0; j < n; j++) o[i] += mu[idx[j] * d + i];
+}
+
 /* x [T,d]; top [T,k]; wts [T,k] or NULL; wgu [E,d,2m]; wd [E,m,d]; mu [E,d] or NULL; out [T,d].
    Expert-major: the pairs are grouped by expert, so a block that several tokens selected is read from
    memory once (a batch of 8 tokens selects most experts of a layer) and re-read from cache. */
@@ -348,17 +366,11 @@ void moelab_moe_decode(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, in
             expert_pairs(W, wd + e * m * d, own, n, k, d, m, keep, act, x, wts, acc, h, mag, rows);
         }
         if (mu) {  /* the means of the experts each token skips */
+            int64_t *idx = malloc(sizeof(int64_t) * E);
+            unsigned char *chosen = malloc(E);
             #pragma omp for schedule(static) nowait
-            for (int64_t e = 0; e < E; e++) {
-                const float *row = mu + e * d;
-                for (int64_t t = 0; t < T; t++) {
-                    int chosen = 0;
-                    for (int64_t j = 0; j < k; j++) chosen |= top[t * k + j] == e;
-                    if (chosen) continue;
-                    float *acct = acc + t * d;
-                    for (int64_t i = 0; i < d; i++) acct[i] += row[i];
-                }
-            }
+            for (int64_t t = 0; t < T; t++) add_skipped_means(acc + t * d, top + t * k, k, E, mu, d, chosen, idx);
+            free(idx); free(chosen);
         }
         free(h); free(mag); free(rows);
     }
@@ -386,21 +398,8 @@ void moelab_moe_prefill(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, i
         int64_t *idx = malloc(sizeof(int64_t) * E), *rows = malloc(sizeof(int64_t) * m);
         unsigned char *chosen = malloc(E);
         for (int64_t t = t0; t < t1; t++) {
-            float *o = out + t * d;
-            memset(o, 0, sizeof(float) * d);
-            if (!mu) continue;
-            memset(chosen, 0, E);
-            for (int64_t j = 0; j < k; j++) chosen[top[t * k + j]] = 1;
-            int64_t n = 0;
-            for (int64_t e = 0; e < E; e++) if (!chosen[e]) idx[n++] = e;
-            int64_t i = 0;
-            for (; i + 8 <= d; i += 8) {
-                v8 s = *(v8 *)(o + i);
-                for (int64_t j = 0; j < n; j++) s += *(const v8 *)(mu + idx[j] * d + i);
-                *(v8 *)(o + i) = s;
-            }
-            for (; i < d; i++)
-                for (int64_t j = 0; j < n; j++) o[i] += mu[idx[j] * d + i];
+            memset(out + t * d, 0, sizeof(float) * d);
+            if (mu) add_skipped_means(out + t * d, top + t * k, k, E, mu, d, chosen, idx);
         }
         for (int64_t e = 0; e < E; e++) {
             int64_t lo = start[e], hi = start[e + 1], a, b;
