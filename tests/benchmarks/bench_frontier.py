@@ -113,7 +113,9 @@ def configurations(level: float, d_model: int, profile: Any, candidates: bool = 
                 # wider experts run sparse at prefill and batch-8 decode where 12-neuron ones cannot (issue 38)
                 **{f"best-e{e}-keep{round(q * 100)}": replace(best, n_experts=e, down_keep=q) for e in (32, 16) for q in (0.5, 1.0)},
                 # TEAL inside the experts (the recipe keeps 0.5 of each active expert's down inputs); 1: the recipe before
-                **{f"best-keep{round(q * 100)}": replace(best, down_keep=q) for q in (0.3, 0.5, 0.7, 1.0)}}
+                **{f"best-keep{round(q * 100)}": replace(best, down_keep=q) for q in (0.3, 0.5, 0.7, 1.0)},
+                # a layer worth more than this share of its experts written whole (issue 38: prefill in seconds)
+                **{f"best-share{round(q * 100)}": replace(best, max_routed_share=q) for q in (0.5, 0.65, 0.8)}}
         # portable's router, α basis and shared share (the leading plan uses the layers' mean α)
         out |= {"portable-centroid": replace(portable, router="centroid"),
                 "portable-total": replace(portable, alpha_basis="total"),

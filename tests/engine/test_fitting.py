@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from moelab.cli import main
 from moelab.engine.core.allocation import plan_flops_fraction
-from moelab.engine.core.fitting import (_curve_weights, collect_inputs, error_curve, fit_router, greedy_budget, output_fisher,
+from moelab.engine.core.fitting import (_curve_weights, budget_costs, collect_inputs, error_curve, fit_router, greedy_budget, output_fisher,
                                          rank_sums, routed_hidden, skipped_means, skipped_means_at)
 from moelab.engine.runtime.moelab_routers import ROUTERS
 from moelab.engine.core.params import ConversionError
@@ -44,14 +44,33 @@ def fitted(tiny_model, data_dir, tmp_path_factory):
 
 def test_greedy_budget_buys_the_steepest_error_decrease_per_multiply_add():
     errors = [np.array([10.0, 4.0, 3.0, 2.5]), np.array([6.0, 5.0, 1.0, 0.0])]
+    costs = [budget_costs(3, 1, None), budget_costs(3, 2, None)]
     # layer 0: gains 6, 1, 0.5 per expert of cost 1; layer 1: gains 0.5, 2, 0.5 per expert of cost 2:
     # layer 1's first expert alone is a poor buy, its first two together (1.25 per cost) a good one
-    assert greedy_budget(errors, [1, 2], budget=1) == [1, 0]
-    assert greedy_budget(errors, [1, 2], budget=3) == [3, 0]
-    assert greedy_budget(errors, [1, 2], budget=5) == [1, 2]
-    assert greedy_budget(errors, [1, 2], budget=100) == [3, 3]
+    assert greedy_budget(errors, costs, budget=1) == [1, 0]
+    assert greedy_budget(errors, costs, budget=3) == [3, 0]
+    assert greedy_budget(errors, costs, budget=5) == [1, 2]
+    assert greedy_budget(errors, costs, budget=100) == [3, 3]
     with pytest.raises(ConversionError):
-        greedy_budget(errors, [1, 2], budget=1, k_min=[1, 1])
+        greedy_budget(errors, costs, budget=1, k_min=[1, 1])
+
+
+def test_a_layer_at_every_expert_costs_the_whole_layer_and_a_cheaper_whole_layer_is_bought_first():
+    """``budget_costs``: every expert selected is the layer written whole, at its own cost. A whole layer
+    dearer than its experts (half the down rows saved) is bought only where its error pays for it; one
+    no dearer than the step before it (it drops the router) is taken before any other expert."""
+    errors = [np.array([10.0, 4.0, 3.0, 2.5]), np.array([6.0, 5.0, 1.0, 0.0])]
+    dear = [budget_costs(3, 1, None), budget_costs(3, 2, 9)]
+    assert dear[1].tolist() == [0, 2, 4, 9]
+    assert greedy_budget(errors, dear, budget=7) == [3, 2]  # the whole layer (5 more for 1.0) does not pay
+    assert greedy_budget(errors, dear, budget=12) == [3, 3]
+    capped = budget_costs(4, 2, 9, max_share=0.5)  # past two of four experts only the whole layer is offered
+    assert capped.tolist() == [0, 2, 4, np.inf, 9]
+    assert greedy_budget([np.array([8.0, 4.0, 2.0, 1.0, 0.0])], [capped], budget=8) == [2]
+    assert greedy_budget([np.array([8.0, 4.0, 2.0, 1.0, 0.0])], [capped], budget=9) == [4]
+    cheap = [budget_costs(3, 1, None), budget_costs(3, 2, 3)]  # the whole layer costs less than two experts
+    # at two experts the budget is spent; the whole layer frees some of it, which buys layer 0's first expert
+    assert greedy_budget(errors, cheap, budget=4, k_min=[0, 2]) == [1, 3]
 
 
 def test_error_curve_is_the_brute_force_error_of_the_top_k_experts():
@@ -203,7 +222,8 @@ def test_the_planned_cost_is_what_the_built_modules_spend(fitted, params):
     method = expertweaver if params.method == "expertweaver" else cmoe
     rows = method.plan_for(prof, params)
     rows, _, modules, _ = partition_modules(adapter, prof, params, rows, method.layer_builder(prof, params), calib=calib)
-    built = sum(m.active_param_count() for m in modules.values()) / sum(3 * adapter.d_model * r.d_ffn for r in rows)
+    whole = sum(3 * adapter.d_model * r.d_ffn for r in rows if r.layer not in modules)  # layers left dense
+    built = (sum(m.active_param_count() for m in modules.values()) + whole) / sum(3 * adapter.d_model * r.d_ffn for r in rows)
     keep = getattr(params, "down_keep", 1.0)
     assert plan_flops_fraction(rows, params.router, adapter.d_model, down_keep=keep) == pytest.approx(built, rel=1e-12)
     assert all(getattr(m, "down_keep", 1.0) == keep for m in modules.values())
@@ -225,6 +245,37 @@ def test_down_keep_buys_more_experts_within_the_same_budget(fitted):
     assert out[0.5] > out[1.0]
     with pytest.raises(ConversionError, match="leading plan"):
         ExpertWeaverParams(sparsity=0.5, plan="leading", down_keep=0.5).check()
+
+
+def test_the_budget_plan_writes_a_layer_whole_where_it_would_run_every_expert(fitted):
+    """At a generous budget under ``down_keep`` some layers are worth every expert: those keep their dense
+    MLP (exact, the dense GEMMs), are paid for in full, and every other layer leaves some expert out."""
+    _, adapter, prof, calib = fitted
+    p = ExpertWeaverParams(n_experts=8, sparsity=0.1, router="ridge", alpha_basis="active", plan="budget",
+                           down_keep=0.5, compensation="skipped_mean")
+    rows, experts, modules, fit = partition_modules(adapter, prof, p, expertweaver.plan_for(prof, p),
+                                                     expertweaver.layer_builder(prof, p), calib=calib)
+    whole = fit["budget"]["dense_layers"]
+    assert whole and whole == [r.layer for r in rows if r.n_routed == 0 and r.d_shared == r.d_ffn]
+    assert not set(whole) & set(modules)  # the dense MLP stays
+    assert all(r.top_k < r.n_routed for r in rows if r.layer not in whole)
+    dense = sum(3 * adapter.d_model * r.d_ffn for r in rows)
+    built = sum(m.active_param_count() for m in modules.values()) + sum(3 * adapter.d_model * rows[i].d_ffn for i in whole)
+    assert plan_flops_fraction(rows, "ridge", adapter.d_model, down_keep=0.5) == pytest.approx(built / dense, rel=1e-12)
+    assert built / dense <= 0.9 + 1e-9
+    assert fit["budget"]["top_k"] == [r.top_k for r in rows]
+
+
+def test_a_routed_share_cap_writes_the_layers_worth_more_whole(fitted):
+    _, adapter, prof, calib = fitted
+    p = ExpertWeaverParams(n_experts=8, sparsity=0.25, router="ridge", alpha_basis="active", plan="budget",
+                           down_keep=0.5, max_routed_share=0.5)
+    rows, _, modules, fit = partition_modules(adapter, prof, p, expertweaver.plan_for(prof, p),
+                                              expertweaver.layer_builder(prof, p), calib=calib)
+    assert all(r.top_k <= r.n_routed // 2 for r in rows if r.layer in modules)
+    assert plan_flops_fraction(rows, "ridge", adapter.d_model, down_keep=0.5) <= 0.75 + 1e-9
+    with pytest.raises(ConversionError, match="max_routed_share 0.5 caps the budget plan"):
+        ExpertWeaverParams(sparsity=0.5, max_routed_share=0.5).check()
 
 
 def test_the_budget_plan_at_the_paper_plans_cost_has_no_more_calibration_error(fitted):

@@ -103,7 +103,10 @@ def layer_cost(row: LayerPlan, router: str, d_model: int, down_keep: float = 1.0
 
 def plan_macs(row: LayerPlan, router: str, d_model: int, combine: str = "sum", down_keep: float = 1.0) -> int:
     """Multiply-adds per token of a planned layer: ``moelab_routers.ffn_macs``, the function the
-    converted layer counts its own cost with (``MoeFFN.active_param_count``)."""
+    converted layer counts its own cost with (``MoeFFN.active_param_count``); a layer left dense keeps
+    its dense MLP, so it costs ``3·d·d_ffn`` whatever ``down_keep``."""
+    if is_dense(row):
+        return 3 * d_model * row.d_ffn
     return ffn_macs(d_model, row.d_shared, row.n_routed, row.d_expert, row.top_k, router, combine, down_keep)
 
 
@@ -144,7 +147,8 @@ def plan_record(rows: list[LayerPlan], params: MethodParams, d_model: int | None
         plan = getattr(params, "plan", "paper")
         if plan == "budget":
             summary["plan_note"] = ("budget plan: this is the paper plan; the conversion redistributes top-k across "
-                                    "layers by calibration error at the same or a lower cost")
+                                    "layers by calibration error at the same or a lower cost, and leaves dense a "
+                                    "layer that would run every expert")
         elif plan == "leading":
             summary["plan_note"] = ("leading plan: this is the uniform starting plan; the conversion chooses how many "
                                     "leading layers stay dense and one top-k for the rest by calibration error, at "

@@ -29,7 +29,9 @@ the FFN) prediction of every neuron's gate and up was worse than ridge; the orac
   (``GLULayer.output_gain``): weighed as if ``y`` joined the stream unscaled, the plan starved the layers
   whose outputs were small (Gemma 3 270M, ``--recipe best`` at 0.5: 3.42× dense against 1.86×). Starting
   from ``k = 0`` everywhere, one expert at a time goes to the layer with the largest error
-  decrease per multiply-add until the budget is spent.
+  decrease per multiply-add until the budget is spent. A layer that would run every routed expert
+  is written whole instead, at the dense layer's cost (``budget_costs``: the dense GEMMs are faster
+  than every expert, and under ``down_keep`` exact where every expert is not).
   ``plan_error="fisher"`` weighs the error by its effect on the calibration loss instead:
   ``err_ℓ(k) = mean_t Σ_i F_ℓti (y_ti − ŷ_ti(k))²`` with ``F`` the squared gradient of the
   next-token loss w.r.t. the MLP output (``output_fisher``), the loss increase to second order
@@ -285,28 +287,35 @@ def error_curve(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_
     return err.numpy()
 
 
-def greedy_budget(errors: Sequence[np.ndarray], expert_cost: Sequence[int], budget: int,
+def greedy_budget(errors: Sequence[np.ndarray], costs: Sequence[np.ndarray], budget: int,
                   k_min: Sequence[int] | None = None) -> list[int]:
-    """Routed experts per token per layer, ``k_ℓ``, spending at most ``budget`` multiply-adds
-    (``expert_cost[ℓ]`` per expert) greedily by error decrease per multiply-add (module docstring).
+    """Routed experts per token per layer, ``k_ℓ``, spending at most ``budget`` multiply-adds greedily
+    by error decrease per multiply-add (module docstring); ``costs[ℓ][k]``: what ``k`` routed experts
+    of layer ℓ cost beyond its always-run part (``budget_costs``).
 
     Error curves need not be convex (a layer's second expert may help more than its first): each
     step looks ahead along every layer's curve and buys the run of ``j`` experts with the best
-    average decrease per multiply-add that still fits the budget.
+    average decrease per multiply-add that still fits the budget. Costs need not rise with ``k``
+    either (a layer written whole drops its router): a run that lowers the error for no more
+    multiply-adds is taken first.
     """
     L = len(errors)
     k = list(k_min) if k_min is not None else [0] * L
-    spent = sum(k[i] * expert_cost[i] for i in range(L))
+    spent = sum(int(costs[i][k[i]]) for i in range(L))
     if spent > budget:
         raise ConversionError("the budget does not cover the minimum number of experts per layer")
 
     def best_run(i: int) -> tuple[float, int]:
-        e, c = errors[i], expert_cost[i]
+        e, c = errors[i], np.asarray(costs[i], dtype=np.float64)
         j = np.arange(1, len(e) - k[i])
-        j = j[spent + j * c <= budget]
+        extra = c[k[i] + j] - c[k[i]]
+        fits = spent + extra <= budget  # an infinite cost never fits: not offered
+        j, extra = j[fits], extra[fits]
         if not j.size:
             return -np.inf, 0
-        rate = (e[k[i]] - e[k[i] + j]) / (j * c)
+        gain = e[k[i]] - e[k[i] + j]
+        free = np.where(gain > 0, np.inf, -np.inf)
+        rate = np.where(extra > 0, gain / np.where(extra > 0, extra, 1), free)
         b = int(np.argmax(rate))
         return float(rate[b]), int(j[b])
 
@@ -315,8 +324,28 @@ def greedy_budget(errors: Sequence[np.ndarray], expert_cost: Sequence[int], budg
         pick = max(range(L), key=lambda i: (runs[i][0], -i))
         if runs[pick][1] == 0 or not runs[pick][0] > 0:
             return k
+        spent += int(costs[pick][k[pick] + runs[pick][1]] - costs[pick][k[pick]])
         k[pick] += runs[pick][1]
-        spent += runs[pick][1] * expert_cost[pick]
+
+
+def budget_costs(n_routed: int, expert_cost: int, whole_cost: int | None, max_share: float = 1.0) -> np.ndarray:
+    """``costs[k]`` of ``greedy_budget`` for a layer of ``n_routed`` experts of ``expert_cost`` each:
+    ``k · expert_cost``, except that with ``whole_cost`` (the dense layer's multiply-adds less the
+    always-run part) every expert selected is the layer written whole (``allocation.dense_plan``),
+    and more than ``max_share`` of the experts is not offered (infinite cost): past it the plan
+    chooses between that share and the whole layer.
+
+    Why whole: a summed MoE layer running every expert computes the dense FFN, and does it slower than
+    the dense GEMMs; under ``down_keep`` it also drops down rows the dense layer keeps, for a sixth
+    less multiply-adds at half-down yet more seconds (the native prefill kernel on the default model:
+    20–21 ms against 15.5 ms dense at 512 tokens). So the plan pays the whole layer's cost to run all
+    of it, and gets it exact. Why a share: a layer selecting nearly every expert is slower than dense
+    too, and by more the larger the share (EW's ``max_routed_share``)."""
+    costs = np.arange(n_routed + 1, dtype=np.float64) * expert_cost
+    if whole_cost is not None and n_routed:
+        costs[int(np.floor(max_share * n_routed + 1e-9)) + 1 : n_routed] = np.inf
+        costs[n_routed] = whole_cost
+    return costs
 
 
 def leading_choice(errors: np.ndarray, moe_macs: np.ndarray, dense_macs: np.ndarray, budget: float) -> tuple[int, int]:
@@ -510,7 +539,7 @@ def refit_on_converted(adapter: ModelAdapter, params: Any, experts: list[Any], m
 def _budget_rows(params: Any, rows: list[Any], experts: list[Any], curves: list[np.ndarray], fixed: list[int],
                  unit: list[int], d: int, record: dict[str, Any]) -> list[Any]:
     """The budget plan's rows (and each layer's ``top_k`` set on its experts); fills ``record["budget"]``."""
-    from ..core.allocation import layer_plan
+    from ..core.allocation import is_dense, layer_plan
 
     dense = sum(3 * d * row.d_ffn for row in rows)
     paper_cost = sum(f + row.top_k * c for f, c, row in zip(fixed, unit, rows)) / dense
@@ -520,9 +549,16 @@ def _budget_rows(params: Any, rows: list[Any], experts: list[Any], curves: list[
         raise ConversionError(
             f"the shared experts and routers alone cost {sum(fixed) / dense:.1%} of the dense FFN, more than the "
             f"budget {cap:.1%}: lower the shared share (alpha_min/alpha_max, shared) or the sparsity")
-    ks = greedy_budget(curves, unit, budget)
+    summed = getattr(params, "combine", "sum") == "sum"  # a weighted layer at every expert is no dense one
+    share = getattr(params, "max_routed_share", 1.0)
+    costs = [budget_costs(row.n_routed, c, 3 * d * row.d_ffn - f if summed else None, share)
+             for row, f, c in zip(rows, fixed, unit)]
+    ks = greedy_budget(curves, costs, budget)
     new_rows = []
     for row, ex, k in zip(rows, experts, ks):
+        if summed and row.n_routed and k == row.n_routed:
+            new_rows.append(_written_whole(row, ex))
+            continue
         leftover = row.d_shared - row.n_shared * row.d_expert
         note = "budget plan: top-k chosen by calibration error"
         new_rows.append(layer_plan(row.layer, row.d_ffn, row.r, row.d_expert, row.n_shared, leftover, row.n_routed, k,
@@ -530,8 +566,18 @@ def _budget_rows(params: Any, rows: list[Any], experts: list[Any], curves: list[
         ex.top_k = k if len(ex.routed) else 0
     record["budget"] = {"ffn_flops_fraction": cap, "paper_plan_ffn_flops_fraction": paper_cost,
                         "plan_error": getattr(params, "plan_error", "residual"),
-                        "error_at_k": [float(c[k]) for c, k in zip(curves, ks)], "top_k": ks}
+                        "error_at_k": [float(c[k]) for c, k in zip(curves, ks)], "top_k": [r.top_k for r in new_rows],
+                        "dense_layers": [r.layer for r in new_rows if is_dense(r)]}
     return new_rows
+
+
+def _written_whole(row: Any, ex: Any) -> Any:
+    """``row`` left dense (``allocation.dense_plan``): its experts hold every neuron as shared and none
+    routed, so the conversion keeps the layer's dense MLP (``slicing.build_modules``)."""
+    from ..core.allocation import dense_plan
+
+    ex.shared, ex.routed, ex.top_k, ex.router_weights = (np.arange(row.d_ffn), ex.routed[:0], 0, {})
+    return dense_plan(row.layer, row.d_ffn, row.r, row.d_expert)
 
 
 def _leading_rows(params: Any, rows: list[Any], experts: list[Any], curves: list[np.ndarray], d: int,
@@ -540,7 +586,7 @@ def _leading_rows(params: Any, rows: list[Any], experts: list[Any], curves: list
     their experts hold every neuron as shared, no routed one), the rest at one ``top_k``; costs are the
     runtime's own (``moelab_routers.ffn_macs``), so ``plan_flops_fraction ≤ params.flops_budget()``.
     Fills ``record["leading"]``."""
-    from ..core.allocation import dense_plan, layer_plan
+    from ..core.allocation import layer_plan
     from ..runtime.moelab_routers import ffn_macs
 
     combine = getattr(params, "combine", "sum")
@@ -557,8 +603,7 @@ def _leading_rows(params: Any, rows: list[Any], experts: list[Any], curves: list
     new_rows = []
     for n, (row, ex) in enumerate(zip(rows, experts)):
         if n < L:
-            new_rows.append(dense_plan(row.layer, row.d_ffn, row.r, row.d_expert))
-            ex.shared, ex.routed, ex.top_k, ex.router_weights = (np.arange(row.d_ffn), ex.routed[:0], 0, {})
+            new_rows.append(_written_whole(row, ex))
             continue
         leftover = row.d_shared - row.n_shared * row.d_expert
         new_rows.append(layer_plan(row.layer, row.d_ffn, row.r, row.d_expert, row.n_shared, leftover, row.n_routed, k,

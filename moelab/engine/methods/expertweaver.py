@@ -90,6 +90,11 @@ class ExpertWeaverParams(MethodParams):
         "those of largest |act(gate)·up|, as TEAL sparsifies the down projection's input (1: all, EW Eq. 10; "
         "moelab's). The budget plan spends what it saves on more experts. Its saving needs a kernel that skips the "
         "other rows (moelab's CPU decode kernel does); GGUF and native exports refuse it", gt=0, le=1, advanced=True)
+    max_routed_share: float = param(
+        1.0, "budget plan: the largest share of a layer's routed experts a token may run; a layer worth more is written "
+        "whole (its dense MLP, at the dense multiply-adds), as is one that would run them all. The native kernels beat "
+        "the dense GEMMs at prefill only while a layer runs about half its experts or fewer (moelab's)",
+        gt=0, le=1, advanced=True)
     refit: Literal["none", "converted_inputs"] = param(
         "none", "none: the ridge router and skipped-expert means are fitted on the dense model's MLP inputs; "
         "converted_inputs: fitted again on the inputs the converted model produces (one more calibration forward; moelab's)",
@@ -111,6 +116,9 @@ class ExpertWeaverParams(MethodParams):
         if self.down_keep < 1 and self.plan == "leading":
             raise ConversionError(f"down_keep {self.down_keep} runs part of each expert, which no export layout holds, and "
                                   "the leading plan exists for those layouts: use plan 'budget' (--recipe best) or down_keep 1")
+        if self.max_routed_share < 1 and self.plan != "budget":
+            raise ConversionError(f"max_routed_share {self.max_routed_share} caps the budget plan's top-k per layer: use "
+                                  "plan 'budget' (--recipe best) or max_routed_share 1")
         if self.alpha_min > self.alpha_max:
             raise ConversionError(f"alpha_min ({self.alpha_min}) must not exceed alpha_max ({self.alpha_max}): swap or lower alpha_min")
         if round((1 - self.sparsity) * self.n_experts) < 1:
@@ -312,8 +320,11 @@ METHOD = Method(
     # 1.50x / 2.77x dense at 0.75 / 0.5 against 64 experts' 1.57x / 2.96x, in domain better too (docs/quality.md);
     # down_keep 0.5 (TEAL inside the experts: the budget plan spends the halved down projections on more experts):
     # out of domain at 0.75 code 1.38x -> 1.20x, prose 1.39x -> 1.18x; 0.3 and 0.7 were worse (bench_frontier)
+    # max_routed_share 0.65 (a layer worth more of its experts is written whole; issue 38): code left out, on code
+    # 1.21x -> 1.20x at 0.75 and 2.35x -> 2.24x at 0.5 (0.5: 1.30x / 2.26x; 1.0: 1.22x / 2.26x), and at 0.75 the
+    # converted model no longer slower than dense in every phase (bench_recipe_speed)
     recipes={"best": {"router": "ridge", "alpha_basis": "active", "plan": "budget", "compensation": "skipped_mean",
-                      "fit_tokens": 16384, "n_experts": 128, "down_keep": 0.5},
+                      "fit_tokens": 16384, "n_experts": 128, "down_keep": 0.5, "max_routed_share": 0.65},
              "portable": {"router": "ridge", "alpha_basis": "active", "plan": "leading", "compensation": "none",
                           "n_experts": 16}},
 )
