@@ -121,7 +121,7 @@ def configurations(level: float, d_model: int, profile: Any, candidates: bool = 
                 "portable-total": replace(portable, alpha_basis="total"),
                 **{f"portable-a{a:g}": replace(portable, alpha_min=a, alpha_max=a) for a in (0.0, 0.25, 0.5, 0.75)},
                 # coarser experts: fewer, larger matmuls and fewer top-k sums in llama.cpp (bench_llamacpp --experts)
-                **{f"portable-e{e}": replace(portable, n_experts=e) for e in (32, 16, 8)}}
+                **{f"portable-e{e}": replace(portable, n_experts=e) for e in (32, 16, 12, 8)}}
     return {k: v for k, v in out.items() if v is not None}
 
 

@@ -142,7 +142,8 @@ def test_a_budget_plan_preview_says_it_is_the_starting_plan_and_the_cap():
 
 NAMES = Names.from_lists([{"id": "m", "name": "llama"}], [{"id": "s1", "name": "code"}, {"id": "s2", "name": "literature"}],
                          [{"id": "p1", "model_id": "m", "calibration_set_id": "s1"}, {"id": "p2", "model_id": "m", "calibration_set_id": "s2"}])
-BEST = {"router": "ridge", "alpha_basis": "active", "plan": "budget", "compensation": "skipped_mean", "down_keep": 0.5}
+BEST = {"router": "ridge", "alpha_basis": "active", "plan": "budget", "compensation": "skipped_mean", "down_keep": 0.5,
+        "max_routed_share": 0.65}
 
 
 def test_chart_labels_name_the_calibration_set_method_and_recipe():
@@ -155,6 +156,8 @@ def test_chart_labels_name_the_calibration_set_method_and_recipe():
     assert chart_label(a, NAMES, methods) == ("code · expertweaver paper", "paper")
     assert chart_label(b, NAMES, methods) == ("literature · expertweaver best", "best")
     assert chart_label(c, NAMES, methods) == ("literature · expertweaver own recipe", None)
+    before_cap = {**b, "params": {**b["params"], "max_routed_share": 1.0}}  # the recipe before its routed-share cap
+    assert chart_label(before_cap, NAMES, methods) == ("literature · expertweaver own recipe", None)
     assert chart_label(d, NAMES, methods) == ("code · cmoe S1·A2·E8", None)
     assert calibration_of({"params": {"calibration": "builtin:mixed"}}, NAMES) == "builtin:mixed"
     assert recipe_of(methods["expertweaver"], {"router": "centroid"}) == "paper"
