@@ -66,6 +66,7 @@ def test_a_layer_at_every_expert_costs_the_whole_layer_and_a_cheaper_whole_layer
     assert greedy_budget(errors, dear, budget=12) == [3, 3]
     capped = budget_costs(4, 2, 9, max_share=0.5)  # past two of four experts only the whole layer is offered
     assert capped.tolist() == [0, 2, 4, np.inf, 9]
+    assert budget_costs(4, 2, None, max_share=0.5).tolist() == [0, 2, 4, np.inf, np.inf]  # no whole layer: two at most
     assert greedy_budget([np.array([8.0, 4.0, 2.0, 1.0, 0.0])], [capped], budget=8) == [2]
     assert greedy_budget([np.array([8.0, 4.0, 2.0, 1.0, 0.0])], [capped], budget=9) == [4]
     cheap = [budget_costs(3, 1, None), budget_costs(3, 2, 3)]  # the whole layer costs less than two experts

@@ -333,7 +333,7 @@ def budget_costs(n_routed: int, expert_cost: int, whole_cost: int | None, max_sh
     ``k · expert_cost``, except that with ``whole_cost`` (the dense layer's multiply-adds less the
     always-run part) every expert selected is the layer written whole (``allocation.dense_plan``),
     and more than ``max_share`` of the experts is not offered (infinite cost): past it the plan
-    chooses between that share and the whole layer.
+    chooses between that share and the whole layer (without ``whole_cost``, that share is the most).
 
     Why whole: a summed MoE layer running every expert computes the dense FFN, and does it slower than
     the dense GEMMs; under ``down_keep`` it also drops down rows the dense layer keeps, for a sixth
@@ -342,9 +342,10 @@ def budget_costs(n_routed: int, expert_cost: int, whole_cost: int | None, max_sh
     of it, and gets it exact. Why a share: a layer selecting nearly every expert is slower than dense
     too, and by more the larger the share (EW's ``max_routed_share``)."""
     costs = np.arange(n_routed + 1, dtype=np.float64) * expert_cost
-    if whole_cost is not None and n_routed:
-        costs[int(np.floor(max_share * n_routed + 1e-9)) + 1 : n_routed] = np.inf
-        costs[n_routed] = whole_cost
+    if n_routed:
+        costs[int(np.floor(max_share * n_routed + 1e-9)) + 1 :] = np.inf
+        if whole_cost is not None:
+            costs[n_routed] = whole_cost
     return costs
 
 

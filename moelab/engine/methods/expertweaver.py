@@ -321,8 +321,8 @@ METHOD = Method(
     # down_keep 0.5 (TEAL inside the experts: the budget plan spends the halved down projections on more experts):
     # out of domain at 0.75 code 1.38x -> 1.20x, prose 1.39x -> 1.18x; 0.3 and 0.7 were worse (bench_frontier)
     # max_routed_share 0.65 (a layer worth more of its experts is written whole; issue 38): code left out, on code
-    # 1.21x -> 1.20x at 0.75 and 2.35x -> 2.24x at 0.5 (0.5: 1.30x / 2.26x; 1.0: 1.22x / 2.26x), and at 0.75 the
-    # converted model no longer slower than dense in every phase (bench_recipe_speed)
+    # 1.21x -> 1.20x at 0.75 and 2.35x -> 2.24x at 0.5 (0.5: 1.30x / 2.26x; 1.0: 1.22x / 2.26x); at 0.75 faster than
+    # the uncapped plan at decode b1 and prefill in three runs out of three, at decode b8 in two (bench_recipe_speed)
     recipes={"best": {"router": "ridge", "alpha_basis": "active", "plan": "budget", "compensation": "skipped_mean",
                       "fit_tokens": 16384, "n_experts": 128, "down_keep": 0.5, "max_routed_share": 0.65},
              "portable": {"router": "ridge", "alpha_basis": "active", "plan": "leading", "compensation": "none",
