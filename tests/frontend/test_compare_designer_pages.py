@@ -409,8 +409,12 @@ def test_designer_recipe_budget_preview_result_card_and_failed_evaluation(page, 
     timings = api.get(f"/conversions/{conversion}").json()["job"]["timings"]
     assert re.search(r"peak rss [\d,]+\.\d MiB", card) and f"{timings['peak_rss_mib']:,.1f} MiB" in card
     assert not re.search(r"MiB s\b", card) and f"total {timings['total_s']:.2f} s" in card
-    assert card.count("budget plan: top-k chosen by calibration error") == 1
-    assert "layers 0–2 (3 layers): budget plan: top-k chosen by calibration error" in card
+    # every layer's note once, grouped: the budget plan's top-k, or (the recipe's routed-share cap) left dense
+    notes = api.get(f"/conversions/{conversion}").json()["summary"]["notes"]
+    assert sorted(n["layer"] for n in notes) == [0, 1, 2]
+    assert {n["note"] for n in notes} <= {"budget plan: top-k chosen by calibration error", "left dense (all neurons kept)"}
+    for line in collapse_notes(notes):
+        assert card.count(line) == 1, line
     assert not page.is_disabled("#cd-evaluate")
 
     page.click("#cd-eval-source")
