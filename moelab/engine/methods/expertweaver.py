@@ -92,8 +92,8 @@ class ExpertWeaverParams(MethodParams):
         "other rows (moelab's CPU decode kernel does); GGUF and native exports refuse it", gt=0, le=1, advanced=True)
     max_routed_share: float = param(
         1.0, "budget plan: the largest share of a layer's routed experts a token may run; a layer worth more is written "
-        "whole (its dense MLP, at the dense multiply-adds), as is one that would run them all. The native kernels beat "
-        "the dense GEMMs at prefill only while a layer runs about half its experts or fewer (moelab's)",
+        "whole (its dense MLP, at the dense multiply-adds), as is one that would run them all. On an AVX-512 CPU the native "
+        "kernels beat the dense GEMMs at prefill only while a layer runs about half its experts or fewer (moelab's)",
         gt=0, le=1, advanced=True)
     refit: Literal["none", "converted_inputs"] = param(
         "none", "none: the ridge router and skipped-expert means are fitted on the dense model's MLP inputs; "
