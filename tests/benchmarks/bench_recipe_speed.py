@@ -3,7 +3,7 @@
 this machine's kernel table) and to its multiply-adds.
 
     python tests/benchmarks/bench_recipe_speed.py [--samples 64] [--max-tokens 256] [--repeats 3]
-        [--variant NAME=RECIPE:SPARSITY[:OPTION=VALUE] ...] [--teal COST ...] [--work DIR]
+        [--variant NAME=RECIPE:SPARSITY[:OPTION=VALUE] ...] [--teal COST ...] [--work DIR] [--unfused]
 
 The profile is the README's shape (``builtin:mixed``, 64 × 256 tokens); each variant is built with ``moelab convert
 --recipe R --sparsity S`` as a user does (timed: building costs seconds too), then loaded with ``from_pretrained``. The
@@ -16,6 +16,7 @@ summary line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -58,6 +60,9 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=None, help="NAME=RECIPE:SPARSITY[:OPTION=VALUE ...] (e.g. whole-0.5=best:0.5:down-keep=1; default: %s)" % ", ".join(VARIANTS))
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=OUT, help="the JSON result (a probe need not replace the recorded one)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="also time each conversion with the whole-block decode call off (moe_ffn_decode: the routed "
+                         "kernel and the torch calls around it instead), the same model in the same rounds")
     ap.add_argument("--teal", type=float, nargs="*", default=[0.5, 0.75],
                     help="TEAL at these FFN costs, calibrated on the profile's text as an evaluation does, timed alike")
     args = ap.parse_args()
@@ -95,12 +100,16 @@ def main() -> None:
     teal = _teal_variants(adapter, profile, args.teal)
     models.update({name: dense for name in teal})
     setups = {name: (lambda mods=v["modules"]: swapped_mlps(adapter, mods)) for name, v in teal.items()}
+    unfused = {f"{name}-unfused": name for name in built} if args.unfused else {}
+    for name, of in unfused.items():
+        models[name] = models[of]
+        setups[name] = lambda model=models[of]: _without_fused_decode(model)
     measured = time_phases(models, windows, protocol=SpeedProtocol(repeats=args.repeats), setups=setups)
     rows = [{"variant": name, "recipe": "teal", "sparsity": None, "ffn_flops_fraction": v["cost"], "convert_s": v["build_s"],
              "measured": {p: round(e["speedup"][name], 3) for p, e in measured["phases"].items()},
              "measured_ms": {p: round(1e3 * e["seconds"][name], 2) for p, e in measured["phases"].items()},
              "predicted": {}} for name, v in teal.items()]
-    for name, v in built.items():
+    for name, v in [*built.items(), *((u, built[of]) for u, of in unfused.items())]:
         layers = json.loads((v["dir"] / "config.json").read_text())["moe_layers"]
         record = json.loads((v["dir"] / "conversion.json").read_text())
         try:
@@ -124,6 +133,20 @@ def main() -> None:
                                  for p in r["measured"])
                      for r in rows)
     print(f"bench_recipe_speed: speed over dense, measured (predicted): {line}; table {table_s:.0f} s")
+
+
+@contextlib.contextmanager
+def _without_fused_decode(model: torch.nn.Module) -> Iterator[None]:
+    """``model``'s MoE blocks without their whole-block decode call (``MoeFFN._fused_decode`` answers None) for the
+    time of the context: what a decode step ran before that call."""
+    blocks = [m for m in model.modules() if hasattr(m, "_fused_decode")]
+    for block in blocks:
+        block._fused_decode = lambda x: None
+    try:
+        yield
+    finally:
+        for block in blocks:
+            del block._fused_decode
 
 
 def _teal_variants(adapter, profile: Path, costs: list[float]) -> dict[str, dict]:

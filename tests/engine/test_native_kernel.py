@@ -21,16 +21,21 @@ def kernel_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(moelab_native, "_library", None)
 
 
-def calls(monkeypatch) -> list[int]:
-    """Counts the native kernel's calls (tokens per call) from now on."""
+def calls(monkeypatch, fused: list[int] | None = None) -> list[int]:
+    """Counts the native kernels' calls (tokens per call) from now on: the routed experts' (``moe_routed``) and the
+    whole block's at a decode step (``moe_ffn_decode``), those also in ``fused`` when given."""
     seen: list[int] = []
-    real = moelab_native.moe_routed
 
-    def counted(x, *args, **kwargs):
-        seen.append(x.shape[0])
-        return real(x, *args, **kwargs)
+    def counting(real, into):
+        def counted(x, *args, **kwargs):
+            for out in into:
+                out.append(x.shape[0])
+            return real(x, *args, **kwargs)
+        return counted
 
-    monkeypatch.setattr("moelab.engine.runtime.moelab_moe.moe_routed", counted)
+    monkeypatch.setattr("moelab.engine.runtime.moelab_moe.moe_routed", counting(moelab_native.moe_routed, [seen]))
+    monkeypatch.setattr("moelab.engine.runtime.moelab_moe.moe_ffn_decode",
+                        counting(moelab_native.moe_ffn_decode, [seen] + ([fused] if fused is not None else [])))
     return seen
 
 
@@ -168,3 +173,65 @@ def test_a_layer_with_every_expert_selected_runs_the_native_kernel(combine, monk
         reference = [mod(x[:1]), mod(x[:8]), mod(x)]
     for a, b in zip(native, reference):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("router", ["centroid", "softmax", "ridge"])
+@pytest.mark.parametrize("combine", ["sum", "weighted", "normalized"])
+@pytest.mark.parametrize("d_shared, down_keep", [(8, 1.0), (40, 0.5), (0, 0.5)])
+def test_a_decode_step_runs_the_whole_block_in_one_call(router, combine, d_shared, down_keep, monkeypatch):
+    """1-8 tokens, a linear router: the shared expert (its kept products' down rows read from its [d_shared, d]
+    storage), the scores, each token's top-k, the combine weights, the routed experts and the skipped experts' means
+    in one native call (``moe_ffn_decode``) == the reference loop; the experts it records are torch's top-k, best
+    first. Past a decode step the routed kernel alone runs."""
+    mod = kernel_moe(router, combine, d_shared=d_shared, d_ffn=d_shared + 64, down_keep=down_keep,
+                     skip_mean=torch.randn(16, 32))
+    assert d_shared == 0 or mod.shared_down.weight.t().is_contiguous()
+    fused: list[int] = []
+    seen = calls(monkeypatch, fused)
+    recorded: list[torch.Tensor] = []
+    g = torch.Generator().manual_seed(11)
+    for T in (1, 3, 8, 9, 40):
+        x = torch.randn(T, 32, generator=g)
+        mod.recorder = recorded.append
+        got = run(mod, x, "auto")
+        mod.recorder = None
+        torch.testing.assert_close(got, run(mod, x, "loop"), rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            want = mod.router.select(mod.router(x)[0], sort=True)
+        assert torch.equal(recorded[-1], want)
+    assert fused == [1, 3, 8] and seen == [1, 3, 8, 9, 40]
+
+
+def test_the_whole_block_call_gives_way_where_it_does_not_apply(monkeypatch):
+    """Scores that are not linear (representative), the scaled combine, expert groups, a gradient, a shared expert
+    under a parametrisation (as an adapter wraps it) or with its down projection stored by output row: the
+    previous path, with the same result as the reference loop."""
+    from torch.nn.utils import parametrize
+
+    class Same(torch.nn.Module):
+        def forward(self, w):
+            return w
+
+    grouped = kernel_moe("ridge", "sum", expert_groups=[e // 2 for e in range(16)])
+    adapted = kernel_moe("ridge", "sum")
+    parametrize.register_parametrization(adapted.shared_gate, "weight", Same())
+    by_row = kernel_moe("ridge", "sum")
+    by_row.shared_down.weight.data = by_row.shared_down.weight.data.contiguous()
+    fused: list[int] = []
+    calls(monkeypatch, fused)
+    x = torch.randn(2, 32)
+    for mod in (kernel_moe("representative", "sum"), kernel_moe("ridge", "scaled"), grouped, adapted, by_row):
+        torch.testing.assert_close(run(mod, x, "auto"), run(mod, x, "loop"), rtol=1e-5, atol=1e-5)
+    kernel_moe("ridge", "sum")(torch.randn(1, 32, requires_grad=True)).sum().backward()
+    assert fused == []
+
+
+def test_the_whole_block_call_gives_the_same_bits_each_time(monkeypatch):
+    mod = kernel_moe("ridge", "weighted", d_shared=40, d_ffn=104, down_keep=0.5, skip_mean=torch.randn(16, 32))
+    fused: list[int] = []
+    calls(monkeypatch, fused)
+    x = torch.randn(8, 32)
+    first = run(mod, x, "auto")
+    for _ in range(5):
+        assert torch.equal(run(mod, x, "auto"), first)
+    assert fused == [8] * 6

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 TABLE_DIR = "speed-tables"
-TABLE_VERSION = 5  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
-# 5: layouts timed as ratios to the dense FFN in the same rounds
+TABLE_VERSION = 6  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
+# 5: layouts timed as ratios to the dense FFN in the same rounds; 6: a decode step's whole block in one native call
 FEATURES = ("fixed", "shared_neurons", "touched_neurons", "computed_rows", "pairs", "router_scores", "dense_rows")
 
 #: ``runtime.moelab_kernels``' CPU choice where the native kernels cannot run, mirrored here without torch

@@ -104,14 +104,14 @@ def convert_in_place(model: nn.Module, layer_modules: dict[int, nn.Module | None
 def realign_parameters(model: nn.Module, alignment: int = 64) -> int:
     """Copy CPU parameters/buffers whose data is not ``alignment``-byte aligned (safetensors
     memory-maps tensors at arbitrary offsets) into fresh, aligned storage, and give every
-    ``MoeExperts.down_proj`` (and column-major ``gate_up_proj``) its decode layout (a loaded
-    checkpoint arrives contiguous). BLAS
+    ``MoeExperts.down_proj`` (and column-major ``gate_up_proj``), shared expert's down projection and
+    ``TealGLU`` weight its decode layout (a loaded checkpoint arrives contiguous). BLAS
     kernels may round differently depending on alignment and layout, so a model loaded from disk
     and the in-memory model it was saved from only compute bit-identical logits once both are
     realigned. Tied parameters stay tied (the Parameter objects are kept). Returns the number copied."""
     n = 0
     for mod in model.modules():
-        if isinstance(mod, TealGLU):
+        if isinstance(mod, (TealGLU, MoeFFN)):
             mod.use_decode_layout()
             continue
         if not isinstance(mod, MoeExperts):

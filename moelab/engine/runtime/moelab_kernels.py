@@ -146,6 +146,15 @@ def decode_layout(w: torch.Tensor) -> torch.Tensor:
     return w.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+@torch.no_grad()
+def row_major_t(w: torch.Tensor) -> torch.Tensor:
+    """``w [out, in]`` with ``[in, out]`` storage (the same values): row ``i`` of the storage holds input ``i``'s
+    weights, so a kernel that skips zero inputs reads only the rows it needs."""
+    if w.dim() != 2 or w.stride() == (1, w.shape[0]):  # on meta too: ``to_empty`` keeps the strides
+        return w
+    return w.t().contiguous().t()
+
+
 def per_expert(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``w[e]`` for every expert as views from one ``unbind``. When ``w`` needs a gradient (LoRA on
     the stacked experts), each ``w[e]`` taken separately back-propagates into a zero tensor of the

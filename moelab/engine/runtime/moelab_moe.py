@@ -30,7 +30,8 @@ the active experts, as TEAL thresholds the down projection's input: per token, o
 ``kept(m, down_keep)`` neurons of largest ``|act(gate) * up|`` of each selected routed expert, and
 the ``kept(d_shared, down_keep)`` of the shared expert, run their down projection (a count, not a
 threshold, so the cost does not depend on the text; moelab's). The native CPU kernels read only
-the kept rows at a decode step (at prefill, the rows some token of a block of four kept); the other
+the kept rows at a decode step (the shared expert's down projection is stored ``[d_shared, d_model]`` for that,
+``MoeFFN.use_decode_layout``) (at prefill, the rows some token of a block of four kept); the other
 kernels zero the rest, so the saving needs such a kernel at every batch size, as TEAL's does. Any other keys are kept and written back by ``MoeFFN.spec``.
 
 Neuron order inside an expert is irrelevant to the result; with ``top_k == n_routed`` and
@@ -50,8 +51,10 @@ from torch.nn.utils.parametrize import is_parametrized
 from transformers.activations import ACT2FN
 
 from .moelab_compat import load_legacy_expert_keys, register_load_pre_hook
-from .moelab_kernels import EXPERTS_IMPLS, decode_layout, every_expert, keep_largest, per_expert, run_kernel, select_kernel
-from .moelab_native import glu_keep, moe_routed, usable as native_usable
+from .moelab_kernels import (EXPERTS_IMPLS, decode_layout, every_expert, keep_largest, per_expert, row_major_t, run_kernel,
+                             select_kernel)
+from .moelab_native import DECODE_TOKENS, FUSED_COMBINES, FUSED_MAX_EXPERTS, glu_keep, moe_ffn_decode, moe_routed
+from .moelab_native import usable as native_usable
 from .moelab_routers import COMBINES, ffn_macs, kept, router_kind
 
 DISPATCHES = ("auto", "loop", "padded")
@@ -295,6 +298,7 @@ class MoeFFN(nn.Module):
             self.shared_gate = nn.Linear(d, self.d_shared, bias=False)
             self.shared_up = nn.Linear(d, self.d_shared, bias=False)
             self.shared_down = nn.Linear(self.d_shared, d, bias=False)
+            self.use_decode_layout()
         else:
             self.shared_gate = self.shared_up = self.shared_down = None
         self.experts = MoeExperts(E, m, d, self.act, column_major=scorer.column_major)
@@ -317,6 +321,13 @@ class MoeFFN(nn.Module):
         self.reset_parameters()
 
     # ..................................................................... layout
+
+    def use_decode_layout(self) -> None:
+        """The shared expert's down projection with ``[d_shared, d_model]`` storage (``row_major_t``; the values and
+        the checkpoint keys stay): under ``down_keep`` a decode step reads only its kept neurons' rows
+        (``moelab_native.moe_ffn_decode``). ``realign_parameters`` calls this after a load."""
+        if isinstance(self.shared_down, nn.Linear) and not is_parametrized(self.shared_down):
+            self.shared_down.weight.data = row_major_t(self.shared_down.weight.data)
 
     @property
     def dispatch(self) -> str:
@@ -426,6 +437,10 @@ class MoeFFN(nn.Module):
         lead = x.shape[:-1]
         xt = x.reshape(-1, self.d_model)
         T, E, k = xt.shape[0], self.n_routed, self.top_k
+        if 0 < k < E and T <= DECODE_TOKENS and (fused := self._fused_decode(xt)) is not None:
+            y, top = fused
+            self._record(top, lead)
+            return y.reshape(x.shape)
         y = self._shared(xt)
         if k == 0 or E == 0:
             self._record(torch.empty(T, 0, dtype=torch.long, device=x.device), lead)
@@ -451,6 +466,36 @@ class MoeFFN(nn.Module):
             # against 200 ms a layer for 1,024 tokens at top-91 of 128
             y = y + (self.skip_mean.sum(0) - F.embedding_bag(top, self.skip_mean, mode="sum"))
         return y.reshape(x.shape)
+
+    def _fused_decode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole block at a decode step in one native call (``moelab_native.moe_ffn_decode``): ``(output,
+        selected experts best first)``, or None where it does not apply: a router whose scores are not linear, the
+        scaled combine, expert groups, a shared expert wrapped by an adapter or not in the decode layout, and
+        wherever ``_native_routed`` says no. Some ten torch calls and thread-pool forks a layer become one, with
+        two barriers (on an AVX-512 machine the shared expert's three GEMVs took 7 ms of a 49 ms step, the
+        router and top-k 1.7 ms)."""
+        linear = self.router.scorer.linear(self)
+        if (linear is None or self.combine not in FUSED_COMBINES or self.router.groups is not None
+                or self.n_routed > FUSED_MAX_EXPERTS or not self._native_routed(x, None)):
+            return None
+        rw, rb = linear
+        shared = None
+        if self.d_shared:
+            lins = (self.shared_gate, self.shared_up, self.shared_down)
+            if any(type(lin) is not nn.Linear for lin in lins):  # an adapter's wrapper or a parametrisation
+                return None
+            shared = tuple(lin.weight for lin in lins)
+            sg, su, sd = shared
+            if not (sg.is_contiguous() and su.is_contiguous() and sd.t().is_contiguous()
+                    and sg.dtype == su.dtype == sd.dtype == torch.float32):
+                return None
+        if (_needs_grad(rw, rb, *(shared or ())) or not rw.is_contiguous() or rw.dtype != torch.float32
+                or (rb is not None and rb.dtype != torch.float32)):
+            return None
+        wgu, wd = self.experts.gate_up_proj, self.experts.down_proj
+        return moe_ffn_decode(x, shared, self.shared_keep, (rw, rb), self.top_k, self.combine, wgu.transpose(1, 2),
+                              wd.transpose(1, 2), self.expert_size, self.experts.down_keep, self.act,
+                              self.skip_mean if self.compensated else None)
 
     def _native_routed(self, x: torch.Tensor, weights: torch.Tensor | None) -> bool:
         """Whether this call's routed experts and compensation run ``moelab_native.moe_routed``: a CPU call

@@ -20,6 +20,8 @@ A router kind owns, in one place:
 * ``init(...)``: its parameters from a partition (the values a conversion passes, else the
   paper's default), ``fit(...)``: a closed-form fit on calibration tokens where it has one.
 * ``centroid(block)``: the EW Eq. 9 weights fine-tuning starts its softmax successor from.
+* ``linear(block)``: ``(W, b)`` where the scores are ``x Wᵀ + b`` (the native decode kernel then
+  scores, ranks and runs the block in one call), None otherwise.
 * ``native``: whether a stock sparse-MoE gate (``softmax(x Wᵀ)``, transformers' Qwen2-MoE /
   Mixtral, llama.cpp's MoE architectures) computes the same scores; ``native_refusal`` says why not.
 
@@ -60,6 +62,11 @@ class Router:
     def scores(self, block: Any, x: Any) -> tuple[Any, Any]:
         """``([T, E] scores, gate activations [T, E·m] or None)`` of ``x`` ``[T, d]``."""
         return x @ block.router_weight.t(), None
+
+    def linear(self, block: Any) -> tuple[Any, Any] | None:
+        """``(W [E, d], b [E] or None)`` where the scores are ``x Wᵀ + b`` (the native decode kernel computes
+        them so, ``moelab_native.moe_ffn_decode``); None for a kind whose scores are not linear."""
+        return block.router_weight, None
 
     def init(self, E: int, d: int, gate_rows: Any, up_rows: Any, given: dict[str, Any]) -> dict[str, Any]:
         """Parameter values from a partition: ``gate_rows``/``up_rows`` ``[E, m, d]`` the routed
@@ -113,6 +120,9 @@ class RidgeRouter(Router):
     def scores(self, block: Any, x: Any) -> tuple[Any, Any]:
         return block.router_offset.addmm(x, block.router_weight.t()), None  # F.linear's own addmm
 
+    def linear(self, block: Any) -> tuple[Any, Any] | None:
+        return block.router_weight, block.router_offset
+
     def init(self, E: int, d: int, gate_rows: Any, up_rows: Any, given: dict[str, Any]) -> dict[str, Any]:
         offset = given.get("router_offset")
         if E and (offset is None or tuple(offset.shape) != (E,)):
@@ -153,6 +163,9 @@ class RepresentativeRouter(Router):
     def scores(self, block: Any, x: Any) -> tuple[Any, Any]:
         return block.act_fn(x @ block.router_gate.t()) * (x @ block.router_up.t()), None
 
+    def linear(self, block: Any) -> tuple[Any, Any] | None:
+        return None
+
     def init(self, E: int, d: int, gate_rows: Any, up_rows: Any, given: dict[str, Any]) -> dict[str, Any]:
         return {"router_gate": _checked(given.get("router_gate"), gate_rows.mean(dim=1), (E, d), "router_gate"),
                 "router_up": _checked(given.get("router_up"), up_rows.mean(dim=1), (E, d), "router_up")}
@@ -176,6 +189,9 @@ class GateMassRouter(Router):
     def scores(self, block: Any, x: Any) -> tuple[Any, Any]:
         a = block.gate_activations(x)
         return a.abs().reshape(-1, block.n_routed, block.expert_size).sum(dim=-1), a
+
+    def linear(self, block: Any) -> tuple[Any, Any] | None:
+        return None
 
     def init(self, E: int, d: int, gate_rows: Any, up_rows: Any, given: dict[str, Any]) -> dict[str, Any]:
         return {}

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from .moelab_kernels import row_major_t
+
 
 #: CPU tokens per call up to which ``TealGLU`` reads only the weight rows its nonzero inputs need (``skip_rows``): a
 #: decode step of one or two sequences. For more tokens each token's rows are read again, where one dense GEMM reads
@@ -28,14 +30,6 @@ ROW_SKIP_MAX_TOKENS = 2
 def magnitude_sparsify(x: torch.Tensor, threshold: float) -> torch.Tensor:
     """TEAL's sparsification function: ``x`` with every entry of ``|x| < threshold`` zeroed (threshold 0: ``x`` itself)."""
     return x.masked_fill(x.abs() < threshold, 0.0) if threshold > 0 else x
-
-
-def row_major_t(w: torch.Tensor) -> torch.Tensor:
-    """``w [out, in]`` with ``[in, out]`` storage (the same values): row ``i`` of the storage holds input ``i``'s
-    weights, so a kernel that skips zero inputs reads only the rows it needs."""
-    if w.dim() != 2 or w.device.type == "meta" or w.stride() == (1, w.shape[0]):
-        return w
-    return w.t().contiguous().t()
 
 
 def skip_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
