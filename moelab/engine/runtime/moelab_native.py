@@ -28,9 +28,8 @@ At a decode step a block whose router is linear (centroid, softmax, ridge) runs 
 then one thread keeps the shared expert's largest products and ranks the experts, then the threads share one slice
 each of the shared down projection (its kept neurons' rows, from ``[d_shared, d]`` storage) and the selected experts.
 One parallel region with two barriers where the torch path made some ten calls, each a fork of the thread pool or
-a Python frame: 30 layers shaped as ``--recipe best`` at 0.5 (300 shared neurons, 48 of 103 twelve-neuron experts,
-down_keep 0.5) took 9.3 ms a token against 13.8 ms (dense MLPs 26.5 ms) on a 2-vCPU AMD EPYC, 24.7 against
-29.3 ms for 8 tokens.
+a Python frame: the 30 FFNs of a ``--recipe best`` conversion at 0.5 took 9.3 ms a token against 15.0 ms (dense
+MLPs 26-30 ms) on a 2-vCPU AMD EPYC, and the whole model 1.46x dense against 1.28x (``bench_recipe_speed --unfused``).
 
 The source is compiled once per machine and source text (``-O3 -march=native -fopenmp``) into the user's
 cache (``MOELAB_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/moelab/kernels`` or ``~/.cache/moelab/kernels``),
