@@ -340,6 +340,24 @@ static void add_skipped_means(float *o, const int64_t *tk, int64_t k, int64_t E,
         for (int64_t j = 0; j < n; j++) o[i] += mu[idx[j] * d + i];
 }
 
+/* within a parallel region, the threads sharing the T tokens: each token's skipped experts' means (mu [E, d]) into
+   the calling thread's accumulator acc [T, d] */
+static void skipped_means_shared(float *acc, int64_t T, const int64_t *top, int64_t k, int64_t E, const float *mu,
+                                 int64_t d) {
+    int64_t *idx = malloc(sizeof(int64_t) * E);
+    unsigned char *chosen = malloc(E);
+    #pragma omp for schedule(static) nowait
+    for (int64_t t = 0; t < T; t++) add_skipped_means(acc + t * d, top + t * k, k, E, mu, d, chosen, idx);
+    free(idx); free(chosen);
+}
+
+/* out [n] = the used threads' accumulators (accs [used, n]) added in thread order: the same bits whatever the timing */
+static void sum_in_thread_order(float *out, const float *accs, int used, int64_t n) {
+    memcpy(out, accs, sizeof(float) * n);
+    for (int th = 1; th < used; th++)
+        for (int64_t i = 0; i < n; i++) out[i] += accs[(size_t)th * n + i];
+}
+
 /* x [T,d]; top [T,k]; wts [T,k] or NULL; wgu [E,d,2m]; wd [E,m,d]; mu [E,d] or NULL; out [T,d].
    Expert-major: the pairs are grouped by expert, so a block that several tokens selected is read from
    memory once (a batch of 8 tokens selects most experts of a layer) and re-read from cache. */
@@ -373,18 +391,10 @@ void moelab_moe_decode(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, in
                 for (int64_t b = 0; b < 64 * 16 && b < d * m2; b += 16) __builtin_prefetch(wgu + fill[u + 1] * d * m2 + b);
             expert_pairs(W, wd + e * m * d, own, n, k, d, m, keep, act, x, wts, acc, h, mag, rows);
         }
-        if (mu) {  /* the means of the experts each token skips */
-            int64_t *idx = malloc(sizeof(int64_t) * E);
-            unsigned char *chosen = malloc(E);
-            #pragma omp for schedule(static) nowait
-            for (int64_t t = 0; t < T; t++) add_skipped_means(acc + t * d, top + t * k, k, E, mu, d, chosen, idx);
-            free(idx); free(chosen);
-        }
+        if (mu) skipped_means_shared(acc, T, top, k, E, mu, d);
         free(h); free(mag); free(rows);
     }
-    memcpy(out, accs, sizeof(float) * T * d);
-    for (int th = 1; th < used; th++)
-        for (int64_t i = 0; i < T * d; i++) out[i] += accs[(size_t)th * T * d + i];
+    sum_in_thread_order(out, accs, used, T * d);
     free(accs); free(start); free(pairs); free(fill);
 }
 
@@ -542,18 +552,10 @@ void moelab_moe_ffn_decode(int64_t T, int64_t d, int act, const float *x, int64_
             expert_pairs(wgu + e * d * m2, wd + e * m * d, pairs + start[e], start[e + 1] - start[e], k, d, m, keep,
                          act, x, wts, acc, h, mag, rows);
         }
-        if (mu) {  /* the means of the experts each token skips */
-            int64_t *idx = malloc(sizeof(int64_t) * E);
-            unsigned char *chosen = malloc(E);
-            #pragma omp for schedule(static) nowait
-            for (int64_t t = 0; t < T; t++) add_skipped_means(acc + t * d, top + t * k, k, E, mu, d, chosen, idx);
-            free(idx); free(chosen);
-        }
+        if (mu) skipped_means_shared(acc, T, top, k, E, mu, d);
         free(h); free(mag); free(rows);
     }
-    memcpy(out, accs, sizeof(float) * T * d);
-    for (int th = 1; th < used; th++)
-        for (int64_t i = 0; i < T * d; i++) out[i] += accs[(size_t)th * T * d + i];
+    sum_in_thread_order(out, accs, used, T * d);
     free(accs); free(sh); free(sc); free(wts); free(start); free(pairs); free(fill);
 }
 """
