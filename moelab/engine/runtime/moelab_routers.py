@@ -65,8 +65,9 @@ class Router:
 
     def linear(self, block: Any) -> tuple[Any, Any] | None:
         """``(W [E, d], b [E] or None)`` where the scores are ``x Wᵀ + b`` (the native decode kernel computes
-        them so, ``moelab_native.moe_ffn_decode``); None for a kind whose scores are not linear."""
-        return block.router_weight, None
+        them so, ``moelab_native.moe_ffn_decode``); None (the default, so that a new kind runs the torch path
+        until it says otherwise) for a kind whose scores are not linear."""
+        return None
 
     def init(self, E: int, d: int, gate_rows: Any, up_rows: Any, given: dict[str, Any]) -> dict[str, Any]:
         """Parameter values from a partition: ``gate_rows``/``up_rows`` ``[E, m, d]`` the routed
@@ -92,6 +93,9 @@ class CentroidRouter(Router):
 
     def centroid(self, block: Any) -> Any:
         return block.router_weight.detach()
+
+    def linear(self, block: Any) -> tuple[Any, Any] | None:
+        return block.router_weight, None
 
 
 class SoftmaxRouter(CentroidRouter):
@@ -163,9 +167,6 @@ class RepresentativeRouter(Router):
     def scores(self, block: Any, x: Any) -> tuple[Any, Any]:
         return block.act_fn(x @ block.router_gate.t()) * (x @ block.router_up.t()), None
 
-    def linear(self, block: Any) -> tuple[Any, Any] | None:
-        return None
-
     def init(self, E: int, d: int, gate_rows: Any, up_rows: Any, given: dict[str, Any]) -> dict[str, Any]:
         return {"router_gate": _checked(given.get("router_gate"), gate_rows.mean(dim=1), (E, d), "router_gate"),
                 "router_up": _checked(given.get("router_up"), up_rows.mean(dim=1), (E, d), "router_up")}
@@ -189,9 +190,6 @@ class GateMassRouter(Router):
     def scores(self, block: Any, x: Any) -> tuple[Any, Any]:
         a = block.gate_activations(x)
         return a.abs().reshape(-1, block.n_routed, block.expert_size).sum(dim=-1), a
-
-    def linear(self, block: Any) -> tuple[Any, Any] | None:
-        return None
 
     def init(self, E: int, d: int, gate_rows: Any, up_rows: Any, given: dict[str, Any]) -> dict[str, Any]:
         return {}
