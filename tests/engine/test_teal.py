@@ -203,31 +203,42 @@ def test_evaluation_goes_on_without_teal_when_the_profile_is_gone(tiny, tmp_path
     assert modules is None and "TEAL not built" in info["note"] and "no such profile" in info["note"]
 
 
-def test_the_row_skipping_decode_kernel_computes_the_dense_products(monkeypatch):
-    """TEAL's CPU decode kernel (``skip_rows``: one bag per thread over the rows of nonzero inputs) gives what the
-    dense products with the zeros in give, for one token, two, a token with every input zeroed, and under a
-    gradient (which takes the dense path); the weights stay in the decode layout through ``use_decode_layout``."""
-    from moelab.engine.runtime import moelab_teal
+@pytest.mark.parametrize("native", [True, False])
+def test_the_row_skipping_decode_kernel_computes_the_dense_products(native, monkeypatch, tmp_path):
+    """TEAL's CPU decode kernel gives what the dense products with the zeros in give: the native one
+    (``moelab_native.rows_matmul``: the rows some token of a block of four needs, each read once for the four) up to
+    ``DECODE_TOKENS`` tokens, and without it torch's ``skip_rows`` (one bag per thread over the rows of nonzero
+    inputs) up to ``ROW_SKIP_MAX_TOKENS``; a token with every input zeroed gives zeros; more tokens, or a gradient,
+    take the dense path; the weights stay in the decode layout through ``use_decode_layout``."""
+    from moelab.engine.runtime import moelab_native, moelab_teal
     from moelab.engine.runtime.moelab_teal import row_major_t, skip_rows
 
+    monkeypatch.setenv("MOELAB_KERNEL_CACHE", str(tmp_path))
+    if not native:
+        monkeypatch.setenv("MOELAB_NATIVE_KERNELS", "0")
+    monkeypatch.setattr(moelab_native, "_tried", False)
+    monkeypatch.setattr(moelab_native, "_library", None)
+    if native and moelab_native.library() is None:
+        pytest.skip("needs a C compiler")
     wg, wu, wd = random_glu(48, 80, seed=4)
-    x = torch.randn(2, 48, generator=torch.Generator().manual_seed(5))
-    x[1] = 0.01  # every input under the threshold: an empty bag, an output of zeros
+    x = torch.randn(9, 48, generator=torch.Generator().manual_seed(5))
+    x[1] = 0.01  # every input under the threshold: no row read, an output of zeros
     mod = teal_from_dense(wg, wu, wd, "silu", 0.5, 0.05, 0.4, 0.3)
     assert mod.gate_proj.weight.stride() == (1, 80) and mod.down_proj.weight.stride() == (1, 48)  # decode layout
     sparse = moelab_teal.magnitude_sparsify(x, 0.5)
-    torch.testing.assert_close(skip_rows(sparse, row_major_t(wg)), sparse @ wg.t(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(skip_rows(sparse[:2], row_major_t(wg)), sparse[:2] @ wg.t(), rtol=1e-5, atol=1e-6)
     h = ACT2FN["silu"](F.linear(sparse, wg)) * F.linear(sparse, wu)
     want = F.linear(moelab_teal.magnitude_sparsify(h, 0.05), wd)
-    for threads in (1, 2, 3):  # one bag per thread and token, summed
+    most = moelab_native.DECODE_TOKENS if native else moelab_teal.ROW_SKIP_MAX_TOKENS
+    for threads in (1, 2, 3):  # the native kernel: output columns per thread; skip_rows: a bag per thread and token
         monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
         with torch.no_grad():
-            for n in (1, 2):
-                assert mod._skips_rows(x[:n])
-                torch.testing.assert_close(mod(x[:n]), want[:n], rtol=1e-5, atol=1e-6)
-    assert torch.equal(mod(x)[1].detach(), torch.zeros(48))
-    assert not mod._skips_rows(torch.randn(moelab_teal.ROW_SKIP_MAX_TOKENS + 1, 48))
-    assert not mod._skips_rows(x.requires_grad_())  # training: the dense products
+            for n in range(1, most + 1):
+                assert mod._row_product(x[:n]) is not None
+                torch.testing.assert_close(mod(x[:n]), want[:n], rtol=1e-5, atol=1e-5)
+            assert torch.equal(mod(x[:2])[1], torch.zeros(48))
+    assert mod._row_product(x[: most + 1]) is None
+    assert mod._row_product(x[:1].clone().requires_grad_()) is None  # training: the dense products
 
 
 def test_the_evaluation_times_teal_beside_the_conversion(conversion, data_dir, one_thread):

@@ -31,6 +31,9 @@ One parallel region with two barriers where the torch path made some ten calls, 
 a Python frame: the 30 FFNs of a ``--recipe best`` conversion at 0.5 took 9.3 ms a token against 15.0 ms (dense
 MLPs 26-30 ms) on a 2-vCPU AMD EPYC, and the whole model 1.46x dense against 1.28x (``bench_recipe_speed --unfused``).
 
+TEAL's layers (``moelab_teal.TealGLU``) take ``rows_matmul`` at a decode step: a product that reads only the
+weight rows some token of a block of four has a nonzero input for, each row multiplied into the four at once.
+
 The source is compiled once per machine and source text (``-O3 -march=native -fopenmp``) into the user's
 cache (``MOELAB_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/moelab/kernels`` or ``~/.cache/moelab/kernels``),
 written atomically, and loaded with ctypes. It links the OpenMP runtime torch itself loaded
@@ -433,6 +436,27 @@ void moelab_moe_prefill(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, i
     free(start); free(pairs); free(fill);
 }
 
+/* out [T, n] = x [T, kin] · W (W: [kin, n] storage), reading only the rows of W that some token of a block of four
+   has a nonzero input for (TEAL's row-skipping product, for a decode step of up to DECODE_TOKENS tokens: each row
+   read is multiplied into four tokens at once); the threads share the output columns */
+void moelab_rows_matmul(int64_t T, int64_t kin, int64_t n, const float *x, const float *W, float *out, int nthreads) {
+    memset(out, 0, sizeof(float) * T * n);
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const int nth = omp_get_num_threads(), th = omp_get_thread_num();
+        const int64_t c0 = n * th / nth / 8 * 8, c1 = th + 1 == nth ? n : n * (th + 1) / nth / 8 * 8;
+        int64_t *rows = malloc(sizeof(int64_t) * (kin + 1));
+        float *outs[TB];
+        for (int64_t q0 = 0; q0 < T && c1 > c0;) {
+            const int nq = T - q0 >= TB ? TB : 1;
+            for (int q = 0; q < nq; q++) outs[q] = out + (q0 + q) * n + c0;
+            down_block(x + q0 * kin, kin, kin, W + c0, c1 - c0, n, outs, nq == 1, rows);
+            q0 += nq;
+        }
+        free(rows);
+    }
+}
+
 /* ---- a whole MoE FFN at a decode step, in one call ---- */
 
 /* out[t · ld + r] = x_t · W[r] for rows r0..r1 of W [·, d] and the T rows of x (the shared expert's gate and up
@@ -607,6 +631,9 @@ def _compile() -> ctypes.CDLL | None:
     decode.restype = prefill.restype = glu.restype = None
     decode.argtypes = prefill.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int]
     glu.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+    rows = library.moelab_rows_matmul
+    rows.restype = None
+    rows.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
     ffn = library.moelab_moe_ffn_decode
     ffn.restype = None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -700,3 +727,15 @@ def moe_ffn_decode(x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, to
                                     wgu_rows.data_ptr(), wd_rows.data_ptr(), ptr(skip_mean), out.data_ptr(),
                                     top.data_ptr(), torch.get_num_threads())
     return out, top
+
+
+def rows_matmul(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x [T, in] @ rows [in, out]`` (``rows`` contiguous: a weight in ``[in, out]`` storage, transposed), reading only
+    the rows of ``rows`` that some token of a block of four has a nonzero input for: TEAL's row-skipping product for
+    a decode step (up to ``DECODE_TOKENS`` tokens), each row read once per four tokens."""
+    T, kin = x.shape
+    x = x.contiguous()
+    out = torch.empty(T, rows.shape[1], dtype=torch.float32)
+    library().moelab_rows_matmul(T, kin, rows.shape[1], x.data_ptr(), rows.data_ptr(), out.data_ptr(),
+                                 torch.get_num_threads())
+    return out

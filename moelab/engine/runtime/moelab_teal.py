@@ -18,12 +18,15 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .moelab_kernels import row_major_t
+from .moelab_native import DECODE_TOKENS, library as native_library, rows_matmul
 
 
-#: CPU tokens per call up to which ``TealGLU`` reads only the weight rows its nonzero inputs need (``skip_rows``): a
-#: decode step of one or two sequences. For more tokens each token's rows are read again, where one dense GEMM reads
-#: every weight once (the default model's FFN at sparsities 0.5 / 0.5, 2 threads: 1.5x the dense FFN's speed for
-#: 1 token, 1.5-1.8x for 2, 0.9-1.2x for 4, 0.7x for 8).
+#: CPU tokens per call up to which ``TealGLU`` reads only the weight rows its nonzero inputs need with torch's
+#: ``skip_rows``: a decode step of one or two sequences. For more tokens each token's rows are read again, where one
+#: dense GEMM reads every weight once (the default model's FFN at sparsities 0.5 / 0.5, 2 threads: 1.5x the dense
+#: FFN's speed for 1 token, 1.5-1.8x for 2, 0.9-1.2x for 4, 0.7x for 8). Where the native kernels are built, a
+#: decode step of up to ``moelab_native.DECODE_TOKENS`` tokens runs ``moelab_native.rows_matmul`` instead, which
+#: reads each needed row once per four tokens.
 ROW_SKIP_MAX_TOKENS = 2
 
 
@@ -56,8 +59,9 @@ class TealGLU(nn.Module):
     entries whose magnitude is below the threshold ``t``. One threshold serves gate and up: both
     read the same ``x``. A zeroed input entry means the matching weight *column* need not be read,
     which only a column-skipping kernel turns into saved time (TEAL's "Hardware Aware Acceleration"):
-    on CPU, up to ``ROW_SKIP_MAX_TOKENS`` tokens a call (a decode step) run ``skip_rows`` on weights in
-    the decode layout; otherwise the products are computed densely with the zeros in (the same values).
+    on CPU, a decode step (up to ``DECODE_TOKENS`` tokens with the native kernels, ``ROW_SKIP_MAX_TOKENS``
+    without) reads only the rows it needs from weights in the decode layout (``_row_product``); otherwise the
+    products are computed densely with the zeros in (the same values).
     Parameters keep the dense names."""
 
     def __init__(self, spec: dict):
@@ -108,18 +112,25 @@ class TealGLU(nn.Module):
         lead = x.shape[:-1]
         xt = x.reshape(-1, self.d_model)
         xs = magnitude_sparsify(xt, self.t_in)
-        if self._skips_rows(xt):
-            h = self.act_fn(skip_rows(xs, self.gate_proj.weight)) * skip_rows(xs, self.up_proj.weight)
-            y = skip_rows(magnitude_sparsify(h, self.t_mid), self.down_proj.weight)
+        if (product := self._row_product(xt)) is not None:
+            h = self.act_fn(product(xs, self.gate_proj.weight)) * product(xs, self.up_proj.weight)
+            y = product(magnitude_sparsify(h, self.t_mid), self.down_proj.weight)
         else:
             h = self.act_fn(self.gate_proj(xs)) * self.up_proj(xs)
             y = self.down_proj(magnitude_sparsify(h, self.t_mid))
         return y.reshape(*lead, self.d_model)
 
-    def _skips_rows(self, x: torch.Tensor) -> bool:
-        """The row-skipping kernel for a CPU decode step without a gradient on weights in the decode layout; the
-        dense products (the same values, zeros multiplied) otherwise."""
+    def _row_product(self, x: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """The row-skipping product ``(x [T, in], weight [out, in]) -> [T, out]`` for a CPU decode step without a
+        gradient on weights in the decode layout: the native kernel up to ``DECODE_TOKENS`` float32 tokens, torch's
+        ``skip_rows`` up to ``ROW_SKIP_MAX_TOKENS``; None otherwise (the dense products, the same values, zeros
+        multiplied)."""
         w = self.gate_proj.weight
-        return (x.device.type == "cpu" and x.shape[0] <= ROW_SKIP_MAX_TOKENS and x.shape[0] > 0
-                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-                and w.stride() == (1, w.shape[0]))
+        T = x.shape[0]
+        if (x.device.type != "cpu" or T == 0 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+                or w.stride() != (1, w.shape[0])):
+            return None
+        if (T <= DECODE_TOKENS and x.dtype == w.dtype == torch.float32 and native_library() is not None
+                and all(lin.weight.t().is_contiguous() for lin in (self.up_proj, self.down_proj))):
+            return lambda xs, weight: rows_matmul(xs, weight.t())
+        return skip_rows if T <= ROW_SKIP_MAX_TOKENS else None
