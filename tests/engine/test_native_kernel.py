@@ -235,3 +235,19 @@ def test_the_whole_block_call_gives_the_same_bits_each_time(monkeypatch):
     for _ in range(5):
         assert torch.equal(run(mod, x, "auto"), first)
     assert fused == [8] * 6
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_whole_block_call_on_wide_rows_and_odd_slices(threads, monkeypatch):
+    """d_model 100 (the shared down projection's column slices take the 24-wide tiles, the 8-wide ones and single
+    columns), a shared expert under down_keep, blocks of four tokens and single ones: == the reference loop."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    mod = kernel_moe("ridge", "weighted", d_model=100, d_shared=40, d_ffn=40 + 16 * 6, down_keep=0.5,
+                     skip_mean=torch.randn(16, 100))
+    fused: list[int] = []
+    calls(monkeypatch, fused)
+    g = torch.Generator().manual_seed(13)
+    for T in (1, 5, 8):
+        x = torch.randn(T, 100, generator=g)
+        torch.testing.assert_close(run(mod, x, "auto"), run(mod, x, "loop"), rtol=1e-5, atol=1e-5)
+    assert fused == [1, 5, 8]
