@@ -113,12 +113,12 @@ def main() -> None:
         layers = json.loads((v["dir"] / "config.json").read_text())["moe_layers"]
         record = json.loads((v["dir"] / "conversion.json").read_text())
         try:
-            # None: the table's per-layer times exceed its whole model's (a table measured on a busy machine)
-            predicted = {p: x["speedup"] and round(x["speedup"], 3) for p, x in predict(table, layers).items()}
+            # None: the table's per-layer times exceed its whole model's (a table measured on a busy machine); none
+            # for an unfused row: the table times the runtime as it runs, with the whole-block call
+            predicted = {} if name in unfused else {p: x["speedup"] and round(x["speedup"], 3)
+                                                    for p, x in predict(table, layers).items()}
         except ValueError as exc:
             predicted = {"note": str(exc)}
-        if name in unfused:  # the table times the runtime as it runs, with the whole-block call
-            predicted = {}
         rows.append({"variant": name, "recipe": v["recipe"], "sparsity": v["sparsity"], "options": v["options"],
                      "ffn_flops_fraction": record["summary"].get("ffn_flops_fraction"),
                      "convert_s": round(v["convert_s"], 1),
