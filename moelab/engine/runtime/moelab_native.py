@@ -436,6 +436,21 @@ void moelab_moe_prefill(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, i
     free(start); free(pairs); free(fill);
 }
 
+/* columns c0..c1 of out [T, n] += h_t · W (h_t: row t of h, stride hs, its first m entries; W: [m, n] storage), for
+   slice u of parts (c0, c1 multiples of 8 but the last), TB tokens at a time through down_block (only the rows some
+   token of a block has nonzero are read). rows: room for m indices */
+static void rows_slice(const float *h, int64_t hs, int64_t m, const float *W, int64_t n, int64_t u, int64_t parts,
+                       int64_t T, float *out, int64_t *rows) {
+    const int64_t c0 = n * u / parts / 8 * 8, c1 = u + 1 == parts ? n : n * (u + 1) / parts / 8 * 8;
+    float *outs[TB];
+    for (int64_t q0 = 0; q0 < T && c1 > c0;) {
+        const int nq = T - q0 >= TB ? TB : 1;
+        for (int q = 0; q < nq; q++) outs[q] = out + (q0 + q) * n + c0;
+        down_block(h + q0 * hs, hs, m, W + c0, c1 - c0, n, outs, nq == 1, rows);
+        q0 += nq;
+    }
+}
+
 /* out [T, n] = x [T, kin] · W (W: [kin, n] storage), reading only the rows of W that some token of a block of four
    has a nonzero input for (TEAL's row-skipping product, for a decode step of up to DECODE_TOKENS tokens: each row
    read is multiplied into four tokens at once); the threads share the output columns */
@@ -443,16 +458,8 @@ void moelab_rows_matmul(int64_t T, int64_t kin, int64_t n, const float *x, const
     memset(out, 0, sizeof(float) * T * n);
     #pragma omp parallel num_threads(nthreads)
     {
-        const int nth = omp_get_num_threads(), th = omp_get_thread_num();
-        const int64_t c0 = n * th / nth / 8 * 8, c1 = th + 1 == nth ? n : n * (th + 1) / nth / 8 * 8;
         int64_t *rows = malloc(sizeof(int64_t) * (kin + 1));
-        float *outs[TB];
-        for (int64_t q0 = 0; q0 < T && c1 > c0;) {
-            const int nq = T - q0 >= TB ? TB : 1;
-            for (int q = 0; q < nq; q++) outs[q] = out + (q0 + q) * n + c0;
-            down_block(x + q0 * kin, kin, kin, W + c0, c1 - c0, n, outs, nq == 1, rows);
-            q0 += nq;
-        }
+        rows_slice(x, kin, kin, W, n, omp_get_thread_num(), omp_get_num_threads(), T, out, rows);
         free(rows);
     }
 }
@@ -558,18 +565,11 @@ void moelab_moe_ffn_decode(int64_t T, int64_t d, int act, const float *x, int64_
         const int64_t rmax = m > ds ? m : ds;
         float *h = malloc(sizeof(float) * TB * m2 + 1), *mag = malloc(sizeof(float) * (m + 8));
         int64_t *rows = malloc(sizeof(int64_t) * (rmax + 1));
-        float *outs[TB];
         const int64_t slices = ds ? nth : 0;
         #pragma omp for schedule(static, 1) nowait
         for (int64_t u = 0; u < slices + n_used; u++) {
-            if (u < slices) {  /* outputs c0..c1 of the shared down projection, TB tokens at a time */
-                const int64_t c0 = d * u / slices / 8 * 8, c1 = u + 1 == slices ? d : d * (u + 1) / slices / 8 * 8;
-                for (int64_t q0 = 0; q0 < T;) {
-                    const int nq = T - q0 >= TB ? TB : 1;
-                    for (int q = 0; q < nq; q++) outs[q] = acc + (q0 + q) * d + c0;
-                    down_block(sh + q0 * ds2, ds2, ds, sd + c0, c1 - c0, d, outs, nq == 1, rows);
-                    q0 += nq;
-                }
+            if (u < slices) {  /* a slice of the shared down projection's outputs */
+                rows_slice(sh, ds2, ds, sd, d, u, slices, T, acc, rows);
                 continue;
             }
             const int64_t e = fill[u - slices];
