@@ -113,8 +113,7 @@ def main() -> None:
         layers = json.loads((v["dir"] / "config.json").read_text())["moe_layers"]
         record = json.loads((v["dir"] / "conversion.json").read_text())
         try:
-            # None: the table's per-layer times exceed its whole model's (a table measured on a busy machine); none
-            # for an unfused row: the table times the runtime as it runs, with the whole-block call
+            # none for an unfused row: the table times the runtime as it runs, with the whole-block call
             predicted = {} if name in unfused else {p: x["speedup"] and round(x["speedup"], 3)
                                                     for p, x in predict(table, layers).items()}
         except ValueError as exc:

@@ -1,5 +1,6 @@
 """A plan's speed predicted from measured kernel times (``core.speed_prediction``, ``evaluation.speed_table``): the fit
-recovers known costs, the prediction is the dense model less its FFNs plus the planned layers, tables are found and
+recovers known costs, the prediction scales the dense model's FFN share by the planned layers' time over the dense
+FFN's, the table measures that share with the model's FFNs zeroed in the same rounds, tables are found and
 cached per model and machine, a profile measures them once, a conversion records its prediction, and on the default
 model the prediction meets the measurement within 20%."""
 
@@ -30,7 +31,7 @@ def _grid_rows() -> list[dict]:
 
 def _table(rows: list[dict]) -> dict:
     phases = {p: {"tokens": t, "dense_model_s": 0.05 * t ** 0.5, "dense_ffn_s": float(layer_features({"kind": "dense", "d_ffn": 512}, t) @ COEF),
-                  "coef": fit(rows, t, p).tolist()} for p, t in (("decode_b1", 1), ("prefill", 512))}
+                  "ffn_share": 0.6, "coef": fit(rows, t, p).tolist()} for p, t in (("decode_b1", 1), ("prefill", 512))}
     return {"version": TABLE_VERSION, "model": {"source": "m"}, "d_ffn": 512, "n_layers": 4, "machine": "cpu: test", "dtype": "float32",
             "threads": 2, "measured_at": "2026-01-01T00:00:00+00:00", "phases": phases}
 
@@ -46,8 +47,10 @@ def test_the_fit_recovers_the_costs_and_the_prediction_adds_the_planned_layers()
     out = predict(table, plan)
     for phase, entry in table["phases"].items():
         t = entry["tokens"]
-        planned = sum(float(layer_features(l if l["kind"] == "moe" else {"kind": "dense", "d_ffn": 512}, t) @ COEF) for l in plan)
-        want = entry["dense_model_s"] - 4 * entry["dense_ffn_s"] + planned
+        # the model's FFNs take 60% of its time; each planned layer takes its time alone over the dense FFN's of that
+        ratios = [float(layer_features(l if l["kind"] == "moe" else {"kind": "dense", "d_ffn": 512}, t) @ COEF) / entry["dense_ffn_s"]
+                  for l in plan]
+        want = entry["dense_model_s"] * (0.4 + 0.6 * sum(ratios) / 4)
         assert out[phase]["seconds"] == pytest.approx(want, rel=1e-3)
         assert out[phase]["speedup"] == pytest.approx(entry["dense_model_s"] / want, rel=1e-3)
     # all layers dense: the dense model's own time
@@ -95,6 +98,17 @@ def test_a_batch_touches_fewer_experts_than_it_selects_and_down_rows_kept_count(
     assert half[3] == pytest.approx(one[3] * 2.5 / 3)
 
 
+def test_a_native_decode_step_reads_the_shared_experts_kept_down_rows_only():
+    """The whole-block decode call reads the kept rows of the shared down projection (``[d_shared, d]`` storage); a
+    prefill's GEMM, or the torch path, multiplies all of them."""
+    layer = {"kind": "moe", "d_shared": 300, "n_routed": 16, "expert_size": 32, "top_k": 4, "down_keep": 0.4}
+    whole = {**layer, "down_keep": 1.0}
+    for tokens in (1, 8):
+        assert layer_features(layer, tokens, native=True)[1] == pytest.approx(tokens * 300 * 2.4 / 3)
+        assert layer_features(whole, tokens, native=True)[1] == layer_features(layer, tokens)[1] == tokens * 300
+    assert layer_features(layer, 512, native=True)[1] == 512 * 300
+
+
 def test_plan_rows_become_layers_and_words_say_slower_phases():
     rows = [{"d_shared": 96, "n_routed": 60, "d_expert": 24, "top_k": 10}]
     assert plan_layers(rows, 0.5) == [{"kind": "moe", "d_shared": 96, "n_routed": 60, "expert_size": 24, "top_k": 10, "down_keep": 0.5}]
@@ -139,7 +153,8 @@ def test_a_profile_measures_the_table_once_and_a_conversion_records_its_predicti
     table = json.loads(path.read_text())
     assert table["model"]["source"] == prof.manifest["model"]["source"] and table["n_layers"] == 3
     assert len(table["grid"]) >= 8 and set(table["phases"]) == {"decode_b1", "decode_b8", "prefill"}
-    assert all(len(p["coef"]) == len(FEATURES) and p["dense_model_s"] > p["dense_ffn_s"] > 0 for p in table["phases"].values()), table["phases"]
+    assert all(len(p["coef"]) == len(FEATURES) and p["dense_model_s"] > p["dense_ffn_s"] > 0 and 0 <= p["ffn_share"] < 1
+               for p in table["phases"].values()), table["phases"]
     stamp = path.stat().st_mtime_ns
     run_profile(model, make_set(n=12, tasks=3, seed=2), tmp_path / "p2", ProfileSettings(max_tokens=32, batch_tokens=128),
                 samples=None, data_dir=data)

@@ -4,15 +4,17 @@ sliders move, without torch).
 The table (``evaluation.speed_table`` measures it once per model, machine, dtype and thread count, and caches it as
 JSON under ``<data_dir>/speed-tables/``) holds, per phase (``evaluation.speed``'s decode at batch 1 and 8, prefill):
 
-- the whole dense model's seconds, and one dense FFN layer's;
+- the whole dense model's seconds, the share of them its FFNs take (the model timed with and without them in the
+  same rounds), and one dense FFN layer's seconds;
 - the seconds of random-weight MoE FFN layers (moelab's runtime, its own kernels) over a grid of layouts, each
   layer's weights cycled through enough copies that they come from memory, not cache, as in a whole model.
 
 Per phase a layer's time is modelled as non-negative multiples of what it moves and computes (``FEATURES``: a fixed
 cost, the shared part's neurons, the routed neurons its tokens touch (weights read), the routed neuron-rows computed,
 the (token, expert) pairs, the router's scores), fitted by non-negative least squares to the grid. A plan's time is
-then the dense model's, less its dense FFN layers, plus each planned layer's predicted time; its speed is dense's
-time over that. Choice: routing is taken as uniform when counting the experts a batch touches (``E·(1-(1-k/E)^T)``);
+then the dense model's with its FFNs' share scaled by the mean over layers of each planned layer's predicted time over
+the dense FFN's, both timed alone (a layer inside the model runs slower than alone, and a ratio carries that over
+where a difference of seconds did not); its speed is dense's time over that. Choice: routing is taken as uniform when counting the experts a batch touches (``E·(1-(1-k/E)^T)``);
 a skewed router touches fewer, so batch-8 decode and prefill lean pessimistic.
 """
 
@@ -28,8 +30,9 @@ from typing import Any
 import numpy as np
 
 TABLE_DIR = "speed-tables"
-TABLE_VERSION = 6  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
-# 5: layouts timed as ratios to the dense FFN in the same rounds; 6: a decode step's whole block in one native call
+TABLE_VERSION = 7  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
+# 5: layouts timed as ratios to the dense FFN in the same rounds; 6: a decode step's whole block in one native call;
+# 7: the FFNs' share of the model measured, weights cycled past the largest cache, the shared expert's kept down rows
 FEATURES = ("fixed", "shared_neurons", "touched_neurons", "computed_rows", "pairs", "router_scores", "dense_rows")
 
 #: ``runtime.moelab_kernels``' CPU choice where the native kernels cannot run, mirrored here without torch
@@ -52,15 +55,18 @@ def layer_features(layer: Mapping[str, Any], tokens: int, native: bool = False) 
     n_routed, expert_size, top_k, down_keep) or ``{"kind": "dense", "d_ffn": D}`` (all of it shared). A layer that
     ``runs_dense`` computes all its routed rows in large GEMMs (``dense_rows``) and moves no (token, expert) pairs.
     ``native``: the native kernels run, whose prefill multiplies every down row of a selected expert (the rows a
-    token did not keep as zeros), so its computed rows do not shrink with ``down_keep``."""
+    token did not keep as zeros), so its computed rows do not shrink with ``down_keep``; at a decode step they read
+    only the kept down rows of the shared expert as of the routed ones (``down_keep`` applies to both)."""
     if layer.get("kind", "moe") == "dense":
         return np.array([1.0, tokens * float(layer["d_ffn"]), 0, 0, 0, 0, 0])
     e, m, k = int(layer.get("n_routed", 0)), int(layer.get("expert_size", 0)), int(layer.get("top_k", 0))
-    shared, scores = tokens * float(layer.get("d_shared", 0)), float(tokens * e) if k else 0.0
+    # gate and up rows whole, the down rows kept (all of them multiplied by the native prefill)
+    kept = (2 + float(layer.get("down_keep", 1.0))) / 3
+    down = 1.0 if native and tokens > GATHER_MAX_TOKENS else kept
+    shared = tokens * float(layer.get("d_shared", 0)) * (kept if native and tokens <= GATHER_MAX_TOKENS else 1.0)
+    scores = float(tokens * e) if k else 0.0
     if runs_dense(layer, tokens, native):
         return np.array([1.0, shared, 0, 0, 0, scores, float(tokens * e * m)])
-    # gate and up rows whole, the down rows kept (all of them multiplied by the native prefill)
-    down = 1.0 if native and tokens > GATHER_MAX_TOKENS else (2 + float(layer.get("down_keep", 1.0))) / 3
     touched = e * (1 - (1 - k / e) ** tokens) if e and k else 0.0
     return np.array([1.0, shared, touched * m * down, tokens * k * m * down, float(tokens * k), scores, 0.0])
 
@@ -86,9 +92,10 @@ def predict(table: Mapping[str, Any], layers: Sequence[Mapping[str, Any]]) -> di
     for phase, entry in table["phases"].items():
         coef = np.asarray(entry["coef"])
         tokens = int(entry["tokens"])
-        dense_ffn = [l if l.get("kind") != "dense" else {"kind": "dense", "d_ffn": table["d_ffn"]} for l in layers]
-        planned = sum(float(layer_features(l, tokens, bool(table.get("native"))) @ coef) for l in dense_ffn)
-        seconds = entry["dense_model_s"] - table["n_layers"] * entry["dense_ffn_s"] + planned
+        ratios = [1.0 if l.get("kind") == "dense" else float(layer_features(l, tokens, bool(table.get("native"))) @ coef)
+                  / entry["dense_ffn_s"] for l in layers]
+        share = entry["ffn_share"]
+        seconds = entry["dense_model_s"] * (1 - share + share * sum(ratios) / table["n_layers"])
         out[phase] = {"seconds": seconds, "dense_seconds": entry["dense_model_s"],
                       "speedup": entry["dense_model_s"] / seconds if seconds > 0 else None}
     return out

@@ -9,10 +9,10 @@ round r+1), so each ratio compares the same machine state:
 - ``decode_b8``: the same step for ``batch`` sequences at once (serving several users);
 - ``prefill``: one forward over ``prefill_tokens`` tokens of one sequence (reading a prompt).
 
-A phase's time is the median over ``repeats`` rounds (decode: seconds per step, the mean over its
-``decode_steps`` steps in that round), after one untimed warm-up round, so neither model pays
-first-call costs (allocator, lazily built kernels) in the numbers; within a round each phase times
-the models one after the other. ``speedup[name]`` is the median over rounds of the reference
+A phase's time is the median over ``repeats`` rounds (decode: seconds per step, the median over its
+``decode_steps`` steps in that round, the models' steps interleaved; prefill: the mean of two forwards
+each, in the order A B … B A), after one untimed warm-up round, so neither model pays first-call costs (allocator, lazily
+built kernels) in the numbers. ``speedup[name]`` is the median over rounds of the reference
 model's time over ``name``'s in the same round (``rounds`` keeps every round's seconds): a machine
 whose speed drifts over seconds (a shared host) moves both times of a round alike, where a ratio of
 the two medians would mix rounds. The tokens are real held-out text: routing, and so the
@@ -87,18 +87,29 @@ def _cache_kwarg(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
 
-def _decode_step_s(model: nn.Module, context: torch.Tensor, steps: int) -> float:
-    """Mean seconds of one cached greedy step after a prefill of ``context`` (untimed)."""
-    out = model(input_ids=context, use_cache=True)
-    cache, token = _cache(out), out.logits[:, -1:].argmax(-1)
-    kwarg = _cache_kwarg(model)
-    _sync(context.device)
-    t0 = time.perf_counter()
+def _decode_steps_s(models: Mapping[str, nn.Module], setups: Mapping[str, Callable[[], AbstractContextManager[Any]]],
+                    context: torch.Tensor, steps: int) -> dict[str, float]:
+    """Each model's median seconds of one cached greedy step after a prefill of ``context`` (untimed), the models'
+    steps interleaved (step s of every model, then step s + 1): a neighbour's burst on a shared host slows the steps
+    timed during it, a few of each model's, where timing one model's steps after the other's put it on one side."""
+    state = {}
+    for name, model in models.items():
+        with setups.get(name, contextlib.nullcontext)():
+            out = model(input_ids=context, use_cache=True)
+        state[name] = (_cache(out), out.logits[:, -1:].argmax(-1), _cache_kwarg(model))
+    seconds: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(steps):  # each step needs the previous one's token: a loop over steps, not over tokens in a step
-        out = model(input_ids=token, **{kwarg: cache}, use_cache=True)
-        cache, token = _cache(out), out.logits[:, -1:].argmax(-1)
-    _sync(context.device)
-    return (time.perf_counter() - t0) / steps
+        for name, model in models.items():
+            cache, token, kwarg = state[name]
+            with setups.get(name, contextlib.nullcontext)():
+                _sync(context.device)
+                t0 = time.perf_counter()
+                out = model(input_ids=token, **{kwarg: cache}, use_cache=True)
+                cache, token = _cache(out), out.logits[:, -1:].argmax(-1)
+                _sync(context.device)
+                seconds[name].append(time.perf_counter() - t0)
+            state[name] = (cache, token, kwarg)
+    return {name: statistics.median(ts) for name, ts in seconds.items()}
 
 
 def _prefill_s(model: nn.Module, ids: torch.Tensor) -> float:
@@ -139,19 +150,20 @@ def time_phases(models: Mapping[str, nn.Module], tokens: torch.Tensor, *, refere
         "prefill": _rows(tokens, 1, prefill).to(device),
     }
 
-    def once(model: nn.Module, phase: str) -> float:
-        if phase == "prefill":
-            return _prefill_s(model, inputs[phase])
-        return _decode_step_s(model, inputs[phase], protocol.decode_steps)
-
+    setups = setups or {}
     times: dict[str, dict[str, list[float]]] = {phase: {name: [] for name in models} for phase in PHASES}
     for round_ in range(protocol.repeats + 1):  # round 0 warms up
-        for phase in PHASES:  # the models one after the other within a phase: what is compared is timed close together
-            for name, model in models.items():
-                with (setups or {}).get(name, contextlib.nullcontext)():
-                    seconds = once(model, phase)
-                if round_:
-                    times[phase][name].append(seconds)
+        for phase in PHASES:  # what is compared is timed close together: decode steps interleaved, prefills in turn
+            if phase == "prefill":  # A B … B A: a drift over the round moves every model's mean alike
+                seconds = {name: 0.0 for name in models}
+                for name in [*models, *reversed(models)]:
+                    with setups.get(name, contextlib.nullcontext)():
+                        seconds[name] += _prefill_s(models[name], inputs[phase]) / 2
+            else:
+                seconds = _decode_steps_s(models, setups, inputs[phase], protocol.decode_steps)
+            if round_:
+                for name, s in seconds.items():
+                    times[phase][name].append(s)
     phases: dict[str, Any] = {}
     for phase in PHASES:
         median = {name: statistics.median(ts) for name, ts in times[phase].items()}

@@ -1,15 +1,19 @@
 """This machine's kernel times for a model, measured once and cached (``core.speed_prediction`` predicts from them).
 
-``measure_table`` times the whole dense model per phase (``evaluation.speed``), one dense FFN layer, and
-random-weight MoE FFN layers of moelab's runtime over a grid of layouts around the model's FFN width (expert sizes
-D/128 … D/8, shared shares 0.1–0.5, active shares 0.25–0.75, whole and half down rows), then fits each phase's
-coefficients. Each layout's weights are cycled through enough copies (≥ ``WORKING_SET_BYTES`` in all) that a call
-reads them from memory as a whole model's layer does, not from a cache the previous call warmed, and each layout is
-timed in the same rounds as the dense FFN, as a ratio to it (a busy or drifting machine moves both alike).
+``measure_table`` times the whole dense model per phase (``evaluation.speed``) and, in the same rounds, the same
+model with its FFNs returning zeros (so the FFNs' share of the model's time is a ratio measured in one process,
+where the difference of two separately timed numbers drifted by a fifth), one dense FFN layer, and random-weight MoE
+FFN layers of moelab's runtime over a grid of layouts around the model's FFN width (expert sizes D/128 … D/8, shared
+shares 0.1–0.5, active shares 0.25–0.75, whole and half down rows), then fits each phase's coefficients. Each
+layout's weights are cycled through enough copies (``working_set_bytes``: at least twice the largest CPU cache) that
+a call reads them from memory as a whole model's layer does, not from a cache the previous calls warmed (a 300 MiB
+L3 held 18 copies of the default model's dense FFN, and the table's FFNs ran 15% faster than the model's), and each
+layout is timed in the same rounds as the dense FFN, as a ratio to it (a busy or drifting machine moves both alike).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime as dt
 import json
@@ -17,6 +21,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,8 +35,24 @@ from ..runtime.moelab_moe import MoeFFN
 from .speed import SpeedProtocol, time_phases
 
 WORKING_SET_BYTES = 192 << 20
-MAX_COPIES = 24
+MAX_COPIES = 128
 PHASE_TOKENS = {"decode_b1": 1, "decode_b8": 8}  # prefill: the protocol's prefill tokens
+
+
+def largest_cache_bytes() -> int:
+    """The largest CPU cache this machine reports (Linux sysfs; 0 where it says nothing)."""
+    sizes = [0]
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip().upper() if path.exists() else ""
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        with contextlib.suppress(ValueError):
+            sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes)
+
+
+def working_set_bytes(device: torch.device) -> int:
+    """Bytes of weights a decode timing cycles through: enough that none of them is still cached from the last call."""
+    return WORKING_SET_BYTES if device.type != "cpu" else max(WORKING_SET_BYTES, 2 * largest_cache_bytes())
 
 
 def grid(d_ffn: int) -> list[dict[str, Any]]:
@@ -61,7 +82,7 @@ def _round_times(makes: list[Any], d_model: int, tokens: dict[str, int], device:
     for make in makes:
         first = make().to(device=device, dtype=dtype).eval()
         size = sum(p.numel() * p.element_size() for p in first.parameters())
-        n = min(MAX_COPIES, max(1, WORKING_SET_BYTES // max(1, size)))
+        n = min(MAX_COPIES, max(1, -(-working_set_bytes(device) // max(1, size))))
         families.append([first] + [copy.deepcopy(first) for _ in range(n - 1)])
     out: dict[str, list[list[float]]] = {}
     gen = torch.Generator().manual_seed(0)
@@ -103,6 +124,28 @@ def machine_name(device: torch.device) -> str:
     return f"cpu: {platform.node()} {platform.processor() or platform.machine()}"
 
 
+class _ZeroFFN(nn.Module):
+    """An FFN that adds nothing: the model around it is the part a conversion does not change."""
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+
+@contextlib.contextmanager
+def without_ffns(model: nn.Module) -> Iterator[None]:
+    """``model`` with every decoder layer's FFN returning zeros, for the time of the block."""
+    layers = decoder_layers(model)
+    name = "mlp" if hasattr(layers[0], "mlp") else "feed_forward"
+    originals = [getattr(layer, name) for layer in layers]
+    try:
+        for layer in layers:
+            setattr(layer, name, _ZeroFFN())
+        yield
+    finally:
+        for layer, ffn in zip(layers, originals):
+            setattr(layer, name, ffn)
+
+
 #: the dense model's own phases, timed quicker than an evaluation's (the table is a prediction's basis, not a result)
 TABLE_PROTOCOL = SpeedProtocol(repeats=2, decode_steps=8)
 
@@ -113,7 +156,7 @@ def measure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], 
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     d_model, d_ffn = int(info["d_model"]), int(info["d_ffn"])
-    whole = time_phases({"dense": model}, tokens, protocol=protocol)
+    whole = time_phases({"dense": model, "no_ffn": model}, tokens, protocol=protocol, setups={"no_ffn": lambda: without_ffns(model)})
     tokens_by_phase = {**PHASE_TOKENS, "prefill": int(whole["phases"]["prefill"]["tokens"])}
     own = decoder_layers(model)[0]
     mlp = own.mlp if hasattr(own, "mlp") else own.feed_forward  # the dense FFN a conversion replaces, as the model runs it
@@ -128,8 +171,9 @@ def measure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], 
     native = device.type == "cpu" and dtype == torch.float32 and moelab_native.library() is not None
     phases = {}
     for phase, t in tokens_by_phase.items():
-        phases[phase] = {"tokens": t, "dense_model_s": whole["phases"][phase]["seconds"]["dense"], "dense_ffn_s": dense_ffn[phase],
-                         "coef": fit(rows, t, phase, native).tolist()}
+        timed = whole["phases"][phase]
+        phases[phase] = {"tokens": t, "dense_model_s": timed["seconds"]["dense"], "dense_ffn_s": dense_ffn[phase],
+                         "ffn_share": max(0.0, 1 - 1 / timed["speedup"]["no_ffn"]), "coef": fit(rows, t, phase, native).tolist()}
     return {"version": TABLE_VERSION, "native": native, "model": {k: info[k] for k in ("source", "d_model", "d_ffn", "n_layers")},
             "d_ffn": d_ffn, "n_layers": int(info["n_layers"]), "machine": machine_name(device),
             "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
