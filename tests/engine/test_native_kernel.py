@@ -23,7 +23,7 @@ def kernel_cache(tmp_path_factory, monkeypatch):
 
 def calls(monkeypatch, fused: list[int] | None = None) -> list[int]:
     """Counts the native kernels' calls (tokens per call) from now on: the routed experts' (``moe_routed``) and the
-    whole block's at a decode step (``moe_ffn_decode``), those also in ``fused`` when given."""
+    whole block's at a decode step (``FusedDecode``, ``moe_ffn_decode``'s kept arguments), those also in ``fused`` when given."""
     seen: list[int] = []
 
     def counting(real, into):
@@ -34,8 +34,14 @@ def calls(monkeypatch, fused: list[int] | None = None) -> list[int]:
         return counted
 
     monkeypatch.setattr("moelab.engine.runtime.moelab_moe.moe_routed", counting(moelab_native.moe_routed, [seen]))
-    monkeypatch.setattr("moelab.engine.runtime.moelab_moe.moe_ffn_decode",
-                        counting(moelab_native.moe_ffn_decode, [seen] + ([fused] if fused is not None else [])))
+    real_call = moelab_native.FusedDecode.__call__
+
+    def fused_call(self, x):
+        for out in [seen] + ([fused] if fused is not None else []):
+            out.append(x.shape[0])
+        return real_call(self, x)
+
+    monkeypatch.setattr(moelab_native.FusedDecode, "__call__", fused_call)
     return seen
 
 
@@ -251,3 +257,53 @@ def test_the_whole_block_call_on_wide_rows_and_odd_slices(threads, monkeypatch):
         x = torch.randn(T, 100, generator=g)
         torch.testing.assert_close(run(mod, x, "auto"), run(mod, x, "loop"), rtol=1e-5, atol=1e-5)
     assert fused == [1, 5, 8]
+
+
+def test_the_kept_whole_block_call_follows_the_layers_weights_and_settings(monkeypatch):
+    """``MoeFFN`` keeps its checked call (``FusedDecode``) from step to step; a weight's data replaced (as
+    ``realign_parameters`` does), a Parameter replaced, another top-k, or the native kernels switched off are each
+    seen at the next step: == the reference loop every time, through the call while it applies."""
+    from moelab.engine.runtime.moelab_kernels import decode_layout
+
+    mod = kernel_moe("ridge", "weighted", d_shared=40, d_ffn=104, down_keep=0.5, skip_mean=torch.randn(16, 32))
+    fused: list[int] = []
+    calls(monkeypatch, fused)
+    x = torch.randn(3, 32)
+
+    def step_equals_the_loop():
+        torch.testing.assert_close(run(mod, x, "auto"), run(mod, x, "loop"), rtol=1e-5, atol=1e-5)
+
+    step_equals_the_loop()
+    mod.experts.down_proj.data = decode_layout(mod.experts.down_proj.data.contiguous() * 2)
+    step_equals_the_loop()
+    mod.router_weight = torch.nn.Parameter(-mod.router_weight.detach())
+    step_equals_the_loop()
+    mod.shared_up.weight.data = mod.shared_up.weight.data * 3
+    mod.skip_mean.data = mod.skip_mean.data + 1
+    step_equals_the_loop()
+    mod.top_k = 2
+    step_equals_the_loop()
+    assert fused == [3] * 5
+    monkeypatch.setenv("MOELAB_NATIVE_KERNELS", "0")
+    step_equals_the_loop()
+    assert fused == [3] * 5
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+@pytest.mark.parametrize("combine", ["sum", "weighted"])
+@pytest.mark.parametrize("down_keep", [1.0, 0.5])
+def test_a_prefill_that_selects_most_experts_runs_them_all_in_two_gemms(act, combine, down_keep, monkeypatch):
+    """Past a decode step, where each token selects ``NATIVE_DENSE_SHARE`` of the experts or more, the routed experts
+    run as two GEMMs over all of them with the selected ones' kept products between (``_routed_dense``), with the
+    skipped experts' means: == the reference loop; below that share the pairs kernel runs."""
+    E = 16
+    dense_k = int(moelab_native.NATIVE_DENSE_SHARE * E + 0.999)
+    dense_calls: list[int] = []
+    real = moelab_native._routed_dense
+    monkeypatch.setattr(moelab_native, "_routed_dense", lambda x, *a: dense_calls.append(x.shape[0]) or real(x, *a))
+    x = torch.randn(40, 32)
+    for k in (dense_k - 1, dense_k, E - 1):
+        mod = kernel_moe("ridge", combine, act=act, top_k=k, down_keep=down_keep, skip_mean=torch.randn(E, 32))
+        torch.testing.assert_close(run(mod, x, "auto"), run(mod, x, "loop"), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(run(mod, x[:5], "auto"), run(mod, x[:5], "loop"), rtol=1e-5, atol=1e-5)
+    assert dense_calls == [40, 40]

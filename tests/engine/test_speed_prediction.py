@@ -80,10 +80,19 @@ def test_the_prediction_runs_the_kernels_the_runtime_chooses():
 
 
 def test_where_the_native_kernels_run_a_prefill_computes_the_selected_pairs_with_their_down_rows_whole():
-    """The native kernels (the table says whether they ran when it was measured) compute the selected pairs only, at
-    every size, and their prefill multiplies every down row of a selected expert; a decode step reads the kept ones."""
+    """The native kernels (the table says whether they ran when it was measured) compute the selected pairs only
+    below ``NATIVE_DENSE_SHARE`` (every expert from there, at a prefill), and their prefill multiplies every down
+    row of a selected expert; a decode step reads the kept ones."""
+    from moelab.engine.runtime import moelab_native
+
+    from moelab.engine.core import speed_prediction
+
+    assert speed_prediction.NATIVE_DENSE_SHARE == moelab_native.NATIVE_DENSE_SHARE
     layer = {"kind": "moe", "d_shared": 0, "n_routed": 128, "expert_size": 12, "top_k": 40, "down_keep": 0.5}
     assert runs_dense(layer, 512) and not runs_dense(layer, 512, native=True)
+    most = {**layer, "top_k": 64}  # half the experts selected: every expert in two GEMMs at a prefill, pairs at a step
+    assert runs_dense(most, 512, native=True) and not runs_dense(most, 8, native=True)
+    assert layer_features(most, 512, native=True)[6] == 512 * 128 * 12
     prefill, step = layer_features(layer, 512, native=True), layer_features(layer, 1, native=True)
     assert prefill[6] == 0 and prefill[3] == 512 * 40 * 12 and prefill[4] == 512 * 40
     assert step[3] == pytest.approx(40 * 12 * 2.5 / 3) and (step == layer_features(layer, 1)).all()

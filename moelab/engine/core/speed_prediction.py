@@ -32,7 +32,8 @@ import numpy as np
 TABLE_DIR = "speed-tables"
 TABLE_VERSION = 7  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
 # 5: layouts timed as ratios to the dense FFN in the same rounds; 6: a decode step's whole block in one native call;
-# 7: the FFNs' share of the model measured, weights cycled past the largest cache, the shared expert's kept down rows
+# 7: the FFNs' share of the model measured, weights cycled past the largest cache, the shared expert's kept down rows,
+# a native prefill's two GEMMs where most experts are selected
 FEATURES = ("fixed", "shared_neurons", "touched_neurons", "computed_rows", "pairs", "router_scores", "dense_rows")
 
 #: ``runtime.moelab_kernels``' CPU choice where the native kernels cannot run, mirrored here without torch
@@ -41,13 +42,18 @@ FEATURES = ("fixed", "shared_neurons", "touched_neurons", "computed_rows", "pair
 GATHER_MAX_TOKENS = 8
 DENSE_SHARE = 0.1
 DENSE_NEURONS = 100
+#: ``runtime.moelab_native``'s: with the native kernels, above GATHER_MAX_TOKENS tokens every routed expert runs in two
+#: GEMMs once the selected share k/E reaches this
+NATIVE_DENSE_SHARE = 0.4
 
 
 def runs_dense(layer: Mapping[str, Any], tokens: int, native: bool = False) -> bool:
-    """Whether the runtime computes every routed expert of ``layer`` for ``tokens`` tokens (the ``dense`` kernel);
-    ``native``: the native kernels run (they compute the selected pairs only, at every size)."""
+    """Whether the runtime computes every routed expert of ``layer`` for ``tokens`` tokens (two GEMMs over all of
+    them, the unselected ones zeroed); ``native``: the native kernels run, which compute the selected pairs only
+    below ``NATIVE_DENSE_SHARE``."""
     e, m, k = int(layer.get("n_routed", 0)), int(layer.get("expert_size", 0)), int(layer.get("top_k", 0))
-    return not native and tokens > GATHER_MAX_TOKENS and 0 < k < e and k >= e * (DENSE_SHARE + m / DENSE_NEURONS)
+    share = NATIVE_DENSE_SHARE if native else DENSE_SHARE + m / DENSE_NEURONS
+    return tokens > GATHER_MAX_TOKENS and 0 < k < e and k >= e * share
 
 
 def layer_features(layer: Mapping[str, Any], tokens: int, native: bool = False) -> np.ndarray:

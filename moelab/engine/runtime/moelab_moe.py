@@ -53,8 +53,8 @@ from transformers.activations import ACT2FN
 from .moelab_compat import load_legacy_expert_keys, register_load_pre_hook
 from .moelab_kernels import (EXPERTS_IMPLS, decode_layout, every_expert, keep_largest, per_expert, row_major_t, run_kernel,
                              select_kernel)
-from .moelab_native import DECODE_TOKENS, FUSED_COMBINES, FUSED_MAX_EXPERTS, glu_keep, moe_ffn_decode, moe_routed
-from .moelab_native import usable as native_usable
+from .moelab_native import DECODE_TOKENS, FUSED_COMBINES, FUSED_MAX_EXPERTS, FusedDecode, glu_keep, moe_routed
+from .moelab_native import library as native_library, usable as native_usable
 from .moelab_routers import COMBINES, ffn_macs, kept, router_kind
 
 DISPATCHES = ("auto", "loop", "padded")
@@ -472,9 +472,39 @@ class MoeFFN(nn.Module):
         selected experts best first)``, or None where it does not apply: a router whose scores are not linear, the
         scaled combine, expert groups, a shared expert wrapped by an adapter or not in the decode layout, and
         wherever ``_native_routed`` says no. Some ten torch calls and thread-pool forks a layer become one, with
-        two barriers: the 30 FFNs of ``--recipe best`` at 0.5, one token, 9.3 ms against 15.0 ms (docs/runtime.md)."""
+        two barriers: the 30 FFNs of ``--recipe best`` at 0.5, one token, 9.3 ms against 15.0 ms (docs/runtime.md).
+        The checks and the call's arguments are kept (``_fused_call``) while the weights, their storage and the
+        settings they were made from stay the same objects; a gradient is looked for at every call."""
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        key, weights = self._fused_inputs()
+        kept = self.__dict__.get("_fused_kept")
+        if kept is None or kept[0] != key:
+            with torch.no_grad():  # what is checked once is the layout; a gradient, at every call
+                kept = (key, self._fused_call(x))
+            self.__dict__["_fused_kept"] = kept
+        call = kept[1]
+        if call is None or (torch.is_grad_enabled() and _needs_grad(x, *weights)):
+            return None
+        return call(x)
+
+    def _fused_inputs(self) -> tuple[tuple[Any, ...], list[torch.Tensor | None]]:
+        """What ``_fused_call`` reads, as a key (the settings, the modules' types, where each weight's data lies: a
+        ``.data`` assigned, as ``realign_parameters`` does, moves it) and the weights; read from the modules' dicts
+        (``nn.Module.__getattr__`` cost more than the call they check)."""
+        modules = self._modules
+        experts, router = modules["experts"], modules["router"]
+        lins = [modules["shared_gate"], modules["shared_up"], modules["shared_down"]] if self.d_shared else []
+        weights = [*(router.scorer.linear(self) or ()), *experts._parameters.values(),
+                   *(lin._parameters.get("weight") for lin in lins), self._buffers.get("skip_mean")]
+        return ((native_library(), router.scorer, router.groups is None, self.combine, self.top_k, self.shared_keep, self.act,
+                 self.compensated, type(experts), experts.experts_impl, experts.down_keep, *map(type, lins),
+                 *(None if w is None else w.data_ptr() for w in weights)), weights)
+
+    def _fused_call(self, x: torch.Tensor) -> FusedDecode | None:
+        """The checked call of ``_fused_decode``, or None where it does not apply (gradients aside)."""
         linear = self.router.scorer.linear(self)
-        if (linear is None or self.combine not in FUSED_COMBINES or self.router.groups is not None
+        if (linear is None or type(self.experts) is not MoeExperts or self.combine not in FUSED_COMBINES or self.router.groups is not None
                 or self.n_routed > FUSED_MAX_EXPERTS or not self._native_routed(x, None)):
             return None
         rw, rb = linear
@@ -488,13 +518,12 @@ class MoeFFN(nn.Module):
             if not (sg.is_contiguous() and su.is_contiguous() and sd.t().is_contiguous()
                     and sg.dtype == su.dtype == sd.dtype == torch.float32):
                 return None
-        if (_needs_grad(rw, rb, *(shared or ())) or not rw.is_contiguous() or rw.dtype != torch.float32
-                or (rb is not None and rb.dtype != torch.float32)):
+        if not rw.is_contiguous() or rw.dtype != torch.float32 or (rb is not None and rb.dtype != torch.float32):
             return None
         wgu, wd = self.experts.gate_up_proj, self.experts.down_proj
-        return moe_ffn_decode(x, shared, self.shared_keep, (rw, rb), self.top_k, self.combine, wgu.transpose(1, 2),
-                              wd.transpose(1, 2), self.expert_size, self.experts.down_keep, self.act,
-                              self.skip_mean if self.compensated else None)
+        return FusedDecode(shared, self.shared_keep, (rw, rb), self.top_k, self.combine, wgu.transpose(1, 2),
+                           wd.transpose(1, 2), self.expert_size, self.experts.down_keep, self.act,
+                           self.skip_mean if self.compensated else None)
 
     def _native_routed(self, x: torch.Tensor, weights: torch.Tensor | None) -> bool:
         """Whether this call's routed experts and compensation run ``moelab_native.moe_routed``: a CPU call

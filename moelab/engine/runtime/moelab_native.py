@@ -293,6 +293,31 @@ void moelab_glu_keep(int64_t T, int64_t n, int64_t keep, int act, const float *g
     }
 }
 
+/* between a prefill's two GEMMs over every routed expert (moe_routed past NATIVE_DENSE_SHARE): out [T, E·m] = each
+   token's selected experts' kept products act(gate)·up, scaled by their weights (wts [T, k] or NULL), zeros for the
+   experts it did not select; h [T, E·2m] the gate and up rows' values (expert e's gate at e·2m, its up at e·2m + m);
+   threads share the tokens */
+void moelab_select_keep(int64_t T, int64_t E, int64_t m, int64_t k, int64_t keep, int act, const float *h,
+                        const int64_t *top, const float *wts, float *out, int nthreads) {
+    const int64_t m2 = 2 * m;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float *buf = malloc(sizeof(float) * m2), *mag = malloc(sizeof(float) * (m + 8));
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            float *o = out + t * E * m;
+            memset(o, 0, sizeof(float) * E * m);
+            for (int64_t j = 0; j < k; j++) {
+                const int64_t e = top[t * k + j];
+                memcpy(buf, h + (t * E + e) * m2, sizeof(float) * m2);
+                kept_products(buf, mag, m, keep, act, wts ? wts[t * k + j] : 1.0f);
+                memcpy(o + e * m, buf, sizeof(float) * m);
+            }
+        }
+        free(buf); free(mag);
+    }
+}
+
 /* the P = T·k (token, expert) pairs of top grouped by expert: pairs[start[e] .. start[e+1]) are expert e's positions
    in top, token-ordered; fill: room for E numbers */
 static void group_by_expert(const int64_t *top, int64_t P, int64_t E, int64_t *start, int64_t *pairs, int64_t *fill) {
@@ -631,6 +656,9 @@ def _compile() -> ctypes.CDLL | None:
     decode.restype = prefill.restype = glu.restype = None
     decode.argtypes = prefill.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int]
     glu.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+    select = library.moelab_select_keep
+    select.restype = None
+    select.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int]
     rows = library.moelab_rows_matmul
     rows.restype = None
     rows.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
@@ -670,18 +698,42 @@ def moe_routed(x: torch.Tensor, top: torch.Tensor, weights: torch.Tensor | None,
     ``skip_mean [E, d]``, the sum of the means of the experts it skips. ``wgu_rows``: the gate/up blocks as
     ``[E, d, 2m]`` contiguous storage; ``wd_rows``: the down blocks as ``[E, m, d]`` contiguous storage.
     Up to ``DECODE_TOKENS`` tokens the selected experts are shared among the threads (a decode step reads
-    each selected block once); more tokens are shared among them (``moelab_moe_prefill``)."""
+    each selected block once); more tokens are shared among them (``moelab_moe_prefill``), or, where each selects
+    ``NATIVE_DENSE_SHARE`` of the experts or more, run every expert in two GEMMs (``_routed_dense``)."""
     T, k = top.shape
     E, d = wgu_rows.shape[0], wgu_rows.shape[1]
     x = x.contiguous()
     top = top.contiguous().to(torch.int64)
     if weights is not None:
         weights = weights.to(torch.float32).contiguous()
+    if T > DECODE_TOKENS and k >= NATIVE_DENSE_SHARE * E:
+        return _routed_dense(x, top, weights, wgu_rows, wd_rows, m, keep, act, skip_mean)
     out = torch.empty(T, d, dtype=torch.float32)
     run = library().moelab_moe_decode if T <= DECODE_TOKENS else library().moelab_moe_prefill
     run(T, k, E, d, m, min(keep, m), ACTIVATIONS[act], x.data_ptr(), top.data_ptr(),
         None if weights is None else weights.data_ptr(), wgu_rows.data_ptr(), wd_rows.data_ptr(),
         None if skip_mean is None else skip_mean.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+#: from this share of the routed experts selected per token, a prefill runs every expert in two GEMMs (the selected
+#: ones' kept products between them, zeros for the rest): 12-neuron experts at top-61 of 95 took 40 ms a 512-token
+#: layer by pairs against 22 ms for the dense FFN (2 threads, an AVX-512 Xeon); at top-30, 14 ms by pairs
+NATIVE_DENSE_SHARE = 0.4
+
+
+def _routed_dense(x: torch.Tensor, top: torch.Tensor, weights: torch.Tensor | None, wgu_rows: torch.Tensor,
+                  wd_rows: torch.Tensor, m: int, keep: int, act: str, skip_mean: torch.Tensor | None) -> torch.Tensor:
+    """``moe_routed`` for many tokens that select most experts: the gate and up rows of every expert in one GEMM,
+    each token's selected experts' kept products (``moelab_select_keep``), every expert's down rows in one GEMM."""
+    (T, k), (E, d) = top.shape, wgu_rows.shape[:2]
+    h = x @ wgu_rows.permute(1, 0, 2).reshape(d, E * 2 * m)  # [E, d, 2m] storage -> [d, E·2m]: one copy a call
+    kept = torch.empty(T, E * m, dtype=torch.float32)
+    library().moelab_select_keep(T, E, m, k, min(keep, m), ACTIVATIONS[act], h.data_ptr(), top.data_ptr(),
+                                 None if weights is None else weights.data_ptr(), kept.data_ptr(), torch.get_num_threads())
+    out = kept @ wd_rows.reshape(E * m, d)
+    if skip_mean is not None:  # Σ over the skipped experts' means: all of them less the selected ones
+        out += skip_mean.sum(0) - torch.nn.functional.embedding_bag(top, skip_mean, mode="sum")
     return out
 
 
@@ -703,6 +755,34 @@ FUSED_COMBINES = {"sum": 0, "weighted": 1, "normalized": 2}
 FUSED_MAX_EXPERTS = 512
 
 
+class FusedDecode:
+    """``moe_ffn_decode`` for one layer's weights, its arguments checked and converted once: a decode step's
+    Python work per layer is then two allocations and the call (the arguments built per call cost some 40 µs a
+    layer against the call's few hundred, ``MoeFFN._fused_decode`` keeps one per layer). It holds pointers, not the
+    tensors: the caller keeps them alive and builds a new one when any is replaced."""
+
+    def __init__(self, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, shared_keep: int,
+                 router: tuple[torch.Tensor, torch.Tensor | None], top_k: int, combine: str, wgu_rows: torch.Tensor,
+                 wd_rows: torch.Tensor, m: int, keep: int, act: str, skip_mean: torch.Tensor | None = None) -> None:
+        (sg, su, sd), ds = (shared, shared[0].shape[0]) if shared is not None else ((None, None, None), 0)
+        rw, rb = router
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        self.top_k, self.act = top_k, ACTIVATIONS[act]
+        self._run = library().moelab_moe_ffn_decode
+        middle = (ds, min(shared_keep, ds), ptr(sg), ptr(su), ptr(sd), wgu_rows.shape[0], top_k, rw.data_ptr(), ptr(rb),
+                  FUSED_COMBINES[combine], m, min(keep, m), wgu_rows.data_ptr(), wd_rows.data_ptr(), ptr(skip_mean))
+        # as ctypes values once, not converted at every call
+        self._middle = tuple(kind(v) for kind, v in zip(self._run.argtypes[4:], middle))
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T, d = x.shape
+        x = x.contiguous()
+        out = torch.empty(T, d, dtype=torch.float32)
+        top = torch.empty(T, self.top_k, dtype=torch.int64)
+        self._run(T, d, self.act, x.data_ptr(), *self._middle, out.data_ptr(), top.data_ptr(), torch.get_num_threads())
+        return out, top
+
+
 def moe_ffn_decode(x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, shared_keep: int,
                    router: tuple[torch.Tensor, torch.Tensor | None], top_k: int, combine: str, wgu_rows: torch.Tensor,
                    wd_rows: torch.Tensor, m: int, keep: int, act: str,
@@ -714,19 +794,7 @@ def moe_ffn_decode(x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, to
     ``moe_routed`` takes them. Returns the output and the selected experts ``[T, top_k]``, best first (ties: the
     lower index). Scores are summed in another order than torch's GEMM, so an expert whose score ties the k-th
     to float rounding may be selected where torch selects its rival."""
-    T, d = x.shape
-    E = wgu_rows.shape[0]
-    x = x.contiguous()
-    out = torch.empty(T, d, dtype=torch.float32)
-    top = torch.empty(T, top_k, dtype=torch.int64)
-    (sg, su, sd), ds = (shared, shared[0].shape[0]) if shared is not None else ((None, None, None), 0)
-    rw, rb = router
-    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    library().moelab_moe_ffn_decode(T, d, ACTIVATIONS[act], x.data_ptr(), ds, min(shared_keep, ds), ptr(sg), ptr(su),
-                                    ptr(sd), E, top_k, rw.data_ptr(), ptr(rb), FUSED_COMBINES[combine], m, min(keep, m),
-                                    wgu_rows.data_ptr(), wd_rows.data_ptr(), ptr(skip_mean), out.data_ptr(),
-                                    top.data_ptr(), torch.get_num_threads())
-    return out, top
+    return FusedDecode(shared, shared_keep, router, top_k, combine, wgu_rows, wd_rows, m, keep, act, skip_mean)(x)
 
 
 def rows_matmul(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
