@@ -494,6 +494,8 @@ class MoeFFN(nn.Module):
         (``nn.Module.__getattr__`` cost more than the call they check)."""
         modules = self._modules
         experts, router = modules["experts"], modules["router"]
+        if type(experts) is not MoeExperts:  # wrapped (peft's ParamWrapper) or parametrised: no whole-block call
+            return (type(experts),), []
         lins = [modules["shared_gate"], modules["shared_up"], modules["shared_down"]] if self.d_shared else []
         weights = [*(router.scorer.linear(self) or ()), *experts._parameters.values(),
                    *(lin._parameters.get("weight") for lin in lins), self._buffers.get("skip_mean")]
