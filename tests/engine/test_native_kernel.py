@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import io
 import shutil
 
 import pytest
@@ -284,9 +286,13 @@ def test_the_kept_whole_block_call_follows_the_layers_weights_and_settings(monke
     mod.top_k = 2
     step_equals_the_loop()
     assert fused == [3] * 5
+    copied = copy.deepcopy(mod)  # a layer that ran a decode step copies (and pickles) as any module does
+    torch.testing.assert_close(run(copied, x, "auto"), run(mod, x, "auto"), rtol=0, atol=0)
+    torch.save(copied, io.BytesIO())
+    assert fused == [3] * 7
     monkeypatch.setenv("MOELAB_NATIVE_KERNELS", "0")
     step_equals_the_loop()
-    assert fused == [3] * 5
+    assert fused == [3] * 7
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu"])

@@ -42,6 +42,7 @@ summation order).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -241,6 +242,11 @@ class MoeRouter(nn.Module):
         if combine == "scaled":  # CM §3.3: g_i = 1 + s'_i u_i (exactly 1 while u = 0)
             p = 1 + p * self.block.router_scale
         return p if top is None else p.gather(1, top)
+
+
+#: each MoeFFN's kept whole-block decode call (``MoeFFN._fused_decode``), outside the module: a copy or a pickle of
+#: a layer that has run a decode step would otherwise meet the call's ctypes pointers, which neither can take
+_FUSED_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class MoeFFN(nn.Module):
@@ -478,11 +484,12 @@ class MoeFFN(nn.Module):
         if x.dtype != torch.float32 or x.device.type != "cpu":
             return None
         key, weights = self._fused_inputs()
-        kept = self.__dict__.get("_fused_kept")
+        kept = _FUSED_KEPT.get(self)
         if kept is None or kept[0] != key:
             with torch.no_grad():  # what is checked once is the layout; a gradient, at every call
-                kept = (key, self._fused_call(x))
-            self.__dict__["_fused_kept"] = kept
+                # the weights are kept too: while the call holds their pointers, no new tensor can take their place
+                kept = (key, self._fused_call(x), weights)
+            _FUSED_KEPT[self] = kept
         call = kept[1]
         if call is None or (torch.is_grad_enabled() and _needs_grad(x, *weights)):
             return None
@@ -499,15 +506,15 @@ class MoeFFN(nn.Module):
         lins = [modules["shared_gate"], modules["shared_up"], modules["shared_down"]] if self.d_shared else []
         weights = [*(router.scorer.linear(self) or ()), *experts._parameters.values(),
                    *(lin._parameters.get("weight") for lin in lins), self._buffers.get("skip_mean")]
-        return ((native_library(), router.scorer, router.groups is None, self.combine, self.top_k, self.shared_keep, self.act,
-                 self.compensated, type(experts), experts.experts_impl, experts.down_keep, *map(type, lins),
+        return ((native_library(), router.scorer, router.groups is None, self.combine, self.top_k, self.shared_keep,
+                 self.act, self.compensated, type(experts), experts.experts_impl, experts.down_keep, *map(type, lins),
                  *(None if w is None else w.data_ptr() for w in weights)), weights)
 
     def _fused_call(self, x: torch.Tensor) -> FusedDecode | None:
         """The checked call of ``_fused_decode``, or None where it does not apply (gradients aside)."""
         linear = self.router.scorer.linear(self)
-        if (linear is None or type(self.experts) is not MoeExperts or self.combine not in FUSED_COMBINES or self.router.groups is not None
-                or self.n_routed > FUSED_MAX_EXPERTS or not self._native_routed(x, None)):
+        if (linear is None or type(self.experts) is not MoeExperts or self.combine not in FUSED_COMBINES
+                or self.router.groups is not None or self.n_routed > FUSED_MAX_EXPERTS or not self._native_routed(x, None)):
             return None
         rw, rb = linear
         shared = None
