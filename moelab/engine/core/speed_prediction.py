@@ -14,8 +14,9 @@ cost, the shared part's neurons, the routed neurons its tokens touch (weights re
 the (token, expert) pairs, the router's scores), fitted by non-negative least squares to the grid. A plan's time is
 then the dense model's with its FFNs' share scaled by the mean over layers of each planned layer's predicted time over
 the dense FFN's, both timed alone (a layer inside the model runs slower than alone, and a ratio carries that over
-where a difference of seconds did not); its speed is dense's time over that. Choice: routing is taken as uniform when counting the experts a batch touches (``E·(1-(1-k/E)^T)``);
-a skewed router touches fewer, so batch-8 decode and prefill lean pessimistic.
+where a difference of seconds did not); its speed is dense's time over that. Choice: routing is taken as uniform when
+counting the experts a batch touches (``E·(1-(1-k/E)^T)``); a skewed router touches fewer, so batch-8 decode and
+prefill lean pessimistic.
 """
 
 from __future__ import annotations

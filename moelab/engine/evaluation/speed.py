@@ -10,13 +10,13 @@ round r+1), so each ratio compares the same machine state:
 - ``prefill``: one forward over ``prefill_tokens`` tokens of one sequence (reading a prompt).
 
 A phase's time is the median over ``repeats`` rounds (decode: seconds per step, the median over its
-``decode_steps`` steps in that round, the models taking turns of a few steps; prefill: the mean of two forwards
-each, in the order A B … B A), after one untimed warm-up round, so neither model pays first-call costs (allocator, lazily
-built kernels) in the numbers. ``speedup[name]`` is the median over rounds of the reference
-model's time over ``name``'s in the same round (``rounds`` keeps every round's seconds): a machine
-whose speed drifts over seconds (a shared host) moves both times of a round alike, where a ratio of
-the two medians would mix rounds. The tokens are real held-out text: routing, and so the
-experts a batch touches, depends on the text.
+``decode_steps`` steps in that round, the models taking turns of a few steps; prefill: the mean of
+two forwards each, in the order A B … B A), after one untimed warm-up round, so neither model pays
+first-call costs (allocator, lazily built kernels) in the numbers. ``speedup[name]`` is the median
+over rounds of the reference model's time over ``name``'s in the same round (``rounds`` keeps every
+round's seconds): a machine whose speed drifts over seconds (a shared host) moves both times of a
+round alike, where a ratio of the two medians would mix rounds. The tokens are real held-out text:
+routing, and so the experts a batch touches, depends on the text.
 
 Choice (the issue asks for "decode at batch 1 and 8, prefill of 512"): the prefill is capped at
 the models' ``max_position_embeddings`` and at the text given (a short text is repeated to fill it),
@@ -160,8 +160,8 @@ def time_phases(models: Mapping[str, nn.Module], tokens: torch.Tensor, *, refere
     setups = setups or {}
     times: dict[str, dict[str, list[float]]] = {phase: {name: [] for name in models} for phase in PHASES}
     for round_ in range(protocol.repeats + 1):  # round 0 warms up
-        for phase in PHASES:  # what is compared is timed close together: decode steps interleaved, prefills in turn
-            if phase == "prefill":  # A B … B A: a drift over the round moves every model's mean alike
+        for phase in PHASES:  # what is compared is timed close together: decode steps in turns, prefills A B … B A
+            if phase == "prefill":  # a drift over the round moves every model's mean alike
                 seconds = {name: 0.0 for name in models}
                 for name in [*models, *reversed(models)]:
                     with setups.get(name, contextlib.nullcontext)():

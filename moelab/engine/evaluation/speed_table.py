@@ -29,7 +29,7 @@ from torch import nn
 
 from ..atomic import write_json_atomic
 from ..core.speed_prediction import TABLE_DIR, TABLE_VERSION, fit, table_key
-from ..runtime.modeling_moelab import decoder_layers
+from ..runtime.modeling_moelab import convert_in_place, decoder_layers, ffn_name
 from ..runtime import moelab_native
 from ..runtime.moelab_moe import MoeFFN
 from .speed import SpeedProtocol, time_phases
@@ -43,7 +43,7 @@ def largest_cache_bytes() -> int:
     """The largest CPU cache this machine reports (Linux sysfs; 0 where it says nothing)."""
     sizes = [0]
     for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = path.read_text().strip().upper() if path.exists() else ""
+        text = path.read_text().strip().upper()
         unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
         with contextlib.suppress(ValueError):
             sizes.append(int(text.rstrip("KMG")) * unit)
@@ -134,16 +134,12 @@ class _ZeroFFN(nn.Module):
 @contextlib.contextmanager
 def without_ffns(model: nn.Module) -> Iterator[None]:
     """``model`` with every decoder layer's FFN returning zeros, for the time of the block."""
-    layers = decoder_layers(model)
-    name = "mlp" if hasattr(layers[0], "mlp") else "feed_forward"
-    originals = [getattr(layer, name) for layer in layers]
+    originals = {i: getattr(layer, ffn_name(layer)) for i, layer in enumerate(decoder_layers(model))}
+    convert_in_place(model, {i: _ZeroFFN() for i in originals})
     try:
-        for layer in layers:
-            setattr(layer, name, _ZeroFFN())
         yield
     finally:
-        for layer, ffn in zip(layers, originals):
-            setattr(layer, name, ffn)
+        convert_in_place(model, originals)
 
 
 #: the dense model's own phases, timed quicker than an evaluation's (the table is a prediction's basis, not a result)
@@ -156,10 +152,11 @@ def measure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], 
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     d_model, d_ffn = int(info["d_model"]), int(info["d_ffn"])
-    whole = time_phases({"dense": model, "no_ffn": model}, tokens, protocol=protocol, setups={"no_ffn": lambda: without_ffns(model)})
+    whole = time_phases({"dense": model, "no_ffn": model}, tokens, protocol=protocol,
+                        setups={"no_ffn": lambda: without_ffns(model)})
     tokens_by_phase = {**PHASE_TOKENS, "prefill": int(whole["phases"]["prefill"]["tokens"])}
     own = decoder_layers(model)[0]
-    mlp = own.mlp if hasattr(own, "mlp") else own.feed_forward  # the dense FFN a conversion replaces, as the model runs it
+    mlp = getattr(own, ffn_name(own))  # the dense FFN a conversion replaces, as the model runs it
     dense = lambda: copy.deepcopy(mlp)  # noqa: E731
     dense_ffn = {phase: statistics.median(r[0] for r in rounds)
                  for phase, rounds in _round_times([dense], d_model, tokens_by_phase, device, dtype, repeats).items()}

@@ -83,6 +83,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def ffn_name(block: nn.Module) -> str:
+    """The attribute of a decoder layer that holds its FFN (``mlp``; ``feed_forward`` in some families)."""
+    return "mlp" if hasattr(block, "mlp") else "feed_forward"
+
+
 def convert_in_place(model: nn.Module, layer_modules: dict[int, nn.Module | None]) -> nn.Module:
     """Replace ``layers[i].mlp`` by ``layer_modules[i]`` (None keeps the layer dense); a
     ``HierarchicalExperts`` replaces ``layers[i].mlp.experts`` instead."""
@@ -96,8 +101,7 @@ def convert_in_place(model: nn.Module, layer_modules: dict[int, nn.Module | None
         if isinstance(mod, HierarchicalExperts):
             set_experts(block, mod, int(i))
             continue
-        attr = "mlp" if hasattr(block, "mlp") else "feed_forward"
-        setattr(block, attr, mod)
+        setattr(block, ffn_name(block), mod)
     return model
 
 

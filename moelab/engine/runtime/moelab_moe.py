@@ -54,7 +54,8 @@ from transformers.activations import ACT2FN
 from .moelab_compat import load_legacy_expert_keys, register_load_pre_hook
 from .moelab_kernels import (EXPERTS_IMPLS, decode_layout, every_expert, keep_largest, per_expert, row_major_t, run_kernel,
                              select_kernel)
-from .moelab_native import DECODE_TOKENS, FUSED_COMBINES, FUSED_MAX_EXPERTS, FusedDecode, glu_keep, moe_routed
+from .moelab_native import (DECODE_TOKENS, FUSED_COMBINES, FUSED_MAX_EXPERTS, FusedDecode, glu_keep, moe_routed,
+                            skipped_means)
 from .moelab_native import library as native_library, usable as native_usable
 from .moelab_routers import COMBINES, ffn_macs, kept, router_kind
 
@@ -467,10 +468,8 @@ class MoeFFN(nn.Module):
                                self.experts.down_keep, self.act, self.skip_mean if self.compensated else None)
             return y.reshape(x.shape)
         y = y + self.experts(xt, top, weights, act_gate)
-        if self.compensated:  # Σ_{e∉top} μ_e as (Σ_e μ_e) − Σ_{e∈top} μ_e: k + 1 additions per token
-            # summed as they are read (embedding_bag): ``skip_mean[top]`` wrote [T, k, d] first, 4 ms
-            # against 200 ms a layer for 1,024 tokens at top-91 of 128
-            y = y + (self.skip_mean.sum(0) - F.embedding_bag(top, self.skip_mean, mode="sum"))
+        if self.compensated:
+            y = y + skipped_means(top, self.skip_mean)
         return y.reshape(x.shape)
 
     def _fused_decode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
