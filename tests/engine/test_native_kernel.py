@@ -313,3 +313,9 @@ def test_a_prefill_that_selects_most_experts_runs_them_all_in_two_gemms(act, com
         torch.testing.assert_close(run(mod, x, "auto"), run(mod, x, "loop"), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(run(mod, x[:5], "auto"), run(mod, x[:5], "loop"), rtol=1e-5, atol=1e-5)
     assert dense_calls == [40, 40]
+    long_k = int(moelab_native.NATIVE_DENSE_SHARE_LONG * E + 0.999)
+    assert long_k < dense_k  # a long prefill takes the GEMMs from a lower share
+    mod = kernel_moe("ridge", combine, act=act, top_k=long_k, down_keep=down_keep, skip_mean=torch.randn(E, 32))
+    x = torch.randn(moelab_native.NATIVE_LONG_TOKENS + 1, 32)
+    torch.testing.assert_close(run(mod, x, "auto"), run(mod, x, "loop"), rtol=1e-5, atol=1e-5)
+    assert dense_calls == [40, 40, x.shape[0]]

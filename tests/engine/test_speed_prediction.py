@@ -87,12 +87,15 @@ def test_where_the_native_kernels_run_a_prefill_computes_the_selected_pairs_with
 
     from moelab.engine.core import speed_prediction
 
-    assert speed_prediction.NATIVE_DENSE_SHARE == moelab_native.NATIVE_DENSE_SHARE
+    for name in ("NATIVE_DENSE_SHARE", "NATIVE_DENSE_SHARE_LONG", "NATIVE_LONG_TOKENS"):
+        assert getattr(speed_prediction, name) == getattr(moelab_native, name)
     layer = {"kind": "moe", "d_shared": 0, "n_routed": 128, "expert_size": 12, "top_k": 40, "down_keep": 0.5}
     assert runs_dense(layer, 512) and not runs_dense(layer, 512, native=True)
-    most = {**layer, "top_k": 64}  # half the experts selected: every expert in two GEMMs at a prefill, pairs at a step
+    most = {**layer, "top_k": 96}  # 3/4 of the experts selected: every expert in two GEMMs at a prefill, pairs at a step
     assert runs_dense(most, 512, native=True) and not runs_dense(most, 8, native=True)
     assert layer_features(most, 512, native=True)[6] == 512 * 128 * 12
+    many = {**layer, "top_k": 80}  # 5/8: pairs at 512 tokens, two GEMMs at 2,048
+    assert not runs_dense(many, 512, native=True) and runs_dense(many, 2048, native=True)
     prefill, step = layer_features(layer, 512, native=True), layer_features(layer, 1, native=True)
     assert prefill[6] == 0 and prefill[3] == 512 * 40 * 12 and prefill[4] == 512 * 40
     assert step[3] == pytest.approx(40 * 12 * 2.5 / 3) and (step == layer_features(layer, 1)).all()
@@ -205,3 +208,20 @@ def test_on_the_default_model_the_prediction_meets_the_measurement_within_20_per
     print("predicted, measured speed-up per phase:", seen, f"({torch.get_num_threads()} threads)")
     for phase, (want, got) in seen.items():
         assert want == pytest.approx(got, rel=0.2), seen
+
+
+def test_a_new_build_of_the_native_kernels_is_timed_again(tmp_path, monkeypatch):
+    """The cached table belongs to the kernels it timed: a changed kernel source (or flags, or CPU) measures anew."""
+    from moelab.engine.evaluation import speed_table
+    from moelab.engine.runtime import moelab_native
+
+    if moelab_native.library() is None:
+        pytest.skip("no native kernels on this machine")
+    measured = []
+    monkeypatch.setattr(speed_table, "measure_table", lambda model, tokens, info: measured.append(1) or {"n": len(measured)})
+    model, info = torch.nn.Linear(4, 4), {"source": "m", "d_model": 4, "d_ffn": 8, "n_layers": 1}
+    assert speed_table.ensure_table(model, None, info, tmp_path) == {"n": 1}
+    assert speed_table.ensure_table(model, None, info, tmp_path) == {"n": 1}  # cached
+    monkeypatch.setattr(moelab_native, "build_key", lambda: "another build")
+    assert speed_table.ensure_table(model, None, info, tmp_path) == {"n": 2}
+    assert len(list((tmp_path / TABLE_DIR).glob("*.json"))) == 2

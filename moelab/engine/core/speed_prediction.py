@@ -44,16 +44,19 @@ GATHER_MAX_TOKENS = 8
 DENSE_SHARE = 0.1
 DENSE_NEURONS = 100
 #: ``runtime.moelab_native``'s: with the native kernels, above GATHER_MAX_TOKENS tokens every routed expert runs in two
-#: GEMMs once the selected share k/E reaches this
-NATIVE_DENSE_SHARE = 0.4
+#: GEMMs once the selected share k/E reaches this (the lower one from NATIVE_LONG_TOKENS tokens on)
+NATIVE_DENSE_SHARE, NATIVE_DENSE_SHARE_LONG, NATIVE_LONG_TOKENS = 0.7, 0.55, 1024
 
 
 def runs_dense(layer: Mapping[str, Any], tokens: int, native: bool = False) -> bool:
     """Whether the runtime computes every routed expert of ``layer`` for ``tokens`` tokens (two GEMMs over all of
     them, the unselected ones zeroed); ``native``: the native kernels run, which compute the selected pairs only
-    below ``NATIVE_DENSE_SHARE``."""
+    below ``NATIVE_DENSE_SHARE`` (``NATIVE_DENSE_SHARE_LONG`` past ``NATIVE_LONG_TOKENS`` tokens)."""
     e, m, k = int(layer.get("n_routed", 0)), int(layer.get("expert_size", 0)), int(layer.get("top_k", 0))
-    share = NATIVE_DENSE_SHARE if native else DENSE_SHARE + m / DENSE_NEURONS
+    if native:
+        share = NATIVE_DENSE_SHARE if tokens <= NATIVE_LONG_TOKENS else NATIVE_DENSE_SHARE_LONG
+    else:
+        share = DENSE_SHARE + m / DENSE_NEURONS
     return tokens > GATHER_MAX_TOKENS and 0 < k < e and k >= e * share
 
 
@@ -115,10 +118,11 @@ def plan_layers(rows: Sequence[Mapping[str, Any]], down_keep: float = 1.0) -> li
              "top_k": int(r["top_k"]), "down_keep": float(down_keep)} for r in rows]
 
 
-def table_key(model: Mapping[str, Any], machine: str, dtype: str, threads: int) -> str:
-    """The file stem of a table: the model's source and shape, the machine, dtype and threads."""
+def table_key(model: Mapping[str, Any], machine: str, dtype: str, threads: int, kernels: str = "") -> str:
+    """The file stem of a table: the model's source and shape, the machine, dtype and threads, and the build of the
+    native kernels it timed (``kernels``: a changed kernel is timed again, not predicted from its predecessor)."""
     raw = json.dumps([model.get("source"), model.get("d_model"), model.get("d_ffn"), model.get("n_layers"), machine, dtype,
-                      int(threads), TABLE_VERSION], sort_keys=True)
+                      int(threads), TABLE_VERSION, kernels], sort_keys=True)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", str(model.get("source") or "model"))[-40:]
     return f"{name}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
 

@@ -180,7 +180,9 @@ def measure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], 
 def ensure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], data_dir: Path) -> dict[str, Any]:
     """The cached table of ``model`` on this machine, measured and written (atomically) when there is none."""
     param = next(model.parameters())
-    key = table_key(info, machine_name(param.device), str(param.dtype).removeprefix("torch."), torch.get_num_threads())
+    kernels = moelab_native.build_key() if param.device.type == "cpu" and moelab_native.library() is not None else ""
+    key = table_key(info, machine_name(param.device), str(param.dtype).removeprefix("torch."), torch.get_num_threads(),
+                    kernels)
     path = Path(data_dir) / TABLE_DIR / f"{key}.json"
     if path.exists():
         try:

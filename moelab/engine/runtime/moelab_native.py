@@ -151,50 +151,107 @@ static void kept_products(float *h, float *mag, int64_t m, int64_t keep, int act
 
 /* ---- an expert's pairs, TB tokens at a time: its products as a GEMM micro-kernel computes them ---- */
 #define TB 4
-/* an empty asm that "changes" three vectors: they are then loaded once into registers, where the compiler
-   would otherwise fold the same load into each of the TB multiply-adds that read it (TB loads, not one) */
-#if defined(__x86_64__)
-#define IN_REGISTERS(a, b, c) __asm__("" : "+x"(a), "+x"(b), "+x"(c))
+/* an empty asm that "changes" vectors: they are then loaded once into registers, where the compiler would
+   otherwise fold the same load into each of the TB multiply-adds that read it (TB loads, not one). "v" names all 32
+   of AVX-512's registers, "x" the first 16 */
+#if defined(__x86_64__) && defined(__AVX512F__)
+#define PIN_ "+v"
+#elif defined(__x86_64__)
+#define PIN_ "+x"
 #elif defined(__aarch64__)
-#define IN_REGISTERS(a, b, c) __asm__("" : "+w"(a), "+w"(b), "+w"(c))
-#else
-#define IN_REGISTERS(a, b, c) ((void)0)
+#define PIN_ "+w"
 #endif
+#ifdef PIN_
+#define IN_REGISTERS1(a) __asm__("" : PIN_(a))
+#define IN_REGISTERS2(a, b) __asm__("" : PIN_(a), PIN_(b))
+#define IN_REGISTERS3(a, b, c) __asm__("" : PIN_(a), PIN_(b), PIN_(c))
+#else
+#define IN_REGISTERS1(a) ((void)0)
+#define IN_REGISTERS2(a, b) ((void)0)
+#define IN_REGISTERS3(a, b, c) ((void)0)
+#endif
+
+/* 24 columns of TB tokens' products (or of the one token x0 when one), the micro-kernels of gate_up_block and
+   down_block. gate_up_24: o_q[0..24) = x_q · W[:, 0..24) (rows m2 apart); down_24: o_q[0..24) += Σ_j h_q[r_j] ·
+   Wd[r_j, 0..24) over the n rows r_j (rows ld apart). With AVX-512 the 24 columns are one 16- and one 8-float
+   vector, two multiply-adds a row and token where 8-float vectors take three (and 32 registers hold them): the
+   kernels' products took about twice as long as the dense FFN's GEMMs per multiply-add on a Xeon whose BLAS uses
+   16-float vectors. Each column's sum runs in the same order either way, so the bits are the same. */
+#if defined(__AVX512F__)
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+#define V24_ZERO(a) v16 a##l = {0}; v8 a##h = {0}
+#define V24_LOAD(a, p) v16 a##l = *(const v16 *)(p); v8 a##h = *(const v8 *)((p) + 16)
+#define V24_STORE(p, a) (*(v16 *)(p) = a##l, *(v8 *)((p) + 16) = a##h)
+#define V24_FMA(a, s, w) (a##l += s##l * w##l, a##h += s##h * w##h)
+#define V24_PIN(w) IN_REGISTERS2(w##l, w##h)
+/* a number in every lane, broadcast once into a register: folded into each multiply-add instead, it was loaded twice
+   (once per vector width) */
+#define V24_SCALAR(s, b) const float s##_ = (b); \
+    v16 s##l = {s##_, s##_, s##_, s##_, s##_, s##_, s##_, s##_, s##_, s##_, s##_, s##_, s##_, s##_, s##_, s##_}; \
+    IN_REGISTERS1(s##l); v8 s##h; memcpy(&s##h, &s##l, sizeof(v8))
+#else
+#define V24_ZERO(a) v8 a##0 = {0}, a##1 = {0}, a##2 = {0}
+#define V24_LOAD(a, p) v8 a##0 = *(const v8 *)(p), a##1 = *(const v8 *)((p) + 8), a##2 = *(const v8 *)((p) + 16)
+#define V24_STORE(p, a) (*(v8 *)(p) = a##0, *(v8 *)((p) + 8) = a##1, *(v8 *)((p) + 16) = a##2)
+#define V24_FMA(a, s, w) (a##0 += (s) * w##0, a##1 += (s) * w##1, a##2 += (s) * w##2)
+#define V24_PIN(w) IN_REGISTERS3(w##0, w##1, w##2)
+#define V24_SCALAR(s, b) const float s = (b)
+#endif
+
+static inline void gate_up_24(const float *W, int64_t d, int64_t m2, const float *x0, const float *x1,
+                              const float *x2, const float *x3, int one, float *o0, float *o1, float *o2, float *o3) {
+    V24_ZERO(a0); V24_ZERO(a1); V24_ZERO(a2); V24_ZERO(a3);
+    if (one) {
+        for (int64_t i = 0; i < d; i++) {
+            V24_LOAD(w, W + i * m2);
+            V24_SCALAR(b0, x0[i]);
+            V24_FMA(a0, b0, w);
+        }
+        V24_STORE(o0, a0);
+        return;
+    }
+    for (int64_t i = 0; i < d; i++) {
+        V24_LOAD(w, W + i * m2);
+        V24_PIN(w);
+        V24_SCALAR(b0, x0[i]); V24_SCALAR(b1, x1[i]); V24_SCALAR(b2, x2[i]); V24_SCALAR(b3, x3[i]);
+        V24_FMA(a0, b0, w); V24_FMA(a1, b1, w); V24_FMA(a2, b2, w); V24_FMA(a3, b3, w);
+    }
+    V24_STORE(o0, a0); V24_STORE(o1, a1); V24_STORE(o2, a2); V24_STORE(o3, a3);
+}
+
+static inline void down_24(const float *Wd, int64_t ld, const int64_t *rows, int64_t n, const float *h0,
+                           const float *h1, const float *h2, const float *h3, int one, float *o0, float *o1, float *o2,
+                           float *o3) {
+    V24_LOAD(a0, o0);
+    if (one) {
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t r = rows[j];
+            V24_LOAD(w, Wd + r * ld);
+            V24_SCALAR(c0, h0[r]);
+            V24_FMA(a0, c0, w);
+        }
+        V24_STORE(o0, a0);
+        return;
+    }
+    V24_LOAD(a1, o1); V24_LOAD(a2, o2); V24_LOAD(a3, o3);
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t r = rows[j];
+        V24_LOAD(w, Wd + r * ld);
+        V24_PIN(w);
+        V24_SCALAR(c0, h0[r]); V24_SCALAR(c1, h1[r]); V24_SCALAR(c2, h2[r]); V24_SCALAR(c3, h3[r]);
+        V24_FMA(a0, c0, w); V24_FMA(a1, c1, w); V24_FMA(a2, c2, w); V24_FMA(a3, c3, w);
+    }
+    V24_STORE(o0, a0); V24_STORE(o1, a1); V24_STORE(o2, a2); V24_STORE(o3, a3);
+}
 
 /* h[q][0..m2) = x_q · W (W [d, m2]) for the TB token rows xs, or for the one row xs[0] when one: TB tokens × 24
    columns held in registers, so each weight row is loaded once per TB tokens and each input number once per 24
-   columns; named accumulators, not arrays, so that the compiler keeps them in registers */
+   columns */
 static void gate_up_block(const float *W, int64_t d, int64_t m2, const float *const *xs, int one, float *h) {
     const float *x0 = xs[0], *x1 = one ? x0 : xs[1], *x2 = one ? x0 : xs[2], *x3 = one ? x0 : xs[3];
     int64_t c = 0;
-    for (; c + 24 <= m2; c += 24) {
-        v8 a00 = {0}, a01 = {0}, a02 = {0}, a10 = {0}, a11 = {0}, a12 = {0};
-        v8 a20 = {0}, a21 = {0}, a22 = {0}, a30 = {0}, a31 = {0}, a32 = {0};
-        if (one) {
-            for (int64_t i = 0; i < d; i++) {
-                const float *row = W + i * m2 + c;
-                const float b0 = x0[i];
-                a00 += b0 * *(const v8 *)row; a01 += b0 * *(const v8 *)(row + 8); a02 += b0 * *(const v8 *)(row + 16);
-            }
-        } else {
-            for (int64_t i = 0; i < d; i++) {
-                const float *row = W + i * m2 + c;
-                v8 w0 = *(const v8 *)row, w1 = *(const v8 *)(row + 8), w2 = *(const v8 *)(row + 16);
-                IN_REGISTERS(w0, w1, w2);
-                const float b0 = x0[i], b1 = x1[i], b2 = x2[i], b3 = x3[i];
-                a00 += b0 * w0; a01 += b0 * w1; a02 += b0 * w2;
-                a10 += b1 * w0; a11 += b1 * w1; a12 += b1 * w2;
-                a20 += b2 * w0; a21 += b2 * w1; a22 += b2 * w2;
-                a30 += b3 * w0; a31 += b3 * w1; a32 += b3 * w2;
-            }
-        }
-        float *o = h + c;
-        *(v8 *)o = a00; *(v8 *)(o + 8) = a01; *(v8 *)(o + 16) = a02;
-        if (one) continue;
-        o += m2; *(v8 *)o = a10; *(v8 *)(o + 8) = a11; *(v8 *)(o + 16) = a12;
-        o += m2; *(v8 *)o = a20; *(v8 *)(o + 8) = a21; *(v8 *)(o + 16) = a22;
-        o += m2; *(v8 *)o = a30; *(v8 *)(o + 8) = a31; *(v8 *)(o + 16) = a32;
-    }
+    for (; c + 24 <= m2; c += 24)
+        gate_up_24(W + c, d, m2, x0, x1, x2, x3, one, h + c, h + m2 + c, h + 2 * m2 + c, h + 3 * m2 + c);
     const int nq = one ? 1 : TB;
     for (; c + 8 <= m2; c += 8) {  /* what is left of the columns: 8 at a time (a single row computed 4 times, so that
                                       it takes the same operations as in a block), then one by one */
@@ -227,36 +284,8 @@ static void down_block(const float *h, int64_t m2, int64_t m, const float *Wd, i
     for (int64_t r = 0; r < m; r++)
         if (h0[r] != 0.0f || h1[r] != 0.0f || h2[r] != 0.0f || h3[r] != 0.0f) rows[n++] = r;
     int64_t i = 0;
-    for (; i + 24 <= d; i += 24) {
-        v8 a00 = *(v8 *)(o0 + i), a01 = *(v8 *)(o0 + i + 8), a02 = *(v8 *)(o0 + i + 16);
-        if (one) {
-            for (int64_t j = 0; j < n; j++) {
-                const int64_t r = rows[j];
-                const float *row = Wd + r * ld + i;
-                const float c0 = h0[r];
-                a00 += c0 * *(const v8 *)row; a01 += c0 * *(const v8 *)(row + 8); a02 += c0 * *(const v8 *)(row + 16);
-            }
-        } else {
-            v8 a10 = *(v8 *)(o1 + i), a11 = *(v8 *)(o1 + i + 8), a12 = *(v8 *)(o1 + i + 16);
-            v8 a20 = *(v8 *)(o2 + i), a21 = *(v8 *)(o2 + i + 8), a22 = *(v8 *)(o2 + i + 16);
-            v8 a30 = *(v8 *)(o3 + i), a31 = *(v8 *)(o3 + i + 8), a32 = *(v8 *)(o3 + i + 16);
-            for (int64_t j = 0; j < n; j++) {
-                const int64_t r = rows[j];
-                const float *row = Wd + r * ld + i;
-                v8 w0 = *(const v8 *)row, w1 = *(const v8 *)(row + 8), w2 = *(const v8 *)(row + 16);
-                IN_REGISTERS(w0, w1, w2);
-                const float c0 = h0[r], c1 = h1[r], c2 = h2[r], c3 = h3[r];
-                a00 += c0 * w0; a01 += c0 * w1; a02 += c0 * w2;
-                a10 += c1 * w0; a11 += c1 * w1; a12 += c1 * w2;
-                a20 += c2 * w0; a21 += c2 * w1; a22 += c2 * w2;
-                a30 += c3 * w0; a31 += c3 * w1; a32 += c3 * w2;
-            }
-            *(v8 *)(o1 + i) = a10; *(v8 *)(o1 + i + 8) = a11; *(v8 *)(o1 + i + 16) = a12;
-            *(v8 *)(o2 + i) = a20; *(v8 *)(o2 + i + 8) = a21; *(v8 *)(o2 + i + 16) = a22;
-            *(v8 *)(o3 + i) = a30; *(v8 *)(o3 + i + 8) = a31; *(v8 *)(o3 + i + 16) = a32;
-        }
-        *(v8 *)(o0 + i) = a00; *(v8 *)(o0 + i + 8) = a01; *(v8 *)(o0 + i + 16) = a02;
-    }
+    for (; i + 24 <= d; i += 24)
+        down_24(Wd + i, ld, rows, n, h0, h1, h2, h3, one, o0 + i, o1 + i, o2 + i, o3 + i);
     const int nq = one ? 1 : TB;
     for (; i + 8 <= d; i += 8) {  /* what is left of the outputs: 8 at a time (a single row 4 times, as above), then
                                      one by one */
@@ -491,27 +520,50 @@ void moelab_rows_matmul(int64_t T, int64_t kin, int64_t n, const float *x, const
 
 /* ---- a whole MoE FFN at a decode step, in one call ---- */
 
+/* one token's dot product with a weight row, 32 numbers at a time into four 8-float sums: a token's result is the
+   same whichever block of tokens it is computed in */
+#define DOT_STEP(q) (s##q##0 += w0 * *(const v8 *)(x##q + i), s##q##1 += w1 * *(const v8 *)(x##q + i + 8), \
+                     s##q##2 += w2 * *(const v8 *)(x##q + i + 16), s##q##3 += w3 * *(const v8 *)(x##q + i + 24))
+#define DOT_ZERO(q) v8 s##q##0 = {0}, s##q##1 = {0}, s##q##2 = {0}, s##q##3 = {0}
+#define DOT_END(q, t) out[(t) * ld + r] = dot_finish(s##q##0, s##q##1, s##q##2, s##q##3, w, x##q, i, d)
+
+static inline float dot_finish(v8 a0, v8 a1, v8 a2, v8 a3, const float *w, const float *xt, int64_t i, int64_t d) {
+    for (; i + 8 <= d; i += 8) a0 += *(const v8 *)(w + i) * *(const v8 *)(xt + i);
+    const v8 a = (a0 + a1) + (a2 + a3);
+    float s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    for (; i < d; i++) s += w[i] * xt[i];
+    return s;
+}
+
 /* out[t · ld + r] = x_t · W[r] for rows r0..r1 of W [·, d] and the T rows of x (the shared expert's gate and up
-   rows and the router's, nn.Linear's layout: each a contiguous row of d) */
+   rows and the router's, nn.Linear's layout: each a contiguous row of d). Tokens go in pairs, each weight vector
+   loaded serving both (one by one, a batch took two loads a multiply-add) */
 static void rows_dot(const float *W, int64_t r0, int64_t r1, int64_t d, const float *x, int64_t T, float *out,
                      int64_t ld) {
     for (int64_t r = r0; r < r1; r++) {
         const float *w = W + r * d;
-        for (int64_t t = 0; t < T; t++) {
-            const float *xt = x + t * d;
-            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        int64_t t = 0;
+        for (; t + 2 <= T; t += 2) {
+            const float *x0 = x + t * d, *x1 = x0 + d;
+            DOT_ZERO(0); DOT_ZERO(1);
             int64_t i = 0;
             for (; i + 32 <= d; i += 32) {
-                a0 += *(const v8 *)(w + i) * *(const v8 *)(xt + i);
-                a1 += *(const v8 *)(w + i + 8) * *(const v8 *)(xt + i + 8);
-                a2 += *(const v8 *)(w + i + 16) * *(const v8 *)(xt + i + 16);
-                a3 += *(const v8 *)(w + i + 24) * *(const v8 *)(xt + i + 24);
+                const v8 w0 = *(const v8 *)(w + i), w1 = *(const v8 *)(w + i + 8);
+                const v8 w2 = *(const v8 *)(w + i + 16), w3 = *(const v8 *)(w + i + 24);
+                DOT_STEP(0); DOT_STEP(1);
             }
-            for (; i + 8 <= d; i += 8) a0 += *(const v8 *)(w + i) * *(const v8 *)(xt + i);
-            const v8 a = (a0 + a1) + (a2 + a3);
-            float s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-            for (; i < d; i++) s += w[i] * xt[i];
-            out[t * ld + r] = s;
+            DOT_END(0, t); DOT_END(1, t + 1);
+        }
+        for (; t < T; t++) {
+            const float *x0 = x + t * d;
+            DOT_ZERO(0);
+            int64_t i = 0;
+            for (; i + 32 <= d; i += 32) {
+                const v8 w0 = *(const v8 *)(w + i), w1 = *(const v8 *)(w + i + 8);
+                const v8 w2 = *(const v8 *)(w + i + 16), w3 = *(const v8 *)(w + i + 24);
+                DOT_STEP(0);
+            }
+            DOT_END(0, t);
         }
     }
 }
@@ -624,8 +676,9 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moelab" / "kernels"
 
 
-def _machine_key() -> str:
-    """The source, the flags and this CPU (``-march=native`` code may not run on another one)."""
+def build_key() -> str:
+    """What the compiled kernel is built from: the source, the flags and this CPU (``-march=native`` code may not run
+    on another one)."""
     cpu = ""
     with open("/proc/cpuinfo") as f:  # Linux: the model and flags of the first processor
         for line in f:
@@ -641,7 +694,7 @@ def _compile() -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None or platform.system() != "Linux":
         return None
-    target = _cache_dir() / f"moelab_native-{_machine_key()}.so"
+    target = _cache_dir() / f"moelab_native-{build_key()}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -699,14 +752,15 @@ def moe_routed(x: torch.Tensor, top: torch.Tensor, weights: torch.Tensor | None,
     ``[E, d, 2m]`` contiguous storage; ``wd_rows``: the down blocks as ``[E, m, d]`` contiguous storage.
     Up to ``DECODE_TOKENS`` tokens the selected experts are shared among the threads (a decode step reads
     each selected block once); more tokens are shared among them (``moelab_moe_prefill``), or, where each selects
-    ``NATIVE_DENSE_SHARE`` of the experts or more, run every expert in two GEMMs (``_routed_dense``)."""
+    ``NATIVE_DENSE_SHARE`` of the experts or more (``NATIVE_DENSE_SHARE_LONG`` past ``NATIVE_LONG_TOKENS``
+    tokens), run every expert in two GEMMs (``_routed_dense``)."""
     T, k = top.shape
     E, d = wgu_rows.shape[0], wgu_rows.shape[1]
     x = x.contiguous()
     top = top.contiguous().to(torch.int64)
     if weights is not None:
         weights = weights.to(torch.float32).contiguous()
-    if T > DECODE_TOKENS and k >= NATIVE_DENSE_SHARE * E:
+    if T > DECODE_TOKENS and k >= (NATIVE_DENSE_SHARE if T <= NATIVE_LONG_TOKENS else NATIVE_DENSE_SHARE_LONG) * E:
         return _routed_dense(x, top, weights, wgu_rows, wd_rows, m, keep, act, skip_mean)
     out = torch.empty(T, d, dtype=torch.float32)
     run = library().moelab_moe_decode if T <= DECODE_TOKENS else library().moelab_moe_prefill
@@ -717,9 +771,11 @@ def moe_routed(x: torch.Tensor, top: torch.Tensor, weights: torch.Tensor | None,
 
 
 #: from this share of the routed experts selected per token, a prefill runs every expert in two GEMMs (the selected
-#: ones' kept products between them, zeros for the rest): 12-neuron experts at top-61 of 95 took 40 ms a 512-token
-#: layer by pairs against 22 ms for the dense FFN (2 threads, an AVX-512 Xeon); at top-30, 14 ms by pairs
-NATIVE_DENSE_SHARE = 0.4
+#: ones' kept products between them, zeros for the rest); from NATIVE_LONG_TOKENS tokens on, from the lower share
+#: (the GEMMs' copy of the weights into one matrix is paid once a call). 96 twelve-neuron experts, half their down
+#: rows kept, 2 threads of an AVX-512 Xeon: at 512 tokens 12.6 ms by pairs against 14.2 ms in two GEMMs at top-62,
+#: 13.0 against 13.0 at top-72; at 2,048 tokens 55.9 against 64.3 ms at top-48, 70.7 against 61.9 at top-62
+NATIVE_DENSE_SHARE, NATIVE_DENSE_SHARE_LONG, NATIVE_LONG_TOKENS = 0.7, 0.55, 1024
 
 
 def _routed_dense(x: torch.Tensor, top: torch.Tensor, weights: torch.Tensor | None, wgu_rows: torch.Tensor,
