@@ -16,14 +16,15 @@ import torch
 from moelab.engine.core.speed_prediction import (FEATURES, TABLE_DIR, TABLE_VERSION, describe_predicted, find_table, fit, layer_features,
                                                   plan_layers, predict, predicted_summary, runs_dense)
 
-COEF = np.array([2e-5, 1e-9, 3e-9, 2e-9, 1e-6, 1e-10, 4e-10])  # seconds per unit of each feature
+COEF = np.array([2e-5, 1e-9, 3e-9, 2e-9, 1e-6, 1e-10, 4e-10, 5e-10])  # seconds per unit of each feature
 
 
 def _grid_rows() -> list[dict]:
     rows = []
     for m in (8, 16, 32, 64):
-        for shared, k in ((0, 2), (64, 4), (128, 1)):
-            layer = {"kind": "moe", "d_shared": shared, "n_routed": (512 - shared) // m, "expert_size": m, "top_k": k}
+        for shared, k, keep in ((0, 2, 1.0), (64, 4, 1.0), (128, 1, 1.0), (64, 4, 0.5)):
+            layer = {"kind": "moe", "d_shared": shared, "n_routed": (512 - shared) // m, "expert_size": m, "top_k": k,
+                     "down_keep": keep}
             rows.append({"layer": layer, "seconds": {p: float(layer_features(layer, t) @ COEF)
                                                      for p, t in (("decode_b1", 1), ("prefill", 512))}})
     return rows
@@ -43,7 +44,8 @@ def test_the_fit_recovers_the_costs_and_the_prediction_adds_the_planned_layers()
         got = [float(layer_features(r["layer"], phase["tokens"]) @ np.asarray(phase["coef"])) for r in rows]
         want = [float(layer_features(r["layer"], phase["tokens"]) @ COEF) for r in rows]
         np.testing.assert_allclose(got, want, rtol=1e-3)
-    plan = [{"kind": "dense"}, {"kind": "moe", "d_shared": 64, "n_routed": 28, "expert_size": 16, "top_k": 6}] * 2
+    plan = [{"kind": "dense"}, {"kind": "moe", "d_shared": 64, "n_routed": 28, "expert_size": 16, "top_k": 6},
+            {"kind": "dense"}, {"kind": "moe", "d_shared": 64, "n_routed": 28, "expert_size": 16, "top_k": 6, "down_keep": 0.5}]
     out = predict(table, plan)
     for phase, entry in table["phases"].items():
         t = entry["tokens"]
@@ -119,6 +121,18 @@ def test_a_native_decode_step_reads_the_shared_experts_kept_down_rows_only():
         assert layer_features(layer, tokens, native=True)[1] == pytest.approx(tokens * 300 * 2.4 / 3)
         assert layer_features(whole, tokens, native=True)[1] == layer_features(layer, tokens)[1] == tokens * 300
     assert layer_features(layer, 512, native=True)[1] == 512 * 300
+
+
+def test_down_keep_ranks_the_products_the_layer_computes():
+    """Keeping each token's largest products costs a ranking of every product computed: the shared expert's and the
+    selected experts' (every expert's where a prefill runs them all in two GEMMs); without down_keep, none."""
+    layer = {"kind": "moe", "d_shared": 300, "n_routed": 16, "expert_size": 32, "top_k": 4, "down_keep": 0.5}
+    for tokens in (1, 8, 512):
+        assert layer_features(layer, tokens, native=True)[7] == tokens * (300 + 4 * 32)
+        assert layer_features({**layer, "down_keep": 1.0}, tokens, native=True)[7] == 0
+    most = {**layer, "top_k": 14}
+    assert runs_dense(most, 512, native=True) and layer_features(most, 512, native=True)[7] == 512 * (300 + 16 * 32)
+    assert layer_features({"kind": "dense", "d_ffn": 512}, 512)[7] == 0
 
 
 def test_plan_rows_become_layers_and_words_say_slower_phases():

@@ -11,7 +11,8 @@ JSON under ``<data_dir>/speed-tables/``) holds, per phase (``evaluation.speed``'
 
 Per phase a layer's time is modelled as non-negative multiples of what it moves and computes (``FEATURES``: a fixed
 cost, the shared part's neurons, the routed neurons its tokens touch (weights read), the routed neuron-rows computed,
-the (token, expert) pairs, the router's scores), fitted by non-negative least squares to the grid. A plan's time is
+the (token, expert) pairs, the router's scores, the rows of every expert computed in two GEMMs, the products ranked for
+``down_keep``), fitted by non-negative least squares to the grid. A plan's time is
 then the dense model's with its FFNs' share scaled by the mean over layers of each planned layer's predicted time over
 the dense FFN's, both timed alone (a layer inside the model runs slower than alone, and a ratio carries that over
 where a difference of seconds did not); its speed is dense's time over that. Choice: routing is taken as uniform when
@@ -31,11 +32,13 @@ from typing import Any
 import numpy as np
 
 TABLE_DIR = "speed-tables"
-TABLE_VERSION = 7  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
+TABLE_VERSION = 8  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
 # 5: layouts timed as ratios to the dense FFN in the same rounds; 6: a decode step's whole block in one native call;
 # 7: the FFNs' share of the model measured, weights cycled past the largest cache, the shared expert's kept down rows,
-# a native prefill's two GEMMs where most experts are selected
-FEATURES = ("fixed", "shared_neurons", "touched_neurons", "computed_rows", "pairs", "router_scores", "dense_rows")
+# a native prefill's two GEMMs where most experts are selected; 8: the neurons ranked for down_keep, the grid's
+# small experts at two thirds and four fifths selected
+FEATURES = ("fixed", "shared_neurons", "touched_neurons", "computed_rows", "pairs", "router_scores", "dense_rows",
+            "ranked_neurons")
 
 #: ``runtime.moelab_kernels``' CPU choice where the native kernels cannot run, mirrored here without torch
 #: (tests/engine/test_speed_prediction.py checks they agree): above GATHER_MAX_TOKENS tokens, routed experts of m
@@ -68,17 +71,21 @@ def layer_features(layer: Mapping[str, Any], tokens: int, native: bool = False) 
     token did not keep as zeros), so its computed rows do not shrink with ``down_keep``; at a decode step they read
     only the kept down rows of the shared expert as of the routed ones (``down_keep`` applies to both)."""
     if layer.get("kind", "moe") == "dense":
-        return np.array([1.0, tokens * float(layer["d_ffn"]), 0, 0, 0, 0, 0])
+        return np.array([1.0, tokens * float(layer["d_ffn"]), 0, 0, 0, 0, 0, 0])
     e, m, k = int(layer.get("n_routed", 0)), int(layer.get("expert_size", 0)), int(layer.get("top_k", 0))
+    d_shared = float(layer.get("d_shared", 0))
     # gate and up rows whole, the down rows kept (all of them multiplied by the native prefill)
     kept = (2 + float(layer.get("down_keep", 1.0))) / 3
     down = 1.0 if native and tokens > GATHER_MAX_TOKENS else kept
-    shared = tokens * float(layer.get("d_shared", 0)) * (kept if native and tokens <= GATHER_MAX_TOKENS else 1.0)
+    shared = tokens * d_shared * (kept if native and tokens <= GATHER_MAX_TOKENS else 1.0)
     scores = float(tokens * e) if k else 0.0
-    if runs_dense(layer, tokens, native):
-        return np.array([1.0, shared, 0, 0, 0, scores, float(tokens * e * m)])
+    dense = runs_dense(layer, tokens, native)
+    # down_keep ranks each product it computes (the shared expert's, the selected experts' or, in two GEMMs, all)
+    ranked = tokens * (d_shared + (e if dense else k) * m) if kept < 1 else 0.0
+    if dense:
+        return np.array([1.0, shared, 0, 0, 0, scores, float(tokens * e * m), ranked])
     touched = e * (1 - (1 - k / e) ** tokens) if e and k else 0.0
-    return np.array([1.0, shared, touched * m * down, tokens * k * m * down, float(tokens * k), scores, 0.0])
+    return np.array([1.0, shared, touched * m * down, tokens * k * m * down, float(tokens * k), scores, 0.0, ranked])
 
 
 def fit(rows: Sequence[Mapping[str, Any]], tokens: int, phase: str, native: bool = False) -> np.ndarray:

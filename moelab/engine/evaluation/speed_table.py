@@ -68,6 +68,13 @@ def grid(d_ffn: int) -> list[dict[str, Any]]:
         n_routed = (d_ffn - d_ffn // 4) // m
         out.append({"kind": "moe", "d_shared": d_ffn // 4, "n_routed": n_routed, "expert_size": m,
                     "top_k": max(1, n_routed // 3), "down_keep": 0.5})
+    # small experts, most of them selected (``--recipe best``'s layers): the products ranked for down_keep, and a
+    # prefill past NATIVE_DENSE_SHARE in two GEMMs
+    m = max(4, d_ffn // 128)
+    n_routed = (d_ffn - d_ffn // 4) // m
+    for share, keep in ((2 / 3, 0.5), (2 / 3, 1.0), (0.8, 0.5)):
+        out.append({"kind": "moe", "d_shared": d_ffn // 4, "n_routed": n_routed, "expert_size": m,
+                    "top_k": max(1, round(share * n_routed)), "down_keep": keep})
     out.append({"kind": "moe", "d_shared": d_ffn, "n_routed": 0, "expert_size": 0, "top_k": 0, "down_keep": 1.0})  # dense-like
     return out
 
