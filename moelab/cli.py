@@ -172,7 +172,7 @@ def profile(
         stored = run_profile(
             model_spec, cset, out, settings, samples=samples, data_dir=cfg.data_dir, device=device or cfg.device,
             dtype=dtype or cfg.dtype, trust_remote_code=trust_remote_code or cfg.trust_remote_code, progress=progress,
-            max_memory=max_memory or cfg.max_memory,
+            max_memory=max_memory or cfg.max_memory, time_kernels=cfg.time_kernels,
         )
     if as_json:
         click.echo(json.dumps(stored.manifest, indent=2))

@@ -82,6 +82,9 @@ class Settings(BaseSettings):
                                "reported; the test suite lowers these three to keep its evaluations short)")
     speed_decode_steps: int = Field(16, ge=1, le=1024, description="an evaluation's speed timing: cached decode steps per round")
     speed_prefill_tokens: int = Field(512, ge=8, le=65536, description="an evaluation's speed timing: tokens of the timed prefill")
+    time_kernels: bool = Field(True, description="after a model's first profile on this machine, time its kernels once "
+                               "(about 35 s for the default model on 2 cores) so that the designer and `moelab convert` "
+                               "predict a plan's speed; off: profiles end sooner and nothing predicts speed")
 
     # ---------------------------------------------------------------- service: jobs
     worker_pool: Literal["solo", "threads"] = Field("solo", description="Celery pool: no forked processes (CUDA)")

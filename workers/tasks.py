@@ -166,7 +166,7 @@ def profile(ctx: JobContext) -> Outcome:
             model.source, str(ctx.store.path("calibration-sets", row.calibration_set_id)),
             ctx.store.path("profiles", row.id), settings, samples=samples, data_dir=s.data_dir, device=s.device,
             dtype=s.dtype, trust_remote_code=_trust(ctx, model), progress=ctx.progress,
-            loader=model_cache.cached_load_model, max_memory=max_memory,
+            loader=model_cache.cached_load_model, max_memory=max_memory, time_kernels=s.time_kernels,
         )
     m = stored.manifest
     groups = list(m.get("groups", []))

@@ -44,10 +44,11 @@ ModelLoader = Callable[..., ModelAdapter]
 def run_profile(
     model: str, calib: str | CalibrationSet, out: Path, settings: ProfileSettings, *, samples: int | None, data_dir: Path,
     device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False, progress: Progress = NO_PROGRESS,
-    loader: ModelLoader = load_model, max_memory: int | str | None = None,
+    loader: ModelLoader = load_model, max_memory: int | str | None = None, time_kernels: bool = True,
 ) -> StoredProfile:
     """Profile ``model`` over ``calib`` and publish the profile at ``out``. ``calib``: a set spec, read
     here (``samples`` drawn with ``settings.seed``), or a ``CalibrationSet`` already read so.
+    ``time_kernels``: then time this machine's kernels for the model, once (``measure_kernel_times``).
 
     ``max_memory`` (bytes or "2GiB"): when the model's weights exceed it, the pass streams one
     decoder layer at a time (``streaming.profile``); a budget below one layer fails here,
@@ -83,7 +84,7 @@ def run_profile(
         if plan is not None and plan.stream:
             remove_scratch(result)
     profile = StoredProfile.open(out)
-    if plan is None or not plan.stream:  # a streamed model does not fit whole: no whole-model timing of it
+    if time_kernels and (plan is None or not plan.stream):  # a streamed model does not fit whole: no whole-model timing
         measure_kernel_times(adapter, profile.manifest["model"], data_dir, progress)
     return profile
 

@@ -84,3 +84,27 @@ def test_default_model_loads_from_cache_quickly(default_model_dir, data_dir):
     ids = adapter.tokenizer("The capital of France is", return_tensors="pt")
     out = adapter.model.generate(**ids, max_new_tokens=3, do_sample=False)
     assert "Paris" in adapter.tokenizer.decode(out[0])
+
+
+def test_a_gguf_is_parsed_once_while_transformers_reads_it_three_times(tmp_path):
+    """``gguf_read_once``: inside the block every GGUFReader of one file is the same parse and the tensor-name map is
+    built once per architecture; after it, gguf-py's own reader and map are back (a later file is read anew)."""
+    import gguf
+    import numpy as np
+
+    from moelab.engine.models import gguf_read_once
+
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("t.count", 3)
+    writer.add_tensor("w", np.arange(8, dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with gguf_read_once():
+        first, again = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
+        assert first is again and list(first.tensors[0].data) == list(range(8))
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    assert gguf.GGUFReader(path) is not first

@@ -173,6 +173,9 @@ def test_a_profile_measures_the_table_once_and_a_conversion_records_its_predicti
         if entry != TABLE_DIR:
             (data / entry).symlink_to(data_dir / entry)
     model = str(tiny_model("llama"))
+    run_profile(model, make_set(n=12, tasks=3, seed=1), tmp_path / "p0", ProfileSettings(max_tokens=32, batch_tokens=128),
+                samples=None, data_dir=data, time_kernels=False)  # MOELAB_TIME_KERNELS=0
+    assert not list((data / TABLE_DIR).glob("*.json"))
     prof = run_profile(model, make_set(n=12, tasks=3, seed=1), tmp_path / "p", ProfileSettings(max_tokens=32, batch_tokens=128),
                        samples=None, data_dir=data)
     (path,) = (data / TABLE_DIR).glob("*.json")

@@ -99,6 +99,22 @@ def profile_id(api, tiny_llama) -> str:  # noqa: F811
     return p["id"]
 
 
+@pytest.fixture(scope="session")
+def evaluated(api, profile_id) -> tuple[str, list[str]]:
+    """A conversion of the profiled tiny model and its evaluations on builtin:code and builtin:prose (in that order):
+    built once for every page test that reads them."""
+    c = api.post("/conversions", json={"profile_id": profile_id, "expertweaver": {"n_experts": 8, "alpha_max": 0.5}}).json()
+    wait_job(api, c["job_id"])
+    evs = []
+    for source in ("builtin:code", "builtin:prose"):
+        e = api.post("/evaluations", json={"conversion_id": c["id"], "source": source, "n_windows": 2, "seq_len": 32,
+                                           "baselines": False, "multiple_choice_per_task": 0}).json()
+        evs.append(e)
+    for e in evs:
+        wait_job(api, e["job_id"])
+    return c["id"], [e["id"] for e in evs]
+
+
 @pytest.fixture
 def page(browser):
     """A fresh page that records console errors and uncaught exceptions in ``page.errors``."""

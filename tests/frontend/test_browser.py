@@ -168,20 +168,6 @@ def test_alpha_slider_redraws_plan_and_convert_succeeds(page, live, profile_id):
     no_errors(page)
 
 
-@pytest.fixture(scope="module")
-def evaluated(api, profile_id):
-    c = api.post("/conversions", json={"profile_id": profile_id, "expertweaver": {"n_experts": 8, "alpha_max": 0.5}}).json()
-    wait_job(api, c["job_id"])
-    evs = []
-    for source in ("builtin:code", "builtin:prose"):
-        e = api.post("/evaluations", json={"conversion_id": c["id"], "source": source, "n_windows": 2, "seq_len": 32,
-                                           "baselines": False, "multiple_choice_per_task": 0}).json()
-        evs.append(e)
-    for e in evs:
-        wait_job(api, e["job_id"])
-    return c["id"], [e["id"] for e in evs]
-
-
 def test_routing_compares_two_sets_and_compare_page(page, live, api, evaluated, profile_id):
     conversion, (a, b) = evaluated
     page.goto(f"{live['ui']}/routing?conversion={conversion}&a={a}&b={b}")

@@ -11,14 +11,14 @@ import pytest
 
 from frontend.figures import js_divergence
 
-from .test_browser import evaluated, figure, no_errors, shot, wait_figures  # noqa: F401  (evaluated: a fixture)
+from .test_browser import figure, no_errors, shot, wait_figures
 
 pytestmark = pytest.mark.slow
 
 YS = "id => document.querySelector('#' + id + ' .js-plotly-plot').data.map(t => [t.name, Array.from(t.y)])"
 
 
-def test_overlay_notes_and_tag_filter(page, live, api, evaluated):  # noqa: F811
+def test_overlay_notes_and_tag_filter(page, live, api, evaluated):
     conversion, (a, b) = evaluated
     page.goto(f"{live['ui']}/evaluations?ids={a},{b}&metric=reconstruction_error")
     wait_figures(page, "ev-overlay")
@@ -66,7 +66,7 @@ def test_overlay_notes_and_tag_filter(page, live, api, evaluated):  # noqa: F811
     no_errors(page)
 
 
-def test_cli_notes_and_lists_runs_through_the_live_api(live, api, evaluated):  # noqa: F811
+def test_cli_notes_and_lists_runs_through_the_live_api(live, api, evaluated):
     import os
     import subprocess
     import sys

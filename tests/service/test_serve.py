@@ -234,7 +234,8 @@ def test_a_serve_killed_mid_job_takes_its_workers_at_once_and_fails_their_jobs(t
 
     from moelab.store.db import Database, Job
 
-    proc, port, log = _serve(tmp_path, [], MOELAB_WORKERS="2", MOELAB_DATA_ROOTS=json.dumps([str(tiny_llama.parent)]))
+    proc, port, log = _serve(tmp_path, [], MOELAB_WORKERS="2", MOELAB_DATA_ROOTS=json.dumps([str(tiny_llama.parent)]),
+                             MOELAB_TIME_KERNELS="0")  # the profile is plumbing here: no speed table (20 s) after it
     ids: list[str] = []
     try:
         _wait_up(proc, port, log, need_worker=True)
@@ -291,7 +292,7 @@ def test_a_serve_killed_while_a_conversion_is_fanned_out_takes_both_workers_and_
 
     big = save_wide_llama(tiny_llama, tmp_path / "models" / "llama-16x2048")
     proc, port, log = _serve(tmp_path, ["--no-frontend"], MOELAB_WORKERS="2", MOELAB_REDIS_URL=redis_url,
-                             MOELAB_DATA_ROOTS=json.dumps([str(big.parent)]))
+                             MOELAB_DATA_ROOTS=json.dumps([str(big.parent)]), MOELAB_TIME_KERNELS="0")
     try:
         _wait_up(proc, port, log, need_worker=True)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}/api/v1", timeout=30) as api:

@@ -151,8 +151,9 @@ def predicted_summary(table: Mapping[str, Any] | None, layers: Sequence[Mapping[
     """What the designer and ``moelab convert`` show: each phase's predicted speed over dense and where the kernel
     times come from, or why there is no prediction."""
     if table is None:
-        return {"note": "no kernel timings of this model on this machine yet: they are measured (once, about 30 s) "
-                        "by the next profile of it (a table measured before this runtime's kernels changed is not used)"}
+        return {"note": "no kernel timings of this model on this machine yet: they are measured (once, about 35 s) "
+                        "by the next profile of it unless MOELAB_TIME_KERNELS is off (a table measured before this "
+                        "runtime's kernels changed is not used)"}
     try:
         phases = predict(table, layers)
     except ValueError as exc:

@@ -82,6 +82,16 @@ def task_manager(task_dir: Path | None = None, data_dir: Path | None = None, reg
     return _task_manager(str(Path(task_dir).resolve()) if task_dir else None, str(data_dir) if data_dir else None, registry)
 
 
+def manager_for(names: Sequence[str], task_dir: Path | None = None, data_dir: Path | None = None) -> Any:
+    """The smallest TaskManager that knows every task of ``names``: moelab's built-in ones and ``task_dir``'s alone
+    when they hold them all (indexed in milliseconds), else one over lm-eval's registry too (some 6 s to index, paid
+    by every process that evaluates a built-in task if it were always built)."""
+    narrow = task_manager(task_dir, data_dir, registry=False)
+    if set(names) <= set(narrow.all_tasks):
+        return narrow
+    return task_manager(task_dir, data_dir)
+
+
 def list_tasks(task_dir: Path | None = None, registry: bool = True) -> list[dict[str, Any]]:
     """Every task a run can name: moelab's built-in ones first (offline), then a user's (``task_dir``),
     then (``registry``) lm-eval's registry (their data must be in the HF cache, or ``online``). Without the registry
@@ -115,7 +125,7 @@ def _datasets_offline(offline: bool) -> Iterator[None]:
 
 def unknown_tasks(names: Sequence[str], task_dir: Path | None = None, data_dir: Path | None = None) -> list[str]:
     """The names among ``names`` that no registry (built-in, ``task_dir``, lm-eval's) knows. Torch-free."""
-    known = set(task_manager(task_dir, data_dir).all_tasks)
+    known = set(manager_for(names, task_dir, data_dir).all_tasks)
     return [n for n in names if n not in known]
 
 
@@ -124,8 +134,8 @@ def load_tasks(request: TaskRequest) -> dict[str, Any]:
     Raised before any model runs: TaskError (unknown task, unreachable data)."""
     if not request.tasks:
         raise TaskError("no tasks given: name at least one (moelab tasks lists them)")
-    manager = task_manager(request.task_dir, request.data_dir)
-    unknown = unknown_tasks(request.tasks, request.task_dir, request.data_dir)
+    manager = manager_for(request.tasks, request.task_dir, request.data_dir)
+    unknown = [n for n in request.tasks if n not in set(manager.all_tasks)]
     if unknown:
         raise TaskError(f"unknown task(s) {', '.join(unknown)}: `moelab tasks` lists the tasks (built-in, lm-eval's, "
                         "and those of --task-dir)")
@@ -182,7 +192,7 @@ def run_tasks(model: "nn.Module", tokenizer: Any, request: TaskRequest, tasks: d
         with _datasets_offline(not request.online), contextlib.redirect_stdout(sys.stderr):
             res = simple_evaluate(model=lm, tasks=list(tasks.values()), num_fewshot=request.num_fewshot,
                                   limit=request.limit, log_samples=False, bootstrap_iters=1000,
-                                  task_manager=task_manager(request.task_dir, request.data_dir), verbosity="ERROR")
+                                  task_manager=manager_for(request.tasks, request.task_dir, request.data_dir), verbosity="ERROR")
     finally:
         model.train(was_training)
     out: dict[str, dict[str, Any]] = {}
