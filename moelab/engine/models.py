@@ -21,6 +21,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,28 +265,34 @@ def default_gguf_path() -> Path:
     return path
 
 
+_GGUF_PATCH = threading.Lock()
+
+
 @contextlib.contextmanager
 def gguf_read_once() -> Iterator[None]:
     """For the time of the block, each GGUF file is parsed once and gguf-py's tensor-name map built once per
     architecture. transformers parses the file for the config, again for the tokenizer and again for the weights
     (4 s each for the default model's 49,152-entry vocabulary, read field by field in Python), and builds the map
-    once per module of the model (397 times, 7 s): 20 of the 30 s a cold cache took."""
+    once per module of the model (397 times, 7 s): 20 of the 30 s a cold cache took. The two are gguf-py's
+    module attributes, swapped for the block: one block at a time (a threads-pool worker's loads wait), so that
+    each block puts back gguf-py's own."""
     import gguf
 
-    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    parsed: dict[tuple[str, str], Any] = {}
+    with _GGUF_PATCH:
+        reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        parsed: dict[tuple[str, str], Any] = {}
 
-    def read(path: Any, mode: str = "r") -> Any:
-        key = (str(Path(path).resolve()), mode)
-        if key not in parsed:
-            parsed[key] = reader(path, mode)
-        return parsed[key]
+        def read(path: Any, mode: str = "r") -> Any:
+            key = (str(Path(path).resolve()), mode)
+            if key not in parsed:
+                parsed[key] = reader(path, mode)
+            return parsed[key]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = read, functools.lru_cache(maxsize=None)(name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = read, functools.lru_cache(maxsize=None)(name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 def cache_default_model(data_dir: Path, progress: Progress = NO_PROGRESS) -> Path:
