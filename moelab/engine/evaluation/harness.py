@@ -135,7 +135,7 @@ def load_tasks(request: TaskRequest) -> dict[str, Any]:
     if not request.tasks:
         raise TaskError("no tasks given: name at least one (moelab tasks lists them)")
     manager = manager_for(request.tasks, request.task_dir, request.data_dir)
-    unknown = [n for n in request.tasks if n not in set(manager.all_tasks)]
+    unknown = unknown_tasks(request.tasks, request.task_dir, request.data_dir)
     if unknown:
         raise TaskError(f"unknown task(s) {', '.join(unknown)}: `moelab tasks` lists the tasks (built-in, lm-eval's, "
                         "and those of --task-dir)")
