@@ -319,6 +319,8 @@ def convert(method: str, profile_dirs: tuple[Path, ...], model_source: str | Non
         from moelab.engine.core.speed_prediction import describe_predicted
 
         click.echo(describe_predicted(s["predicted_speed"]))
+    if s.get("speed_guard"):
+        click.echo(f"speed guard: {s['speed_guard']}")
     if "active_fraction" in s:  # a per-layer partition plan
         _print_partition(record)
     else:

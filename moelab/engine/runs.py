@@ -92,10 +92,9 @@ def run_profile(
 def measure_kernel_times(adapter: ModelAdapter, model: dict[str, Any], data_dir: Path, progress: Progress) -> None:
     """This machine's kernel times for the profiled model (``evaluation.speed_table``), measured once and cached, so
     the designer and ``moelab convert`` can predict a plan's speed. A failure here is logged, never the profile's."""
-    from .evaluation.speed_table import ensure_table
+    from .evaluation.speed_table import ensure_table, model_info
 
-    info = {"source": model.get("source"), "d_model": adapter.d_model, "d_ffn": adapter.layers[0].d_ffn,
-            "n_layers": len(adapter.layers)}
+    info = model_info(adapter, model.get("source"))
     try:
         with progress.step("time this machine's kernels (once per model)"):
             windows = heldout_windows(adapter.tokenizer, data_dir, seq_len=128, n_windows=4)

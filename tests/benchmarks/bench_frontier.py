@@ -115,7 +115,9 @@ def configurations(level: float, d_model: int, profile: Any, candidates: bool = 
                 # TEAL inside the experts (the recipe keeps 0.5 of each active expert's down inputs); 1: the recipe before
                 **{f"best-keep{round(q * 100)}": replace(best, down_keep=q) for q in (0.3, 0.5, 0.7, 1.0)},
                 # a layer worth more than this share of its experts written whole (issue 38: prefill in seconds)
-                **{f"best-share{round(q * 100)}": replace(best, max_routed_share=q) for q in (0.5, 0.65, 0.8)}}
+                **{f"best-share{round(q * 100)}": replace(best, max_routed_share=q) for q in (0.5, 0.65, 0.8)},
+                # only the top-k this machine's kernel table predicts no slower than dense in any phase (issue 38)
+                "best-guard": replace(best, speed_guard="machine")}
         # portable's router, α basis and shared share (the leading plan uses the layers' mean α)
         out |= {"portable-centroid": replace(portable, router="centroid"),
                 "portable-total": replace(portable, alpha_basis="total"),

@@ -76,6 +76,10 @@ def test_a_layer_at_every_expert_costs_the_whole_layer_and_a_cheaper_whole_layer
     assert budget_costs(4, 2, None, max_share=0.5).tolist() == [0, 2, 4, np.inf, np.inf]  # no whole layer: two at most
     assert greedy_budget([np.array([8.0, 4.0, 2.0, 1.0, 0.0])], [capped], budget=8) == [2]
     assert greedy_budget([np.array([8.0, 4.0, 2.0, 1.0, 0.0])], [capped], budget=9) == [4]
+    # the speed guard's mask takes out the top-k it predicts slower than dense; none and the whole layer stay
+    guarded = budget_costs(4, 2, 9, no_slower=np.array([False, True, False, True, False]))
+    assert guarded.tolist() == [0, 2, np.inf, 6, 9]
+    assert greedy_budget([np.array([8.0, 4.0, 2.0, 1.0, 0.0])], [guarded], budget=5) == [1]
     cheap = [budget_costs(3, 1, None), budget_costs(3, 2, 3)]  # the whole layer costs less than two experts
     # at two experts the budget is spent; the whole layer frees some of it, which buys layer 0's first expert
     assert greedy_budget(errors, cheap, budget=4, k_min=[0, 2]) == [1, 3]
@@ -283,6 +287,36 @@ def test_a_routed_share_cap_writes_the_layers_worth_more_whole(fitted):
         ExpertWeaverParams(sparsity=0.5, max_routed_share=0.5).check()
 
 
+def test_the_speed_guard_offers_only_the_top_k_this_machines_table_predicts_no_slower_than_dense(fitted, data_dir):
+    """``speed_guard="machine"``: the budget plan reads the kernel table the profile measured here and offers each layer
+    only the top-k predicted no slower than its dense FFN in every phase; the plan stays within budget, the record says
+    what was offered and from which table. Without a table the record says the guard could not run."""
+    from moelab.engine.core.speed_prediction import top_k_no_slower
+    from moelab.engine.evaluation.speed_table import cached_table, model_info
+
+    _, adapter, prof, calib = fitted
+    table = cached_table(adapter.model, model_info(adapter, prof.manifest["model"]["source"]), data_dir)
+    assert table is not None  # the fixture's profile measured it
+    p = ExpertWeaverParams(n_experts=8, sparsity=0.25, router="ridge", alpha_basis="active", plan="budget",
+                           down_keep=0.5, speed_guard="machine")
+    rows, _, modules, fit = partition_modules(adapter, prof, p, expertweaver.plan_for(prof, p),
+                                              expertweaver.layer_builder(prof, p), data_dir=data_dir, calib=calib)
+    guard = fit["speed_guard"]
+    assert guard["applied"] and guard["machine"] == table["machine"] and guard["measured_at"] == table["measured_at"]
+    for row, offered in zip(rows, guard["top_k_offered"]):
+        if row.layer in modules:  # a MoE layer runs a top-k the table predicts no slower than dense
+            layout = {"kind": "moe", "d_shared": row.d_shared, "n_routed": row.n_routed, "expert_size": row.d_expert,
+                      "down_keep": 0.5}
+            assert row.top_k in offered
+            assert offered == [int(k) for k in np.flatnonzero(top_k_no_slower(table, layout))]
+    assert plan_flops_fraction(rows, "ridge", adapter.d_model, down_keep=0.5) <= 0.75 + 1e-9
+    *_, unguarded = partition_modules(adapter, prof, p, expertweaver.plan_for(prof, p),
+                                      expertweaver.layer_builder(prof, p), calib=calib)  # no data dir: no table
+    assert not unguarded["speed_guard"]["applied"] and "no kernel timings" in unguarded["speed_guard"]["note"]
+    with pytest.raises(ConversionError, match="speed_guard 'machine' chooses among the budget plan's top-k"):
+        ExpertWeaverParams(sparsity=0.5, speed_guard="machine").check()
+
+
 def test_the_budget_plan_at_the_paper_plans_cost_has_no_more_calibration_error(fitted):
     _, adapter, prof, calib = fitted
     paper = ExpertWeaverParams(n_experts=8, sparsity=0.5, router="ridge", alpha_basis="active")
@@ -314,11 +348,21 @@ def test_recipe_best_from_the_cli_records_its_cost_and_the_export_reloads(fitted
 
     get_settings.cache_clear()
     out = tmp_path / "c"
-    res = CliRunner().invoke(main, ["convert", "--profile", str(prof.path), "--recipe", "best", "--sparsity", "0.5",
-                                    "--n-experts", "8", "--fit-tokens", "512", "--out", str(out), "--json", "--quiet"])
-    get_settings.cache_clear()
+    # the speed guard off: this machine runs no top-k of the tiny model's 8 experts as fast as its dense FFN, so the
+    # recipe with its guard writes every layer whole or shared-only (below); the subject here is what the recipe saves
+    args = ["convert", "--profile", str(prof.path), "--recipe", "best", "--sparsity", "0.5", "--n-experts", "8",
+            "--fit-tokens", "512", "--json", "--quiet"]
+    res = CliRunner().invoke(main, [*args, "--speed-guard", "none", "--out", str(out)])
     assert res.exit_code == 0, res.output
     record = json.loads(res.stdout)
+    guarded = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "guarded")])
+    get_settings.cache_clear()
+    assert guarded.exit_code == 0, guarded.output
+    g = json.loads(guarded.stdout)
+    guard = g["fit"]["speed_guard"]
+    assert guard["applied"] and g["summary"]["speed_guard"] == guard["note"]
+    assert all(k == 0 or k in offered for k, offered in zip(g["fit"]["budget"]["top_k"], guard["top_k_offered"]))
+    assert g["summary"]["ffn_flops_fraction"] <= 0.5 + 1e-9
     assert record["params"]["router"] == "ridge" and record["params"]["plan"] == "budget"
     assert record["params"]["alpha_basis"] == "active" and record["params"]["compensation"] == "skipped_mean"
     model = load_exported(out)

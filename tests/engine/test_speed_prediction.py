@@ -135,6 +135,23 @@ def test_down_keep_ranks_the_products_the_layer_computes():
     assert layer_features({"kind": "dense", "d_ffn": 512}, 512)[7] == 0
 
 
+def test_a_layer_is_no_slower_than_dense_up_to_the_top_k_where_its_predicted_time_passes_the_dense_ffns():
+    from moelab.engine.core.speed_prediction import layer_ratios, top_k_no_slower
+
+    table = _table(_grid_rows())
+    layout = {"kind": "moe", "d_shared": 64, "n_routed": 28, "expert_size": 16, "down_keep": 1.0}
+    ratios = layer_ratios(table, layout)
+    assert ratios.shape == (2, 29)
+    for i, entry in enumerate(table["phases"].values()):  # each top-k's time over the dense FFN's, as predicted
+        for k in (0, 7, 28):
+            want = float(layer_features({**layout, "top_k": k}, entry["tokens"]) @ np.asarray(entry["coef"]))
+            assert ratios[i, k] == pytest.approx(want / entry["dense_ffn_s"])
+    ok = top_k_no_slower(table, layout)
+    assert ok.tolist() == (ratios <= 1).all(axis=0).tolist()
+    assert ok[0] and not ok[-1]  # the shared part alone beats dense; every expert and a router does not
+    assert ok[: int(np.argmin(ok))].all()  # the time rises with k here: a prefix of top-k is offered
+
+
 def test_plan_rows_become_layers_and_words_say_slower_phases():
     rows = [{"d_shared": 96, "n_routed": 60, "d_expert": 24, "top_k": 10}]
     assert plan_layers(rows, 0.5) == [{"kind": "moe", "d_shared": 96, "n_routed": 60, "expert_size": 24, "top_k": 10, "down_keep": 0.5}]

@@ -328,7 +328,8 @@ def greedy_budget(errors: Sequence[np.ndarray], costs: Sequence[np.ndarray], bud
         k[pick] += runs[pick][1]
 
 
-def budget_costs(n_routed: int, expert_cost: int, whole_cost: int | None, max_share: float = 1.0) -> np.ndarray:
+def budget_costs(n_routed: int, expert_cost: int, whole_cost: int | None, max_share: float = 1.0,
+                 no_slower: np.ndarray | None = None) -> np.ndarray:
     """``costs[k]`` of ``greedy_budget`` for a layer of ``n_routed`` experts of ``expert_cost`` each:
     ``k · expert_cost``, except that with ``whole_cost`` (the dense layer's multiply-adds less the
     always-run part) every expert selected is the layer written whole (``allocation.dense_plan``),
@@ -340,10 +341,14 @@ def budget_costs(n_routed: int, expert_cost: int, whole_cost: int | None, max_sh
     less multiply-adds at half-down yet more seconds (the native prefill kernel on the default model:
     20–21 ms against 15.5 ms dense at 512 tokens). So the plan pays the whole layer's cost to run all
     of it, and gets it exact. Why a share: a layer selecting nearly every expert is slower than dense
-    too, and by more the larger the share (EW's ``max_routed_share``)."""
+    too, and by more the larger the share (EW's ``max_routed_share``). ``no_slower`` (``[n_routed + 1]``
+    booleans, ``speed_prediction.top_k_no_slower``): the top-k this machine runs no slower than the dense
+    layer in any phase; the others are not offered either (EW's ``speed_guard``)."""
     costs = np.arange(n_routed + 1, dtype=np.float64) * expert_cost
     if n_routed:
         costs[int(np.floor(max_share * n_routed + 1e-9)) + 1 :] = np.inf
+        if no_slower is not None:
+            costs[1:][~np.asarray(no_slower, dtype=bool)[1:]] = np.inf
         if whole_cost is not None:
             costs[n_routed] = whole_cost
     return costs
@@ -459,7 +464,8 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
     if plan == "leading":
         rows = _leading_rows(params, rows, experts, curves, d, record)
     elif budget_plan:
-        rows = _budget_rows(params, rows, experts, curves, fixed, unit, d, record)
+        table = _machine_table(adapter, profile, data_dir) if getattr(params, "speed_guard", "none") == "machine" else None
+        rows = _budget_rows(params, rows, experts, curves, fixed, unit, d, record, table)
     if compensate:
         for n, ex in enumerate(experts):
             if len(ex.routed) and ex.top_k < len(ex.routed):
@@ -537,9 +543,42 @@ def refit_on_converted(adapter: ModelAdapter, params: Any, experts: list[Any], m
     return {"refit": "converted_inputs", "refit_tokens": calib.n_tokens}
 
 
+def _no_slower_top_k(params: Any, rows: list[Any], table: dict[str, Any] | None,
+                     record: dict[str, Any]) -> list[np.ndarray | None]:
+    """Per row, the top-k ``params.speed_guard`` leaves to the budget plan (None: any); notes in
+    ``record["speed_guard"]`` what the guard was based on, or why it could not run."""
+    if getattr(params, "speed_guard", "none") != "machine":
+        return [None] * len(rows)
+    if table is None:
+        record["speed_guard"] = {"applied": False, "note": "no kernel timings of this model on this machine (a profile "
+                                 "measures them unless MOELAB_TIME_KERNELS is off): every top-k offered"}
+        return [None] * len(rows)
+    from .speed_prediction import top_k_no_slower
+
+    keep = getattr(params, "down_keep", 1.0)
+    masks = [top_k_no_slower(table, {"kind": "moe", "d_shared": row.d_shared, "n_routed": row.n_routed,
+                                     "expert_size": row.d_expert, "down_keep": keep}) if row.n_routed else None
+             for row in rows]
+    for m in masks:
+        if m is not None:  # the plan starts every layer from its shared part alone (``greedy_budget``): always offered
+            m[0] = True
+    # the largest share of its experts each layer may run short of all of them (all of them: the layer written whole)
+    shares = [int(np.flatnonzero(m[:-1]).max()) / (len(m) - 1) for m in masks if m is not None]
+    said = f"{min(shares):.0%}–{max(shares):.0%}" if shares else "none"
+    record["speed_guard"] = {
+        "applied": True, "machine": table.get("machine"), "threads": table.get("threads"),
+        "measured_at": table.get("measured_at"),
+        "top_k_offered": [[int(k) for k in np.flatnonzero(m)] if m is not None else [0] for m in masks],
+        "note": f"each layer offered only the top-k this machine's kernel table predicts no slower than the dense FFN "
+                f"in every phase: up to {said} of its experts ({table.get('machine')}, {table.get('threads')} threads; "
+                f"measured {table.get('measured_at')})"}
+    return masks
+
+
 def _budget_rows(params: Any, rows: list[Any], experts: list[Any], curves: list[np.ndarray], fixed: list[int],
-                 unit: list[int], d: int, record: dict[str, Any]) -> list[Any]:
-    """The budget plan's rows (and each layer's ``top_k`` set on its experts); fills ``record["budget"]``."""
+                 unit: list[int], d: int, record: dict[str, Any], speed_table: dict[str, Any] | None = None) -> list[Any]:
+    """The budget plan's rows (and each layer's ``top_k`` set on its experts); fills ``record["budget"]``.
+    ``speed_table``: this machine's kernel table, read where ``params.speed_guard`` is ``machine``."""
     from ..core.allocation import is_dense, layer_plan
 
     dense = sum(3 * d * row.d_ffn for row in rows)
@@ -552,8 +591,9 @@ def _budget_rows(params: Any, rows: list[Any], experts: list[Any], curves: list[
             f"budget {cap:.1%}: lower the shared share (alpha_min/alpha_max, shared) or the sparsity")
     summed = getattr(params, "combine", "sum") == "sum"  # a weighted layer at every expert is no dense one
     share = getattr(params, "max_routed_share", 1.0)
-    costs = [budget_costs(row.n_routed, c, 3 * d * row.d_ffn - f if summed else None, share)
-             for row, f, c in zip(rows, fixed, unit)]
+    no_slower = _no_slower_top_k(params, rows, speed_table, record)
+    costs = [budget_costs(row.n_routed, c, 3 * d * row.d_ffn - f if summed else None, share, ok)
+             for row, f, c, ok in zip(rows, fixed, unit, no_slower)]
     ks = greedy_budget(curves, costs, budget)
     new_rows = []
     for row, ex, k in zip(rows, experts, ks):
@@ -570,6 +610,15 @@ def _budget_rows(params: Any, rows: list[Any], experts: list[Any], curves: list[
                         "error_at_k": [float(c[k]) for c, k in zip(curves, ks)], "top_k": [r.top_k for r in new_rows],
                         "dense_layers": [r.layer for r in new_rows if is_dense(r)]}
     return new_rows
+
+
+def _machine_table(adapter: ModelAdapter, profile: Any, data_dir: Any) -> dict[str, Any] | None:
+    """The kernel table of the profiled model on this machine (``evaluation.speed_table``), or None."""
+    from ..evaluation.speed_table import cached_table, model_info
+
+    if data_dir is None:
+        return None
+    return cached_table(adapter.model, model_info(adapter, profile.manifest["model"].get("source")), data_dir)
 
 
 def _written_whole(row: Any, ex: Any) -> Any:

@@ -232,6 +232,8 @@ def convert_partition(adapter: ModelAdapter, profile: Any, params: MethodParams,
                               {"build_s": t1 - t0, "total_s": time.perf_counter() - t0})
     if fit:
         record["fit"] = fit
+        if "speed_guard" in fit:  # shown wherever the summary is (moelab convert, the designer's result card)
+            record["summary"]["speed_guard"] = fit["speed_guard"]["note"]
     # which dense neurons each expert holds (not JSON: ``run_conversion`` writes it as PARTITION_FILE)
     record["partition"] = partition_arrays(experts)
     return moe, record

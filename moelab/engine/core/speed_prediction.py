@@ -118,6 +118,24 @@ def predict(table: Mapping[str, Any], layers: Sequence[Mapping[str, Any]]) -> di
     return out
 
 
+def layer_ratios(table: Mapping[str, Any], layer: Mapping[str, Any]) -> np.ndarray:
+    """``[phases, n_routed + 1]``: the predicted seconds of the MoE layer ``layer`` (a ``moe_layers`` entry; its
+    ``top_k`` is ignored) at every top-k from 0 to ``n_routed``, over the dense FFN's, per phase of ``table``."""
+    native = bool(table.get("native"))
+    out = []
+    for entry in table["phases"].values():
+        feats = np.stack([layer_features({**layer, "top_k": k}, int(entry["tokens"]), native)
+                          for k in range(int(layer["n_routed"]) + 1)])
+        out.append(feats @ np.asarray(entry["coef"]) / entry["dense_ffn_s"])
+    return np.stack(out)
+
+
+def top_k_no_slower(table: Mapping[str, Any], layer: Mapping[str, Any]) -> np.ndarray:
+    """``[n_routed + 1]`` booleans: the top-k at which ``layer`` is predicted no slower than the dense FFN in any phase
+    (the budget plan's ``speed_guard``)."""
+    return (layer_ratios(table, layer) <= 1.0).all(axis=0)
+
+
 def plan_layers(rows: Sequence[Mapping[str, Any]], down_keep: float = 1.0) -> list[dict[str, Any]]:
     """A plan's rows (``core.allocation.LayerPlan`` as dicts: d_shared, n_routed, d_expert, top_k) as ``moe_layers``
     entries."""

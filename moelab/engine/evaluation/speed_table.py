@@ -184,19 +184,38 @@ def measure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], 
             "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "phases": phases, "grid": rows}
 
 
-def ensure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], data_dir: Path) -> dict[str, Any]:
-    """The cached table of ``model`` on this machine, measured and written (atomically) when there is none."""
+def model_info(adapter: Any, source: str | None) -> dict[str, Any]:
+    """What a table is keyed by and predicts for: the model's source, d_model, d_ffn and layer count."""
+    return {"source": source, "d_model": adapter.d_model, "d_ffn": adapter.layers[0].d_ffn, "n_layers": len(adapter.layers)}
+
+
+def table_path(model: nn.Module, info: dict[str, Any], data_dir: Path) -> Path:
+    """Where the table of ``model`` (``info``: its source and shape) on this machine, its dtype, this thread count and
+    this build of the native kernels is cached."""
     param = next(model.parameters())
     kernels = moelab_native.build_key() if param.device.type == "cpu" and moelab_native.library() is not None else ""
     key = table_key(info, machine_name(param.device), str(param.dtype).removeprefix("torch."), torch.get_num_threads(),
                     kernels)
-    path = Path(data_dir) / TABLE_DIR / f"{key}.json"
-    if path.exists():
-        try:
-            return json.loads(path.read_text())
-        except ValueError:
-            pass  # a damaged file is measured again
+    return Path(data_dir) / TABLE_DIR / f"{key}.json"
+
+
+def cached_table(model: nn.Module, info: dict[str, Any], data_dir: Path) -> dict[str, Any] | None:
+    """The table ``ensure_table`` measured for ``model`` here, or None (never measured, or damaged)."""
+    path = table_path(model, info, data_dir)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def ensure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], data_dir: Path) -> dict[str, Any]:
+    """The cached table of ``model`` on this machine, measured and written (atomically) when there is none (or it is
+    damaged)."""
+    table = cached_table(model, info, data_dir)
+    if table is not None:
+        return table
     table = measure_table(model, tokens, info)
+    path = table_path(model, info, data_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, table)
     return table
