@@ -415,6 +415,9 @@ def test_designer_recipe_budget_preview_result_card_and_failed_evaluation(page, 
     assert {n["note"] for n in notes} <= {"budget plan: top-k chosen by calibration error", "left dense (all neurons kept)"}
     for line in collapse_notes(notes):
         assert card.count(line) == 1, line
+    # the recipe's speed guard says what this machine's kernel table let each layer run, and from when
+    guard = api.get(f"/conversions/{conversion}").json()["summary"]["speed_guard"]
+    assert guard.startswith("each layer offered only the top-k") and f"speed_guard: {guard}" in card
     assert not page.is_disabled("#cd-evaluate")
 
     page.click("#cd-eval-source")
