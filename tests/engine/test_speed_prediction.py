@@ -244,6 +244,20 @@ def test_on_the_default_model_the_prediction_meets_the_measurement_within_20_per
         assert want == pytest.approx(got, rel=0.2), seen
 
 
+def test_a_decode_timing_cycles_through_as_many_copies_as_the_model_has_layers_or_as_defeat_the_cache():
+    """A layer whose copies would exceed the cache cycles only through what does; a small model's layers, which fit
+    the cache together, cycle through one copy per layer of the model, as its decode step reads them."""
+    from moelab.engine.evaluation.speed_table import MAX_COPIES, copies, working_set_bytes
+
+    cpu = torch.device("cpu")
+    ws = working_set_bytes(cpu)
+    big = 10_616_832  # the default model's dense FFN in float32
+    assert copies(big, 30, cpu) == min(30, -(-ws // big))
+    assert copies(100_000, 3, cpu) == 3  # a tiny model: its three layers, not 128 copies of one
+    assert copies(1_000, 10_000, cpu) == MAX_COPIES
+    assert copies(ws * 2, 30, cpu) == 1
+
+
 def test_a_new_build_of_the_native_kernels_is_timed_again(tmp_path, monkeypatch):
     """The cached table belongs to the kernels it timed: a changed kernel source (or flags, or CPU) measures anew."""
     from moelab.engine.evaluation import speed_table

@@ -7,7 +7,8 @@ FFN layers of moelab's runtime over a grid of layouts around the model's FFN wid
 shares 0.1–0.5, active shares 0.25–0.75, whole and half down rows), then fits each phase's coefficients. Each
 layout's weights are cycled through enough copies (``working_set_bytes``: at least twice the largest CPU cache) that
 a call reads them from memory as a whole model's layer does, not from a cache the previous calls warmed (a 300 MiB
-L3 held 18 copies of the default model's dense FFN, and the table's FFNs ran 15% faster than the model's), and each
+L3 held 18 copies of the default model's dense FFN, and the table's FFNs ran 15% faster than the model's), but
+no more copies than the model has layers (a model whose layers fit the cache runs them from it), and each
 layout is timed in the same rounds as the dense FFN, as a ratio to it (a busy or drifting machine moves both alike).
 """
 
@@ -79,17 +80,24 @@ def grid(d_ffn: int) -> list[dict[str, Any]]:
     return out
 
 
+def copies(size: int, n_layers: int, device: torch.device) -> int:
+    """How many copies of a layer of ``size`` bytes a decode timing cycles through: enough that each call reads its
+    weights from memory (``working_set_bytes``), as a model's layer does when its layers' weights exceed the cache;
+    but no more than the model's ``n_layers``, whose decode step reads each of its layers once: a model that fits the
+    cache runs its layers from it, and so do the table's (a tiny model's layers timed through 128 copies took 4.8 s)."""
+    return min(MAX_COPIES, max(1, n_layers), max(1, -(-working_set_bytes(device) // max(1, size))))
+
+
 def _round_times(makes: list[Any], d_model: int, tokens: dict[str, int], device: torch.device, dtype: torch.dtype,
-                 repeats: int) -> dict[str, list[list[float]]]:
+                 repeats: int, n_layers: int) -> dict[str, list[list[float]]]:
     """Per phase, per round, the seconds per call of each layer ``makes`` build, timed one after the other within each
     round, so that a machine's drift (this one's GEMMs swing 11-16 ms within a minute) hits them alike. A decode step
-    reads every weight for a few tokens, so its calls cycle through copies and read them from memory; a prefill
-    computes long enough on each weight that one warm copy times it."""
+    reads every weight for a few tokens, so its calls cycle through copies (``copies``) and read them from where the
+    model's layers would; a prefill computes long enough on each weight that one warm copy times it."""
     families = []
     for make in makes:
         first = make().to(device=device, dtype=dtype).eval()
-        size = sum(p.numel() * p.element_size() for p in first.parameters())
-        n = min(MAX_COPIES, max(1, -(-working_set_bytes(device) // max(1, size))))
+        n = copies(sum(p.numel() * p.element_size() for p in first.parameters()), n_layers, device)
         families.append([first] + [copy.deepcopy(first) for _ in range(n - 1)])
     out: dict[str, list[list[float]]] = {}
     gen = torch.Generator().manual_seed(0)
@@ -118,10 +126,10 @@ def _round_times(makes: list[Any], d_model: int, tokens: dict[str, int], device:
 
 
 def _layer_seconds(make: Any, reference: Any, reference_s: dict[str, float], d_model: int, tokens: dict[str, int],
-                   device: torch.device, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+                   device: torch.device, dtype: torch.dtype, repeats: int, n_layers: int) -> dict[str, float]:
     """Seconds per call of the layer ``make()`` builds, per phase: its median ratio to the ``reference`` layer (the dense
     FFN) timed in the same rounds, times the reference's own seconds ``reference_s``."""
-    rounds = _round_times([make, reference], d_model, tokens, device, dtype, repeats)
+    rounds = _round_times([make, reference], d_model, tokens, device, dtype, repeats, n_layers)
     return {phase: statistics.median(a / b for a, b in r) * reference_s[phase] for phase, r in rounds.items()}
 
 
@@ -158,7 +166,7 @@ def measure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], 
     """The kernel table of ``model`` (a dense causal LM; ``info``: its source, d_model, d_ffn, n_layers) on its device."""
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
-    d_model, d_ffn = int(info["d_model"]), int(info["d_ffn"])
+    d_model, d_ffn, n_layers = int(info["d_model"]), int(info["d_ffn"]), int(info["n_layers"])
     whole = time_phases({"dense": model, "no_ffn": model}, tokens, protocol=protocol,
                         setups={"no_ffn": lambda: without_ffns(model)})
     tokens_by_phase = {**PHASE_TOKENS, "prefill": int(whole["phases"]["prefill"]["tokens"])}
@@ -166,12 +174,12 @@ def measure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], 
     mlp = getattr(own, ffn_name(own))  # the dense FFN a conversion replaces, as the model runs it
     dense = lambda: copy.deepcopy(mlp)  # noqa: E731
     dense_ffn = {phase: statistics.median(r[0] for r in rounds)
-                 for phase, rounds in _round_times([dense], d_model, tokens_by_phase, device, dtype, repeats).items()}
+                 for phase, rounds in _round_times([dense], d_model, tokens_by_phase, device, dtype, repeats, n_layers).items()}
     rows = []
     for layout in grid(d_ffn):
         spec = {**layout, "d_model": d_model, "router": "centroid", "combine": "sum"}
         rows.append({"layer": layout, "seconds": _layer_seconds(lambda s=spec: MoeFFN(s), dense, dense_ffn, d_model,
-                                                                tokens_by_phase, device, dtype, repeats)})
+                                                                tokens_by_phase, device, dtype, repeats, n_layers)})
     native = device.type == "cpu" and dtype == torch.float32 and moelab_native.library() is not None
     phases = {}
     for phase, t in tokens_by_phase.items():
