@@ -130,14 +130,16 @@ def run_conversion(
     reset_peak_rss()
     budget: dict[str, float] = {}
 
-    def complete(record: dict[str, Any], moe: Any) -> None:
+    def complete(record: dict[str, Any], moe: Any, tokenizer: Any = None) -> None:
         if profiles:
             record["summary"].setdefault(
                 "ffn_flops_fraction", ffn_flops_fraction(moe, profiles[0].manifest["model"]["n_ffn_parameters"]))
             layers = getattr(getattr(moe, "config", None), "moe_layers", None)
             if layers:  # seconds beside multiply-adds: from the kernel times the profile job measured on this machine
-                record["summary"]["predicted_speed"] = predicted_summary(
-                    find_table(data_dir, profiles[0].manifest["model"].get("source")), layers)
+                table = find_table(data_dir, profiles[0].manifest["model"].get("source"))
+                if table is not None and tokenizer is not None:
+                    layers = _layers_with_touched(moe, tokenizer, layers, data_dir)
+                record["summary"]["predicted_speed"] = predicted_summary(table, layers)
             record.update(profile=str(Path(profile_paths[0]).resolve()), model=profiles[0].manifest["model"],
                           calibration=profiles[0].manifest["calibration"])
         record["timings"].update(total_s=time.perf_counter() - t0, peak_rss_mib=peak_rss_mib(), **budget)
@@ -157,12 +159,25 @@ def run_conversion(
         inputs.load_dense = lambda: loader(source, data_dir=data_dir, device=device, dtype="float32",
                                            trust_remote_code=trust_remote_code, progress=progress)
     moe, tokenizer, record = method.build(inputs, params, progress)
-    complete(record, moe)
+    complete(record, moe, tokenizer)
     progress.update("export", 0, 1)
     partition = record.pop("partition", None)
     export_model(moe, out, tokenizer, record, partition=partition)
     progress.update("export", 1, 1)
     return record
+
+
+def _layers_with_touched(moe: Any, tokenizer: Any, layers: list[dict[str, Any]], data_dir: Path) -> list[dict[str, Any]]:
+    """``layers`` with the experts a batch touches on real text (``speed_table.layers_with_touched``), or as they are
+    where that cannot be measured: the prediction then takes routing as uniform, and says so."""
+    from .evaluation.speed_table import layers_with_touched
+
+    try:
+        return layers_with_touched(moe, tokenizer, list(layers), data_dir)
+    except Exception:  # noqa: BLE001 - a prediction's refinement; the conversion itself is done
+        log.warning("could not measure the experts a batch touches; the speed prediction takes routing as uniform",
+                    exc_info=True)
+        return list(layers)
 
 
 def read_conversion(conversion_dir: Path) -> dict[str, Any]:

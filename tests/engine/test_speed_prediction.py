@@ -152,6 +152,19 @@ def test_a_layer_is_no_slower_than_dense_up_to_the_top_k_where_its_predicted_tim
     assert ok[: int(np.argmin(ok))].all()  # the time rises with k here: a prefix of top-k is offered
 
 
+def test_a_converted_layers_measured_touched_experts_replace_the_uniform_count():
+    """A batch of real sequences repeats experts: a converted layer's measured count (``experts_touched``: distinct
+    experts per position over the batch's rows) replaces the uniform ``E·(1-(1-k/E)^T)`` at that many tokens only."""
+    layer = {"kind": "moe", "d_shared": 64, "n_routed": 28, "expert_size": 16, "top_k": 6, "down_keep": 1.0}
+    seen = {**layer, "touched": {"8": 9.5}}
+    assert layer_features(seen, 8)[2] == pytest.approx(9.5 * 16)
+    assert layer_features(layer, 8)[2] == pytest.approx(28 * (1 - (1 - 6 / 28) ** 8) * 16)
+    np.testing.assert_array_equal(layer_features(seen, 1), layer_features(layer, 1))  # other token counts: uniform
+    table = _table(_grid_rows())
+    assert predict(table, [seen])["decode_b1"] == predict(table, [layer])["decode_b1"]
+    assert "uniform" in predicted_summary(table, [layer])["note"] and "measured" in predicted_summary(table, [seen])["note"]
+
+
 def test_plan_rows_become_layers_and_words_say_slower_phases():
     rows = [{"d_shared": 96, "n_routed": 60, "d_expert": 24, "top_k": 10}]
     assert plan_layers(rows, 0.5) == [{"kind": "moe", "d_shared": 96, "n_routed": 60, "expert_size": 24, "top_k": 10, "down_keep": 0.5}]
@@ -179,6 +192,8 @@ def test_the_newest_table_of_the_models_source_is_found(tmp_path):
 
 
 def test_a_profile_measures_the_table_once_and_a_conversion_records_its_prediction(tiny_model, data_dir, tmp_path):
+    from transformers import AutoTokenizer
+
     from tests.engine.test_profiling import make_set
     from moelab.engine.methods.expertweaver import ExpertWeaverParams
     from moelab.engine.profiling.profiler import ProfileSettings
@@ -210,6 +225,16 @@ def test_a_profile_measures_the_table_once_and_a_conversion_records_its_predicti
     layers = json.loads((tmp_path / "c" / "config.json").read_text())["moe_layers"]
     assert predicted["phases"]["decode_b1"]["speedup"] == pytest.approx(predict(table, layers)["decode_b1"]["speedup"])
     assert json.loads((tmp_path / "c" / "conversion.json").read_text())["summary"]["predicted_speed"] == predicted
+    # the prediction counts the experts 8 held-out sequences touch per step, measured on the converted model
+    from moelab.engine.evaluation.metrics import experts_touched, heldout_windows, routed_modules
+    from moelab.engine.runtime.export import load_exported
+
+    assert "touches measured on held-out text" in predicted["note"]
+    converted = load_exported(tmp_path / "c").eval()
+    seen = experts_touched(converted, heldout_windows(AutoTokenizer.from_pretrained(tmp_path / "c"), data, 64, 8))
+    routed = routed_modules(converted)
+    assert seen and set(seen) == {i for i, m in routed.items() if m.top_k > 0}
+    assert all(routed[i].top_k <= n <= min(routed[i].n_routed, 8 * routed[i].top_k) for i, n in seen.items()), seen
 
 
 @pytest.mark.slow
@@ -218,7 +243,7 @@ def test_on_the_default_model_the_prediction_meets_the_measurement_within_20_per
     process: each phase's predicted speed over dense within 20% of the measured one."""
     from moelab.engine.evaluation.metrics import heldout_windows
     from moelab.engine.evaluation.speed import SpeedProtocol, time_phases
-    from moelab.engine.evaluation.speed_table import measure_table
+    from moelab.engine.evaluation.speed_table import layers_with_touched, measure_table
     from moelab.engine.methods.expertweaver import ExpertWeaverParams
     from moelab.engine.models import load_model
     from moelab.engine.profiling.profiler import ProfileSettings
@@ -227,7 +252,7 @@ def test_on_the_default_model_the_prediction_meets_the_measurement_within_20_per
 
     prof = run_profile("default", "builtin:mixed", tmp_path / "p", ProfileSettings(max_tokens=64, batch_tokens=1024), samples=8,
                        data_dir=data_dir)
-    run_conversion(prof.path, ExpertWeaverParams(sparsity=0.5), tmp_path / "c", data_dir=data_dir)
+    record = run_conversion(prof.path, ExpertWeaverParams(sparsity=0.5), tmp_path / "c", data_dir=data_dir)
     adapter = load_model("default", data_dir=data_dir)
     windows = heldout_windows(adapter.tokenizer, data_dir, seq_len=128, n_windows=4)
     table = find_table(data_dir, prof.manifest["model"]["source"])  # what the profile measured (or found) for the designer
@@ -235,9 +260,14 @@ def test_on_the_default_model_the_prediction_meets_the_measurement_within_20_per
         table = measure_table(adapter.model.eval(), windows, {"source": "default", "d_model": adapter.d_model,
                                                                "d_ffn": adapter.layers[0].d_ffn, "n_layers": len(adapter.layers)})
     layers = json.loads((tmp_path / "c" / "config.json").read_text())["moe_layers"]
+    converted = load_exported(tmp_path / "c").eval()
+    # as the conversion predicts: with the experts a batch touches measured on held-out text
+    layers = layers_with_touched(converted, adapter.tokenizer, layers, data_dir)
     predicted = predict(table, layers)
-    measured = time_phases({"dense": adapter.model, "converted": load_exported(tmp_path / "c").eval()}, windows,
-                           protocol=SpeedProtocol(repeats=5))
+    if record["summary"]["predicted_speed"]["machine"] == table["machine"] and table["threads"] == torch.get_num_threads():
+        assert record["summary"]["predicted_speed"]["phases"]["decode_b8"]["speedup"] == pytest.approx(
+            predicted["decode_b8"]["speedup"], rel=1e-6)  # what `moelab convert` printed
+    measured = time_phases({"dense": adapter.model, "converted": converted}, windows, protocol=SpeedProtocol(repeats=5))
     seen = {p: (round(predicted[p]["speedup"], 3), round(m["speedup"]["converted"], 3)) for p, m in measured["phases"].items()}
     print("predicted, measured speed-up per phase:", seen, f"({torch.get_num_threads()} threads)")
     for phase, (want, got) in seen.items():

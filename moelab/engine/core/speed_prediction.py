@@ -15,9 +15,11 @@ the (token, expert) pairs, the router's scores, the rows of every expert compute
 ``down_keep``), fitted by non-negative least squares to the grid. A plan's time is
 then the dense model's with its FFNs' share scaled by the mean over layers of each planned layer's predicted time over
 the dense FFN's, both timed alone (a layer inside the model runs slower than alone, and a ratio carries that over
-where a difference of seconds did not); its speed is dense's time over that. Choice: routing is taken as uniform when
-counting the experts a batch touches (``E·(1-(1-k/E)^T)``); a skewed router touches fewer, so batch-8 decode and
-prefill lean pessimistic.
+where a difference of seconds did not); its speed is dense's time over that. Choice: a plan (the designer's preview)
+has no routing yet, so routing is taken as uniform when counting the experts a batch touches (``E·(1-(1-k/E)^T)``);
+real routing repeats itself across sequences and touches fewer (on the default model about half as many at 8), so
+that prediction of batch-8 decode leans pessimistic. A converted model's layers carry the count measured on held-out
+text (``touched``: tokens -> experts), which replaces the uniform one.
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ def layer_features(layer: Mapping[str, Any], tokens: int, native: bool = False) 
     if dense:
         return np.array([1.0, shared, 0, 0, 0, scores, float(tokens * e * m), ranked])
     touched = e * (1 - (1 - k / e) ** tokens) if e and k else 0.0
+    seen = (layer.get("touched") or {}).get(str(tokens))
+    if seen is not None and e and k:  # measured on real text (``evaluation.metrics.experts_touched``)
+        touched = float(seen)
     return np.array([1.0, shared, touched * m * down, tokens * k * m * down, float(tokens * k), scores, 0.0, ranked])
 
 
@@ -167,7 +172,7 @@ def find_table(data_dir: Path, source: str | None) -> dict[str, Any] | None:
 
 def predicted_summary(table: Mapping[str, Any] | None, layers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """What the designer and ``moelab convert`` show: each phase's predicted speed over dense and where the kernel
-    times come from, or why there is no prediction."""
+    times come from, or why there is no prediction. ``layers`` may carry the experts a batch touches (``touched``)."""
     if table is None:
         return {"note": "no kernel timings of this model on this machine yet: they are measured (once, about 35 s) "
                         "by the next profile of it unless MOELAB_TIME_KERNELS is off (a table measured before this "
@@ -179,7 +184,9 @@ def predicted_summary(table: Mapping[str, Any] | None, layers: Sequence[Mapping[
     return {"phases": {p: {"speedup": v["speedup"], "seconds": v["seconds"], "dense_seconds": v["dense_seconds"]}
                        for p, v in phases.items()},
             "machine": table["machine"], "dtype": table["dtype"], "threads": table["threads"], "measured_at": table["measured_at"],
-            "note": "predicted from this machine's measured kernel times (routing taken as uniform)"}
+            "note": "predicted from this machine's measured kernel times (" + (
+                "the experts a batch touches measured on held-out text" if any(l.get("touched") for l in layers)
+                else "routing taken as uniform") + ")"}
 
 
 PHASE_WORDS = {"decode_b1": "decode batch 1", "decode_b8": "decode batch 8", "prefill": "prefill"}

@@ -236,6 +236,36 @@ class RoutingRecorder:
         }
 
 
+@torch.inference_mode()
+def experts_touched(model: nn.Module, windows: torch.Tensor, batch: int = 8) -> dict[int, float]:
+    """Per routed layer of ``model``, the mean number of distinct routed experts ``batch`` sequences select at one
+    position: what a decode step at batch ``batch`` reads of the layer's routed weights. ``windows``: ``[n, L]``
+    token ids, real text; its first ``batch`` rows run. Real routing repeats itself across sequences (on the default
+    model, half as many experts as uniform routing would touch at 8 sequences), which ``core.speed_prediction`` counts
+    when it is given this."""
+    routed = routed_modules(model)
+    picks: dict[int, torch.Tensor] = {}
+
+    def keep(layer: int) -> Callable[[torch.Tensor], None]:
+        def record(idx: torch.Tensor) -> None:
+            picks[layer] = idx.detach().cpu()  # [batch, seq, top_k]
+        return record
+
+    for i, mod in routed.items():
+        if mod.top_k > 0:
+            mod.recorder = keep(i)
+    try:
+        model(input_ids=windows[:batch].to(next(model.parameters()).device))
+    finally:
+        for mod in routed.values():
+            mod.recorder = None
+    out = {}
+    for i, idx in picks.items():
+        hit = torch.zeros(*idx.shape[:2], routed_count(routed[i]), dtype=torch.bool).scatter_(2, idx.long(), True)
+        out[i] = float(hit.any(0).sum(-1).float().mean())  # distinct experts per position, over the batch's rows
+    return out
+
+
 def routed_modules(model: nn.Module) -> dict[int, nn.Module]:
     """Layer index -> routed module of a whole converted model (empty for a dense model)."""
     get = getattr(model, "moe_modules", None)

@@ -192,6 +192,21 @@ def measure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], 
             "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "phases": phases, "grid": rows}
 
 
+#: the batch whose touched experts a converted model's prediction counts: ``PHASE_TOKENS["decode_b8"]`` sequences
+TOUCHED_BATCH = PHASE_TOKENS["decode_b8"]
+
+
+def layers_with_touched(model: nn.Module, tokenizer: Any, layers: list[dict[str, Any]], data_dir: Path) -> list[dict[str, Any]]:
+    """``layers`` (the converted ``model``'s ``moe_layers``) with the experts a decode step at batch 8 touches in each,
+    measured on held-out text (``metrics.experts_touched``): ``touched`` as ``core.speed_prediction`` reads it."""
+    from .metrics import experts_touched, heldout_windows
+
+    windows = heldout_windows(tokenizer, data_dir, seq_len=64, n_windows=TOUCHED_BATCH)
+    seen = experts_touched(model, windows, TOUCHED_BATCH)
+    return [{**layer, "touched": {str(TOUCHED_BATCH): round(seen[i], 3)}} if i in seen else dict(layer)
+            for i, layer in enumerate(layers)]
+
+
 def model_info(adapter: Any, source: str | None) -> dict[str, Any]:
     """What a table is keyed by and predicts for: the model's source, d_model, d_ffn and layer count."""
     return {"source": source, "d_model": adapter.d_model, "d_ffn": adapter.layers[0].d_ffn, "n_layers": len(adapter.layers)}
