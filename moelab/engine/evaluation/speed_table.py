@@ -222,23 +222,25 @@ def table_path(model: nn.Module, info: dict[str, Any], data_dir: Path) -> Path:
     return Path(data_dir) / TABLE_DIR / f"{key}.json"
 
 
-def cached_table(model: nn.Module, info: dict[str, Any], data_dir: Path) -> dict[str, Any] | None:
-    """The table ``ensure_table`` measured for ``model`` here, or None (never measured, or damaged)."""
-    path = table_path(model, info, data_dir)
+def _read(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
-        return None
+        return None  # never measured, or damaged: measured again by the next profile
+
+
+def cached_table(model: nn.Module, info: dict[str, Any], data_dir: Path) -> dict[str, Any] | None:
+    """The table ``ensure_table`` measured for ``model`` here, or None."""
+    return _read(table_path(model, info, data_dir))
 
 
 def ensure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], data_dir: Path) -> dict[str, Any]:
     """The cached table of ``model`` on this machine, measured and written (atomically) when there is none (or it is
     damaged)."""
-    table = cached_table(model, info, data_dir)
-    if table is not None:
-        return table
-    table = measure_table(model, tokens, info)
     path = table_path(model, info, data_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, table)
+    table = _read(path)
+    if table is None:
+        table = measure_table(model, tokens, info)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, table)
     return table
