@@ -332,7 +332,7 @@ METHOD = Method(
     # 1.21x -> 1.20x at 0.75 and 2.35x -> 2.24x at 0.5 (0.5: 1.30x / 2.26x; 1.0: 1.22x / 2.26x); at 0.75 faster than
     # the uncapped plan at decode b1 and prefill in three runs out of three, at decode b8 in two (bench_recipe_speed)
     # speed_guard "machine": no top-k this machine's kernel table predicts slower than dense in a phase (issue 38: "no
-    # phase slower than dense" where the recipe runs); on the 2-vCPU EPYC it offers up to 66-75% of each layer's
+    # phase slower than dense" where the recipe runs); on the 2-vCPU EPYC it offers up to 69-70% of each layer's
     # experts, so the 0.65 cap binds first and the plan is unchanged (bench_recipe_speed guard-0.25 / guard-0.5)
     recipes={"best": {"router": "ridge", "alpha_basis": "active", "plan": "budget", "compensation": "skipped_mean",
                       "fit_tokens": 16384, "n_experts": 128, "down_keep": 0.5, "max_routed_share": 0.65,
