@@ -464,8 +464,8 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
     if plan == "leading":
         rows = _leading_rows(params, rows, experts, curves, d, record)
     elif budget_plan:
-        table = _machine_table(adapter, profile, data_dir) if getattr(params, "speed_guard", "none") == "machine" else None
-        rows = _budget_rows(params, rows, experts, curves, fixed, unit, d, record, table)
+        no_slower = _no_slower_top_k(params, rows, adapter, profile, data_dir, record)
+        rows = _budget_rows(params, rows, experts, curves, fixed, unit, d, record, no_slower)
     if compensate:
         for n, ex in enumerate(experts):
             if len(ex.routed) and ex.top_k < len(ex.routed):
@@ -543,12 +543,17 @@ def refit_on_converted(adapter: ModelAdapter, params: Any, experts: list[Any], m
     return {"refit": "converted_inputs", "refit_tokens": calib.n_tokens}
 
 
-def _no_slower_top_k(params: Any, rows: list[Any], table: dict[str, Any] | None,
+def _no_slower_top_k(params: Any, rows: list[Any], adapter: ModelAdapter, profile: Any, data_dir: Any,
                      record: dict[str, Any]) -> list[np.ndarray | None]:
-    """Per row, the top-k ``params.speed_guard`` leaves to the budget plan (None: any); notes in
-    ``record["speed_guard"]`` what the guard was based on, or why it could not run."""
+    """Per row, the top-k ``params.speed_guard`` leaves to the budget plan (None: any), from the kernel table the
+    profiled model has on this machine (``evaluation.speed_table``); notes in ``record["speed_guard"]`` what the
+    guard was based on, or why it could not run."""
     if getattr(params, "speed_guard", "none") != "machine":
         return [None] * len(rows)
+    from ..evaluation.speed_table import cached_table, model_info
+
+    table = None if data_dir is None else cached_table(
+        adapter.model, model_info(adapter, profile.manifest["model"].get("source")), data_dir)
     if table is None:
         record["speed_guard"] = {"applied": False, "note": "no kernel timings of this model on this machine (a profile "
                                  "measures them unless MOELAB_TIME_KERNELS is off): every top-k offered"}
@@ -576,9 +581,10 @@ def _no_slower_top_k(params: Any, rows: list[Any], table: dict[str, Any] | None,
 
 
 def _budget_rows(params: Any, rows: list[Any], experts: list[Any], curves: list[np.ndarray], fixed: list[int],
-                 unit: list[int], d: int, record: dict[str, Any], speed_table: dict[str, Any] | None = None) -> list[Any]:
+                 unit: list[int], d: int, record: dict[str, Any],
+                 no_slower: Sequence[np.ndarray | None] | None = None) -> list[Any]:
     """The budget plan's rows (and each layer's ``top_k`` set on its experts); fills ``record["budget"]``.
-    ``speed_table``: this machine's kernel table, read where ``params.speed_guard`` is ``machine``."""
+    ``no_slower``: per row, the top-k the speed guard offers (``_no_slower_top_k``; None: any)."""
     from ..core.allocation import is_dense, layer_plan
 
     dense = sum(3 * d * row.d_ffn for row in rows)
@@ -591,9 +597,8 @@ def _budget_rows(params: Any, rows: list[Any], experts: list[Any], curves: list[
             f"budget {cap:.1%}: lower the shared share (alpha_min/alpha_max, shared) or the sparsity")
     summed = getattr(params, "combine", "sum") == "sum"  # a weighted layer at every expert is no dense one
     share = getattr(params, "max_routed_share", 1.0)
-    no_slower = _no_slower_top_k(params, rows, speed_table, record)
     costs = [budget_costs(row.n_routed, c, 3 * d * row.d_ffn - f if summed else None, share, ok)
-             for row, f, c, ok in zip(rows, fixed, unit, no_slower)]
+             for row, f, c, ok in zip(rows, fixed, unit, no_slower or [None] * len(rows))]
     ks = greedy_budget(curves, costs, budget)
     new_rows = []
     for row, ex, k in zip(rows, experts, ks):
@@ -610,15 +615,6 @@ def _budget_rows(params: Any, rows: list[Any], experts: list[Any], curves: list[
                         "error_at_k": [float(c[k]) for c, k in zip(curves, ks)], "top_k": [r.top_k for r in new_rows],
                         "dense_layers": [r.layer for r in new_rows if is_dense(r)]}
     return new_rows
-
-
-def _machine_table(adapter: ModelAdapter, profile: Any, data_dir: Any) -> dict[str, Any] | None:
-    """The kernel table of the profiled model on this machine (``evaluation.speed_table``), or None."""
-    from ..evaluation.speed_table import cached_table, model_info
-
-    if data_dir is None:
-        return None
-    return cached_table(adapter.model, model_info(adapter, profile.manifest["model"].get("source")), data_dir)
 
 
 def _written_whole(row: Any, ex: Any) -> Any:
