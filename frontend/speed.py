@@ -106,4 +106,4 @@ def predicted_speed_words(predicted: dict[str, Any]) -> str:
     slow = slower_phases(predicted)
     verdict = (" — slower than dense in " + " and ".join(PHASES.get(p, p) for p in slow)) if slow else " — no phase slower than dense"
     return (f"Predicted speed × dense: {said}{verdict} ({predicted.get('machine')}, {predicted.get('dtype')}, "
-            f"{predicted.get('threads')} threads; from measured kernel times).")
+            f"{predicted.get('threads')} threads; {predicted.get('note') or 'from measured kernel times'}).")

@@ -32,7 +32,7 @@ from pydantic_core import to_json
 from sqlalchemy import bindparam, select
 
 from moelab.engine.core.params import ConversionError
-from moelab.engine.core.speed_prediction import find_table, plan_layers, predicted_summary
+from moelab.engine.core.speed_prediction import cpu_machine_name, find_table, plan_layers, predicted_summary
 from moelab.store.jsonsafe import finite_list, jsonable
 from moelab.engine.methods import REGISTRY
 
@@ -382,7 +382,8 @@ def _preview(profile_id: str, method_name: str, query: dict[str, str], session, 
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]) from exc
     profile, stamp = _ready_profile(session, store, profile_id)
-    table = find_table(data_dir, (profile.manifest.get("model") or {}).get("source"))
+    # the designer's API and its workers share a host in every layout moelab starts (serve, docker-compose)
+    table = find_table(data_dir, (profile.manifest.get("model") or {}).get("source"), cpu_machine_name())
 
     def encode() -> bytes:
         try:
@@ -392,7 +393,7 @@ def _preview(profile_id: str, method_name: str, query: dict[str, str], session, 
             raise ApiError(422, f"{method_name}: {exc}") from exc
         if out.get("layers") and "d_expert" in out["layers"][0]:
             layers = plan_layers(out["layers"], getattr(params, "down_keep", 1.0))
-            out["summary"]["predicted_speed"] = predicted_summary(table, layers)
+            out["summary"]["predicted_speed"] = predicted_summary(table, layers, cpu_machine_name())
         return _preview_body(profile_id, method_name, out)
 
     key = ("preview", profile_id, stamp, method_name, given.model_dump_json(), table and table["measured_at"])

@@ -136,10 +136,15 @@ def run_conversion(
                 "ffn_flops_fraction", ffn_flops_fraction(moe, profiles[0].manifest["model"]["n_ffn_parameters"]))
             layers = getattr(getattr(moe, "config", None), "moe_layers", None)
             if layers:  # seconds beside multiply-adds: from the kernel times the profile job measured on this machine
-                table = find_table(data_dir, profiles[0].manifest["model"].get("source"))
+                import torch
+
+                from .evaluation.speed_table import machine_name
+
+                here = machine_name(next(moe.parameters()).device)
+                table = find_table(data_dir, profiles[0].manifest["model"].get("source"), here, torch.get_num_threads())
                 if table is not None and tokenizer is not None:
                     layers = _layers_with_touched(moe, tokenizer, layers, data_dir)
-                record["summary"]["predicted_speed"] = predicted_summary(table, layers)
+                record["summary"]["predicted_speed"] = predicted_summary(table, layers, here)
             record.update(profile=str(Path(profile_paths[0]).resolve()), model=profiles[0].manifest["model"],
                           calibration=profiles[0].manifest["calibration"])
         record["timings"].update(total_s=time.perf_counter() - t0, peak_rss_mib=peak_rss_mib(), **budget)

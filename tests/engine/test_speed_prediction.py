@@ -303,3 +303,22 @@ def test_a_new_build_of_the_native_kernels_is_timed_again(tmp_path, monkeypatch)
     monkeypatch.setattr(moelab_native, "build_key", lambda: "another build")
     assert speed_table.ensure_table(model, None, info, tmp_path) == {"n": 2}
     assert len(list((tmp_path / TABLE_DIR).glob("*.json"))) == 2
+
+
+def test_this_machines_table_comes_before_a_newer_one_of_another_machine_and_the_note_says_whose(tmp_path):
+    folder = tmp_path / TABLE_DIR
+    folder.mkdir()
+    for name, machine, threads, when in (("here2", "cpu: here", 2, "2026-01-01"), ("here4", "cpu: here", 4, "2026-01-02"),
+                                         ("there", "cpu: there", 2, "2026-03-01")):
+        (folder / f"{name}.json").write_text(json.dumps({"version": TABLE_VERSION, "model": {"source": "m"}, "machine": machine,
+                                                         "threads": threads, "measured_at": when}))
+    assert find_table(tmp_path, "m")["machine"] == "cpu: there"  # nothing said of where: the newest
+    assert find_table(tmp_path, "m", "cpu: here")["measured_at"] == "2026-01-02"
+    assert find_table(tmp_path, "m", "cpu: here", 2)["measured_at"] == "2026-01-01"
+    assert find_table(tmp_path, "m", "cpu: elsewhere")["machine"] == "cpu: there"
+    table = {**_table(_grid_rows()), "machine": "cpu: there"}
+    plan = [{"kind": "moe", "d_shared": 64, "n_routed": 28, "expert_size": 16, "top_k": 6}] * 4
+    assert "this machine's" in predicted_summary(table, plan, "cpu: there")["note"]
+    other = predicted_summary(table, plan, "cpu: here")
+    assert "another machine, cpu: there" in other["note"] and "this machine's" not in other["note"]
+    assert "another machine, cpu: there" in describe_predicted(other)

@@ -142,6 +142,7 @@ def test_alpha_slider_redraws_plan_and_convert_succeeds(page, live, profile_id):
         assert f"{name} {preview['phases'][phase]['speedup']:.2f}×" in said, (said, preview)
     slow = [p for p, v in preview["phases"].items() if v["speedup"] < 1]
     assert ("slower than dense in" in said) == bool(slow) and page.get_attribute("#cd-speed", "class") == ("slower" if slow else "note")
+    assert preview["note"] in said and "this machine's" in preview["note"]  # the profile timed this machine's kernels
     shot(page, "designer")
     no_errors(page)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import platform
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -157,8 +158,16 @@ def table_key(model: Mapping[str, Any], machine: str, dtype: str, threads: int, 
     return f"{name}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
 
 
-def find_table(data_dir: Path, source: str | None) -> dict[str, Any] | None:
-    """The newest table measured for the model ``source`` on any machine of this data directory, or None."""
+def cpu_machine_name() -> str:
+    """This host's name for a table timed on its CPU (``speed_table.machine_name``), known without torch."""
+    return f"cpu: {platform.node()} {platform.processor() or platform.machine()}"
+
+
+def find_table(data_dir: Path, source: str | None, machine: str | None = None,
+               threads: int | None = None) -> dict[str, Any] | None:
+    """The table measured for the model ``source`` that best fits where the model will run: one of ``machine`` (a
+    ``speed_table.machine_name``) before any other machine's, of ``threads`` before other thread counts, then the
+    newest; None when no machine of this data directory timed the model."""
     found = []
     for path in (Path(data_dir) / TABLE_DIR).glob("*.json"):
         try:
@@ -167,12 +176,16 @@ def find_table(data_dir: Path, source: str | None) -> dict[str, Any] | None:
             continue
         if table.get("version") == TABLE_VERSION and table.get("model", {}).get("source") == source:
             found.append(table)
-    return max(found, key=lambda t: t.get("measured_at", ""), default=None)
+    return max(found, key=lambda t: (machine is not None and t.get("machine") == machine,
+                                     threads is not None and t.get("threads") == threads, t.get("measured_at", "")),
+               default=None)
 
 
-def predicted_summary(table: Mapping[str, Any] | None, layers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def predicted_summary(table: Mapping[str, Any] | None, layers: Sequence[Mapping[str, Any]],
+                      machine: str | None = None) -> dict[str, Any]:
     """What the designer and ``moelab convert`` show: each phase's predicted speed over dense and where the kernel
-    times come from, or why there is no prediction. ``layers`` may carry the experts a batch touches (``touched``)."""
+    times come from, or why there is no prediction. ``layers`` may carry the experts a batch touches (``touched``).
+    ``machine``: where the model will run; a table timed on another machine is used but the note names it."""
     if table is None:
         return {"note": "no kernel timings of this model on this machine yet: they are measured (once, about 35 s) "
                         "by the next profile of it unless MOELAB_TIME_KERNELS is off (a table measured before this "
@@ -184,7 +197,8 @@ def predicted_summary(table: Mapping[str, Any] | None, layers: Sequence[Mapping[
     return {"phases": {p: {"speedup": v["speedup"], "seconds": v["seconds"], "dense_seconds": v["dense_seconds"]}
                        for p, v in phases.items()},
             "machine": table["machine"], "dtype": table["dtype"], "threads": table["threads"], "measured_at": table["measured_at"],
-            "note": "predicted from this machine's measured kernel times (" + (
+            "note": ("predicted from this machine's measured kernel times (" if machine in (None, table["machine"]) else
+                     f"predicted from kernel times measured on another machine, {table['machine']} (this one has none; ") + (
                 "the experts a batch touches measured on held-out text" if any(l.get("touched") for l in layers)
                 else "routing taken as uniform") + ")"}
 
@@ -200,5 +214,4 @@ def describe_predicted(predicted: Mapping[str, Any]) -> str:
     said = ", ".join(f"{PHASE_WORDS.get(p, p)} {v['speedup']:.2f}×" for p, v in phases.items() if v.get("speedup"))
     slow = [f"{PHASE_WORDS.get(p, p)} ({v['speedup']:.2f}×)" for p, v in phases.items() if v.get("speedup") and v["speedup"] < 1]
     verdict = ("; SLOWER than dense in " + ", ".join(slow)) if slow else "; no phase slower than dense"
-    return (f"predicted speed × dense: {said}{verdict} ({predicted.get('machine')}, {predicted.get('threads')} threads; "
-            "from this machine's measured kernel times)")
+    return f"predicted speed × dense: {said}{verdict} ({predicted.get('machine')}, {predicted.get('threads')} threads; {predicted.get('note')})"

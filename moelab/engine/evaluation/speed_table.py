@@ -18,7 +18,6 @@ import contextlib
 import copy
 import datetime as dt
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 from torch import nn
 
 from ..atomic import write_json_atomic
-from ..core.speed_prediction import TABLE_DIR, TABLE_VERSION, fit, table_key
+from ..core.speed_prediction import TABLE_DIR, TABLE_VERSION, cpu_machine_name, fit, table_key
 from ..runtime.modeling_moelab import convert_in_place, decoder_layers, ffn_name
 from ..runtime import moelab_native
 from ..runtime.moelab_moe import MoeFFN
@@ -136,7 +135,7 @@ def _layer_seconds(make: Any, reference: Any, reference_s: dict[str, float], d_m
 def machine_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
-    return f"cpu: {platform.node()} {platform.processor() or platform.machine()}"
+    return cpu_machine_name()
 
 
 class _ZeroFFN(nn.Module):
