@@ -184,7 +184,7 @@ def domain_relation(calibration: str | None, text: str | None, builtin_domains: 
     return "out of domain" if not held & cal else "partly in domain"
 
 
-#: sizes a user sets with any recipe (portable's 16 experts and best's 16,384 fit tokens are defaults, not what makes them)
+#: sizes a user sets with any recipe (portable's 12 experts and best's 16,384 fit tokens are defaults, not what makes them)
 SIZE_KEYS = ("n_experts", "sparsity", "fit_tokens")
 
 

@@ -19,7 +19,7 @@ like with like on a shared machine:
 * perplexity on ``--windows`` × 256 held-out tokens of ``builtin:mixed`` (never seen in calibration
   or recovery), under llama.cpp.
 
-``--experts`` converts each cost at several expert counts (0: the recipe's own 16), for the question of
+``--experts`` converts each cost at several expert counts (0: the recipe's own, 12), for the question of
 expert granularity: llama.cpp runs one small matmul per selected expert and per projection, and sums the
 selected experts' outputs one add at a time, so many small experts pay per expert what few large ones do not.
 

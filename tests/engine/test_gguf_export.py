@@ -203,7 +203,22 @@ def test_q8_0_says_when_experts_are_not_whole_blocks(exported):
     types = {t.name: t.tensor_type for t in GGUFReader(info["file"]).tensors}
     assert types["blk.1.ffn_down_exps.weight"] == GGMLQuantizationType.F16, types["blk.1.ffn_down_exps.weight"]
     assert types["blk.0.attn_q.weight"] == GGMLQuantizationType.Q8_0  # rows of d_model = 64: whole blocks
-    assert quantisation_note(96, "q8_0") is None and quantisation_note(12, "f16") is None
+    assert quantisation_note(96, "q8_0") is None and quantisation_note(12, "f32") is None
+
+
+def test_f16_says_when_expert_rows_are_not_whole_steps_of_its_dot_product(exported):
+    """ggml-cpu's f16 dot product runs 64 values per step on AVX-512 and the rest of a row one value at a time; the
+    export names expert counts of this model whose experts are whole steps (the reason --recipe portable takes 12
+    experts, 128 neurons, on the default model: 16 are 96 wide)."""
+    from moelab.engine.runtime.gguf_export import quantisation_note, widths_that_fit
+
+    info = exported("llama-shared", "f16")
+    assert "f16: experts of 12 neurons are not a multiple of 64" in info["note"] and "the last 12 of every" in info["note"]
+    assert quantisation_note(128, "f16", 1536, 12) is None
+    said = quantisation_note(96, "f16", 1536, 16)
+    assert "the last 32 of every expert" in said and "--n-experts 8 or 12 (experts of 192 or 128)" in said
+    assert widths_that_fit(1536, 64, 16) == [8, 12] and widths_that_fit(14336, 64, 16) == [14, 16]
+    assert all(1536 % n == 0 and (1536 // n) % 64 == 0 for n in widths_that_fit(1536, 64, 16, count=6))
 
 
 @pytest.mark.parametrize("gguf_type", ["f16", "q8_0"])

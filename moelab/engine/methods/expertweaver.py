@@ -23,8 +23,10 @@ Recipes: ``best`` is the best training-free conversion measured (per-layer budge
 compensation: neither exports to a stock MoE); ``portable`` the best one whose layout GGUF and
 native HF exports hold once recovery (EW Eq. 11) has made its router a softmax with a weighted
 combine: ``plan="leading"`` (one shared count from Eqs. 5–6 with the layers' mean α, one top-k, only
-leading layers dense; ``plan``), no compensation, and 16 experts: coarser than the paper's 64 because
-llama.cpp pays per selected expert (bench_llamacpp.py --experts). Both measured in tests/benchmarks/bench_frontier.py.
+leading layers dense; ``plan``), no compensation, and 12 experts: coarser than the paper's 64 because
+llama.cpp pays per selected expert, and 128 neurons wide on the default model because llama.cpp's f16 dot product
+on AVX-512 runs 64 values per step and the rest of a row one at a time (16 experts are 96 wide; bench_llamacpp.py
+--experts). Both measured in tests/benchmarks/bench_frontier.py and bench_llamacpp.py.
 """
 
 from __future__ import annotations
@@ -320,9 +322,13 @@ METHOD = Method(
                       prepare=prepare_recovery, accepts=accepts_recovery),
     baselines=baselines,
     # tests/benchmarks/bench_frontier.py: the best training-free conversion measured at every cost
-    # "portable": the best one whose recovered model (EW Eq. 11) exports to GGUF and native HF; 16 experts
-    # (96 neurons on the default model): llama.cpp runs 64 experts of 24 neurons slower than dense (a matmul
-    # and a sum per selected expert, and q8_0 cannot quantise rows of 24), 16 faster (bench_llamacpp --experts)
+    # "portable": the best one whose recovered model (EW Eq. 11) exports to GGUF and native HF; 12 experts
+    # (128 neurons on the default model): llama.cpp runs 64 experts of 24 neurons slower than dense (a matmul
+    # and a sum per selected expert, and q8_0 cannot quantise rows of 24), 16 of 96 faster at decode but 0.75-0.81x
+    # dense at f16 prefill on AVX-512 CPUs (ggml's f16 dot product does the last 32 values of every 96-value row one
+    # at a time: 11% of its time in a decode step, perf), 12 of 128 1.02-1.09x there and faster at f16 decode; 24
+    # of 64 slower than both (bench_llamacpp --experts 0 12 24). Quality: equal at 0.75 (1.75x against 1.76x dense),
+    # 3% worse at 0.5 after two recovery steps (3.69x against 3.58x in llama.cpp)
     # "best" fits on 16,384 calibration tokens: better in and out of domain than 4,096 (leave-domain-out frontier);
     # 128 finer experts (12 neurons on the default model; the router costs 2x, under 3% of the FFN): out of domain
     # 1.50x / 2.77x dense at 0.75 / 0.5 against 64 experts' 1.57x / 2.96x, in domain better too (docs/quality.md);
@@ -338,5 +344,5 @@ METHOD = Method(
                       "fit_tokens": 16384, "n_experts": 128, "down_keep": 0.5, "max_routed_share": 0.65,
                       "speed_guard": "machine"},
              "portable": {"router": "ridge", "alpha_basis": "active", "plan": "leading", "compensation": "none",
-                          "n_experts": 16}},
+                          "n_experts": 12}},
 )
