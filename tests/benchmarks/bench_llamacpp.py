@@ -16,6 +16,8 @@ like with like on a shared machine:
 
 * prefill tokens/s: one 512-token batch;
 * decode tokens/s: 128 tokens one at a time after a 16-token prompt;
+* paired (``paired_*_vs_dense``): the same two phases with the dense file and the converted one loaded in one
+  process, their steps alternating, three rounds: the ratio a noisy shared machine spoils least (``measure_pair``);
 * perplexity on ``--windows`` × 256 held-out tokens of ``builtin:mixed`` (never seen in calibration
   or recovery), under llama.cpp.
 
@@ -86,9 +88,44 @@ def measure(path: str, what: str, threads: int, windows_file: str | None = None)
     return out
 
 
+def measure_pair(dense: str, path: str, threads: int, rounds: int = 3) -> dict[str, float]:
+    """Dense and converted in one process, their steps alternating (the order swapped every step): each phase's speed
+    over dense is dense's seconds over the converted model's, summed over the same steps, so the drift of a shared
+    machine (its other tenants, its clocks) hits both alike within milliseconds, not within a process's lifetime."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    llms = [Llama(model_path=p, n_ctx=PREFILL + DECODE + PROMPT, n_batch=PREFILL, n_threads=threads,
+                  n_threads_batch=threads, verbose=False) for p in (dense, path)]
+    tokens = [int(t) for t in np.random.default_rng(0).integers(100, 20000, PREFILL + DECODE)]
+    for llm in llms:
+        llm.eval(tokens[:8])  # warm the weights into memory and the graph allocator
+    prefill, decode = [0.0, 0.0], [0.0, 0.0]
+    for r in range(rounds):
+        order = (0, 1) if r % 2 == 0 else (1, 0)
+        for j in order:
+            llms[j].reset()
+            t0 = time.perf_counter()
+            llms[j].eval(tokens[:PREFILL])
+            prefill[j] += time.perf_counter() - t0
+        for j in order:
+            llms[j].reset()
+            llms[j].eval(tokens[:PROMPT])
+        for i in range(DECODE):
+            for j in order if i % 2 == 0 else order[::-1]:
+                t0 = time.perf_counter()
+                llms[j].eval([tokens[PREFILL + i]])
+                decode[j] += time.perf_counter() - t0
+    for llm in llms:
+        llm.close()
+    return {"paired_decode_vs_dense": decode[0] / decode[1], "paired_prefill_vs_dense": prefill[0] / prefill[1],
+            "paired_rounds": rounds}
+
+
 def _in_subprocess(path: Path, what: str, threads: int, windows_file: Path | None = None) -> dict[str, float]:
-    code = ("import json,sys; sys.path.insert(0, %r); from tests.benchmarks.bench_llamacpp import measure; "
-            "print(json.dumps(measure(*sys.argv[1:3], int(sys.argv[3]), *(sys.argv[4:]))))" % str(ROOT))
+    code = ("import json,sys; sys.path.insert(0, %r); from tests.benchmarks.bench_llamacpp import measure, measure_pair; "
+            "a = sys.argv; print(json.dumps(measure_pair(a[4], a[1], int(a[3])) if a[2] == 'paired' else "
+            "measure(*a[1:3], int(a[3]), *a[4:])))" % str(ROOT))
     args = [sys.executable, "-c", code, str(path), what, str(threads)] + ([str(windows_file)] if windows_file else [])
     done = subprocess.run(args, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -192,6 +229,9 @@ def main() -> None:
     timed = time_files(files, args.threads, args.repeat)
     rows: dict[str, dict[str, Any]] = {f"{n}/{t}": {"bytes": f.stat().st_size, **timed[(n, t)]} for (n, t), f in files.items()}
     for (n, t), f in files.items():
+        if n != "dense":
+            rows[f"{n}/{t}"].update(_in_subprocess(f, "paired", args.threads, files[("dense", t)]))
+    for (n, t), f in files.items():
         rows[f"{n}/{t}"].update(_in_subprocess(f, "perplexity", args.threads, windows_file))
     for (n, t) in files:
         r, d = rows[f"{n}/{t}"], rows[f"dense/{t}"]
@@ -204,7 +244,8 @@ def main() -> None:
               "conversions": info, "rows": rows, "seconds": time.perf_counter() - t0}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    parts = [f"{n}/{t}: decode {r['decode_vs_dense']:.2f}x prefill {r['prefill_vs_dense']:.2f}x ppl {r['perplexity_vs_dense']:.2f}x"
+    parts = [f"{n}/{t}: decode {r['decode_vs_dense']:.2f}x (paired {r['paired_decode_vs_dense']:.2f}x) prefill "
+             f"{r['prefill_vs_dense']:.2f}x (paired {r['paired_prefill_vs_dense']:.2f}x) ppl {r['perplexity_vs_dense']:.2f}x"
              for n in models if n != "dense" for t in args.types for r in [rows[f"{n}/{t}"]]]
     print("bench_llamacpp: " + "; ".join(parts))
 
