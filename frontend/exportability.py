@@ -10,7 +10,8 @@ UI_WORDS = (("convert with --recipe portable", "design it with the 'portable' re
             ("moelab finetune --mode expertweaver", "the Fine-tune page in mode expertweaver"),
             ("use --format moelab", "download it in moelab's format (zip)"),
             ("exports with --format moelab", "downloads in moelab's format (zip)"), ("--format moelab", "moelab's format (zip)"),
-            ("--recipe portable", "the 'portable' recipe"), ("--recipe best", "the 'best' recipe"))
+            ("--recipe portable", "the 'portable' recipe"), ("--recipe best", "the 'best' recipe"),
+            ("convert with --n-experts", "design it with n_experts"), ("--n-experts", "n_experts"))
 
 
 def ui_words(text: str) -> str:

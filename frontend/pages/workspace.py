@@ -378,8 +378,10 @@ def export_line(e: dict) -> html.Div:
     progress while it runs, why it failed otherwise."""
     what = f"GGUF {e.get('type')}"
     if e.get("status") == "ready" and e.get("file"):
-        return html.Div(html.A(f"⤓ {e['file']} ({human_bytes(e.get('bytes'))})", href=export_download_url(e["id"], e["file"]),
-                               download=e["file"], className="gguf-file", title=f"{what} file for llama.cpp / Ollama"))
+        link = html.A(f"⤓ {e['file']} ({human_bytes(e.get('bytes'))})", href=export_download_url(e["id"], e["file"]),
+                      download=e["file"], className="gguf-file", title=f"{what} file for llama.cpp / Ollama")
+        note = (e.get("summary") or {}).get("note")  # what llama.cpp does slowly with these experts, and the counts that fit
+        return html.Div([link, html.Div(ui_words(note), className="note gguf-note")] if note else link)
     job = e.get("job") or {}
     if e.get("status") in ("queued", "running"):
         return progress(job, title=f"{what} export")

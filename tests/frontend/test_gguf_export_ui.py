@@ -133,6 +133,10 @@ def test_workspace_exports_a_gguf_and_says_why_another_does_not(page, live, api,
     assert link.inner_text().startswith(f"⤓ {name} (")
     export = next(e for e in api.get(f"/conversions/{good}/exports").json()["items"] if e["type"] == "q8_0")
     assert link.get_attribute("href") == f"/download/exports/{export['id']}/{name}"  # this server's relay, not the API
+    # 8 experts of 12 neurons are not whole q8_0 blocks: the row says so, with the expert count that fits, in its words
+    note = export["summary"]["note"]
+    assert "experts of 12 neurons are not whole 32-value blocks" in note and "--n-experts 3 (experts of 32)" in note
+    assert _row(page, good).locator(".gguf-note").inner_text() == ui_words(note) and "n_experts 3" in ui_words(note)
     with page.expect_download() as dl:
         link.click()
     saved = tmp_path / name

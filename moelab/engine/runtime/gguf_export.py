@@ -247,8 +247,8 @@ F16_DOT_STEP = 64  # values per step of ggml-cpu's f16 dot product on AVX-512 (3
 
 
 def widths_that_fit(d_ffn: int, multiple: int, near: int, count: int = 2) -> list[int]:
-    """The expert counts nearest ``near`` that split ``d_ffn`` into experts a whole ``multiple`` wide (fewer first)."""
-    fits = [n for n in range(1, d_ffn // multiple + 1) if d_ffn % n == 0 and (d_ffn // n) % multiple == 0]
+    """The expert counts (two or more) nearest ``near`` that split ``d_ffn`` into experts a whole ``multiple`` wide."""
+    fits = [n for n in range(2, d_ffn // multiple + 1) if d_ffn % n == 0 and (d_ffn // n) % multiple == 0]
     return sorted(sorted(fits, key=lambda n: (abs(n - near), n))[:count])
 
 
