@@ -398,9 +398,10 @@ def _print_partition(record: dict[str, Any]) -> None:
             f"  {row['layer']:5d}  {row['d_shared']:6d}  {row['n_routed']:6d}  {row['top_k']:5d}  "
             f"{row['expert_size']:6d}  {obj:>9}  {row['n_iter']:5d}{flag}"
         )
-    for row in record["layers"]:
-        if row["note"]:
-            click.echo(f"  note, layer {row['layer']}: {row['note']}")
+    from moelab.engine.methods.labels import collapse_notes
+
+    for line in collapse_notes([row for row in record["layers"] if row["note"]]):
+        click.echo(f"  note, {line}")
 
 
 @main.command()

@@ -21,6 +21,7 @@ from frontend.components import (baselines_choice, builtin_source_options, cance
                                  progress, to_search, wants_baselines)
 from frontend.names import fmt
 from frontend.speed import predicted_speed_words, slower_phases
+from moelab.engine.methods.labels import collapse_notes, layer_span
 
 dash.register_page(__name__, path="/designer", name="Conversion designer", order=5)
 
@@ -447,29 +448,6 @@ def fmt_measure(key: str, value: Any) -> str:
     if unit:
         return f"{name} {value:,.1f} {unit}"
     return f"{name} {fmt(value)}"
-
-
-def layer_span(layers: list[int]) -> str:
-    """[0, 1, 2, 5] → 'layers 0–2, 5'; [3] → 'layer 3'."""
-    layers = sorted(set(layers))
-    runs: list[list[int]] = []
-    for layer in layers:
-        if runs and layer == runs[-1][-1] + 1:
-            runs[-1].append(layer)
-        else:
-            runs.append([layer])
-    parts = [f"{r[0]}–{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs]
-    return ("layer " if len(layers) == 1 else "layers ") + ", ".join(parts)
-
-
-def collapse_notes(notes: list[dict[str, Any]]) -> list[str]:
-    """Per-layer notes, one line per distinct text saying which layers it applies to (30 identical
-    'budget plan' lines become 'layers 0–29 (30 layers): budget plan: …')."""
-    by_text: dict[str, list[int]] = {}
-    for n in notes:
-        by_text.setdefault(n["note"], []).append(n["layer"])
-    return [f"{layer_span(layers)}" + (f" ({len(set(layers))} layers)" if len(set(layers)) > 1 else "") + f": {text}"
-            for text, layers in by_text.items()]
 
 
 def _result(conversion_id: str, job: dict[str, Any] | None = None) -> tuple[html.Div, bool]:

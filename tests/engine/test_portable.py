@@ -63,6 +63,32 @@ def test_recipe_portable_resolves_and_is_fitted():
     assert "portable" in get_method("expertweaver").describe()["recipes"]
 
 
+@pytest.mark.parametrize(("d_ffn", "n_experts", "multiple", "count"), [
+    (1536, 12, 64, 12), (1536, 16, 64, 12), (1536, 16, 1, 16),  # the default model: 16 of 96 would leave 32 per row
+    (2048, 12, 64, 16), (4864, 12, 64, 19), (14336, 12, 64, 14),  # Gemma 3 270M, Qwen2.5-0.5B, Llama-3 8B
+    (96, 8, 64, 8)])  # no count fits: as given
+def test_expert_count_splits_d_ffn_into_whole_steps(d_ffn, n_experts, multiple, count):
+    assert expertweaver.expert_count(d_ffn, n_experts, multiple) == count
+    if count != n_experts:
+        assert d_ffn % count == 0 and (d_ffn // count) % multiple == 0
+
+
+def test_the_portable_recipe_plans_experts_a_multiple_of_64_wide_and_says_so():
+    rng = np.random.default_rng(0)
+    cv = [rng.gamma(2.0, 0.4, 1536) for _ in range(4)]
+    rows = expertweaver.plan(cv, get_method("expertweaver").recipe("portable", sparsity=0.5))
+    assert {(r.d_expert, r.n_shared + r.n_routed) for r in rows} == {(128, 12)}
+    assert all(r.note.startswith("12 experts of 128 neurons (n_experts 12, width a multiple of 64)") for r in rows)
+    rows = expertweaver.plan(cv, get_method("expertweaver").recipe("portable", sparsity=0.5, n_experts=16))
+    assert {(r.d_expert, r.n_shared + r.n_routed) for r in rows} == {(128, 12)} and "(n_experts 16," in rows[0].note
+    rows = expertweaver.plan(cv, get_method("expertweaver").recipe("portable", sparsity=0.5, n_experts=16, width_multiple=1))
+    assert {(r.d_expert, r.n_shared + r.n_routed) for r in rows} == {(96, 16)} and "width" not in rows[0].note
+    tiny = expertweaver.plan([c[:96] for c in cv], get_method("expertweaver").recipe("portable", sparsity=0.5, n_experts=8))
+    assert tiny[0].d_expert == 12 and tiny[0].note.startswith("no expert count splits d_ffn 96 into experts a multiple of 64")
+    labels = expertweaver._label({"n_experts": 12, "width_multiple": 64}), expertweaver._label({"n_experts": 12})
+    assert labels[0][0] == "12 experts (widths ×64)" and labels[1][0] == "12 experts"
+
+
 @pytest.mark.parametrize("sparsity", [0.25, 0.5])
 def test_leading_plan_is_uniform_with_dense_layers_only_in_front_within_the_budget(fitted, sparsity):
     adapter, prof, calib = fitted
@@ -106,3 +132,15 @@ def test_the_recovered_portable_conversion_exports_natively_and_to_gguf(fitted, 
     export_model(moe, tmp_path / "ft", load_tokenizer(conv), record)
     gg = gguf_layout(json.loads((tmp_path / "ft" / "config.json").read_text()))
     assert gg["leading_dense"] == L and gg["top_k"] == layout["top_k"]
+
+
+def test_convert_prints_each_distinct_layer_note_once_with_its_layers(capsys):
+    from moelab.cli import _print_partition
+
+    row = {"d_shared": 384, "n_routed": 9, "top_k": 2, "expert_size": 128, "objective": None, "n_iter": 0, "static": False}
+    layers = ([{**row, "layer": i, "note": "left dense (all neurons kept)"} for i in range(4)]
+              + [{**row, "layer": i, "note": "12 experts of 128 neurons; leading plan"} for i in range(4, 30)])
+    _print_partition({"summary": {"active_fraction": 0.5}, "layers": layers})
+    notes = [line.strip() for line in capsys.readouterr().out.splitlines() if "note" in line]
+    assert notes == ["note, layers 0–3 (4 layers): left dense (all neurons kept)",
+                     "note, layers 4–29 (26 layers): 12 experts of 128 neurons; leading plan"]

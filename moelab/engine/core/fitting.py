@@ -653,7 +653,8 @@ def _leading_rows(params: Any, rows: list[Any], experts: list[Any], curves: list
             continue
         leftover = row.d_shared - row.n_shared * row.d_expert
         new_rows.append(layer_plan(row.layer, row.d_ffn, row.r, row.d_expert, row.n_shared, leftover, row.n_routed, k,
-                                   row.clamped, "leading plan: one top-k chosen by calibration error"))
+                                   row.clamped, "; ".join(filter(None, (row.note, "leading plan: one top-k chosen by "
+                                                                                   "calibration error")))))
         ex.top_k = k
     cost = (dense_macs[:L].sum() + moe_macs[L:, k].sum()) / dense_macs.sum()
     record["leading"] = {"ffn_flops_fraction": cap, "planned_ffn_flops_fraction": float(cost), "dense_layers": L,

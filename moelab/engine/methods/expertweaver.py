@@ -23,10 +23,10 @@ Recipes: ``best`` is the best training-free conversion measured (per-layer budge
 compensation: neither exports to a stock MoE); ``portable`` the best one whose layout GGUF and
 native HF exports hold once recovery (EW Eq. 11) has made its router a softmax with a weighted
 combine: ``plan="leading"`` (one shared count from Eqs. 5–6 with the layers' mean α, one top-k, only
-leading layers dense; ``plan``), no compensation, and 12 experts: coarser than the paper's 64 because
-llama.cpp pays per selected expert, and 128 neurons wide on the default model because llama.cpp's f16 dot product
-on AVX-512 runs 64 values per step and the rest of a row one at a time (16 experts are 96 wide; bench_llamacpp.py
---experts). Both measured in tests/benchmarks/bench_frontier.py and bench_llamacpp.py.
+leading layers dense; ``plan``), no compensation, and 12 experts a multiple of 64 neurons wide
+(``width_multiple``; 128 on the default model): coarser than the paper's 64 because llama.cpp pays per selected
+expert, and whole 64s because llama.cpp's f16 dot product on AVX-512 runs 64 values per step and the rest of a row
+one at a time (16 experts are 96 wide there; bench_llamacpp.py --experts). Both measured in tests/benchmarks/bench_frontier.py and bench_llamacpp.py.
 """
 
 from __future__ import annotations
@@ -102,6 +102,11 @@ class ExpertWeaverParams(MethodParams):
         "profile) predicts no slower than the dense FFN in every phase (decode at batch 1 and 8, prefill of 512), so "
         "the plan trades no phase's seconds for multiply-adds where the kernels do not turn them into time; without "
         "a table every top-k is offered, and the record says so (moelab's)", advanced=True)
+    width_multiple: int = param(
+        1, "experts a whole multiple of this many neurons wide: the plan takes the expert count nearest n_experts (more "
+        "experts on a tie) that splits d_ffn so, and says so in each layer's note; where none does, n_experts as given. "
+        "64 for llama.cpp: its f16 dot product runs 64 values per step on AVX-512 and the rest of a row one at a time, "
+        "and q8_0 quantises rows in blocks of 32 (1: n_experts as given; moelab's)", ge=1, le=4096, advanced=True)
     refit: Literal["none", "converted_inputs"] = param(
         "none", "none: the ridge router and skipped-expert means are fitted on the dense model's MLP inputs; "
         "converted_inputs: fitted again on the inputs the converted model produces (one more calibration forward; moelab's)",
@@ -165,8 +170,19 @@ def plan(cv_by_layer: Sequence[np.ndarray], params: ExpertWeaverParams) -> list[
     return [_plan_layer(i, d, float(r[i]), float(alpha[i]), params) for i, d in enumerate(d_ffns)]
 
 
+def expert_count(d_ffn: int, n_experts: int, width_multiple: int) -> int:
+    """``n_experts``, or with ``width_multiple`` > 1 the count nearest it (two or more; more experts on a tie: finer
+    experts score better, EW §4) that splits ``d_ffn`` into experts a whole ``width_multiple`` wide; ``n_experts``
+    where no count does. Choice (not in the paper): the runtimes people serve MoEs in step through a row in fixed
+    widths (ggml's f16 dot product 64 values on AVX-512, q8_0 blocks of 32), and a remainder costs there."""
+    if width_multiple <= 1:
+        return n_experts
+    fits = [n for n in range(2, d_ffn // width_multiple + 1) if d_ffn % n == 0 and (d_ffn // n) % width_multiple == 0]
+    return min(fits, key=lambda n: (abs(n - n_experts), -n), default=n_experts)
+
+
 def _plan_layer(layer: int, d_ffn: int, r: float, alpha: float, p: ExpertWeaverParams) -> LayerPlan:
-    e = p.n_experts
+    e = expert_count(d_ffn, p.n_experts, p.width_multiple)
     m = d_ffn // e
     k = int(round((1 - p.sparsity) * e))  # experts per token, shared included
     base = d_ffn if p.alpha_basis == "total" else (1 - p.sparsity) * d_ffn
@@ -176,15 +192,20 @@ def _plan_layer(layer: int, d_ffn: int, r: float, alpha: float, p: ExpertWeaverP
     most = max(0, k - 1) if p.plan == "leading" else k
     n_shared = min(asked, most)
     top_k = k - n_shared
-    note = ""
+    notes = []
+    if p.width_multiple > 1:
+        notes.append(f"{e} experts of {m} neurons (n_experts {p.n_experts}, width a multiple of {p.width_multiple})"
+                     if m % p.width_multiple == 0 else f"no expert count splits d_ffn {d_ffn} into experts a multiple of "
+                     f"{p.width_multiple} wide: {e} experts of {m} neurons")
     if asked > most:
-        note = (
+        notes.append(
             f"Eq. 6 asks for {asked} shared experts but only {most} can be: clamped to {most}"
             + (", one routed expert runs" if p.plan == "leading" else ", no routed expert runs (static prune)")
             + "; lower alpha_max, raise tau or use alpha_basis='active'"
         )
     elif top_k == 0:
-        note = "all active experts are shared: no routed expert runs (static prune)"
+        notes.append("all active experts are shared: no routed expert runs (static prune)")
+    note = "; ".join(notes)
     return layer_plan(layer, d_ffn, r, m, n_shared, d_ffn - m * e, e - n_shared, top_k, asked > most, note)
 
 
@@ -296,7 +317,8 @@ def accepts_recovery(spec: dict[str, Any]) -> str | None:
 
 def _label(p) -> list[str]:
     """Experts, the α range and τ (EW Eqs. 4-5), sparsity; an option the record lacks is left out, not '?'."""
-    parts = [f"{num(p.get('n_experts'))} experts"]
+    wide = p.get("width_multiple") or 1  # the plan may take another count: each layer's note says which
+    parts = [f"{num(p.get('n_experts'))} experts" + (f" (widths ×{wide})" if wide > 1 else "")]
     if p.get("alpha_min") is not None and p.get("alpha_max") is not None:
         parts.append(f"α {num(p['alpha_min'])}–{num(p['alpha_max'])}")
     parts += [f"τ {num(p['tau'])}"] if p.get("tau") is not None else []
@@ -328,7 +350,8 @@ METHOD = Method(
     # dense at f16 prefill on AVX-512 CPUs (ggml's f16 dot product does the last 32 values of every 96-value row one
     # at a time: 11% of its time in a decode step, perf), 12 of 128 1.02-1.09x there and faster at f16 decode; 24
     # of 64 slower than both (bench_llamacpp --experts 0 12 24). Quality: equal at 0.75 (1.75x against 1.76x dense),
-    # 3% worse at 0.5 after two recovery steps (3.69x against 3.58x in llama.cpp)
+    # 3% worse at 0.5 after two recovery steps (3.69x against 3.58x in llama.cpp). width_multiple 64 keeps that
+    # rule on other models: the count nearest 12 whose experts are whole 64s (16 on Gemma 3 270M, 14 on Llama-3 8B)
     # "best" fits on 16,384 calibration tokens: better in and out of domain than 4,096 (leave-domain-out frontier);
     # 128 finer experts (12 neurons on the default model; the router costs 2x, under 3% of the FFN): out of domain
     # 1.50x / 2.77x dense at 0.75 / 0.5 against 64 experts' 1.57x / 2.96x, in domain better too (docs/quality.md);
@@ -344,5 +367,5 @@ METHOD = Method(
                       "fit_tokens": 16384, "n_experts": 128, "down_keep": 0.5, "max_routed_share": 0.65,
                       "speed_guard": "machine"},
              "portable": {"router": "ridge", "alpha_basis": "active", "plan": "leading", "compensation": "none",
-                          "n_experts": 12}},
+                          "n_experts": 12, "width_multiple": 64}},
 )

@@ -37,3 +37,26 @@ def shared_parts(p: Mapping[str, Any]) -> list[str]:
     if isinstance(p.get("down_keep"), (int, float)) and p["down_keep"] < 1:
         parts.append(f"down {pct(p['down_keep'])} kept")
     return parts
+
+
+def layer_span(layers: list[int]) -> str:
+    """[0, 1, 2, 5] → 'layers 0–2, 5'; [3] → 'layer 3'."""
+    layers = sorted(set(layers))
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    parts = [f"{r[0]}–{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs]
+    return ("layer " if len(layers) == 1 else "layers ") + ", ".join(parts)
+
+
+def collapse_notes(notes: list[dict[str, Any]]) -> list[str]:
+    """Per-layer notes, one line per distinct text saying which layers it applies to (30 identical
+    'budget plan' lines become 'layers 0–29 (30 layers): budget plan: …')."""
+    by_text: dict[str, list[int]] = {}
+    for n in notes:
+        by_text.setdefault(n["note"], []).append(n["layer"])
+    return [f"{layer_span(layers)}" + (f" ({len(set(layers))} layers)" if len(set(layers)) > 1 else "") + f": {text}"
+            for text, layers in by_text.items()]
