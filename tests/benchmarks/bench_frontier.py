@@ -328,13 +328,14 @@ def time_llamacpp(model: str, variants: dict[str, dict[int, Any]], types: list[s
     """Each variant that exports to GGUF (``gguf_layout`` accepts its layers: ``portable@start``, the layout EW Eq. 11
     recovery starts from) written at every type of ``types`` and timed in llama.cpp against the dense model written by
     the same converter at the same type (``bench_llamacpp.time_files``: decode at batch 1 after a 16-token prompt,
-    prefill of 512, fresh processes, interleaved, best of ``repeats``). llama-cpp-python runs one sequence, so llama.cpp
+    prefill of 512, fresh processes, interleaved, best of ``repeats``; and ``paired``: with the dense file in one process,
+    steps alternating, ``bench_llamacpp.measure_pair``). llama-cpp-python runs one sequence, so llama.cpp
     has no batch-8 decode here. Variants that do not export are left out, with the refusal:
     ``{name: {"llamacpp": {type: {phase: speed-up}}}`` or ``{name: {"llamacpp_refusal": why}}``."""
     from moelab.engine.runtime.export import build_moe_model, export_model
     from moelab.engine.runtime.gguf_export import export_gguf_file
     from moelab.engine.runtime.gguf_layout import GgufExportError
-    from tests.benchmarks.bench_llamacpp import time_files
+    from tests.benchmarks.bench_llamacpp import time_files, time_pairs
 
     out: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="frontier-gguf-") as tmp:
@@ -353,12 +354,15 @@ def time_llamacpp(model: str, variants: dict[str, dict[int, Any]], types: list[s
         for t in types:
             files[("dense", t)] = Path(export_gguf_file(model, Path(tmp) / "gguf", t, data_dir)["file"])
         timed = time_files(files, threads, repeats)
+        paired = time_pairs(files, threads)
     for (name, t), row in timed.items():
         if name != "dense":
             dense = timed[("dense", t)]
             out.setdefault(name, {"llamacpp": {}})["llamacpp"][t] = {
                 "decode_b1": round(row["decode_tok_s"] / dense["decode_tok_s"], 3),
                 "prefill": round(row["prefill_tok_s"] / dense["prefill_tok_s"], 3),
+                "paired": {"decode_b1": round(paired[(name, t)]["paired_decode_vs_dense"], 3),
+                           "prefill": round(paired[(name, t)]["paired_prefill_vs_dense"], 3)},
                 "tok_s": {k: round(v, 1) for k, v in row.items()}, "dense_tok_s": {k: round(v, 1) for k, v in dense.items()}}
     return out
 

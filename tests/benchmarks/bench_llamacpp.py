@@ -143,6 +143,12 @@ def time_files(files: dict[Any, Path], threads: int, repeat: int) -> dict[Any, d
     return rows
 
 
+def time_pairs(files: dict[tuple[str, str], Path], threads: int) -> dict[tuple[str, str], dict[str, float]]:
+    """``measure_pair`` of every converted file (keys ``(name, type)``) with the dense file of its type, each pair in a
+    fresh process."""
+    return {(n, t): _in_subprocess(f, "paired", threads, files[("dense", t)]) for (n, t), f in files.items() if n != "dense"}
+
+
 def _profile(work: Path, given: Path | None, data_dir: Path) -> Path:
     from moelab.engine.profiling.profiler import ProfileSettings
     from moelab.engine.runs import run_profile
@@ -228,9 +234,8 @@ def main() -> None:
 
     timed = time_files(files, args.threads, args.repeat)
     rows: dict[str, dict[str, Any]] = {f"{n}/{t}": {"bytes": f.stat().st_size, **timed[(n, t)]} for (n, t), f in files.items()}
-    for (n, t), f in files.items():
-        if n != "dense":
-            rows[f"{n}/{t}"].update(_in_subprocess(f, "paired", args.threads, files[("dense", t)]))
+    for (n, t), paired in time_pairs(files, args.threads).items():
+        rows[f"{n}/{t}"].update(paired)
     for (n, t), f in files.items():
         rows[f"{n}/{t}"].update(_in_subprocess(f, "perplexity", args.threads, windows_file))
     for (n, t) in files:
