@@ -26,7 +26,8 @@ combine: ``plan="leading"`` (one shared count from Eqs. 5–6 with the layers' m
 leading layers dense; ``plan``), no compensation, and 12 experts a multiple of 64 neurons wide
 (``width_multiple``; 128 on the default model): coarser than the paper's 64 because llama.cpp pays per selected
 expert, and whole 64s because llama.cpp's f16 dot product on AVX-512 runs 64 values per step and the rest of a row
-one at a time (16 experts are 96 wide there; bench_llamacpp.py --experts). Both measured in tests/benchmarks/bench_frontier.py and bench_llamacpp.py.
+one at a time (16 experts are 96 wide there). Both measured in tests/benchmarks/bench_frontier.py and
+bench_llamacpp.py (--experts).
 """
 
 from __future__ import annotations
@@ -172,8 +173,8 @@ def plan(cv_by_layer: Sequence[np.ndarray], params: ExpertWeaverParams) -> list[
 
 def expert_count(d_ffn: int, n_experts: int, width_multiple: int) -> int:
     """``n_experts``, or with ``width_multiple`` > 1 the count nearest it (two or more; more experts on a tie: finer
-    experts score better, EW §4) that splits ``d_ffn`` into experts a whole ``width_multiple`` wide; ``n_experts``
-    where no count does. Choice (not in the paper): the runtimes people serve MoEs in step through a row in fixed
+    experts scored better training-free, docs/quality.md) that splits ``d_ffn`` into experts a whole
+    ``width_multiple`` wide; ``n_experts`` where no count does. Choice (not in the paper): the runtimes people serve MoEs in step through a row in fixed
     widths (ggml's f16 dot product 64 values on AVX-512, q8_0 blocks of 32), and a remainder costs there."""
     if width_multiple <= 1:
         return n_experts
