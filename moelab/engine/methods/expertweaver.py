@@ -174,8 +174,9 @@ def plan(cv_by_layer: Sequence[np.ndarray], params: ExpertWeaverParams) -> list[
 def expert_count(d_ffn: int, n_experts: int, width_multiple: int) -> int:
     """``n_experts``, or with ``width_multiple`` > 1 the count nearest it (two or more; more experts on a tie: finer
     experts scored better training-free, docs/quality.md) that splits ``d_ffn`` into experts a whole
-    ``width_multiple`` wide; ``n_experts`` where no count does. Choice (not in the paper): the runtimes people serve MoEs in step through a row in fixed
-    widths (ggml's f16 dot product 64 values on AVX-512, q8_0 blocks of 32), and a remainder costs there."""
+    ``width_multiple`` wide; ``n_experts`` where no count does. Choice (not in the paper): the runtimes people
+    serve MoEs in step through a row in fixed widths (ggml's f16 dot product 64 values on AVX-512, q8_0 blocks of
+    32), and a remainder costs there."""
     if width_multiple <= 1:
         return n_experts
     fits = [n for n in range(2, d_ffn // width_multiple + 1) if d_ffn % n == 0 and (d_ffn // n) % width_multiple == 0]
