@@ -383,7 +383,8 @@ def _preview(profile_id: str, method_name: str, query: dict[str, str], session, 
         raise RequestValidationError([{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]) from exc
     profile, stamp = _ready_profile(session, store, profile_id)
     # the designer's API and its workers share a host in every layout moelab starts (serve, docker-compose)
-    table = find_table(data_dir, (profile.manifest.get("model") or {}).get("source"), cpu_machine_name())
+    here = cpu_machine_name()
+    table = find_table(data_dir, (profile.manifest.get("model") or {}).get("source"), here)
 
     def encode() -> bytes:
         try:
@@ -393,7 +394,7 @@ def _preview(profile_id: str, method_name: str, query: dict[str, str], session, 
             raise ApiError(422, f"{method_name}: {exc}") from exc
         if out.get("layers") and "d_expert" in out["layers"][0]:
             layers = plan_layers(out["layers"], getattr(params, "down_keep", 1.0))
-            out["summary"]["predicted_speed"] = predicted_summary(table, layers, cpu_machine_name())
+            out["summary"]["predicted_speed"] = predicted_summary(table, layers, here)
         return _preview_body(profile_id, method_name, out)
 
     key = ("preview", profile_id, stamp, method_name, given.model_dump_json(), table and table["measured_at"])

@@ -49,6 +49,21 @@ RESULT = ROOT / "tests" / "benchmarks" / "results" / "bench_llamacpp.json"
 PREFILL, DECODE, PROMPT, SEQ = 512, 128, 16, 256
 
 
+def _timing_llama(path: str, threads: int) -> Any:
+    """``path`` loaded as every timing here loads it: room for a prefill and a decode after a prompt."""
+    from llama_cpp import Llama
+
+    return Llama(model_path=path, n_ctx=PREFILL + DECODE + PROMPT, n_batch=PREFILL, n_threads=threads,
+                 n_threads_batch=threads, verbose=False)
+
+
+def _timing_tokens(n: int = PREFILL) -> list[int]:
+    """``n`` seeded token ids (every file reads the same), the prefill's first."""
+    import numpy as np
+
+    return [int(t) for t in np.random.default_rng(0).integers(100, 20000, n)]
+
+
 def measure(path: str, what: str, threads: int, windows_file: str | None = None) -> dict[str, float]:
     """One measurement of ``path`` in this process (called in a fresh subprocess)."""
     import numpy as np
@@ -68,10 +83,8 @@ def measure(path: str, what: str, threads: int, windows_file: str | None = None)
             n += len(w) - 1
         llm.close()
         return {"perplexity": math.exp(nll / n), "tokens": n}
-    llm = Llama(model_path=path, n_ctx=PREFILL + DECODE + PROMPT, n_batch=PREFILL, n_threads=threads,
-                n_threads_batch=threads, verbose=False)
-    rng = np.random.default_rng(0)
-    tokens = [int(t) for t in rng.integers(100, 20000, PREFILL)]
+    llm = _timing_llama(path, threads)
+    tokens = _timing_tokens()
     llm.eval(tokens[:8])  # warm the weights into memory and the graph allocator
     llm.reset()
     if what == "prefill":
@@ -92,12 +105,8 @@ def measure_pair(dense: str, path: str, threads: int, rounds: int = 3) -> dict[s
     """Dense and converted in one process, their steps alternating (the order swapped every step): each phase's speed
     over dense is dense's seconds over the converted model's, summed over the same steps, so the drift of a shared
     machine (its other tenants, its clocks) hits both alike within milliseconds, not within a process's lifetime."""
-    import numpy as np
-    from llama_cpp import Llama
-
-    llms = [Llama(model_path=p, n_ctx=PREFILL + DECODE + PROMPT, n_batch=PREFILL, n_threads=threads,
-                  n_threads_batch=threads, verbose=False) for p in (dense, path)]
-    tokens = [int(t) for t in np.random.default_rng(0).integers(100, 20000, PREFILL + DECODE)]
+    llms = [_timing_llama(p, threads) for p in (dense, path)]
+    tokens = _timing_tokens(PREFILL + DECODE)
     for llm in llms:
         llm.eval(tokens[:8])  # warm the weights into memory and the graph allocator
     prefill, decode = [0.0, 0.0], [0.0, 0.0]

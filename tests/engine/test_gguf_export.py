@@ -214,8 +214,8 @@ def test_f16_says_when_expert_rows_are_not_whole_steps_of_its_dot_product(export
 
     info = exported("llama-shared", "f16")
     assert "f16: experts of 12 neurons are not a multiple of 64" in info["note"] and "the last 12 of every" in info["note"]
-    assert quantisation_note(128, "f16", 1536, 12) is None
-    said = quantisation_note(96, "f16", 1536, 16)
+    assert quantisation_note(128, "f16", 1536) is None
+    said = quantisation_note(96, "f16", 1536)
     assert "the last 32 of every expert" in said and "--n-experts 8 or 12 (experts of 192 or 128)" in said
     assert widths_that_fit(1536, 64, 16) == [8, 12] and widths_that_fit(14336, 64, 16) == [14, 16]
     assert all(1536 % n == 0 and (1536 // n) % 64 == 0 for n in widths_that_fit(1536, 64, 16, count=6))

@@ -118,6 +118,11 @@ def plan_flops_fraction(rows: Sequence[LayerPlan], router: str, d_model: int, co
     return cost / sum(3 * d_model * row.d_ffn for row in rows)
 
 
+def whole_width_counts(d_ffn: int, multiple: int) -> list[int]:
+    """The expert counts (two or more) that split ``d_ffn`` into experts a whole ``multiple`` neurons wide."""
+    return [n for n in range(2, d_ffn // multiple + 1) if d_ffn % n == 0 and (d_ffn // n) % multiple == 0]
+
+
 def check_experts_fit(n_experts: int, d_ffns: Iterable[int]) -> None:
     """Every layer must have at least one neuron per expert."""
     for d in sorted(set(d_ffns)):

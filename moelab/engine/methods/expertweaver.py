@@ -38,7 +38,8 @@ from typing import Any, ClassVar, Literal, Sequence
 
 import numpy as np
 
-from ..core.allocation import LayerPlan, check_experts_fit, layer_plan, model_width, plan_record, validate_partition, specialisation_ratio
+from ..core.allocation import (LayerPlan, check_experts_fit, layer_plan, model_width, plan_record, validate_partition,
+                               specialisation_ratio, whole_width_counts)
 from ..runtime.moelab_routers import PARTITION_ROUTERS
 from ..core.params import ConversionError, MethodParams, check_compensation, needs_fitting, param
 from ..core.partition import LayerExperts, cluster_routed, finish, split_shared
@@ -179,8 +180,7 @@ def expert_count(d_ffn: int, n_experts: int, width_multiple: int) -> int:
     32), and a remainder costs there."""
     if width_multiple <= 1:
         return n_experts
-    fits = [n for n in range(2, d_ffn // width_multiple + 1) if d_ffn % n == 0 and (d_ffn // n) % width_multiple == 0]
-    return min(fits, key=lambda n: (abs(n - n_experts), -n), default=n_experts)
+    return min(whole_width_counts(d_ffn, width_multiple), key=lambda n: (abs(n - n_experts), -n), default=n_experts)
 
 
 def _plan_layer(layer: int, d_ffn: int, r: float, alpha: float, p: ExpertWeaverParams) -> LayerPlan:

@@ -55,6 +55,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..core.allocation import whole_width_counts
 from .gguf_layout import GGUF_FAMILIES, GGUF_TYPES, GgufExportError, check_type, gguf_layout, gguf_refusal
 
 __all__ = ["GGUF_TYPES", "GgufExportError", "export_gguf", "export_gguf_file", "gguf_layout", "gguf_refusal"]
@@ -236,8 +237,7 @@ def export_gguf_file(src: str | Path, out_dir: Path, gguf_type: str, data_dir: P
     if layout is not None:
         result["layout"] = {k: v for k, v in layout.items() if k != "shared_padding"}
         result["layout"]["shared_padding"] = sorted(set(layout["shared_padding"].values()))
-        d_ffn = (config.get("base_config") or {}).get("intermediate_size")
-        if note := quantisation_note(layout["expert_size"], gguf_type, d_ffn, d_ffn and d_ffn // layout["expert_size"]):
+        if note := quantisation_note(layout["expert_size"], gguf_type, (config.get("base_config") or {}).get("intermediate_size")):
             result["note"] = note
     return result
 
@@ -247,22 +247,21 @@ F16_DOT_STEP = 64  # values per step of ggml-cpu's f16 dot product on AVX-512 (3
 
 
 def widths_that_fit(d_ffn: int, multiple: int, near: int, count: int = 2) -> list[int]:
-    """The expert counts (two or more) nearest ``near`` that split ``d_ffn`` into experts a whole ``multiple`` wide."""
-    fits = [n for n in range(2, d_ffn // multiple + 1) if d_ffn % n == 0 and (d_ffn // n) % multiple == 0]
-    return sorted(sorted(fits, key=lambda n: (abs(n - near), n))[:count])
+    """The ``count`` expert counts nearest ``near`` that split ``d_ffn`` into experts a whole ``multiple`` wide."""
+    return sorted(sorted(whole_width_counts(d_ffn, multiple), key=lambda n: (abs(n - near), n))[:count])
 
 
-def quantisation_note(expert_size: int, gguf_type: str, d_ffn: int | None = None, n_experts: int | None = None) -> str | None:
+def quantisation_note(expert_size: int, gguf_type: str, d_ffn: int | None = None) -> str | None:
     """What llama.cpp does slowly with experts of ``expert_size`` neurons: the rows of ``ffn_down_exps`` are
     ``expert_size`` long. q8_0 quantises them in whole blocks and the converter keeps a tensor whose rows are not
     whole blocks in f16 (a larger file, a slower decode); f16's dot product runs 64 values per step on AVX-512 CPUs
     and the rest of a row one value at a time (ggml-cpu ``ggml_vec_dot_f16``; measured with perf on the default model's
     96-neuron experts: 11% of the dot product's time, prefill 0.75× dense against 1.08× with 128-neuron experts).
-    ``d_ffn`` and ``n_experts``: the model's FFN width and expert count, to name counts that fit."""
+    ``d_ffn``: the model's FFN width, to name the expert counts nearest its own (``d_ffn / expert_size``) that fit."""
     multiple = {"q8_0": Q8_0_BLOCK, "f16": F16_DOT_STEP}.get(gguf_type)
     if multiple is None or expert_size % multiple == 0:
         return None
-    fits = widths_that_fit(d_ffn, multiple, n_experts or 16) if d_ffn else []
+    fits = widths_that_fit(d_ffn, multiple, d_ffn // expert_size) if d_ffn else []
     advice = (f"--n-experts {' or '.join(map(str, fits))} (experts of {' or '.join(str(d_ffn // n) for n in fits)})" if fits
               else f"--n-experts dividing d_ffn into experts a multiple of {multiple} wide")
     if gguf_type == "q8_0":
