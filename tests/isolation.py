@@ -45,6 +45,10 @@ def isolated_environment(environ: dict[str, str], repo: Path) -> dict[str, str]:
         MOELAB_SPEED_REPEATS="1",
         MOELAB_SPEED_DECODE_STEPS="2",
         MOELAB_SPEED_PREFILL_TOKENS="64",
+        # A CLI profile of each new model would time this machine's kernels (10-30 s a model, on every tiny model a
+        # test builds). The table is checked where it is the subject: tests/engine/test_speed_prediction.py, and the
+        # service's worker and `moelab serve` (tests/service/helpers.env_for keeps the setting's default, on).
+        MOELAB_TIME_KERNELS="0",
         HF_HUB_OFFLINE="1",  # no test needs the Hub; without this a lookup spends ~20 s in retries
     )
     return env

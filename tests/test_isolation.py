@@ -28,9 +28,10 @@ def test_this_process_and_its_children_keep_to_the_suites_directory():
     seen = json.loads(out.stdout)
     assert Path(seen["home"]) == suite["home"] and Path(seen["data"]) == suite["data"]
     assert Path(seen["hf"]).is_relative_to(suite["home"])
-    # nothing from the user's shell points elsewhere; the suite's own: its data dir and its short speed protocol
+    # nothing from the user's shell points elsewhere; the suite's own: its data dir, its short speed protocol and
+    # no kernel timing after a CLI profile
     assert seen["moelab_vars"] == ["MOELAB_DATA_DIR", "MOELAB_SPEED_DECODE_STEPS", "MOELAB_SPEED_PREFILL_TOKENS",
-                                   "MOELAB_SPEED_REPEATS"]
+                                   "MOELAB_SPEED_REPEATS", "MOELAB_TIME_KERNELS"]
     assert Path.home() == suite["home"] and REAL_HOME != suite["home"]
 
 
