@@ -455,7 +455,8 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true",
                     help="keep the (level, variant) results already in --out when its profile and held-out text match")
     ap.add_argument("--only", nargs="+", default=None, metavar="NAME",
-                    help="measure only these variants (with --resume, every row already in --out is kept, these variants' too: remove their rows from --out to measure them again)")
+                    help="measure only these variants (with --resume, every row already in --out is kept, these "
+                         "variants' too: remove their rows from --out to measure them again)")
     ap.add_argument("--protocol", choices=("in-domain", "leave-domain-out"), default="in-domain",
                     help="in-domain: calibrated on --profile, scored on every domain; leave-domain-out: each domain "
                          "scored by conversions calibrated without it (a profile per fold, under --work)")
