@@ -22,8 +22,6 @@ for _path in suite_paths(REPO).values():
     _path.mkdir(parents=True, exist_ok=True)
 
 import pytest  # noqa: E402
-
-import moelab  # noqa: E402,F401  (before torch: libgomp's spin is set on import, moelab/openmp.py)
 import torch  # noqa: E402
 
 

@@ -1,5 +1,5 @@
 """moelab on a machine it shares: the default model's decode step and 512-token prefill, alone and beside another
-2-thread torch process, with libgomp's own spin (``GOMP_SPINCOUNT=300000``) and with moelab's (``moelab/openmp.py``);
+2-thread torch process, with libgomp's own spin (``GOMP_SPINCOUNT=300000``) and with a short one (1000);
 optionally ``moelab convert --recipe best --sparsity 0.5`` of a profile timed the same way.
 
     python tests/benchmarks/bench_busy_machine.py [--repeats 2] [--spins 300000 1000] [--convert PROFILE_DIR]
@@ -108,7 +108,7 @@ def main() -> None:
     for round_ in range(args.repeats):
         for busy in (False, True):
             for spin in args.spins:
-                # one conversion per setting: busy with every spin, alone with moelab's (the last)
+                # one conversion per setting: busy with every spin, alone with the last
                 convert = args.convert if busy or spin == args.spins[-1] else None
                 name = f"{'busy' if busy else 'alone'} spin={spin}"
                 rows.setdefault(name, []).append(_timed(spin, busy, args.model_cache, convert if round_ == 0 else None))
