@@ -37,10 +37,10 @@ class CancelWatch(threading.Thread):
         self.fired = 0
         self._armed = True
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._quit = threading.Event()  # not _stop: threading.Thread's join() and is_alive() call a method of that name
 
     def run(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        while not self._quit.wait(self.poll_s):
             try:
                 wanted = self.check()
             except Exception:  # a missed read is retried at the next poll
@@ -56,10 +56,20 @@ class CancelWatch(threading.Thread):
 
     def disarm(self) -> None:
         """Called by the job's own thread as soon as its body returned or raised: no interruption
-        lands after this returns (one scheduled but not yet delivered is cleared). Wrap the call in
-        ``try/except Cancelled``: a pending one may still be delivered while it runs."""
-        with self._lock:
-            self._armed = False
-            self._stop.set()
-            if self.fired:
-                _set_async_exc(self.thread_id, None)
+        lands after this returns (one scheduled but not yet delivered is cleared). One delivered while it
+        runs, before the lock is taken, would leave the watch armed and firing into every later job of this
+        thread (the worker's next job was cancelled "on request" with no request made): so it tries again
+        until the watch is off, then raises that ``Cancelled`` for the caller to ignore or record."""
+        late: Cancelled | None = None
+        while True:
+            try:
+                with self._lock:
+                    self._armed = False
+                    self._quit.set()
+                    if self.fired:
+                        _set_async_exc(self.thread_id, None)
+                break
+            except Cancelled as exc:
+                late = exc
+        if late is not None:
+            raise late

@@ -91,6 +91,33 @@ def test_cancel_watch_interrupts_a_step_that_never_reports_progress():
     assert outcome["after_disarm"] == "quiet"
 
 
+def test_a_cancel_delivered_while_disarming_still_disarms_the_watch():
+    """A ``Cancelled`` that lands inside ``disarm`` before it takes the lock must not leave the watch armed: it would
+    fire into every later job of the worker's thread. disarm finishes, then hands that ``Cancelled`` on."""
+    from workers.cancelwatch import CancelWatch
+    from moelab.engine.progress import Cancelled
+
+    watch = CancelWatch(lambda: False, threading.get_ident(), poll_s=0.05)
+    watch.start()
+    lock, entered = watch._lock, []
+
+    class LandsOnFirstEntry:  # the interruption arrives as disarm reaches the lock the first time
+        def __enter__(self):
+            entered.append(1)
+            if len(entered) == 1:
+                raise Cancelled("delivered while disarming")
+            return lock.__enter__()
+
+        def __exit__(self, *exc):
+            return lock.__exit__(*exc)
+
+    watch._lock = LandsOnFirstEntry()
+    with pytest.raises(Cancelled, match="while disarming"):
+        watch.disarm()
+    watch.join(2)
+    assert len(entered) == 2 and not watch._armed and not watch.is_alive()
+
+
 def test_delete_refuses_while_used_then_cascades_the_tree(client, settings, model_id):
     wait_idle(client)
     tag = uuid.uuid4().hex[:8]
