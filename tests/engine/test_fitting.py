@@ -308,7 +308,9 @@ def test_the_speed_guard_offers_only_the_top_k_this_machines_table_predicts_no_s
             layout = {"kind": "moe", "d_shared": row.d_shared, "n_routed": row.n_routed, "expert_size": row.d_expert,
                       "down_keep": 0.5}
             assert row.top_k in offered
-            assert offered == [int(k) for k in np.flatnonzero(top_k_no_slower(table, layout))]
+            # the plan starts every layer from its shared part alone, so top-0 is offered even where the table (on a
+            # slow or busy machine) predicts it slower than dense
+            assert offered == sorted({0} | {int(k) for k in np.flatnonzero(top_k_no_slower(table, layout))})
     assert plan_flops_fraction(rows, "ridge", adapter.d_model, down_keep=0.5) <= 0.75 + 1e-9
     *_, unguarded = partition_modules(adapter, prof, p, expertweaver.plan_for(prof, p),
                                       expertweaver.layer_builder(prof, p), calib=calib)  # no data dir: no table
