@@ -213,7 +213,7 @@ def test_loop_and_padded_dispatch_agree_with_unbalanced_routing():
 
 # ------------------------------------------------------------------ (b2) fast experts kernels == reference loop
 
-FAST_IMPLS = ("grouped_mm", "sorted", "gather", "dense", "auto")
+FAST_IMPLS = ("grouped_mm", "sorted", "gather", "dense", "triton", "auto")
 ALL_ROUTERS = ("centroid", "representative", "gate_mass", "softmax", "ridge")
 COMBINES = ("sum", "weighted", "normalized", "scaled")
 

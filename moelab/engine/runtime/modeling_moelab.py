@@ -10,6 +10,7 @@ Files, read top to bottom (each imports only those above it)
 -----------------------------------------------------------
 ``moelab_routers.py``       the router kinds (scores, cost, fit, init) and ``ffn_macs``, the cost
 ``moelab_native.py``        the native CPU kernels (C, compiled on first use; torch where they cannot run)
+``moelab_triton.py``        the GPU decode kernels (Triton, where it is installed)
 ``moelab_kernels.py``       the routed experts' fast kernels and ``select_kernel``
 ``moelab_compat.py``        loading the keys earlier runtimes wrote
 ``moelab_moe.py``           ``MoeExperts`` (reference forward), ``MoeRouter`` and ``MoeFFN``, the sparse block

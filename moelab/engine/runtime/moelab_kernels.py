@@ -15,6 +15,8 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from .moelab_triton import routed_decode as triton_routed_decode, usable as triton_usable
+
 # "auto" on accelerators: up to this many (token, expert) pairs the gather path runs (one batched
 # matmul, no host synchronisation); above it grouped_mm, whose torch fallback reads the group
 # offsets on the host.
@@ -53,7 +55,8 @@ _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 
 
 def select_kernel(experts, x: torch.Tensor, top: torch.Tensor | None, needs_grad: bool,
-                  weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> str:
+                  weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  gate_act: torch.Tensor | None = None) -> str:
     """The kernel a call runs: ``experts.experts_impl`` when it names one, else (``auto``) by this
     table, first matching row (``weights``: ``(gate_up_proj, down_proj)`` as the call read them;
     "grouped ok": torch has grouped_mm and the operands meet its dtype and 16-byte rules):
@@ -62,8 +65,11 @@ def select_kernel(experts, x: torch.Tensor, top: torch.Tensor | None, needs_grad
     requested               when                                                        kernel
     ======================  ==========================================================  ============
     ``grouped_mm``          a gradient is needed, or grouped not ok                     sorted
+    ``triton``              pairs > GATHER_MAX_PAIRS                                    as ``auto``
+    ``triton``              a gradient is needed, or ``moelab_triton.usable`` says no   gather
     ``loop`` / ``sorted``   always                                                      as requested
     / ``gather`` /          (``grouped_mm`` otherwise)
+    ``auto``, accelerator   pairs ≤ GATHER_MAX_PAIRS, no gradient, triton usable        triton
     ``auto``, accelerator   pairs ≤ GATHER_MAX_PAIRS                                    gather
     ``auto``, accelerator   no gradient and grouped ok                                  grouped_mm
     ``auto``, CPU           no gradient, T ≤ GATHER_MAX_TOKENS, and one token on        gather
@@ -85,12 +91,17 @@ def select_kernel(experts, x: torch.Tensor, top: torch.Tensor | None, needs_grad
     wgu, wd = weights if weights is not None else (experts.gate_up_proj, experts.down_proj)
     if impl == "grouped_mm" and (needs_grad or not grouped_ok(experts, x, wgu, wd)):
         return "sorted"
+    pairs = top.numel() if top is not None else 0
+    if impl == "triton":
+        if pairs > GATHER_MAX_PAIRS:  # a GEMV per pair: decode steps only
+            impl = "auto"
+        elif needs_grad or not triton_usable(experts, x, gate_act):
+            return "gather"
     if impl != "auto":
         return impl
-    pairs = top.numel() if top is not None else 0
     if x.device.type != "cpu":
         if pairs <= GATHER_MAX_PAIRS:
-            return "gather"
+            return "triton" if not needs_grad and triton_usable(experts, x, gate_act) else "gather"
         return "grouped_mm" if not needs_grad and grouped_ok(experts, x, wgu, wd) else "sorted"
     block_bytes = 2 * experts.expert_size * experts.d_model * wgu.element_size()
     if not needs_grad and x.shape[0] <= GATHER_MAX_TOKENS and (
@@ -285,10 +296,12 @@ def sort_pairs(experts, top):
     which needs no host synchronisation."""
     T, k = top.shape
     flat = top.reshape(-1)
-    counts = torch.bincount(flat, minlength=experts.num_experts)
-    if top.device.type != "cpu":
+    if top.device.type != "cpu":  # bincount reads its maximum on the host, which a CUDA graph cannot capture
+        counts = torch.zeros(experts.num_experts, dtype=torch.long, device=top.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))
         e_sorted, order = torch.sort(flat, stable=True)
         return e_sorted, order, torch.div(order, k, rounding_mode="floor"), counts
+    counts = torch.bincount(flat, minlength=experts.num_experts)
     slot = torch.full((T, experts.num_experts), -1, dtype=torch.long).scatter_(1, top, torch.arange(k).expand(T, k))
     e_sorted, tok = (slot.t() >= 0).nonzero().unbind(1)
     return e_sorted, tok * k + slot[tok, e_sorted], tok, counts
@@ -467,6 +480,13 @@ def gather_pairs(experts, x, w, top, weights, gate_act):
     return out.sum(dim=1)
 
 
+def triton_decode(experts, x, w, top, weights, gate_act):
+    """Accelerator decode in two Triton kernels reading only the selected experts' weights, in place
+    (``moelab_triton``; ``select_kernel`` runs it where ``moelab_triton.usable``)."""
+    return triton_routed_decode(experts, x, w, top, weights)
+
+
 #: the kernels ``MoeExperts.experts_impl`` can name besides the reference ``loop`` and ``auto``
-KERNELS = {"grouped_mm": grouped, "sorted": sorted_chunks, "gather": gather, "dense": masked_dense}
+KERNELS = {"grouped_mm": grouped, "sorted": sorted_chunks, "gather": gather, "dense": masked_dense,
+           "triton": triton_decode}
 EXPERTS_IMPLS = ("auto", "loop", *KERNELS)

@@ -91,14 +91,15 @@ class MoeExperts(nn.Module):
 
     ``experts_impl`` selects the kernel, as transformers' ``experts_implementation`` does:
     ``loop`` is ``reference`` below (one matmul chain per expert on its tokens); ``grouped_mm``,
-    ``sorted`` and ``gather`` are the fast kernels of ``moelab_kernels``; ``auto`` (the default)
+    ``sorted``, ``gather``, ``dense`` and ``triton`` (GPU decode, ``moelab_triton``) are the fast kernels of
+    ``moelab_kernels``; ``auto`` (the default)
     lets ``moelab_kernels.select_kernel`` choose by device, gradient and sizes (its table).
     """
 
     def __init__(self, num_experts: int, expert_size: int, d_model: int, act: str = "silu", column_major: bool = True):
         super().__init__()
         self.num_experts, self.expert_size, self.d_model = int(num_experts), int(expert_size), int(d_model)
-        self.act_fn = ACT2FN[act]
+        self.act_fn, self.act_name = ACT2FN[act], act
         self.column_major = bool(column_major)
         E, m, d = self.num_experts, self.expert_size, self.d_model
         gate_up = torch.empty(E, d, 2 * m).transpose(1, 2) if self.column_major else torch.empty(E, 2 * m, d)
@@ -125,9 +126,10 @@ class MoeExperts(nn.Module):
         return self.act_fn(F.linear(x, self.gate_up_proj[:, :m].reshape(E * m, d)))
 
     def resolve_impl(self, x: torch.Tensor, top_k_index: torch.Tensor | None, needs_grad: bool,
-                     weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> str:
+                     weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     gate_act: torch.Tensor | None = None) -> str:
         """The kernel ``forward`` runs for this call (``moelab_kernels.select_kernel``)."""
-        return select_kernel(self, x, top_k_index, needs_grad, weights)
+        return select_kernel(self, x, top_k_index, needs_grad, weights, gate_act)
 
     def forward(
         self,
@@ -147,7 +149,7 @@ class MoeExperts(nn.Module):
         if top_k_index is None:
             return every_expert(self, x, w, top_k_weights, gate_act)
         needs_grad = _needs_grad(x, *w, top_k_weights, gate_act)
-        impl = self.resolve_impl(x, top_k_index, needs_grad, w)
+        impl = self.resolve_impl(x, top_k_index, needs_grad, w, gate_act)
         if impl == "loop":
             return self.reference(x, w, top_k_index, top_k_weights, gate_act)
         return run_kernel(impl, self, x, w, top_k_index, top_k_weights, gate_act, needs_grad)
