@@ -96,3 +96,26 @@ def test_a_timed_decode_step_continues_from_its_cache(dense, tiny_model, data_di
             step = model(input_ids=ids[:, 8:], cache=_cache(first), use_cache=True)
             whole = model(input_ids=ids)
         torch.testing.assert_close(step.logits[:, -1], whole.logits[:, -1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_the_static_cache_steps_a_cuda_graph_captures_choose_the_eager_loops_tokens(dense, batch):
+    """``_GraphedDecode``'s step (a ``StaticCache`` whose filled length the model reads and advances on the device,
+    the token read from and written to one tensor) is what a CUDA graph captures; run here without a graph, it picks
+    the tokens the eager loop on a dynamic cache picks, step after step."""
+    from moelab.engine.evaluation.speed import _EagerDecode, _GraphedDecode
+
+    context = torch.arange(5, 5 + 8 * batch).reshape(batch, 8)
+    with torch.inference_mode():
+        eager, static = _EagerDecode(dense, context, 6), _GraphedDecode(dense, context, 6, graph=False)
+        assert torch.equal(eager.token, static.token)
+        for _ in range(6):
+            eager.step()
+            static.step()
+            assert torch.equal(eager.token, static.token)
+
+
+def test_cpu_timing_says_nothing_of_cuda_graphs(dense):
+    out = time_phases({"dense": dense}, torch.arange(5, 25), protocol=SpeedProtocol(repeats=1, decode_steps=2, prefill_tokens=16))
+    assert "CUDA graphs" not in out["runtime"] and all("cuda_graphs" not in e for e in out["phases"].values())
+    assert out["protocol"]["cuda_graphs"] is True  # asked for; they apply on a CUDA device only

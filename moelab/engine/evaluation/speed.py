@@ -18,6 +18,13 @@ round's seconds): a machine whose speed drifts over seconds (a shared host) move
 round alike, where a ratio of the two medians would mix rounds. The tokens are real held-out text:
 routing, and so the experts a batch touches, depends on the text.
 
+On a CUDA device each model's decode step runs as a CUDA graph (``cuda_graphs``, the default): its KV cache is a
+transformers ``StaticCache`` and one step is captured after the prefill and replayed, the token and position updated
+in place. An eager step of a small model is hundreds of kernel launches whose host cost hides the kernels (a 135M
+model's step took 27 ms eager on an H100), and an MoE layer adds launches where a dense FFN has three: without graphs
+the comparison measures Python, not the layout. Every model of a phase runs the same way; if any step cannot be
+captured (a host read inside it), the phase runs eagerly for all and ``graphs[phase]`` says why.
+
 Choice (the issue asks for "decode at batch 1 and 8, prefill of 512"): the prefill is capped at
 the models' ``max_position_embeddings`` and at the text given (a short text is repeated to fill it),
 and the cache a decode starts from is ``context`` tokens, short enough that attention over it does
@@ -50,6 +57,7 @@ class SpeedProtocol:
     context: int = 32
     batch: int = 8
     prefill_tokens: int = 512
+    cuda_graphs: bool = True
 
 
 def _rows(tokens: torch.Tensor, rows: int, width: int) -> torch.Tensor:
@@ -91,31 +99,84 @@ def _cache_kwarg(model: nn.Module) -> str:
 STEPS_PER_TURN = 4
 
 
+class _EagerDecode:
+    """A model's cached greedy decode after an (untimed) prefill of ``context``: ``step()`` runs one step."""
+
+    def __init__(self, model: nn.Module, context: torch.Tensor, steps: int) -> None:
+        self.model, self.kwarg = model, _cache_kwarg(model)
+        out = model(input_ids=context, use_cache=True)
+        self.cache, self.token = _cache(out), out.logits[:, -1:].argmax(-1)
+
+    def step(self) -> None:
+        out = self.model(input_ids=self.token, **{self.kwarg: self.cache}, use_cache=True)
+        self.cache, self.token = _cache(out), out.logits[:, -1:].argmax(-1)
+
+
+class _GraphedDecode:
+    """The same decode as ``_EagerDecode`` on a transformers ``StaticCache`` (``context + steps`` positions and the
+    warm-up's), whose filled length is a device tensor the model reads its positions from and advances in place: after
+    the eager prefill, one step (reading the token from a fixed tensor and writing the next one there) is captured as
+    a CUDA graph, after ``WARMUP`` steps on a side stream, which capture needs; ``step()`` replays it. Greedy tokens, so
+    each step computes what the eager loop computes. ``graph=False`` runs the same steps without a graph (how the
+    static-cache steps are checked on a CPU)."""
+
+    WARMUP = 2
+
+    def __init__(self, model: nn.Module, context: torch.Tensor, steps: int, graph: bool = True) -> None:
+        from transformers import StaticCache
+
+        kwarg = _cache_kwarg(model)
+        cache = StaticCache(config=model.config, max_cache_len=context.shape[1] + steps + self.WARMUP)
+        self.token = model(input_ids=context, **{kwarg: cache}, use_cache=True).logits[:, -1:].argmax(-1)
+        self.cache, self.graph = cache, None  # the steps write into the cache
+
+        def one_step() -> None:
+            logits = model(input_ids=self.token, **{kwarg: cache}, use_cache=True).logits
+            self.token.copy_(logits[:, -1:].argmax(-1))
+
+        self._one_step = one_step
+        if not graph:
+            return
+        side = torch.cuda.Stream(context.device)
+        side.wait_stream(torch.cuda.current_stream(context.device))
+        with torch.cuda.stream(side):
+            for _ in range(self.WARMUP):
+                one_step()
+        torch.cuda.current_stream(context.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            one_step()
+
+    def step(self) -> None:
+        if self.graph is None:
+            self._one_step()
+        else:
+            self.graph.replay()
+
+
 def _decode_steps_s(models: Mapping[str, nn.Module], setups: Mapping[str, Callable[[], AbstractContextManager[Any]]],
-                    context: torch.Tensor, steps: int) -> dict[str, float]:
+                    context: torch.Tensor, steps: int, graphs: bool = False) -> dict[str, float]:
     """Each model's median seconds of one cached greedy step after a prefill of ``context`` (untimed), the models
     taking turns of ``STEPS_PER_TURN`` steps: a neighbour's burst on a shared host slows a few steps of each model,
     where one model's steps timed after the other's put it on one side; and a model runs consecutive steps, as in
     generation, so that what a large cache keeps of its weights from one step to the next counts (steps alternating
-    one by one ran the dense model 14% slower on a 300 MiB L3). The median passes over a turn's first step."""
+    one by one ran the dense model 14% slower on a 300 MiB L3). The median passes over a turn's first step.
+    ``graphs``: each step a CUDA graph replay (``_GraphedDecode``)."""
+    decode = _GraphedDecode if graphs else _EagerDecode
     state = {}
     for name, model in models.items():
         with setups.get(name, contextlib.nullcontext)():
-            out = model(input_ids=context, use_cache=True)
-        state[name] = (_cache(out), out.logits[:, -1:].argmax(-1), _cache_kwarg(model))
+            state[name] = decode(model, context, steps)
     seconds: dict[str, list[float]] = {name: [] for name in models}
     for first in range(0, steps, STEPS_PER_TURN):
-        for name, model in models.items():
-            cache, token, kwarg = state[name]
+        for name in models:
             with setups.get(name, contextlib.nullcontext)():
                 for _ in range(min(STEPS_PER_TURN, steps - first)):  # each step needs the previous one's token
                     _sync(context.device)
                     t0 = time.perf_counter()
-                    out = model(input_ids=token, **{kwarg: cache}, use_cache=True)
-                    cache, token = _cache(out), out.logits[:, -1:].argmax(-1)
+                    state[name].step()
                     _sync(context.device)
                     seconds[name].append(time.perf_counter() - t0)
-            state[name] = (cache, token, kwarg)
     return {name: statistics.median(ts) for name, ts in seconds.items()}
 
 
@@ -158,6 +219,7 @@ def time_phases(models: Mapping[str, nn.Module], tokens: torch.Tensor, *, refere
     }
 
     setups = setups or {}
+    graphs = {phase: _graphs_usable(models, setups, inputs[phase], protocol) for phase in ("decode_b1", "decode_b8")}
     times: dict[str, dict[str, list[float]]] = {phase: {name: [] for name in models} for phase in PHASES}
     for round_ in range(protocol.repeats + 1):  # round 0 warms up
         for phase in PHASES:  # what is compared is timed close together: decode steps in turns, prefills A B … B A
@@ -167,7 +229,7 @@ def time_phases(models: Mapping[str, nn.Module], tokens: torch.Tensor, *, refere
                     with setups.get(name, contextlib.nullcontext)():
                         seconds[name] += _prefill_s(models[name], inputs[phase]) / 2
             else:
-                seconds = _decode_steps_s(models, setups, inputs[phase], protocol.decode_steps)
+                seconds = _decode_steps_s(models, setups, inputs[phase], protocol.decode_steps, graphs[phase] is True)
             if round_:
                 for name, s in seconds.items():
                     times[phase][name].append(s)
@@ -183,12 +245,44 @@ def time_phases(models: Mapping[str, nn.Module], tokens: torch.Tensor, *, refere
             "speedup": {name: statistics.median(r / t for r, t in zip(ref, ts)) for name, ts in times[phase].items()},
             "tokens": int(inputs[phase].shape[1]) if phase == "prefill" else None,
             "batch": int(inputs[phase].shape[0]),
+            **({"cuda_graphs": graphs[phase]} if graphs.get(phase) is not None else {}),
         }
     return {
         "reference": reference, "phases": phases, "protocol": {**asdict(protocol), "prefill_tokens": prefill, "context": context},
         "device": _device_name(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-        "runtime": runtime_name(models.values(), device, dtype),
+        "runtime": runtime_name(models.values(), device, dtype)
+        + (" + CUDA graphs (decode)" if any(g is True for g in graphs.values()) else ""),
     }
+
+
+def _graphs_usable(models: Mapping[str, nn.Module], setups: Mapping[str, Callable[[], AbstractContextManager[Any]]],
+                   context: torch.Tensor, protocol: SpeedProtocol) -> bool | str | None:
+    """Whether a phase's decode runs as CUDA graphs: None off CUDA or when the protocol says no; True when every
+    model's step can be captured (``capture_blocker``); else why not, and the phase runs eagerly for every model."""
+    if not protocol.cuda_graphs or context.device.type != "cuda":
+        return None
+    for name, model in models.items():
+        with setups.get(name, contextlib.nullcontext)():
+            blocker = capture_blocker(model, context, protocol.decode_steps)
+        if blocker:
+            return f"{name}: {blocker}"
+    return True
+
+
+def capture_blocker(model: nn.Module, context: torch.Tensor, steps: int) -> str | None:
+    """Why ``model``'s decode step cannot be captured as a CUDA graph (None: it can): one static-cache step run
+    eagerly with torch's sync debugging set to raise, so a host read (``.tolist()``, ``.item()``, a boolean mask's
+    ``nonzero``) is named here rather than met inside a capture, whose failure leaves the stream capturing."""
+    previous = torch.cuda.get_sync_debug_mode()
+    try:
+        decode = _GraphedDecode(model, context, steps, graph=False)  # a forward that takes no StaticCache fails here
+        torch.cuda.set_sync_debug_mode("error")
+        decode.step()
+    except Exception as exc:  # noqa: BLE001 - whatever stops the static-cache step is the reason to run eagerly
+        return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    return None
 
 
 def runtime_name(models: Any, device: torch.device, dtype: torch.dtype) -> str:
