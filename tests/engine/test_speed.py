@@ -99,20 +99,25 @@ def test_a_timed_decode_step_continues_from_its_cache(dense, tiny_model, data_di
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-def test_the_static_cache_steps_a_cuda_graph_captures_choose_the_eager_loops_tokens(dense, batch):
-    """``_GraphedDecode``'s step (a ``StaticCache`` whose filled length the model reads and advances on the device,
+def test_the_static_cache_steps_a_cuda_graph_captures_choose_the_eager_loops_tokens(dense, tiny_model, data_dir,
+                                                                                     tmp_path_factory, batch):
+    """``_StaticCacheDecode``'s step (a ``StaticCache`` whose filled length the model reads and advances on the device,
     the token read from and written to one tensor) is what a CUDA graph captures; run here without a graph, it picks
-    the tokens the eager loop on a dynamic cache picks, step after step."""
-    from moelab.engine.evaluation.speed import _EagerDecode, _GraphedDecode
+    the tokens the eager loop on a dynamic cache picks, step after step, for the dense model and for a converted one
+    loaded from its export (``MoelabForCausalLM``)."""
+    from moelab.engine.evaluation.speed import _EagerDecode, _StaticCacheDecode
+    from moelab.engine.runtime.export import load_exported
 
+    conversion = tiny_conversion(tiny_model, data_dir, tmp_path_factory, n_experts=4, alpha_max=0.5)
     context = torch.arange(5, 5 + 8 * batch).reshape(batch, 8)
-    with torch.inference_mode():
-        eager, static = _EagerDecode(dense, context, 6), _GraphedDecode(dense, context, 6, graph=False)
-        assert torch.equal(eager.token, static.token)
-        for _ in range(6):
-            eager.step()
-            static.step()
+    for model in (dense, load_exported(conversion).eval()):
+        with torch.inference_mode():
+            eager, static = _EagerDecode(model, context, 6), _StaticCacheDecode(model, context, 6, graph=False)
             assert torch.equal(eager.token, static.token)
+            for _ in range(6):
+                eager.step()
+                static.step()
+                assert torch.equal(eager.token, static.token), type(model).__name__
 
 
 def test_cpu_timing_says_nothing_of_cuda_graphs(dense):

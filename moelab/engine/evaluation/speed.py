@@ -112,7 +112,7 @@ class _EagerDecode:
         self.cache, self.token = _cache(out), out.logits[:, -1:].argmax(-1)
 
 
-class _GraphedDecode:
+class _StaticCacheDecode:
     """The same decode as ``_EagerDecode`` on a transformers ``StaticCache`` (``context + steps`` positions and the
     warm-up's), whose filled length is a device tensor the model reads its positions from and advances in place: after
     the eager prefill, one step (reading the token from a fixed tensor and writing the next one there) is captured as
@@ -161,8 +161,8 @@ def _decode_steps_s(models: Mapping[str, nn.Module], setups: Mapping[str, Callab
     where one model's steps timed after the other's put it on one side; and a model runs consecutive steps, as in
     generation, so that what a large cache keeps of its weights from one step to the next counts (steps alternating
     one by one ran the dense model 14% slower on a 300 MiB L3). The median passes over a turn's first step.
-    ``graphs``: each step a CUDA graph replay (``_GraphedDecode``)."""
-    decode = _GraphedDecode if graphs else _EagerDecode
+    ``graphs``: each step a CUDA graph replay (``_StaticCacheDecode``)."""
+    decode = _StaticCacheDecode if graphs else _EagerDecode
     state = {}
     for name, model in models.items():
         with setups.get(name, contextlib.nullcontext)():
@@ -275,7 +275,7 @@ def capture_blocker(model: nn.Module, context: torch.Tensor, steps: int) -> str 
     ``nonzero``) is named here rather than met inside a capture, whose failure leaves the stream capturing."""
     previous = torch.cuda.get_sync_debug_mode()
     try:
-        decode = _GraphedDecode(model, context, steps, graph=False)  # a forward that takes no StaticCache fails here
+        decode = _StaticCacheDecode(model, context, steps, graph=False)  # a forward that takes no StaticCache fails here
         torch.cuda.set_sync_debug_mode("error")
         decode.step()
     except Exception as exc:  # noqa: BLE001 - whatever stops the static-cache step is the reason to run eagerly
