@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from moelab.engine.evaluation.busy_machine import busy_note
+
 #: The phases an evaluation times (the keys of ``summary.speed.phases``) and their short names.
 PHASES = {"decode_b1": "decode b1", "decode_b8": "decode b8", "prefill": "prefill"}
 
@@ -23,8 +25,9 @@ def how_timed(summary: dict[str, Any] | None) -> str:
     if not speed:
         return "not timed (an evaluation from before moelab timed models, or run with speed off)"
     p = speed.get("protocol") or {}
+    busy = busy_note(speed)
     return (f"{speed.get('device')}, {speed.get('dtype')}, {speed.get('threads')} threads, {speed.get('runtime')}; "
-            f"median of {p.get('repeats')} interleaved rounds")
+            f"median of {p.get('repeats')} interleaved rounds" + (f"; {busy}" if busy else ""))
 
 
 def phase_text(summary: dict[str, Any] | None, phase: str) -> str:
@@ -47,9 +50,13 @@ def phase_title(summary: dict[str, Any] | None, phase: str) -> str:
 
 
 def speed_cell(summary: dict[str, Any] | None, name: str = "converted") -> str:
-    """'1.31× / 0.82× / 0.90×': every phase's speed over dense, in :data:`PHASES` order; '' when not timed."""
+    """'1.31× / 0.82× / 0.90×': every phase's speed over dense, in :data:`PHASES` order, marked '(busy machine)' when
+    other processes took a share of the CPUs that makes the ratios unreliable (``busy_note``); '' when not timed."""
     values = [phase_speedup(summary, phase, name) for phase in PHASES]
-    return " / ".join("–" if v is None else f"{v:.2f}×" for v in values) if any(v is not None for v in values) else ""
+    if not any(v is not None for v in values):
+        return ""
+    busy = busy_note((summary or {}).get("speed"))
+    return " / ".join("–" if v is None else f"{v:.2f}×" for v in values) + (" (busy machine)" if busy else "")
 
 
 def perplexity_ratio(summary: dict[str, Any] | None, name: str) -> float | None:

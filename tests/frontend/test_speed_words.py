@@ -35,3 +35,14 @@ def test_a_phase_hover_names_every_timed_model():
     s = _summary(CONV, {"decode_b1": 2.0, "decode_b8": 0.5, "prefill": 1.0}, {"converted": 1.9, "teal": 1.02})
     title = phase_title(s, "decode_b1")
     assert title.startswith("one decode step of batch 1: dense 100.0 ms, converted 83.3 ms, TEAL 50.0 ms; cpu: x86_64")
+
+
+def test_a_timing_on_a_busy_machine_says_so_in_the_cell_and_its_hover():
+    """``others_cpu_share`` (the CPUs other processes took while the models were timed) from 10% on marks the ratios
+    as measured on a busy machine; below it, and in timings from before it was recorded, nothing is added."""
+    quiet, busy, old = (_summary(CONV, None, {"converted": 1.9}) for _ in range(3))
+    quiet["speed"]["others_cpu_share"], busy["speed"]["others_cpu_share"] = 0.04, 0.48
+    assert speed_cell(quiet) == speed_cell(old) == "1.20× / 1.10× / 0.95×"
+    assert speed_cell(busy) == "1.20× / 1.10× / 0.95× (busy machine)"
+    assert "busy machine" not in phase_title(quiet, "prefill") and "busy machine" not in phase_title(old, "prefill")
+    assert "timed on a busy machine: other processes took 48% of the CPUs" in phase_title(busy, "prefill")

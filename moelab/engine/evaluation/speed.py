@@ -25,6 +25,12 @@ model's step took 27 ms eager on an H100), and an MoE layer adds launches where 
 the comparison measures Python, not the layout. Every model of a phase runs the same way; if any step cannot be
 captured (a host read inside it), the phase runs eagerly for all and ``graphs[phase]`` says why.
 
+The result records ``others_cpu_share``: the share of the machine's CPU time that other processes took while the
+models were timed. Every ratio here assumes the models had the cores to themselves; beside another busy process a
+converted model's many small parallel calls wait far more than dense's few large ones (``bench_busy_machine.py``:
+the default model's ``best`` 0.5 conversion decodes 6× slower beside a 2-thread torch loop, the dense model 3.3×),
+so ``describe`` says so (``busy_machine.busy_note``).
+
 Choice (the issue asks for "decode at batch 1 and 8, prefill of 512"): the prefill is capped at
 the models' ``max_position_embeddings`` and at the text given (a short text is repeated to fill it),
 and the cache a decode starts from is ``context`` tokens, short enough that attention over it does
@@ -45,6 +51,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .busy_machine import busy_note
 
 PHASES = ("decode_b1", "decode_b8", "prefill")
 RUNTIME = "PyTorch eager (transformers from_pretrained)"
@@ -219,6 +227,7 @@ def time_phases(models: Mapping[str, nn.Module], tokens: torch.Tensor, *, refere
     }
 
     setups = setups or {}
+    cpu = _CpuWatch()
     graphs = {phase: _graphs_usable(models, setups, inputs[phase], protocol) for phase in ("decode_b1", "decode_b8")}
     times: dict[str, dict[str, list[float]]] = {phase: {name: [] for name in models} for phase in PHASES}
     for round_ in range(protocol.repeats + 1):  # round 0 warms up
@@ -250,9 +259,34 @@ def time_phases(models: Mapping[str, nn.Module], tokens: torch.Tensor, *, refere
     return {
         "reference": reference, "phases": phases, "protocol": {**asdict(protocol), "prefill_tokens": prefill, "context": context},
         "device": _device_name(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "others_cpu_share": cpu.others_share(),
         "runtime": runtime_name(models.values(), device, dtype)
         + (" + CUDA graphs (decode)" if any(g is True for g in graphs.values()) else ""),
     }
+
+
+class _CpuWatch:
+    """The CPU time every other process took since it was made, as a share of the machine's (wall time × CPUs)."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil, self._own = psutil, psutil.Process()
+        self._start = (time.perf_counter(), self._busy(), self._own_s())
+
+    def _busy(self) -> float:
+        t = self._psutil.cpu_times()
+        return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
+    def _own_s(self) -> float:
+        t = self._own.cpu_times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def others_share(self) -> float:
+        wall0, busy0, own0 = self._start
+        wall = time.perf_counter() - wall0
+        others = (self._busy() - busy0) - (self._own_s() - own0)
+        return round(min(1.0, max(0.0, others / max(1e-9, wall * (self._psutil.cpu_count() or 1)))), 3)
 
 
 def _graphs_usable(models: Mapping[str, nn.Module], setups: Mapping[str, Callable[[], AbstractContextManager[Any]]],
@@ -326,6 +360,8 @@ def describe(speed: Mapping[str, Any], name: str | None = None) -> list[str]:
     names = [name] if name else [n for n in first["seconds"] if n != ref]
     lines = [f"speed, whole model against {ref} ({speed['runtime']}; {speed['device']}, {speed['dtype']}, "
              f"{speed['threads']} threads; median of {p['repeats']} interleaved rounds)"]
+    if (busy := busy_note(speed)) is not None:
+        lines.append(f"  {busy}")
     for model in names:
         for phase, entry in speed["phases"].items():
             unit = "per step" if phase != "prefill" else ""
@@ -334,3 +370,4 @@ def describe(speed: Mapping[str, Any], name: str | None = None) -> list[str]:
                          f"{model:<9} {entry['seconds'][model] * 1e3:8.1f} ms  {ratio:5.2f}× {ref}"
                          + ("  (slower)" if ratio < 1 else ""))
     return lines
+

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..atomic import write_bytes_atomic
 from ..evaluation.harness import headline_metric
+from ..evaluation.busy_machine import busy_note
 from ..evaluation.speed import phase_label
 from .gguf_layout import gguf_refusal
 
@@ -111,6 +112,8 @@ def _evaluation_lines(evaluation: dict | None, record: dict) -> list[str]:
                 lines.append(f"| {phase_label(phase, entry)} | {1e3 * entry['seconds']['dense']:.1f} |"
                              + "".join(f" {1e3 * entry['seconds'][n]:.1f} | {entry['speedup'][n]:.2f} |" for n in others))
             lines.append("")
+            if (busy := busy_note(speed)) is not None:
+                lines += [f"Note: {busy}.", ""]
     ft = record.get("finetune")
     if ft:
         lines.append(f"Fine-tuned ({(ft.get('params') or {}).get('mode', '?')}, {ft.get('steps')} steps, {ft.get('tokens')} tokens): "
