@@ -253,7 +253,7 @@ def test_the_evaluation_times_teal_beside_the_conversion(conversion, data_dir, o
     for phase, entry in report["speed"]["phases"].items():
         assert set(entry["seconds"]) == {"dense", "converted", "teal"}, phase
         assert entry["speedup"]["teal"] == pytest.approx(entry["seconds"]["dense"] / entry["seconds"]["teal"])
-    text = "\n".join(describe(report["speed"]))
+    text = "\n".join(line for line in describe(report["speed"]) if "busy machine" not in line)  # a busy CI host adds one
     assert text.count("teal ") == 3 and text.count("converted ") == 3
     again = run_evaluation(conversion, data_dir=data_dir, n_windows=2, seq_len=16, write=False, mc_per_task=0,
                            baselines=False, speed=protocol)
