@@ -278,9 +278,9 @@ class _CpuWatch:
         t = self._psutil.cpu_times()
         return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
 
-    def _own_s(self) -> float:
+    def _own_s(self) -> float:  # this process's threads; a child running meanwhile competes like any other process
         t = self._own.cpu_times()
-        return t.user + t.system + t.children_user + t.children_system
+        return t.user + t.system
 
     def others_share(self) -> float:
         wall0, busy0, own0 = self._start
@@ -370,4 +370,3 @@ def describe(speed: Mapping[str, Any], name: str | None = None) -> list[str]:
                          f"{model:<9} {entry['seconds'][model] * 1e3:8.1f} ms  {ratio:5.2f}× {ref}"
                          + ("  (slower)" if ratio < 1 else ""))
     return lines
-
