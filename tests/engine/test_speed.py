@@ -3,7 +3,10 @@ inputs respect the models' positions and the text, and an evaluation carries the
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -129,9 +132,6 @@ def test_cpu_timing_says_nothing_of_cuda_graphs(dense):
 def test_a_timing_beside_a_busy_process_records_its_cpu_share_and_says_so(dense):
     """Every ratio assumes the models had the cores to themselves: a timing beside another busy process records the
     share of the CPUs it took (one spinning process on this 2-core machine: about half) and ``describe`` warns."""
-    import subprocess
-    import sys
-
     quick = SpeedProtocol(repeats=1, decode_steps=4, context=8, batch=8, prefill_tokens=64)
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -141,7 +141,7 @@ def test_a_timing_beside_a_busy_process_records_its_cpu_share_and_says_so(dense)
         spinner.kill()
         spinner.wait()
     share = out["others_cpu_share"]
-    cpus = __import__("os").cpu_count() or 1
+    cpus = os.cpu_count() or 1
     assert 0.5 / cpus <= share <= 1.0, share  # one process spinning on one of the CPUs (and whatever else ran)
     lines = describe(out, "slowed")
     assert lines[1].startswith(f"  timed on a busy machine: other processes took {share:.0%} of the CPUs"), lines

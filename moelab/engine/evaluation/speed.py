@@ -49,6 +49,7 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import psutil
 import torch
 from torch import nn
 
@@ -269,13 +270,11 @@ class _CpuWatch:
     """The CPU time every other process took since it was made, as a share of the machine's (wall time × CPUs)."""
 
     def __init__(self) -> None:
-        import psutil
-
-        self._psutil, self._own = psutil, psutil.Process()
+        self._own = psutil.Process()
         self._start = (time.perf_counter(), self._busy(), self._own_s())
 
     def _busy(self) -> float:
-        t = self._psutil.cpu_times()
+        t = psutil.cpu_times()
         return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
 
     def _own_s(self) -> float:  # this process's threads; a child running meanwhile competes like any other process
@@ -286,7 +285,7 @@ class _CpuWatch:
         wall0, busy0, own0 = self._start
         wall = time.perf_counter() - wall0
         others = (self._busy() - busy0) - (self._own_s() - own0)
-        return round(min(1.0, max(0.0, others / max(1e-9, wall * (self._psutil.cpu_count() or 1)))), 3)
+        return round(min(1.0, max(0.0, others / max(1e-9, wall * (psutil.cpu_count() or 1)))), 3)
 
 
 def _graphs_usable(models: Mapping[str, nn.Module], setups: Mapping[str, Callable[[], AbstractContextManager[Any]]],

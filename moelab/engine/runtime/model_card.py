@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import write_bytes_atomic
-from ..evaluation.harness import headline_metric
 from ..evaluation.busy_machine import busy_note
+from ..evaluation.harness import headline_metric
 from ..evaluation.speed import phase_label
 from .gguf_layout import gguf_refusal
 
