@@ -13,9 +13,17 @@ from tests.isolation import changes, isolated_environment, snapshot, suite_paths
 
 # Before anything reads settings or a cache path: this process and every child it starts keep to the
 # suite's directory. The user's real home is snapshotted now and compared when the session ends.
-REAL_HOME = Path(os.path.expanduser("~")).resolve()
+# An xdist worker starts in the home its controller already moved, so the real one travels in MOELAB_TEST_REAL_HOME.
+_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+REAL_HOME = Path(os.environ["MOELAB_TEST_REAL_HOME"] if _WORKER else os.path.expanduser("~")).resolve()
 _HOME_BEFORE = snapshot(REAL_HOME)
 _ENV = isolated_environment(dict(os.environ), REPO)
+_ENV["MOELAB_TEST_REAL_HOME"] = str(REAL_HOME)
+# Under pytest-xdist (scripts/test.sh runs two workers) each worker's torch, and every process it starts, gets its
+# share of the cores: two full OpenMP pools on the same cores spin against each other and run several times slower.
+_THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+if _WORKER:
+    _ENV["OMP_NUM_THREADS"] = str(_THREADS)
 os.environ.clear()
 os.environ.update(_ENV)
 for _path in suite_paths(REPO).values():
@@ -23,6 +31,18 @@ for _path in suite_paths(REPO).values():
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if _WORKER:
+    torch.set_num_threads(_THREADS)
+
+
+def pytest_configure(config) -> None:
+    """With xdist workers, the default model is dequantised once, here, before they start: two workers caching it
+    at once would each replace the directory the other is reading."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        from moelab.engine.models import cache_default_model
+
+        cache_default_model(suite_paths(REPO)["data"])
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

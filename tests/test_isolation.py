@@ -62,7 +62,9 @@ def test_a_run_that_writes_into_the_home_fails_and_says_where(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     leak = home / ".local" / "share" / "moelab" / "leak.txt"
-    env = {k: v for k, v in os.environ.items() if k != "MOELAB_DATA_DIR"}
+    # a fresh run, not an xdist worker of this one (which would take the controller's home from the environment)
+    drop = {"MOELAB_DATA_DIR", "MOELAB_TEST_REAL_HOME", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(HOME=str(home), MOELAB_TEST_LEAK_TO=str(leak), MOELAB_TEST_DATA_DIR=str(tmp_path / "suite" / "test-data"))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/fixtures/leak_probe.py"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
