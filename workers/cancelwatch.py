@@ -7,8 +7,10 @@ progress call; on a real model one profiling batch is a 35 s step, so a cancel t
 next Python-level call, i.e. between two torch operations, and the job ends the way a cooperative
 cancel ends it (``classify`` → cancelled; artifacts are published by atomic rename, so an
 interrupted step leaves at most a ``.tmp-`` leftover that the next start removes). It is raised
-again every ``poll_s`` until the job's thread disarms the watch, in case some ``except Exception``
-on the way swallowed it.
+again every ``refire_s`` until the job's thread disarms the watch, in case some ``except Exception``
+on the way swallowed it. Not every ``poll_s``: the job's own clean-up after the first one (a fine-tune
+saving the checkpoint a Resume continues from) must not be interrupted in turn; re-raised each second,
+a cancelled fine-tune on a busy machine lost that checkpoint and resumed from the previous one.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from moelab.engine.progress import Cancelled
 
 log = logging.getLogger("moelab.worker")
 
+#: Seconds between a fired ``Cancelled`` and the next, while the job's thread has not disarmed the watch.
+REFIRE_S = 30.0
+
 
 def _set_async_exc(thread_id: int, exc_type: type[BaseException] | None) -> None:
     """Schedule ``exc_type`` in thread ``thread_id`` (None clears one still pending)."""
@@ -31,16 +36,17 @@ def _set_async_exc(thread_id: int, exc_type: type[BaseException] | None) -> None
 class CancelWatch(threading.Thread):
     """Interrupts ``thread_id`` with ``Cancelled`` once ``check()`` says the job should stop."""
 
-    def __init__(self, check: Callable[[], bool], thread_id: int, poll_s: float, name: str = "cancel-watch") -> None:
+    def __init__(self, check: Callable[[], bool], thread_id: int, poll_s: float, name: str = "cancel-watch",
+                 refire_s: float = REFIRE_S) -> None:
         super().__init__(name=name, daemon=True)
-        self.check, self.thread_id, self.poll_s = check, thread_id, poll_s
+        self.check, self.thread_id, self.poll_s, self.refire_s = check, thread_id, poll_s, refire_s
         self.fired = 0
         self._armed = True
         self._lock = threading.Lock()
         self._quit = threading.Event()  # not _stop: threading.Thread's join() and is_alive() call a method of that name
 
     def run(self) -> None:
-        while not self._quit.wait(self.poll_s):
+        while not self._quit.wait(self.refire_s if self.fired else self.poll_s):
             try:
                 wanted = self.check()
             except Exception:  # a missed read is retried at the next poll

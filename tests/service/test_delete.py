@@ -91,6 +91,48 @@ def test_cancel_watch_interrupts_a_step_that_never_reports_progress():
     assert outcome["after_disarm"] == "quiet"
 
 
+def test_the_jobs_clean_up_after_a_cancel_is_not_interrupted_and_a_swallowed_cancel_comes_again():
+    """Once ``Cancelled`` landed, the job's clean-up (a fine-tune's cancel checkpoint) runs longer than the poll interval
+    uninterrupted; a ``Cancelled`` swallowed on the way is raised again after ``refire_s``."""
+    from workers.cancelwatch import CancelWatch
+    from moelab.engine.progress import Cancelled
+
+    def busy(seconds: float) -> None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            sum(range(1000))
+
+    outcome: dict[str, object] = {}
+
+    def job() -> None:
+        watch = CancelWatch(lambda: True, threading.get_ident(), poll_s=0.05, refire_s=1.5)
+        watch.start()
+        try:
+            busy(10)
+        except Cancelled:
+            t0 = time.monotonic()
+            try:
+                busy(1.0)  # the clean-up: 20 poll intervals
+                outcome["clean_up"] = "finished"
+            except Cancelled:
+                outcome["clean_up"] = "interrupted"
+            try:
+                busy(10)  # nobody re-raises: the watch does, after refire_s
+            except Cancelled:
+                outcome["again_after_s"] = time.monotonic() - t0
+        finally:
+            try:
+                watch.disarm()
+            except Cancelled:
+                pass
+
+    worker = threading.Thread(target=job)
+    worker.start()
+    worker.join(20)
+    assert outcome["clean_up"] == "finished", outcome
+    assert 1.4 <= outcome["again_after_s"] < 5, outcome
+
+
 def test_a_cancel_delivered_while_disarming_still_disarms_the_watch():
     """A ``Cancelled`` that lands inside ``disarm`` before it takes the lock must not leave the watch armed: it would
     fire into every later job of the worker's thread. disarm finishes, then hands that ``Cancelled`` on."""
