@@ -184,3 +184,11 @@ def browser():
                                args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
         yield b
         b.close()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The browser tests share one live service per process, and what one leaves (a cancelled job shown as an error)
+    met another under xdist: they run in the serial part, in file order, as they were written."""
+    for item in items:
+        if item.nodeid.startswith("tests/frontend/"):
+            item.add_marker(pytest.mark.serial)
