@@ -14,8 +14,8 @@ fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 # Two pytest-xdist workers share the cores (tests/conftest.py gives each its share of the threads): much of the
-# suite waits on processes, browsers and imports, which then overlap. The tests that time models against each
-# other (marked serial) run alone afterwards. Exit status 5 (nothing selected, e.g. with -k) is not a failure.
+# suite waits on processes, browsers and imports, which then overlap. The tests marked serial (tests/conftest.py:
+# timing and browser tests) run alone afterwards. Exit status 5 (nothing selected, e.g. with -k) is not a failure.
 status=0
 python -m pytest tests -q -n "${MOELAB_TEST_WORKERS:-2}" --dist loadfile -m "not serial" "$@" || status=$?
 [ "$status" -eq 5 ] && status=0

@@ -186,9 +186,12 @@ def browser():
         b.close()
 
 
+#: What scripts/test.sh runs alone, after the parallel part: the tests that time models against each other, and the
+#: browser tests, which share one live service per process (under xdist a job one cancelled showed as another's error).
+SERIAL = ("tests/engine/test_speed.py::", "tests/engine/test_speed_prediction.py::", "tests/frontend/")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """The browser tests share one live service per process, and what one leaves (a cancelled job shown as an error)
-    met another under xdist: they run in the serial part, in file order, as they were written."""
     for item in items:
-        if item.nodeid.startswith("tests/frontend/"):
+        if item.nodeid.startswith(SERIAL):
             item.add_marker(pytest.mark.serial)

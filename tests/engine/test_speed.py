@@ -17,9 +17,6 @@ from tests.engine.conftest import tiny_conversion
 from moelab.engine.evaluation.speed import PHASES, SpeedProtocol, describe, time_phases
 from moelab.engine.models import load_model
 
-# Timings compared against each other: run alone, not beside the other xdist worker (scripts/test.sh).
-pytestmark = pytest.mark.serial
-
 QUICK = SpeedProtocol(repeats=3, decode_steps=4, context=8, batch=8, prefill_tokens=512)
 
 

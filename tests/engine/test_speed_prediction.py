@@ -16,9 +16,6 @@ import torch
 from moelab.engine.core.speed_prediction import (FEATURES, TABLE_DIR, TABLE_VERSION, describe_predicted, find_table, fit, layer_features,
                                                   plan_layers, predict, predicted_summary, runs_dense)
 
-# Timings compared against each other: run alone, not beside the other xdist worker (scripts/test.sh).
-pytestmark = pytest.mark.serial
-
 COEF = np.array([2e-5, 1e-9, 3e-9, 2e-9, 1e-6, 1e-10, 4e-10, 5e-10])  # seconds per unit of each feature
 
 
