@@ -365,8 +365,8 @@ METHOD = Method(
     # speed_guard "machine": no top-k this machine's kernel table predicts slower than dense in a phase (issue 38: "no
     # phase slower than dense" where the recipe runs); on the 2-vCPU EPYC it offers up to 69-70% of each layer's
     # experts, so the 0.65 cap binds first and the plan is unchanged (bench_recipe_speed guard-0.25 / guard-0.5)
-    # On a 300 MiB-L3 Xeon it offers 20-35% (prefill binds): prefill 0.81-0.90x -> 0.95-1.03x dense, but at 0.25 held-out
-    # perplexity 1.25x -> 1.41x, 16 of 30 layers whole (bench_recipe_speed_xeon_guard.json; docs/quality.md)
+    # On a 300 MiB-L3 Xeon it offers 20-35% (prefill binds): prefill 0.81-0.91x -> 0.94-1.12x dense, but at 0.25 held-out
+    # perplexity 1.25x -> 1.41x, 16 of 30 layers whole (bench_recipe_speed_xeon_guard*.json; docs/quality.md)
     recipes={"best": {"router": "ridge", "alpha_basis": "active", "plan": "budget", "compensation": "skipped_mean",
                       "fit_tokens": 16384, "n_experts": 128, "down_keep": 0.5, "max_routed_share": 0.65,
                       "speed_guard": "machine"},
