@@ -298,9 +298,14 @@ def _finish_failed(db: Database, job_id: str, state: str, message: str, kind: st
             time.sleep(0.5 * (attempt + 1))
 
 
-def _cancel_flag(db: Database, job_id: str) -> bool:
+def _interrupt_wanted(db: Database, job_id: str, tracker: JobProgress) -> bool:
+    """What the job's ``CancelWatch`` asks: is the job, still running, asked to stop or past its time limit? Never
+    once it has ended. Every ending disarms the watch, yet in one CI run a watch fired again 30 s after its fine-tune
+    was cancelled and recorded, into the worker's idle event loop, and the worker died of it (every later job stayed
+    queued); the row's state is the second lock on that door."""
     with db.session() as session:
-        return jobs.cancel_requested(session, job_id)
+        running, cancel = jobs.running_with_cancel(session, job_id)
+    return running and (cancel or tracker.past_deadline())
 
 
 def run_job(job_id: str, worker: str, body: Callable[[JobContext], Outcome]) -> str:
@@ -323,7 +328,7 @@ def run_job(job_id: str, worker: str, body: Callable[[JobContext], Outcome]) -> 
                      limit_s=settings.job_time_limit_s, tracker=tracker, tick_s=settings.progress_tick_s)
     beat.start()
     # the watch also enforces the time limit inside a long engine step, not only at its next progress call
-    watch = CancelWatch(lambda: tracker.past_deadline() or _cancel_flag(db, job_id), threading.get_ident(),
+    watch = CancelWatch(lambda: _interrupt_wanted(db, job_id, tracker), threading.get_ident(),
                         settings.cancel_poll_s, name=f"cancel-watch-{job_id}")
     watch.start()
     t0 = time.perf_counter()
@@ -361,6 +366,10 @@ def run_job(job_id: str, worker: str, body: Callable[[JobContext], Outcome]) -> 
         return state
     finally:
         beat.stop.set()
+        try:
+            watch.disarm()  # done on every ending above already; here too, so that no path leaves it armed
+        except Cancelled:
+            pass
     with db.session() as session:
         if jobs.finish(session, job_id, jobs.SUCCEEDED, timings={"run_s": time.perf_counter() - t0, **(outcome.timings or {})}):
             row = session.get(RESOURCE_TABLES[resource_type], resource_id)

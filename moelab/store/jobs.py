@@ -79,6 +79,12 @@ def cancel_requested(session: Session, job_id: str) -> bool:
     return bool(session.execute(select(Job.cancel_requested).where(Job.id == job_id)).scalar())
 
 
+def running_with_cancel(session: Session, job_id: str) -> tuple[bool, bool]:
+    """``(running, cancel_requested)`` of job ``job_id`` in one read (``(False, False)`` for no such job)."""
+    row = session.execute(select(Job.state, Job.cancel_requested).where(Job.id == job_id)).one_or_none()
+    return (False, False) if row is None else (row[0] == RUNNING, bool(row[1]))
+
+
 def finish(
     session: Session, job_id: str, state: str, *, error: str | None = None, error_type: str | None = None,
     timings: dict[str, Any] | None = None,

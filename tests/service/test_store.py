@@ -34,7 +34,11 @@ def _state_machine(db: Database) -> None:
         assert (j.state, j.stage, j.current, j.total, j.worker) == ("running", "load model", 1, 2, "w1")
         j = jobs.request_cancel(s, j)
         assert j.state == "running" and jobs.cancel_requested(s, job.id)
+        assert jobs.running_with_cancel(s, job.id) == (True, True)  # the worker's watch interrupts it
         assert jobs.finish(s, job.id, jobs.CANCELLED, error="stop") and not jobs.finish(s, job.id, jobs.FAILED)
+        # ended: a watch that outlived its job never interrupts the worker's next work
+        assert jobs.running_with_cancel(s, job.id) == (False, True)
+        assert jobs.running_with_cancel(s, "job-none") == (False, False)
         o = jobs.request_cancel(s, s.get(Job, other.id))  # queued: cancelled at once, never claimable
         assert o.state == "cancelled" and not jobs.claim(s, other.id, "w1")
     with db.session() as s:
