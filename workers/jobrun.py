@@ -366,10 +366,6 @@ def run_job(job_id: str, worker: str, body: Callable[[JobContext], Outcome]) -> 
         return state
     finally:
         beat.stop.set()
-        try:
-            watch.disarm()  # done on every ending above already; here too, so that no path leaves it armed
-        except Cancelled:
-            pass
     with db.session() as session:
         if jobs.finish(session, job_id, jobs.SUCCEEDED, timings={"run_s": time.perf_counter() - t0, **(outcome.timings or {})}):
             row = session.get(RESOURCE_TABLES[resource_type], resource_id)
