@@ -543,10 +543,13 @@ def test_one_line_text_is_split_in_linear_time(tmp_path):
         path = tmp_path / f"one-{mb}.txt"
         text = " ".join(words[i % len(words)] for i in range(mb * 1_000_000 // 7))
         path.write_text(text)
-        t0 = time.perf_counter()
-        samples = read_txt(path)
-        times[mb] = time.perf_counter() - t0
+        runs = []
+        for _ in range(3):  # the fastest of three: one pass on a loaded CI machine once took 36x the other size's
+            t0 = time.perf_counter()
+            samples = read_txt(path)
+            runs.append(time.perf_counter() - t0)
+        times[mb] = min(runs)
         assert all(len(s.text) <= TXT_CHUNK_CHARS * 4 // 3 for s in samples)
         assert sum(len(s.text) for s in samples) >= len(text) - len(samples)  # only the cut spaces go
     assert times[24] < 15.0, times  # the quadratic version: ~40 s for 24 MB (a loaded CI machine may take 3x the quiet 1-2 s)
-    assert times[24] < 8 * times[6] + 0.5, times  # linear: ×4 the size is not ×16 the time
+    assert times[24] < 8 * times[6] + 2.0, times  # linear: ×4 the size is not ×16 the time (quadratic: ~40 s against ~2.5 s)
