@@ -145,10 +145,13 @@ class RidgeRouter(Router):
         if hidden is None:
             hidden = act_fn(xf @ gate_rows.reshape(E * m, d).float().t()) * (xf @ up_rows.reshape(E * m, d).float().t())
         mass = hidden.abs().reshape(-1, E, m).sum(-1).double()
-        xa = torch.cat([x.double(), torch.ones(len(x), 1, dtype=torch.float64)], 1)
-        gram = xa.t() @ xa
+        xd = x.double()
+        col = xd.sum(0, keepdim=True)  # X̃ᵀX̃ and X̃ᵀM by blocks: no [T, d+1] copy of X̃
+        gram = torch.cat([torch.cat([xd.t() @ xd, col.t()], 1),
+                          torch.cat([col, torch.full((1, 1), float(len(x)), dtype=torch.float64)], 1)])
+        rhs = torch.cat([xd.t() @ mass, mass.sum(0, keepdim=True)])
         reg = (self.LAMBDA if lam is None else lam) * float(torch.diagonal(gram).sum()) / len(x)
-        sol = torch.linalg.solve(gram + reg * torch.eye(d + 1, dtype=torch.float64), xa.t() @ mass)  # [d+1, E]
+        sol = torch.linalg.solve(gram + reg * torch.eye(d + 1, dtype=torch.float64), rhs)  # [d+1, E]
         return {"router_weight": sol[:-1].t().float(), "router_offset": sol[-1].float()}
 
 
