@@ -256,7 +256,7 @@ def routed_hidden(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, rou
     78 MB mapping (glibc maps allocations above 32 MB itself) whose pages fault in again for every layer."""
     idx = torch.as_tensor(routed.reshape(-1), dtype=torch.long)
     g, u = gate_w[idx], up_w[idx]
-    out = torch.empty(len(x), len(idx))
+    out = x.new_empty((len(x), len(idx)))
     for s in range(0, len(x), chunk):
         out[s : s + chunk] = _hidden(x[s : s + chunk], g, u, act)
     return out
