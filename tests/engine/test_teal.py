@@ -92,12 +92,12 @@ def test_quantile_threshold_zeroes_the_requested_fraction():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_the_one_pass_sparsification_zeroes_exactly_the_entries_below_the_threshold(dtype):
     """``magnitude_sparsify``'s ``hardshrink`` against TEAL's definition in three passes: thresholds equal to entries'
-    magnitudes (which stay), between them, subnormal, past float32's range and infinite."""
+    magnitudes (which stay), between them, subnormal, below float32's smallest, past float32's range and infinite."""
     from moelab.engine.runtime.moelab_teal import magnitude_sparsify
 
     x = torch.randn(64, 33, generator=torch.Generator().manual_seed(3)).to(dtype)
     x[0, :3] = torch.tensor([0.0, -0.0, float("nan")], dtype=dtype)
-    for t in x.abs().flatten()[3:40].tolist() + [0.31, 1e-45, 1e-41, 1e39, 1e300, math.inf]:
+    for t in x.abs().flatten()[3:40].tolist() + [0.31, 1e-46, 1e-45, 1e-41, 1e39, 1e300, math.inf]:
         assert torch.equal(magnitude_sparsify(x, t).nan_to_num(7.0), x.masked_fill(x.abs() < t, 0.0).nan_to_num(7.0)), t
     assert magnitude_sparsify(x, 0.0) is x
 

@@ -38,7 +38,7 @@ def magnitude_sparsify(x: torch.Tensor, threshold: float) -> torch.Tensor:
     In float32 and float64 one ``hardshrink`` pass, which zeroes ``|x| <= λ``, with ``λ`` the largest value of ``x``'s
     dtype below the threshold (the threshold rounded to that dtype first, as a comparison with it rounds it): the same
     entries zeroed as ``abs``, ``<`` and ``masked_fill`` would, where those three passes took 17x as long on a
-    512-token prefill's ``[512, 1536]`` FFN activations (4.2 against 0.25 ms, 2 threads: 13% of TEAL's prefill)."""
+    512-token prefill's ``[512, 1536]`` FFN activations (4.2 against 0.25 ms, 2 threads, beside a 14 ms GEMM)."""
     if threshold <= 0:
         return x
     below = _float_below(threshold, x.dtype)
@@ -55,7 +55,7 @@ def _float_below(threshold: float, dtype: torch.dtype) -> float | None:
         bits = struct.unpack("<I", struct.pack("<f", threshold))[0]  # rounds to nearest, as torch's cast does
     except OverflowError:
         return None
-    if bits >= 0x7F800000:  # inf or nan
+    if not 0 < bits < 0x7F800000:  # rounded to 0 (nothing is below it), inf or nan
         return None
     return struct.unpack("<f", struct.pack("<I", bits - 1))[0]
 
