@@ -209,3 +209,20 @@ def test_choice_loglikelihoods_match_unbatched_scoring(setup, tmp_path):
                                                          "code_line_description"]  # interleaved: limit 3n reads n of each
     first = items[0]
     assert (rows[0]["prompt"], rows[0]["choices"], rows[0]["gold"]) == (first.prompt, first.choices, first.answer)
+
+
+def test_the_next_token_nll_is_the_cross_entropy_within_float64_rounding():
+    """metrics.next_token_nll (logsumexp − target logit) against float64 cross-entropy on vocabulary-wide
+    random logits: closer than float32's own ``F.cross_entropy`` over a transposed view, and shaped per window."""
+    import torch.nn.functional as F
+
+    from moelab.engine.evaluation.metrics import next_token_nll
+
+    g = torch.Generator().manual_seed(0)
+    logits, ids = 4 * torch.randn(3, 65, 49152, generator=g), torch.randint(0, 49152, (3, 65), generator=g)
+    exact = F.cross_entropy(logits[:, :-1].double().transpose(1, 2), ids[:, 1:], reduction="none")
+    got = next_token_nll(logits, ids)
+    assert got.shape == (3, 64) and got.dtype == torch.float32
+    assert (got.double() - exact).abs().max() < 1e-5
+    assert torch.allclose(next_token_nll(logits.bfloat16(), ids).double(), F.cross_entropy(
+        logits.bfloat16()[:, :-1].double().transpose(1, 2), ids[:, 1:], reduction="none"), atol=1e-4)
