@@ -8,7 +8,7 @@ this machine's kernel table) and to its multiply-adds.
 The profile is the README's shape (``builtin:mixed``, 64 × 256 tokens); each variant is built with ``moelab convert
 --recipe R --sparsity S`` as a user does (timed: building costs seconds too), then loaded with ``from_pretrained``. The
 kernel table is measured here (the designer's is measured by the profile job the same way). speed-up = dense time /
-converted time, interleaved round by round. TEAL (``--teal``, default costs 0.5 and 0.75) is calibrated as an evaluation
+converted time, interleaved round by round. TEAL (``--teal``, default costs 0.5 and 0.75; ``--teal`` alone: none) is calibrated as an evaluation
 calibrates it and timed in the same rounds, with its row-skipping CPU decode kernel. Writes tests/benchmarks/results/bench_recipe_speed.json and prints one
 summary line.
 """
@@ -64,7 +64,8 @@ def main() -> None:
                     help="also time each conversion with the whole-block decode call off (moe_ffn_decode: the routed "
                          "kernel and the torch calls around it instead), the same model in the same rounds")
     ap.add_argument("--teal", type=float, nargs="*", default=[0.5, 0.75],
-                    help="TEAL at these FFN costs, calibrated on the profile's text as an evaluation does, timed alike")
+                    help="TEAL at these FFN costs, calibrated on the profile's text as an evaluation does, timed alike "
+                         "(the default 0.5 and 0.75; `--teal` with no cost times none)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-recipe-speed-"))
