@@ -226,3 +226,23 @@ def test_the_next_token_nll_is_the_cross_entropy_within_float64_rounding():
     assert (got.double() - exact).abs().max() < 1e-5
     assert torch.allclose(next_token_nll(logits.bfloat16(), ids).double(), F.cross_entropy(
         logits.bfloat16()[:, :-1].double().transpose(1, 2), ids[:, 1:], reduction="none"), atol=1e-4)
+
+
+def test_scoring_windows_records_no_autograd_graph():
+    """window_nll scores under inference mode: a forward with gradients on would keep every layer's activations
+    (an evaluation's memory) and cost a finetune's bounded micro-batches their bound."""
+    from moelab.engine.evaluation.metrics import window_nll
+
+    grad_on: list[bool] = []
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(50, 50)
+
+        def forward(self, input_ids, use_cache=False):
+            grad_on.append(torch.is_grad_enabled())
+            return SimpleNamespace(logits=self.emb(input_ids))
+
+    nll, _ = window_nll(Logits(), torch.randint(0, 50, (3, 9)), batch_size=2)
+    assert grad_on == [False, False] and nll.shape == (3,) and (nll > 0).all()

@@ -75,7 +75,6 @@ def window_batch(batch_size: int, seq_len: int, max_tokens: int = BATCH_TOKENS) 
     return max(1, min(batch_size, max_tokens // max(1, seq_len)))
 
 
-@torch.inference_mode()
 def next_token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``[batch, seq - 1]``: ``logsumexp(z_t) − z_t[ids_{t+1}]``, each position's NLL of the token that follows.
 
@@ -87,6 +86,7 @@ def next_token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return z.logsumexp(-1) - z.gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
+@torch.inference_mode()
 def window_nll(
     model: nn.Module, windows: torch.Tensor, batch_size: int = 8, progress: Progress = NO_PROGRESS,
     stage: str = "perplexity", before_batch: Callable[[int], None] | None = None,
