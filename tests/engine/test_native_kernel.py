@@ -74,6 +74,20 @@ def test_decode_and_prefill_equal_the_reference_loop(act, combine, down_keep, mo
     assert seen == [1, 3, 8, 9, 64, 203]
 
 
+@pytest.mark.parametrize("top_k", [3, 7, 8, 9])
+def test_the_skipped_means_by_either_sum_equal_the_reference_loop(top_k, monkeypatch):
+    """A prefill adds the skipped experts' means as every mean less the selected ones' where a token selects fewer
+    than half the experts (top-3 and top-7 of 16), else as the skipped ones' sum (top-8, top-9); a decode step sums
+    the skipped ones, its threads sharing the columns. Each == the reference loop."""
+    mod = kernel_moe("ridge", "weighted", top_k=top_k, skip_mean=torch.randn(16, 32))
+    seen = calls(monkeypatch)
+    g = torch.Generator().manual_seed(7)
+    for T in (1, 8, 64):
+        x = torch.randn(T, 32, generator=g)
+        torch.testing.assert_close(run(mod, x, "auto"), run(mod, x, "loop"), rtol=1e-5, atol=1e-5)
+    assert seen == [1, 8, 64]
+
+
 @pytest.mark.parametrize("d_model, expert_size", [(40, 13), (576, 12), (50, 40)])
 def test_odd_sizes_take_the_remainder_paths(d_model, expert_size, monkeypatch):
     """Widths that are not multiples of the kernels' 24-number tiles (d_model 40 and 50, 2m 26 and 80) and the
