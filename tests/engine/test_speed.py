@@ -27,9 +27,9 @@ class Slowed(nn.Module):
         super().__init__()
         self.inner, self.config = inner, inner.config
 
-    def forward(self, **kw):
+    def forward(self, logits_to_keep=0, **kw):
         t0 = time.perf_counter()
-        out = self.inner(**kw)
+        out = self.inner(logits_to_keep=logits_to_keep, **kw)
         time.sleep(time.perf_counter() - t0)
         return out
 
@@ -56,6 +56,35 @@ def test_the_speedup_is_the_median_ratio_of_times_in_the_same_round(dense):
     lines = [line for line in describe(out, "slowed") if "busy machine" not in line]  # a busy CI host may add one
     assert len(lines) == 4 and all("(slower)" in line for line in lines[1:]), lines
     assert "prefill of" in lines[3] and "median of 3 interleaved rounds" in lines[0]
+
+
+def test_a_prefill_computes_the_last_positions_logits_as_generation_does(dense):
+    """Where a model's forward takes ``logits_to_keep``, the timed prefill asks for the last position only (the
+    protocol says so); a forward without it computes every position's. Either returns the same last logits."""
+    seen: list[tuple[int, int | None]] = []
+
+    class Recorded(nn.Module):
+        def __init__(self, inner: nn.Module, takes_keep: bool) -> None:
+            super().__init__()
+            self.inner, self.config, self.takes_keep = inner, inner.config, takes_keep
+
+        def forward(self, input_ids=None, logits_to_keep=None, **kw):
+            out = self.inner(input_ids=input_ids, logits_to_keep=logits_to_keep or 0, **kw)
+            if input_ids.shape[1] == 64:  # the timed prefill
+                seen.append((out.logits.shape[1], logits_to_keep))
+            return out
+
+    class NoKeep(Recorded):
+        def forward(self, input_ids=None, **kw):
+            return super().forward(input_ids=input_ids, **kw)
+
+    protocol = SpeedProtocol(repeats=1, decode_steps=2, context=8, prefill_tokens=64)
+    out = time_phases({"dense": Recorded(dense, True), "plain": NoKeep(dense, False)}, torch.arange(5, 105), protocol=protocol)
+    assert out["protocol"]["prefill_logits"] == "last"
+    assert sorted(set(seen)) == [(1, 1), (64, None)]  # last position only where the forward takes it, else all 64
+    ids = torch.arange(5, 69)[None]
+    with torch.inference_mode():
+        torch.testing.assert_close(dense(input_ids=ids, logits_to_keep=1).logits[:, -1], dense(input_ids=ids).logits[:, -1])
 
 
 def test_inputs_fit_the_models_positions(dense):

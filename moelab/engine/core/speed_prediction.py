@@ -35,11 +35,12 @@ from typing import Any
 import numpy as np
 
 TABLE_DIR = "speed-tables"
-TABLE_VERSION = 9  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
+TABLE_VERSION = 10  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
 # 5: layouts timed as ratios to the dense FFN in the same rounds; 6: a decode step's whole block in one native call;
 # 7: the FFNs' share of the model measured, weights cycled past the largest cache, the shared expert's kept down rows,
 # a native prefill's two GEMMs where most experts are selected; 8: the neurons ranked for down_keep, the grid's
-# small experts at two thirds and four fifths selected; 9: no more copies of a layer cycled than the model has layers
+# small experts at two thirds and four fifths selected; 9: no more copies of a layer cycled than the model has layers;
+# 10: a prefill computes the last position's logits only, as generation does (``evaluation.speed``)
 FEATURES = ("fixed", "shared_neurons", "touched_neurons", "computed_rows", "pairs", "router_scores", "dense_rows",
             "ranked_neurons")
 
