@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tests.engine.conftest import tiny_conversion
-from moelab.engine.evaluation.speed import PHASES, SpeedProtocol, describe, time_phases
+from moelab.engine.evaluation.speed import PHASES, SpeedProtocol, describe, phase_label, time_phases
 from moelab.engine.models import load_model
 
 QUICK = SpeedProtocol(repeats=3, decode_steps=4, context=8, batch=8, prefill_tokens=512)
@@ -80,7 +80,10 @@ def test_a_prefill_computes_the_last_positions_logits_as_generation_does(dense):
 
     protocol = SpeedProtocol(repeats=1, decode_steps=2, context=8, prefill_tokens=64)
     out = time_phases({"dense": Recorded(dense, True), "plain": NoKeep(dense, False)}, torch.arange(5, 105), protocol=protocol)
-    assert out["protocol"]["prefill_logits"] == "last"
+    assert out["protocol"]["prefill_logits"] == out["phases"]["prefill"]["logits"] == "last"
+    old = {k: v for k, v in out["phases"]["prefill"].items() if k != "logits"}  # a timing stored before the field
+    assert phase_label("prefill", out["phases"]["prefill"]) == "prefill of 64 tokens"
+    assert phase_label("prefill", old) == "prefill of 64 tokens, every position's logits"
     assert sorted(set(seen)) == [(1, 1), (64, None)]  # last position only where the forward takes it, else all 64
     ids = torch.arange(5, 69)[None]
     with torch.inference_mode():

@@ -268,6 +268,7 @@ def time_phases(models: Mapping[str, nn.Module], tokens: torch.Tensor, *, refere
             "tokens_per_s": {name: rows / s for name, s in median.items()},
             "speedup": {name: statistics.median(r / t for r, t in zip(ref, ts)) for name, ts in times[phase].items()},
             "tokens": int(inputs[phase].shape[1]) if phase == "prefill" else None,
+            **({"logits": protocol.prefill_logits} if phase == "prefill" else {}),
             "batch": int(inputs[phase].shape[0]),
             **({"cuda_graphs": graphs[phase]} if graphs.get(phase) is not None else {}),
         }
@@ -358,9 +359,10 @@ PHASE_NAMES = {"decode_b1": "decode, batch 1", "decode_b8": "decode, batch 8", "
 
 
 def phase_label(phase: str, entry: Mapping[str, Any]) -> str:
-    """'decode, batch 8' / 'prefill of 512 tokens': a phase as its numbers were measured."""
+    """'decode, batch 8' / 'prefill of 512 tokens': a phase as its numbers were measured. A prefill timed before it
+    computed the last position's logits only (module doc; its entry has no ``logits``) says that it computed all."""
     if phase == "prefill" and entry.get("tokens"):
-        return f"prefill of {entry['tokens']} tokens"
+        return f"prefill of {entry['tokens']} tokens" + ("" if entry.get("logits") else ", every position's logits")
     return PHASE_NAMES.get(phase, phase)
 
 
