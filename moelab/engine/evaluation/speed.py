@@ -12,8 +12,7 @@ round r+1), so each ratio compares the same machine state:
   (``prefill_logits="last"``; a model whose forward takes no ``logits_to_keep`` computes every position's). Before,
   every position's logits were computed, a scoring pass rather than a prompt's: on the default model the head's
   49,152 × 576 product over 512 tokens is about a fifth of a dense prefill on 2 CPU cores, the same for every model,
-  so it pulled every prefill ratio towards 1 (``best`` 0.5 on a 2-vCPU Xeon: 1.07× with it, 1.18× without, one
-  process).
+  so it pulled every prefill ratio towards 1.
 
 A phase's time is the median over ``repeats`` rounds (decode: seconds per step, the median over its
 ``decode_steps`` steps in that round, the models taking turns of a few steps; prefill: the mean of
