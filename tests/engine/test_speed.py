@@ -64,9 +64,9 @@ def test_a_prefill_computes_the_last_positions_logits_as_generation_does(dense):
     seen: list[tuple[int, int | None]] = []
 
     class Recorded(nn.Module):
-        def __init__(self, inner: nn.Module, takes_keep: bool) -> None:
+        def __init__(self, inner: nn.Module) -> None:
             super().__init__()
-            self.inner, self.config, self.takes_keep = inner, inner.config, takes_keep
+            self.inner, self.config = inner, inner.config
 
         def forward(self, input_ids=None, logits_to_keep=None, **kw):
             out = self.inner(input_ids=input_ids, logits_to_keep=logits_to_keep or 0, **kw)
@@ -79,11 +79,12 @@ def test_a_prefill_computes_the_last_positions_logits_as_generation_does(dense):
             return super().forward(input_ids=input_ids, **kw)
 
     protocol = SpeedProtocol(repeats=1, decode_steps=2, context=8, prefill_tokens=64)
-    out = time_phases({"dense": Recorded(dense, True), "plain": NoKeep(dense, False)}, torch.arange(5, 105), protocol=protocol)
+    out = time_phases({"dense": Recorded(dense), "plain": NoKeep(dense)}, torch.arange(5, 105), protocol=protocol)
     assert out["protocol"]["prefill_logits"] == out["phases"]["prefill"]["logits"] == "last"
     old = {k: v for k, v in out["phases"]["prefill"].items() if k != "logits"}  # a timing stored before the field
     assert phase_label("prefill", out["phases"]["prefill"]) == "prefill of 64 tokens"
-    assert phase_label("prefill", old) == "prefill of 64 tokens, every position's logits"
+    assert phase_label("prefill", old) == phase_label("prefill", {**old, "logits": "all"}) \
+        == "prefill of 64 tokens, every position's logits"
     assert sorted(set(seen)) == [(1, 1), (64, None)]  # last position only where the forward takes it, else all 64
     ids = torch.arange(5, 69)[None]
     with torch.inference_mode():

@@ -358,10 +358,11 @@ PHASE_NAMES = {"decode_b1": "decode, batch 1", "decode_b8": "decode, batch 8", "
 
 
 def phase_label(phase: str, entry: Mapping[str, Any]) -> str:
-    """'decode, batch 8' / 'prefill of 512 tokens': a phase as its numbers were measured. A prefill timed before it
-    computed the last position's logits only (module doc; its entry has no ``logits``) says that it computed all."""
+    """'decode, batch 8' / 'prefill of 512 tokens': a phase as its numbers were measured. A prefill that computed
+    every position's logits (``logits`` not ``"last"``, or absent: timed before the field) says so."""
     if phase == "prefill" and entry.get("tokens"):
-        return f"prefill of {entry['tokens']} tokens" + ("" if entry.get("logits") else ", every position's logits")
+        every = "" if entry.get("logits") == "last" else ", every position's logits"
+        return f"prefill of {entry['tokens']} tokens{every}"
     return PHASE_NAMES.get(phase, phase)
 
 

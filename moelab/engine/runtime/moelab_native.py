@@ -180,6 +180,11 @@ static void kept_products(float *h, float *mag, int64_t m, int64_t keep, int act
 #define PREFETCH_AHEAD 6144
 #define PREFETCH(p) __builtin_prefetch((const char *)(p) + PREFETCH_AHEAD)
 
+/* the first 4 KB (at most n floats) of the block at w: the next expert's, while this one is computed */
+static inline void prefetch_start(const float *w, int64_t n) {
+    for (int64_t b = 0; b < 1024 && b < n; b += 16) __builtin_prefetch(w + b);
+}
+
 /* 24 columns of TB tokens' products (or of the one token x0 when one), the micro-kernels of gate_up_block and
    down_block. gate_up_24: o_q[0..24) = x_q · W[:, 0..24) (rows m2 apart); down_24: o_q[0..24) += Σ_j h_q[r_j] ·
    Wd[r_j, 0..24) over the n rows r_j (rows ld apart). With AVX-512 the 24 columns are one 16- and one 8-float
@@ -468,8 +473,7 @@ void moelab_moe_decode(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, in
             const int64_t e = fill[u], n = start[e + 1] - start[e];
             const int64_t *own = pairs + start[e];
             const float *W = wgu + e * d * m2;
-            if (u + 1 < n_used)  /* the next block's first lines, while this one is computed */
-                for (int64_t b = 0; b < 64 * 16 && b < d * m2; b += 16) __builtin_prefetch(wgu + fill[u + 1] * d * m2 + b);
+            if (u + 1 < n_used) prefetch_start(wgu + fill[u + 1] * d * m2, d * m2);
             expert_pairs(W, wd + e * m * d, own, n, k, d, m, keep, act, x, wts, acc, h, mag, rows);
         }
         if (mu) skipped_means_shared(acc, T, top, k, E, mu, d);
@@ -685,8 +689,8 @@ void moelab_moe_ffn_decode(int64_t T, int64_t d, int act, const float *x, int64_
                 continue;
             }
             const int64_t e = fill[u - slices];
-            if (u + nth < slices + n_used)  /* the start of this thread's next expert, while this one is computed */
-                for (int64_t b = 0; b < 1024 && b < d * m2; b += 16) __builtin_prefetch(wgu + fill[u + nth - slices] * d * m2 + b);
+            if (u + nth < slices + n_used)  /* this thread's next expert */
+                prefetch_start(wgu + fill[u + nth - slices] * d * m2, d * m2);
             expert_pairs(wgu + e * d * m2, wd + e * m * d, pairs + start[e], start[e + 1] - start[e], k, d, m, keep,
                          act, x, wts, acc, h, mag, rows);
         }
