@@ -98,3 +98,77 @@ def test_factorisation_runs_in_float64_on_the_inputs_device(device):
     np.testing.assert_allclose(white.S.cpu().numpy(), np.linalg.cholesky(x.T @ x), rtol=1e-9, atol=1e-9)
     u = np.linalg.svd(w @ np.linalg.cholesky(x.T @ x), full_matrices=False)[0][:, :6]
     np.testing.assert_allclose((lr.A @ lr.B).cpu().numpy(), u @ u.T @ w, atol=1e-9)
+
+
+def matrix_with_spectrum(rows, cols, singular_values, seed=4):
+    """``U diag(σ) Vᵀ`` with random orthonormal U, V: a matrix whose singular values are known."""
+    rng = np.random.default_rng(seed)
+    k = len(singular_values)
+    u = np.linalg.qr(rng.normal(size=(rows, k)))[0]
+    v = np.linalg.qr(rng.normal(size=(cols, k)))[0]
+    return (u * singular_values) @ v.T
+
+
+@pytest.mark.parametrize("shape", [(120, 48), (48, 120)], ids=["tall", "wide"])
+def test_the_gram_route_gives_the_svds_subspace_and_singular_values(shape):
+    """``top_left_singular`` (module doc): U_r from the smaller Gram matrix's eigenvectors equals the
+    SVD's, as a projector and column by column up to sign, at condition number 10⁴; its columns are
+    orthonormal to rounding, and the singular values are the SVD's."""
+    import torch
+
+    from moelab.engine.core.lowrank import top_left_singular
+
+    sigma = np.logspace(0, -4, min(shape))
+    a = torch.from_numpy(matrix_with_spectrum(*shape, sigma))
+    for rank in (1, 7, 30, min(shape)):
+        u, s = top_left_singular(a, rank)
+        ref_u, ref_s, _ = torch.linalg.svd(a, full_matrices=False)
+        ref_u = ref_u[:, :rank]
+        assert u.shape == (shape[0], rank)
+        np.testing.assert_allclose((u @ u.T).numpy(), (ref_u @ ref_u.T).numpy(), atol=1e-11)
+        np.testing.assert_allclose(np.abs(np.sum(u.numpy() * ref_u.numpy(), axis=0)), 1.0, atol=1e-10)
+        np.testing.assert_allclose((u.T @ u).numpy(), np.eye(rank), atol=1e-13)
+        np.testing.assert_allclose(s.numpy(), ref_s.numpy(), rtol=1e-8, atol=1e-15)
+        np.testing.assert_allclose(s.numpy(), sigma, rtol=1e-8)
+
+
+def test_the_svd_takes_over_where_the_gram_matrix_loses_the_subspace(monkeypatch):
+    """Ranks that reach σ_r < GRAM_MIN_RATIO · σ_1 use the SVD. Without that fallback the Gram
+    route's subspace is wrong there (the eigenvalues of AᵀA below ε·σ_1² are rounding noise)."""
+    import torch
+
+    from moelab.engine.core import lowrank
+
+    sigma = np.logspace(0, -12, 48)
+    a = torch.from_numpy(matrix_with_spectrum(120, 48, sigma, seed=5))
+    rank = 40  # σ_40 ≈ 3·10⁻¹⁰
+    ref_u = torch.linalg.svd(a, full_matrices=False)[0][:, :rank]
+    u, s = lowrank.top_left_singular(a, rank)
+    np.testing.assert_allclose((u @ u.T).numpy(), (ref_u @ ref_u.T).numpy(), atol=1e-9)
+    np.testing.assert_allclose(s.numpy(), sigma, rtol=1e-6, atol=1e-15)
+    monkeypatch.setattr(lowrank, "GRAM_MIN_RATIO", 0.0)
+    gram_u, _ = lowrank.top_left_singular(a, rank)
+    assert np.abs((gram_u @ gram_u.T - ref_u @ ref_u.T).numpy()).max() > 1e-3
+
+
+@pytest.mark.parametrize("shape", [(64, 48), (40, 90)], ids=["tall", "wide"])
+def test_projection_errors_are_the_data_errors_of_each_expert_on_each_set(shape):
+    """``projection_errors[j][k]`` (from U_j and W S_k) is ``data_error`` of expert j's A B on set k's
+    moment, the one its whitening factorised (M_k plus jitter: set 1 has fewer tokens than inputs)."""
+    from moelab.engine.core.lowrank import projection_errors
+
+    rng = np.random.default_rng(6)
+    w = rng.normal(size=shape)
+    moments = [x.T @ x for x in (anisotropic_inputs(n=500, d=shape[1], seed=7),
+                                 anisotropic_inputs(n=shape[1] // 2, d=shape[1], seed=8))]
+    whites = [whitening(m) for m in moments]
+    assert whites[0].jitter == 0.0 < whites[1].jitter
+    experts = [whitened_lowrank(w, white, 9) for white in whites]
+    got = projection_errors(experts)
+    for j, e in enumerate(experts):
+        for k, white in enumerate(whites):
+            fitted_moment = (white.S @ white.S.T).numpy()
+            assert got[j][k] == pytest.approx(data_error(w, e.A @ e.B, fitted_moment), rel=1e-9)
+    assert got[0][0] < got[1][0] and got[1][1] < got[0][1]  # each expert is best on its own set
+    full = [whitened_lowrank(w, white, min(shape)) for white in whites]
+    assert max(map(max, projection_errors(full))) < 1e-6

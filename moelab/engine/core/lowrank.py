@@ -4,11 +4,11 @@ For a linear map in ``nn.Linear`` layout, ``y = W x`` with ``W ∈ R^{out×in}``
 inputs whose second moment is ``M = Σ_t x_t x_tᵀ`` (the profile's ``XᵀX``):
 
 * MI Eq. 1: ``M = S Sᵀ`` by Cholesky, in float64.
+* MI Eq. 2: ``W S = U Σ Vᵀ``, truncated to rank r.
 
 Everything runs in torch float64 on the device of the inputs (or ``device``): at d_ffn 14,336 the
 SVDs and Cholesky factorisations of a 7B model take hours in numpy on a CPU and seconds on a GPU.
 Inputs may be numpy arrays or tensors; results are tensors on that device.
-* MI Eq. 2: ``W S = U Σ Vᵀ``, truncated to rank r.
 
 Because ``Σ_t ‖(W − W') x_t‖² = ‖(W − W') S‖_F²``, the truncated SVD of ``W S`` is the best
 rank-r map *on the calibration data*: ``W' = U_r Σ_r V_rᵀ S⁻¹``. Plain SVD of ``W`` is optimal only
@@ -27,6 +27,18 @@ scale of ``S`` — √tokens × the input RMS — into A: on SmolLM2-135M with 6
 ‖A‖_F reached 1.3·10⁵ against ‖B‖_F ≈ 0.1–2; the product is the same but the factors are
 trained parameters, and such a split is out of fp16 range for larger calibration sets and makes
 one learning rate wrong for both.)
+
+Only ``U_r`` and the singular values are needed, never ``V``, so they come from the symmetric
+eigendecomposition of the smaller Gram matrix of ``A = W S`` (``top_left_singular``): ``A Aᵀ`` when
+``A`` is wide (its eigenvectors are ``U``), ``Aᵀ A`` when it is tall (its eigenvectors are ``V``;
+``U_r`` is the orthonormalised ``A V_r``). ``torch.linalg.svd`` computes all of ``U``, ``Σ`` and
+``V``; on the default model's gate projection (``A`` is 1536 × 576, rank 288) the Gram route took
+49 ms against the SVD's 142 ms, with projectors ``U_r U_rᵀ`` equal to 8·10⁻¹⁶ at condition number
+4.6·10³. A whole MIDAS conversion of the default model (keep_ratio 0.5, two sets) went from 69–72 s
+to 40–41 s on a 2-core Zen 4 with ``projection_errors``, the same perplexity to 10⁻⁴ and the same
+recorded errors to 2·10⁻¹³ (relative). The price is accuracy at the small end: the Gram squares the condition number, so the
+error of the rank-r subspace grows by ``σ_1 / 2σ_r`` over the SVD's. Below ``σ_r / σ_1 =
+GRAM_MIN_RATIO`` (10⁻⁵, so at most 5·10⁴ × the SVD's ~10⁻¹⁶ relative error) the SVD is used instead.
 
 ``M`` is only positive semi-definite when the calibration set has fewer tokens than input
 features or dead features; the smallest jitter ``λ·I`` that makes the Cholesky succeed is added
@@ -61,6 +73,8 @@ class LowRank:
     A: torch.Tensor  # [out, r] = U_r C
     B: torch.Tensor  # [r, in]  = C⁻¹ U_rᵀ W   (A B = U_r Σ_r V_rᵀ S⁻¹ = U_r U_rᵀ W)
     singular_values: torch.Tensor  # all singular values of W S, descending
+    basis: torch.Tensor  # [out, r] U_r, orthonormal
+    whitened: torch.Tensor  # [out, in] W S, the matrix factorised (``projection_errors`` reads it)
 
     @property
     def rank(self) -> int:
@@ -97,9 +111,35 @@ def whitened_lowrank(weight: Any, white: Whitening, rank: int) -> LowRank:
         raise ValueError(f"weight has {w.shape[1]} inputs but the whitening matrix is {white.S.shape[0]} wide")
     if not 1 <= rank <= min(w.shape):
         raise ValueError(f"rank must be within 1 … {min(w.shape)}, got {rank}")
-    u, s, _ = torch.linalg.svd(w @ white.S, full_matrices=False)
-    a, b = balanced_factors(w, u[:, :rank])  # U_r Σ_r V_rᵀ S⁻¹ = U_r U_rᵀ W (module doc)
-    return LowRank(a, b, s)
+    ws = w @ white.S
+    u, s = top_left_singular(ws, rank)
+    a, b = balanced_factors(w, u)  # U_r Σ_r V_rᵀ S⁻¹ = U_r U_rᵀ W (module doc)
+    return LowRank(a, b, s, u, ws)
+
+
+#: Below this ``σ_r / σ_1`` the Gram matrix's squared condition number costs the rank-r subspace more
+#: accuracy than float64 can spare, and ``top_left_singular`` falls back to the SVD (module doc).
+GRAM_MIN_RATIO = 1e-5
+
+
+def top_left_singular(a: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U_r, σ)``: the top-``rank`` left singular vectors of ``a`` (orthonormal columns) and all its
+    ``min(a.shape)`` singular values, descending, from the eigendecomposition of the smaller of
+    ``a aᵀ`` and ``aᵀ a``; by the SVD when ``σ_r < GRAM_MIN_RATIO · σ_1`` (module doc)."""
+    rows, cols = a.shape
+    wide = rows <= cols
+    eigenvalues, vectors = torch.linalg.eigh(a @ a.T if wide else a.T @ a)  # ascending
+    s = eigenvalues.flip(0).clamp_min(0).sqrt()
+    if not s[rank - 1] >= GRAM_MIN_RATIO * s[0] or not bool(torch.isfinite(s[0])):
+        u, s, _ = torch.linalg.svd(a, full_matrices=False)
+        return u[:, :rank], s
+    top = vectors[:, -rank:].flip(1)
+    if wide:
+        return top, s
+    # U_r = A V_r Σ_r⁻¹ in exact arithmetic; a QR makes its columns orthonormal to rounding (the
+    # factors must be an exact projection, module doc). A column's sign is free: balanced_factors
+    # gives the same A B for u_i and −u_i.
+    return torch.linalg.qr(a @ top).Q, s
 
 
 def balanced_factors(weight: Any, basis: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,22 +155,24 @@ def balanced_factors(weight: Any, basis: Any) -> tuple[torch.Tensor, torch.Tenso
 
 def data_error(weight: Any, approx: Any, xtx: Any) -> float:
     """Relative error on the calibration inputs: ``sqrt(tr(Δ M Δᵀ) / tr(W M Wᵀ))``, Δ = W − W'."""
-    return data_errors(weight, [approx], [xtx])[0][0]
-
-
-def data_errors(weight: Any, approxes: Sequence[Any], moments: Sequence[Any]) -> list[list[float]]:
-    """``data_error`` of every approximation on every moment (``[approx][moment]``): each moment's
-    ``tr(W M Wᵀ)`` and each approximation's ``Δ`` are computed once, not once per pair."""
     w = as_float64(weight)
-    deltas = [w - as_float64(a, w.device) for a in approxes]
-    out: list[list[float]] = [[] for _ in deltas]
-    for xtx in moments:
-        m = as_float64(xtx, w.device)
-        # tr(D M Dᵀ) as a sum of an elementwise product: one matmul, not a triple loop
-        total = torch.sum((w @ m) * w)
-        for row, d in zip(out, deltas):
-            row.append(float(torch.sqrt(torch.sum((d @ m) * d) / total)))
-    return out
+    m = as_float64(xtx, w.device)
+    d = w - as_float64(approx, w.device)
+    # tr(D M Dᵀ) as a sum of an elementwise product: one matmul, not a triple loop
+    return float(torch.sqrt(torch.sum((d @ m) * d) / torch.sum((w @ m) * w)))
+
+
+def projection_errors(factors: Sequence[LowRank]) -> list[list[float]]:
+    """``[j][k]``: ``data_error`` of expert j's map ``U_j U_jᵀ W`` on set k's inputs, from set k's
+    ``A_k = W S_k`` (``LowRank.whitened``): ``Σ_t ‖(W − U_j U_jᵀ W) x_t‖² = ‖(I − U_j U_jᵀ) A_k‖_F² =
+    ‖A_k‖_F² − ‖U_jᵀ A_k‖_F²`` since ``U_j`` is orthonormal. One ``r × out × in`` product a pair, where
+    forming ``tr(Δ M Δᵀ)`` takes ``out × in × in`` a pair and a moment (a fifth of the multiply-adds on
+    the default model). The moment is ``S_k S_kᵀ = M_k + λ_k I``, the one the factors were fitted to
+    (λ_k, the whitening's jitter, is 0 where ``M_k`` is positive definite). The difference loses about
+    10⁻¹⁶ of ``‖A_k‖²``, so an error below ~10⁻⁷ is rounding (floored at 0)."""
+    norms = [float(f.whitened.pow(2).sum()) for f in factors]
+    return [[max(0.0, 1.0 - float((e.basis.T @ f.whitened).pow(2).sum()) / n) ** 0.5 for f, n in zip(factors, norms)]
+            for e in factors]
 
 
 #: the stacked factors of a ``LowRankMoeFFN``, by parameter name

@@ -269,16 +269,13 @@ class _SetFactors:
     up: LowRank
     down: LowRank
     down_jitter: float | None
-    hidden_moment: "torch.Tensor | None"
 
 
 def _factorise_set(
     w: dict[str, "torch.Tensor"], xtx: Any, n_tokens: int, rank: int, act: str, params: MidasParams, seed: int,
 ) -> _SetFactors:
     """One set's factors on the device of ``w`` (float64 tensors there)."""
-    import torch
-
-    from ..core.lowrank import LowRank, balanced_factors, whitened_lowrank, whitening
+    from ..core.lowrank import LowRank, balanced_factors, top_left_singular, whitened_lowrank, whitening
 
     white = whitening(xtx, device=w["gate"].device)
     gate = whitened_lowrank(w["gate"], white, rank)  # MI Eq. 2
@@ -287,9 +284,9 @@ def _factorise_set(
         n_samples = surrogate_samples_for(params, w["down"].shape[1])
         hth = surrogate_hidden_moment(w["gate"], w["up"], white, n_tokens, act, n_samples, seed)
         white_h = whitening(hth)
-        return _SetFactors(white, gate, up, whitened_lowrank(w["down"], white_h, rank), white_h.jitter, hth)
-    u, s, _ = torch.linalg.svd(w["down"], full_matrices=False)
-    return _SetFactors(white, gate, up, LowRank(*balanced_factors(w["down"], u[:, :rank]), s), None, None)
+        return _SetFactors(white, gate, up, whitened_lowrank(w["down"], white_h, rank), white_h.jitter)
+    u, s = top_left_singular(w["down"], rank)
+    return _SetFactors(white, gate, up, LowRank(*balanced_factors(w["down"], u), s, u, w["down"]), None)
 
 
 def convert_midas(
@@ -299,7 +296,7 @@ def convert_midas(
     calibration set; returns the MoE model (the adapter's model, converted in place) and the
     conversion record. Per layer the record holds the rank, each set's Cholesky jitter and
     ``gate_error[i][k]`` / ``up_error[i][k]``: expert i's relative data error on set k's ``XᵀX``
-    (sets in ``summary.sets`` order; the diagonal is an expert's own set, the off-diagonal shows
+    plus its jitter (``lowrank.projection_errors``; sets in ``summary.sets`` order; the diagonal is an expert's own set, the off-diagonal shows
     how specialised the experts are); with ``down='surrogate'`` also ``down_error_surrogate``,
     the same for the down projection on each set's surrogate ``HᵀH``, and ``surrogate_samples``.
     Layers kept dense (``params.dense_layers``, module doc) have no row; ``summary`` names them
@@ -382,7 +379,7 @@ def _midas_layer(adapter: Any, i: int, lay: Any, profiles: Sequence[Any], router
     returns the layer's ``LowRankMoeFFN`` (router ``router``) and its record row (``convert_midas``)."""
     import torch
 
-    from ..core.lowrank import as_float64, data_errors, lowrank_moe_from_factors
+    from ..core.lowrank import as_float64, lowrank_moe_from_factors, projection_errors
 
     E = len(profiles)
     n_tokens = [int(p.manifest["n_tokens"]) for p in profiles]
@@ -395,19 +392,19 @@ def _midas_layer(adapter: Any, i: int, lay: Any, profiles: Sequence[Any], router
     sets = [_factorise_set(w, xtx[j], n_tokens[j], rank, adapter.activation, params, params.seed * 7919 + i * E + j)
             for j in range(E)]
 
-    def cross(kind: str, moments: list[Any]) -> list[list[float]]:
-        return data_errors(w[kind], [getattr(f, kind).A @ getattr(f, kind).B for f in sets], moments)
+    def cross(kind: str) -> list[list[float]]:
+        return projection_errors([getattr(f, kind) for f in sets])
 
     row: dict[str, Any] = {
         "layer": i, "rank": rank,
         "jitter": [f.white.jitter for f in sets],
-        "gate_error": cross("gate", xtx),
-        "up_error": cross("up", xtx),
+        "gate_error": cross("gate"),
+        "up_error": cross("up"),
     }
     if params.down == "surrogate":
         row["surrogate_samples"] = surrogate_samples_for(params, lay.d_ffn)
         row["down_jitter"] = [f.down_jitter for f in sets]
-        row["down_error_surrogate"] = cross("down", [f.hidden_moment for f in sets])
+        row["down_error_surrogate"] = cross("down")
 
     def stack(kind: str, part: str) -> Any:
         mats = [getattr(getattr(f, kind), part) for f in sets]
