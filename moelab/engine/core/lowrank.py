@@ -34,9 +34,9 @@ eigendecomposition of the smaller Gram matrix of ``A = W S`` (``top_left_singula
 ``U_r`` is the orthonormalised ``A V_r``). ``torch.linalg.svd`` computes all of ``U``, ``Σ`` and
 ``V``; on the default model's gate projection (``A`` is 1536 × 576, rank 288) the Gram route took
 49 ms against the SVD's 142 ms, with projectors ``U_r U_rᵀ`` equal to 8·10⁻¹⁶ at condition number
-4.6·10³. A whole MIDAS conversion of the default model (keep_ratio 0.5, two sets) went from 69–72 s
-to 40–41 s on a 2-core Zen 4 with ``projection_errors``, the same perplexity to 10⁻⁴ and the same
-recorded errors to 2·10⁻¹³ (relative). The price is accuracy at the small end: the Gram squares the condition number, so the
+4.6·10³. With ``projection_errors`` too, ``moelab convert --method midas`` of the default model
+(keep_ratio 0.5, code and prose profiles of 48 × 128 tokens) went from 75 s to 44–48 s on a 2-core Zen 4,
+its recorded errors equal to 2·10⁻¹³ (relative) and held-out perplexity to 10⁻⁴. The price is accuracy at the small end: the Gram squares the condition number, so the
 error of the rank-r subspace grows by ``σ_1 / 2σ_r`` over the SVD's. Below ``σ_r / σ_1 =
 GRAM_MIN_RATIO`` (10⁻⁵, so at most 5·10⁴ × the SVD's ~10⁻¹⁶ relative error) the SVD is used instead.
 
