@@ -32,13 +32,14 @@ Only ``U_r`` and the singular values are needed, never ``V``, so they come from 
 eigendecomposition of the smaller Gram matrix of ``A = W S`` (``top_left_singular``): ``A Aᵀ`` when
 ``A`` is wide (its eigenvectors are ``U``), ``Aᵀ A`` when it is tall (its eigenvectors are ``V``;
 ``U_r`` is the orthonormalised ``A V_r``). ``torch.linalg.svd`` computes all of ``U``, ``Σ`` and
-``V``; on the default model's gate projection (``A`` is 1536 × 576, rank 288) the Gram route took
-49 ms against the SVD's 142 ms, with projectors ``U_r U_rᵀ`` equal to 8·10⁻¹⁶ at condition number
-4.6·10³. With ``projection_errors`` too, ``moelab convert --method midas`` of the default model
-(keep_ratio 0.5, code and prose profiles of 48 × 128 tokens) went from 75 s to 44–48 s on a 2-core Zen 4,
-its recorded errors equal to 2·10⁻¹³ (relative) and held-out perplexity to 10⁻⁴. The price is accuracy at the small end: the Gram squares the condition number, so the
-error of the rank-r subspace grows by ``σ_1 / 2σ_r`` over the SVD's. Below ``σ_r / σ_1 =
-GRAM_MIN_RATIO`` (10⁻⁵, so at most 5·10⁴ × the SVD's ~10⁻¹⁶ relative error) the SVD is used instead.
+``V``; on the default model's gate projection (``A`` is 1536 × 576, rank 288; a Zen 2 core) the Gram
+route took 49 ms against the SVD's 142 ms, with projectors ``U_r U_rᵀ`` equal to 8·10⁻¹⁶ at
+condition number 4.6·10³. With ``projection_errors`` too, ``moelab convert --method midas`` of the
+default model (keep_ratio 0.5, code and prose profiles of 48 × 128 tokens) went from 75 s to 44–48 s
+on a 2-core Zen 4, its recorded errors equal to 2·10⁻¹³ (relative) and its held-out perplexity to
+10⁻⁴. The price is accuracy at the small end: the Gram squares the condition number, so the error
+of the rank-r subspace grows by ``σ_1 / 2σ_r`` over the SVD's. Below ``σ_r / σ_1 = GRAM_MIN_RATIO``
+(10⁻⁵, so at most 5·10⁴ × the SVD's ~10⁻¹⁶ relative error) the SVD is used instead.
 
 ``M`` is only positive semi-definite when the calibration set has fewer tokens than input
 features or dead features; the smallest jitter ``λ·I`` that makes the Cholesky succeed is added

@@ -296,9 +296,10 @@ def convert_midas(
     calibration set; returns the MoE model (the adapter's model, converted in place) and the
     conversion record. Per layer the record holds the rank, each set's Cholesky jitter and
     ``gate_error[i][k]`` / ``up_error[i][k]``: expert i's relative data error on set k's ``XᵀX``
-    plus its jitter (``lowrank.projection_errors``; sets in ``summary.sets`` order; the diagonal is an expert's own set, the off-diagonal shows
-    how specialised the experts are); with ``down='surrogate'`` also ``down_error_surrogate``,
-    the same for the down projection on each set's surrogate ``HᵀH``, and ``surrogate_samples``.
+    plus its jitter (``lowrank.projection_errors``; sets in ``summary.sets`` order; the diagonal is
+    an expert's own set, the off-diagonal shows how specialised the experts are); with
+    ``down='surrogate'`` also ``down_error_surrogate``, the same for the down projection on each
+    set's surrogate ``HᵀH``, and ``surrogate_samples``.
     Layers kept dense (``params.dense_layers``, module doc) have no row; ``summary`` names them
     and holds every layer's ``ffn_residual_ratio``."""
     import torch
