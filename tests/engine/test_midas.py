@@ -182,6 +182,19 @@ def test_factors_are_projections_of_the_dense_map_and_balanced(fresh, profiles, 
                 torch.testing.assert_close(a.norm(dim=0), b.norm(dim=1), rtol=1e-4, atol=1e-6)
 
 
+def test_plain_down_is_the_truncated_svd_of_w_down_for_every_set(fresh, profiles, dense_weights):
+    """``down='plain'`` (module doc): every expert's down projection is W_down's own rank-r truncated
+    SVD, U_r U_rᵀ W_down, the same for each set; no surrogate errors are recorded."""
+    moe, record = convert_midas(fresh, profiles, MidasParams(keep_ratio=0.5, top_k=1, down="plain"))
+    r = rank_for_ratio(D_FFN, D_MODEL, 0.5)
+    for row, (i, mod) in zip(record["layers"], sorted(moe.moe_modules().items())):
+        assert "down_error_surrogate" not in row and row["rank"] == r
+        u = torch.linalg.svd(dense_weights[i][2], full_matrices=False)[0][:, :r]
+        for e in range(2):
+            got = (mod.down_b[e] @ mod.down_a[e]).detach().double()
+            torch.testing.assert_close(got, u @ u.T @ dense_weights[i][2], rtol=1e-5, atol=1e-6)
+
+
 def test_surrogate_samples_cover_the_hidden_width(fresh, profiles):
     """HᵀH is d_ffn × d_ffn: fewer Gaussian samples than neurons leave it singular, so a layer
     draws at least 2·d_ffn whatever surrogate_samples asks (16 here, d_ffn = 96)."""
