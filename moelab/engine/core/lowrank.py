@@ -112,10 +112,15 @@ def whitened_lowrank(weight: Any, white: Whitening, rank: int) -> LowRank:
         raise ValueError(f"weight has {w.shape[1]} inputs but the whitening matrix is {white.S.shape[0]} wide")
     if not 1 <= rank <= min(w.shape):
         raise ValueError(f"rank must be within 1 … {min(w.shape)}, got {rank}")
-    ws = w @ white.S
-    u, s = top_left_singular(ws, rank)
-    a, b = balanced_factors(w, u)  # U_r Σ_r V_rᵀ S⁻¹ = U_r U_rᵀ W (module doc)
-    return LowRank(a, b, s, u, ws)
+    return truncated_lowrank(w, w @ white.S, rank)
+
+
+def truncated_lowrank(weight: torch.Tensor, whitened: torch.Tensor, rank: int) -> LowRank:
+    """The factors of ``U_r U_rᵀ W`` for the top-``rank`` left singular vectors of ``whitened``: ``W S``
+    (MI Eq. 2, ``whitened_lowrank``), or ``W`` itself for a plain truncated SVD."""
+    u, s = top_left_singular(whitened, rank)
+    a, b = balanced_factors(weight, u)  # U_r Σ_r V_rᵀ S⁻¹ = U_r U_rᵀ W (module doc)
+    return LowRank(a, b, s, u, whitened)
 
 
 #: Below this ``σ_r / σ_1`` the Gram matrix's squared condition number costs the rank-r subspace more

@@ -275,7 +275,7 @@ def _factorise_set(
     w: dict[str, "torch.Tensor"], xtx: Any, n_tokens: int, rank: int, act: str, params: MidasParams, seed: int,
 ) -> _SetFactors:
     """One set's factors on the device of ``w`` (float64 tensors there)."""
-    from ..core.lowrank import LowRank, balanced_factors, top_left_singular, whitened_lowrank, whitening
+    from ..core.lowrank import truncated_lowrank, whitened_lowrank, whitening
 
     white = whitening(xtx, device=w["gate"].device)
     gate = whitened_lowrank(w["gate"], white, rank)  # MI Eq. 2
@@ -285,8 +285,7 @@ def _factorise_set(
         hth = surrogate_hidden_moment(w["gate"], w["up"], white, n_tokens, act, n_samples, seed)
         white_h = whitening(hth)
         return _SetFactors(white, gate, up, whitened_lowrank(w["down"], white_h, rank), white_h.jitter)
-    u, s = top_left_singular(w["down"], rank)
-    return _SetFactors(white, gate, up, LowRank(*balanced_factors(w["down"], u), s, u, w["down"]), None)
+    return _SetFactors(white, gate, up, truncated_lowrank(w["down"], w["down"], rank), None)
 
 
 def convert_midas(
