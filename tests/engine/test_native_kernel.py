@@ -163,6 +163,25 @@ def test_the_torch_kernels_run_where_the_native_one_does_not(monkeypatch):
     assert seen == [] and moelab_native.library() is None
 
 
+@pytest.mark.parametrize("n", [12, 20, 40])
+def test_ties_keep_the_lower_index_on_both_ranking_paths(n):
+    """The kept products with ties among them: up to 32 neurons each entry's rank (one or two vectors of ranks),
+    past that the bit-by-bit threshold with the ties beyond the first ones dropped; either way the ``keep`` largest
+    |act(gate)·up|, a tie going to the lower index, on every row of a call that shares its rows among threads."""
+    keep = n // 2
+    gate = torch.full((64, n), 2.0)
+    g = torch.Generator().manual_seed(n)
+    levels = torch.tensor([0.0, 0.5, -0.5, 1.0, -1.0, 3.0])  # few magnitudes: every row has ties at its threshold
+    up = levels[torch.randint(0, len(levels), (64, n), generator=g)]
+    got = moelab_native.glu_keep(gate, up, keep, "relu")
+    prod = 2.0 * up
+    for row, out in zip(prod, got):  # the reference: rank by (-|g|, index)
+        order = sorted(range(n), key=lambda i: (-abs(float(row[i])), i))[:keep]
+        want = torch.zeros(n)
+        want[order] = row[order]
+        assert torch.equal(out, want)
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 def test_the_shared_experts_kept_products_equal_torchs(act, monkeypatch):
     """The shared expert under down_keep (``glu_keep``: one call, its rows shared among threads past a decode step)
