@@ -303,7 +303,7 @@ def convert(method: str, profile_dirs: tuple[Path, ...], model_source: str | Non
         record = run_conversion(
             profile_dirs[0] if profile_dirs else None, params, out, data_dir=cfg.data_dir, device=cfg.device,
             trust_remote_code=cfg.trust_remote_code, progress=progress, extra_profiles=profile_dirs[1:],
-            model=model_source, calib=calib, max_memory=max_memory or cfg.max_memory,
+            model=model_source, calib=calib, max_memory=max_memory or cfg.max_memory, time_kernels=cfg.time_kernels,
         )
     if as_json:
         click.echo(json.dumps(record, indent=2))

@@ -210,6 +210,8 @@ def convert(ctx: JobContext) -> Outcome:
             progress=ctx.progress, loader=model_cache.cached_load_model,
             extra_profiles=[ctx.store.path("profiles", pid) for pid in extra_ids], model=source, calib=calib,
             map_layers=map_layers, max_memory=max_memory,
+            # a guard's missing kernel table is timed first, but not beside helpers that load and convert layers
+            time_kernels=ctx.settings.time_kernels and map_layers is None,
         )
     notes = [{"layer": r["layer"], "note": r["note"]} for r in record.get("layers", []) if r.get("note")]
     from moelab.store.jsonsafe import jsonable

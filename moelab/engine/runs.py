@@ -109,7 +109,7 @@ def run_conversion(
     profile_dir: Path | None, params: Any, out: Path, *, data_dir: Path, device: str = "auto",
     trust_remote_code: bool = False, progress: Progress = NO_PROGRESS, loader: ModelLoader = load_model,
     extra_profiles: Sequence[Path] = (), model: str | None = None, calib: str | None = None,
-    map_layers: Callable[..., Any] | None = None, max_memory: int | str | None = None,
+    map_layers: Callable[..., Any] | None = None, max_memory: int | str | None = None, time_kernels: bool = True,
 ) -> dict[str, Any]:
     """Convert with any registered method (``methods.REGISTRY``) and export the result; returns the record.
     ``map_layers``: where a partition method's per-layer work runs (``core.slicing.LayerMap``).
@@ -117,6 +117,9 @@ def run_conversion(
     converts one decoder layer at a time straight into the export (``streaming.conversion``;
     its layers are not shared with other workers then, as each would load the whole model); a
     budget below one layer, or a method or recipe that needs the whole model, fails before any work.
+    ``time_kernels``: where the plan is guarded by this machine's kernel times (``speed_guard="machine"``) and
+    none are cached for the model (a profile from before the kernels changed, or one made with the timing off),
+    time them first (``measure_kernel_times``), so that the guard does not give way to an unguarded plan.
 
     ``profile_dir``: the dense model's profile (MIDAS: the first calibration set's);
     ``extra_profiles``: MIDAS's other calibration sets; ``model`` + ``calib``: methods that read an
@@ -161,8 +164,16 @@ def run_conversion(
                               map_layers=map_layers)
     if profiles:
         source = profiles[0].manifest["model"]["source"]
-        inputs.load_dense = lambda: loader(source, data_dir=data_dir, device=device, dtype="float32",
-                                           trust_remote_code=trust_remote_code, progress=progress)
+        guarded = time_kernels and getattr(params, "speed_guard", "none") == "machine"
+
+        def load_dense() -> ModelAdapter:
+            adapter = loader(source, data_dir=data_dir, device=device, dtype="float32",
+                             trust_remote_code=trust_remote_code, progress=progress)
+            if guarded:
+                measure_kernel_times(adapter, profiles[0].manifest["model"], data_dir, progress)
+            return adapter
+
+        inputs.load_dense = load_dense
     moe, tokenizer, record = method.build(inputs, params, progress)
     complete(record, moe, tokenizer)
     progress.update("export", 0, 1)

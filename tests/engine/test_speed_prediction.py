@@ -237,6 +237,37 @@ def test_a_profile_measures_the_table_once_and_a_conversion_records_its_predicti
     assert all(routed[i].top_k <= n <= min(routed[i].n_routed, 8 * routed[i].top_k) for i, n in seen.items()), seen
 
 
+def test_a_guarded_conversion_times_the_kernels_its_profile_did_not(tiny_model, data_dir, tmp_path):
+    """A profile made with the timing off, or before the native kernels changed, leaves no table of this build here: a
+    conversion whose plan this machine's kernel times guard (``speed_guard="machine"``, part of ``--recipe best``)
+    times them first, once, and the guard applies; with ``time_kernels=False`` (MOELAB_TIME_KERNELS=0) it does not
+    and the record says so."""
+    from moelab.engine.methods.expertweaver import ExpertWeaverParams
+    from moelab.engine.profiling.profiler import ProfileSettings
+    from moelab.engine.runs import run_conversion, run_profile
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for entry in os.listdir(data_dir):  # the suite's models and built-in sets, an empty speed-table folder
+        if entry != TABLE_DIR:
+            (data / entry).symlink_to(data_dir / entry)
+    run_profile(str(tiny_model("llama")), "builtin:mixed", tmp_path / "p", ProfileSettings(max_tokens=32, batch_tokens=128),
+                samples=12, data_dir=data, time_kernels=False)  # built-in text: the fit reloads it
+    params = ExpertWeaverParams(n_experts=8, sparsity=0.25, router="ridge", alpha_basis="active", plan="budget",
+                                down_keep=0.5, speed_guard="machine")
+    off = run_conversion(tmp_path / "p", params, tmp_path / "off", data_dir=data, time_kernels=False)
+    assert not off["fit"]["speed_guard"]["applied"] and "no kernel timings" in off["summary"]["speed_guard"]
+    assert not list((data / TABLE_DIR).glob("*.json"))
+    on = run_conversion(tmp_path / "p", params, tmp_path / "on", data_dir=data)
+    (path,) = (data / TABLE_DIR).glob("*.json")
+    guard = on["fit"]["speed_guard"]
+    assert guard["applied"] and guard["measured_at"] == json.loads(path.read_text())["measured_at"]
+    assert on["summary"]["speed_guard"].startswith("each layer offered only the top-k")
+    stamp = path.stat().st_mtime_ns
+    run_conversion(tmp_path / "p", params, tmp_path / "again", data_dir=data)
+    assert path.stat().st_mtime_ns == stamp  # timed once
+
+
 @pytest.mark.slow
 def test_on_the_default_model_the_prediction_meets_the_measurement_within_20_percent(data_dir, tmp_path):
     """The default model profiled briefly, converted (ExpertWeaver, 0.5 sparsity), and timed against dense in one
