@@ -5,7 +5,7 @@ without the native one, ``sorted`` (pairs sorted by expert, gathered, multiplied
 (``masked_dense``: the whole layer's two GEMMs, unselected experts zeroed), with the torch-only ``auto`` choice
 (``select_kernel``: dense once k/E ≥ DENSE_SHARE + m/DENSE_NEURONS) beside each.
 
-    python tests/benchmarks/bench_prefill_kernels.py [--tokens 512] [--threads 2] [--repeats 7]
+    python tests/benchmarks/bench_prefill_kernels.py [--tokens 512] [--threads 2] [--repeats 7] [--out FILE]
 
 Random weights (std 0.02, as ``reset_parameters`` draws them: uninitialised memory holds denormals that slow every
 kernel) and uniform random routing; both kernels interleaved, medians compared. Writes
@@ -71,6 +71,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=OUT,
+                    help="the JSON result (another machine's need not replace the recorded one)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [case(e, share, keep, args.tokens, args.repeats)
@@ -79,8 +81,8 @@ def main() -> None:
         r["faster"] = min(("sorted", "dense"), key=r["ms"].get)  # of the torch kernels, which ``auto`` picks among
     agree = sum(r["auto"] == r["faster"] or abs(r["ms"]["sorted"] / r["ms"]["dense"] - 1) < 0.1 for r in rows)
     native = [r["ms"]["dense_ffn"] / r["ms"]["native"] for r in rows if "native" in r["ms"]]
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"tokens": args.tokens, "threads": args.threads, "d_model": D_MODEL, "d_ffn": D_FFN,
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"tokens": args.tokens, "threads": args.threads, "d_model": D_MODEL, "d_ffn": D_FFN,
                                "dense_share": K.DENSE_SHARE, "dense_neurons": K.DENSE_NEURONS, "rows": rows}, indent=2) + "\n")
     said = (f"native kernel {min(native):.2f}-{max(native):.2f}x the dense FFN's speed" if native else "no native kernel")
     print(f"bench_prefill_kernels: {said}; torch-only auto picks the faster kernel (or one within 10%) in {agree}/{len(rows)} "

@@ -251,8 +251,9 @@ def test_a_guarded_conversion_times_the_kernels_its_profile_did_not(tiny_model, 
     for entry in os.listdir(data_dir):  # the suite's models and built-in sets, an empty speed-table folder
         if entry != TABLE_DIR:
             (data / entry).symlink_to(data_dir / entry)
-    run_profile(str(tiny_model("llama")), "builtin:mixed", tmp_path / "p", ProfileSettings(max_tokens=32, batch_tokens=128),
-                samples=12, data_dir=data, time_kernels=False)  # built-in text: the fit reloads it
+    run_profile(str(tiny_model("llama")), "builtin:mixed", tmp_path / "p",
+                ProfileSettings(max_tokens=32, batch_tokens=128), samples=12, data_dir=data,
+                time_kernels=False)  # built-in text: the fit reloads it
     params = ExpertWeaverParams(n_experts=8, sparsity=0.25, router="ridge", alpha_basis="active", plan="budget",
                                 down_keep=0.5, speed_guard="machine")
     off = run_conversion(tmp_path / "p", params, tmp_path / "off", data_dir=data, time_kernels=False)
