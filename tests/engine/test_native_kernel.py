@@ -74,16 +74,17 @@ def test_decode_and_prefill_equal_the_reference_loop(act, combine, down_keep, mo
     assert seen == [1, 3, 8, 9, 64, 203]
 
 
-@pytest.mark.parametrize("top_k", [3, 7, 8, 9])
-def test_the_skipped_means_by_either_sum_equal_the_reference_loop(top_k, monkeypatch):
+@pytest.mark.parametrize("top_k, d_model", [(3, 32), (7, 40), (8, 32), (9, 40)])
+def test_the_skipped_means_by_either_sum_equal_the_reference_loop(top_k, d_model, monkeypatch):
     """A prefill adds the skipped experts' means as every mean less the selected ones' where a token selects fewer
-    than half the experts (top-3 and top-7 of 16), else as the skipped ones' sum (top-8, top-9); a decode step sums
-    the skipped ones, its threads sharing the columns. Each == the reference loop."""
-    mod = kernel_moe("ridge", "weighted", top_k=top_k, skip_mean=torch.randn(16, 32))
+    than half the experts (top-3 and top-7 of 16; 32 columns at a time, then one by one), else as the skipped ones'
+    sum (top-8, top-9); a decode step sums the skipped ones, its threads sharing the columns. Each == the reference
+    loop."""
+    mod = kernel_moe("ridge", "weighted", top_k=top_k, d_model=d_model, skip_mean=torch.randn(16, d_model))
     seen = calls(monkeypatch)
     g = torch.Generator().manual_seed(7)
     for T in (1, 8, 64):
-        x = torch.randn(T, 32, generator=g)
+        x = torch.randn(T, d_model, generator=g)
         torch.testing.assert_close(run(mod, x, "auto"), run(mod, x, "loop"), rtol=1e-5, atol=1e-5)
     assert seen == [1, 8, 64]
 

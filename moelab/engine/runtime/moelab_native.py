@@ -515,13 +515,26 @@ static void add_skipped_means(float *restrict o, const int64_t *tk, int64_t k, i
 /* o [d] = Σ of mu [E, d]'s rows over the experts a token skips, as (Σ of every row: total) − its k selected ones,
    in their order: k rows read instead of E − k. moelab_moe_prefill's choice where a token selects fewer than half
    the experts (at top-28 of 98, 4% of a 512-token prefill went to the 70 skipped rows); the torch path
-   (skipped_means) computes the same difference */
+   (skipped_means) computes the same difference. 32 columns stay in registers over the k rows (the rows are in L2
+   across a prefill's tokens): o written row by row took 0.64-0.78 ms of a 4.7 ms routed call (98 experts of 12,
+   top-38, 512 tokens, a 2-vCPU Xeon), this 0.19-0.26 ms, the same sums in the same order */
 static void skipped_means_by_total(float *restrict o, const float *restrict total, const int64_t *tk, int64_t k,
                                    const float *restrict mu, int64_t d) {
-    memcpy(o, total, sizeof(float) * d);
-    for (int64_t j = 0; j < k; j++) {
-        const float *restrict row = mu + tk[j] * d;
-        for (int64_t i = 0; i < d; i++) o[i] -= row[i];
+    int64_t i = 0;
+    for (; i + 32 <= d; i += 32) {  /* 32 columns in registers over the k rows: o is written once, not k times */
+        v8 a0 = *(const v8 *)(total + i), a1 = *(const v8 *)(total + i + 8), a2 = *(const v8 *)(total + i + 16),
+           a3 = *(const v8 *)(total + i + 24);
+        for (int64_t j = 0; j < k; j++) {
+            const float *row = mu + tk[j] * d + i;
+            a0 -= *(const v8 *)row; a1 -= *(const v8 *)(row + 8); a2 -= *(const v8 *)(row + 16);
+            a3 -= *(const v8 *)(row + 24);
+        }
+        *(v8 *)(o + i) = a0; *(v8 *)(o + i + 8) = a1; *(v8 *)(o + i + 16) = a2; *(v8 *)(o + i + 24) = a3;
+    }
+    for (; i < d; i++) {
+        float a = total[i];
+        for (int64_t j = 0; j < k; j++) a -= mu[tk[j] * d + i];
+        o[i] = a;
     }
 }
 
