@@ -21,8 +21,7 @@ thread sums into its own accumulator and they are added in thread order. More to
 shared among the threads by range, and each thread walks every expert's pairs of its tokens four at a time (eight
 under AVX-512 where the widths are multiples of 24): four tokens × 24 columns of a product stay in registers, so each
 weight is loaded once per four tokens (as a GEMM's micro-kernel does; 1.2-2× the dense FFN's speed at the shares plans
-use, ``bench_prefill_kernels.py``). Either way
-the same inputs give the same bits.
+use, ``bench_prefill_kernels.py``). Either way the same inputs give the same bits.
 
 At a decode step a block whose router is linear (centroid, softmax, ridge) runs whole in ``moe_ffn_decode``
 (``moelab_moe_ffn_decode``): the shared expert's gate and up rows and the router's rows shared among the threads,
