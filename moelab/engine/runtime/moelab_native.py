@@ -309,6 +309,19 @@ static void gate_up_block(const float *W, int64_t d, int64_t m2, const float *co
         }
 }
 
+/* the rows r < m that some of the nq token rows of h (stride m2) has nonzero, in order, into rows; their count. No
+   branch per row: under down_keep a row is kept about as often as not */
+static inline int64_t kept_rows(const float *h, int64_t m2, int64_t m, int nq, int64_t *rows) {
+    int64_t n = 0;
+    for (int64_t r = 0; r < m; r++) {
+        int any = 0;
+        for (int q = 0; q < nq; q++) any |= h[q * m2 + r] != 0.0f;
+        rows[n] = r;
+        n += any;
+    }
+    return n;
+}
+
 /* outs[q] += h_q · Wd (Wd [m, d], rows ld apart; h_q: row q of h, stride m2, its first m entries) for the TB tokens
    outs, or the one outs[0]: TB tokens × 24 outputs in registers. Only the rows some token of the block kept are read (a decode
    step's down_keep halves the bytes it reads); within the block a row one token did not keep is multiplied by its
@@ -317,11 +330,7 @@ static void down_block(const float *h, int64_t m2, int64_t m, const float *Wd, i
                        int one, int64_t *rows) {
     float *o0 = outs[0], *o1 = one ? o0 : outs[1], *o2 = one ? o0 : outs[2], *o3 = one ? o0 : outs[3];
     const float *h0 = h, *h1 = one ? h : h + m2, *h2 = one ? h : h + 2 * m2, *h3 = one ? h : h + 3 * m2;
-    int64_t n = 0;
-    for (int64_t r = 0; r < m; r++) {  /* no branch: under down_keep a row is kept about as often as not */
-        rows[n] = r;
-        n += (h0[r] != 0.0f) | (h1[r] != 0.0f) | (h2[r] != 0.0f) | (h3[r] != 0.0f);
-    }
+    const int64_t n = one ? kept_rows(h, m2, m, 1, rows) : kept_rows(h, m2, m, TB, rows);
     if (one)  /* one token (a decode step): its kept rows, each read once, into L2 before the column blocks walk them */
         for (int64_t j = 0; j < n; j++)
             for (int64_t c = 0; c < d; c += 16) __builtin_prefetch(Wd + rows[j] * ld + c, 0, 2);
@@ -392,13 +401,7 @@ static void expert_block8(const float *W, const float *Wd, int64_t d, int64_t m,
     const int64_t m2 = 2 * m;
     for (int64_t c = 0; c < m2; c += 24) gate_up_24x8(W + c, d, m2, xs, h + c);
     for (int q = 0; q < TBW; q++) kept_products(h + q * m2, mag, m, keep, act, scales[q]);
-    int64_t n = 0;
-    for (int64_t r = 0; r < m; r++) {
-        int any = 0;
-        for (int q = 0; q < TBW; q++) any |= h[q * m2 + r] != 0.0f;
-        rows[n] = r;
-        n += any;
-    }
+    const int64_t n = kept_rows(h, m2, m, TBW, rows);
     for (int64_t i = 0; i < d; i += 24) down_24x8(Wd, d, rows, n, h, m2, outs, i);
 }
 #else
