@@ -83,7 +83,8 @@ def main() -> None:
     native = [r["ms"]["dense_ffn"] / r["ms"]["native"] for r in rows if "native" in r["ms"]]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"tokens": args.tokens, "threads": args.threads, "d_model": D_MODEL, "d_ffn": D_FFN,
-                               "dense_share": K.DENSE_SHARE, "dense_neurons": K.DENSE_NEURONS, "rows": rows}, indent=2) + "\n")
+                                    "dense_share": K.DENSE_SHARE, "dense_neurons": K.DENSE_NEURONS, "rows": rows},
+                                   indent=2) + "\n")
     said = (f"native kernel {min(native):.2f}-{max(native):.2f}x the dense FFN's speed" if native else "no native kernel")
     print(f"bench_prefill_kernels: {said}; torch-only auto picks the faster kernel (or one within 10%) in {agree}/{len(rows)} "
           "cases; " + "; ".join(f"{r['n_experts']}x{r['expert_size']} k/E {r['share']} keep {r['down_keep']}: dense FFN "

@@ -191,6 +191,16 @@ def test_the_newest_table_of_the_models_source_is_found(tmp_path):
     assert find_table(tmp_path, "nope") is None and find_table(tmp_path / "missing", "m") is None
 
 
+def data_without_tables(data_dir, tmp_path):
+    """A data directory with the suite's models and built-in sets and an empty speed-table folder."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for entry in os.listdir(data_dir):
+        if entry != TABLE_DIR:
+            (data / entry).symlink_to(data_dir / entry)
+    return data
+
+
 def test_a_profile_measures_the_table_once_and_a_conversion_records_its_prediction(tiny_model, data_dir, tmp_path):
     from transformers import AutoTokenizer
 
@@ -199,11 +209,7 @@ def test_a_profile_measures_the_table_once_and_a_conversion_records_its_predicti
     from moelab.engine.profiling.profiler import ProfileSettings
     from moelab.engine.runs import run_conversion, run_profile
 
-    data = tmp_path / "data"
-    data.mkdir()
-    for entry in os.listdir(data_dir):  # the suite's models and built-in sets, an empty speed-table folder
-        if entry != TABLE_DIR:
-            (data / entry).symlink_to(data_dir / entry)
+    data = data_without_tables(data_dir, tmp_path)
     model = str(tiny_model("llama"))
     run_profile(model, make_set(n=12, tasks=3, seed=1), tmp_path / "p0", ProfileSettings(max_tokens=32, batch_tokens=128),
                 samples=None, data_dir=data, time_kernels=False)  # MOELAB_TIME_KERNELS=0
@@ -246,11 +252,7 @@ def test_a_guarded_conversion_times_the_kernels_its_profile_did_not(tiny_model, 
     from moelab.engine.profiling.profiler import ProfileSettings
     from moelab.engine.runs import run_conversion, run_profile
 
-    data = tmp_path / "data"
-    data.mkdir()
-    for entry in os.listdir(data_dir):  # the suite's models and built-in sets, an empty speed-table folder
-        if entry != TABLE_DIR:
-            (data / entry).symlink_to(data_dir / entry)
+    data = data_without_tables(data_dir, tmp_path)
     run_profile(str(tiny_model("llama")), "builtin:mixed", tmp_path / "p",
                 ProfileSettings(max_tokens=32, batch_tokens=128), samples=12, data_dir=data,
                 time_kernels=False)  # built-in text: the fit reloads it
