@@ -28,7 +28,10 @@ selected experts' outputs one add at a time, so many small experts pay per exper
 Writes tests/benchmarks/results/bench_llamacpp.json (``--out``) and prints one summary line (decode and
 prefill ratios converted / dense at each cost and type, and the perplexity ratios).
 Bound for this model: the FFN is about 59% of the bytes a decode step reads, so at cost 0.5 decode
-can be at most about 1 / (1 - 0.59 · 0.5) ≈ 1.42× dense.
+can be at most about 1 / (1 - 0.59 · 0.5) ≈ 1.42× dense. A step is more than its bytes, so the benchmark also
+measures the bound in llama.cpp itself (``ffn_bound``, ``--no-bound`` skips it): the dense model with every FFN
+cut to 64 neurons (``ffn_stub``), timed paired against dense at every type, gives the FFN's share of a step
+and the speed-up over dense a conversion of each cost could reach at most.
 """
 
 from __future__ import annotations
@@ -158,6 +161,54 @@ def time_pairs(files: dict[tuple[str, str], Path], threads: int) -> dict[tuple[s
     return {(n, t): _in_subprocess(f, "paired", threads, files[("dense", t)]) for (n, t), f in files.items() if n != "dense"}
 
 
+#: the FFN width of ``ffn_stub``: one f16 dot-product step and two q8_0 blocks per down row
+STUB_FFN = 64
+
+
+def ffn_stub(work: Path, data_dir: Path) -> Path:
+    """The default model with every FFN cut to its first ``STUB_FFN`` neurons, as a Hugging Face directory
+    (cached in ``work``): everything of a llama.cpp step but the FFN's weights, with the same graph nodes (each
+    layer's FFN still runs its gate, up, activation and down). Timed paired against the dense file, it measures
+    the FFN's share of a step in llama.cpp itself, which bounds what any conversion of cost ``c`` can gain there:
+    ``1 / (1 - share · (1 - c))``, for an MoE whose FFN weights cost time in proportion to its multiply-adds and
+    whose graph costs no more than the dense FFN's (``ffn_bound``)."""
+    out = work / f"ffn-stub-{STUB_FFN}"
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moelab.engine.atomic import atomic_directory
+    from moelab.engine.models import cache_default_model
+
+    src = cache_default_model(data_dir)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            mlp = layer.mlp
+            for name in ("gate_proj", "up_proj"):
+                getattr(mlp, name).weight = torch.nn.Parameter(getattr(mlp, name).weight[:STUB_FFN].clone())
+            mlp.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight[:, :STUB_FFN].clone())
+    model.config.intermediate_size = STUB_FFN
+    with atomic_directory(out) as tmp:
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(src).save_pretrained(tmp)
+    return out
+
+
+def ffn_bound(paired_stub: dict[str, float], d_ffn: int, costs: list[float]) -> dict[str, Any]:
+    """From ``measure_pair(dense, stub)``: per phase, the FFN's share of a dense llama.cpp step (the stub's saving
+    scaled to the whole width: the stub keeps ``STUB_FFN`` of ``d_ffn`` neurons) and the speed-up over dense a
+    conversion of each cost could reach at most (``ffn_stub``)."""
+    out: dict[str, Any] = {"stub_ffn": STUB_FFN, "d_ffn": d_ffn}
+    for phase in ("decode", "prefill"):
+        ratio = paired_stub[f"paired_{phase}_vs_dense"]  # dense seconds / stub seconds
+        share = (1 - 1 / ratio) / (1 - STUB_FFN / d_ffn)
+        out[f"{phase}_ffn_share"] = share
+        out[f"{phase}_bound"] = {str(c): 1 / (1 - share * (1 - c)) for c in costs}
+    return out
+
+
 def _profile(work: Path, given: Path | None, data_dir: Path) -> Path:
     from moelab.engine.profiling.profiler import ProfileSettings
     from moelab.engine.runs import run_profile
@@ -209,6 +260,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--eval-windows", type=int, default=16, help="held-out windows of the recovery's own perplexities")
     ap.add_argument("--out", type=Path, default=RESULT, help="the JSON result (a probe need not replace the recorded one)")
+    ap.add_argument("--no-bound", action="store_true",
+                    help="skip the FFN-stub model that measures the FFN's share of a llama.cpp step (ffn_stub)")
     args = ap.parse_args()
 
     from moelab.settings import get_settings
@@ -241,6 +294,14 @@ def main() -> None:
     windows_file = work / "heldout_windows.json"
     windows_file.write_text(json.dumps(heldout_windows(tok, data_dir, seq_len=SEQ, n_windows=args.windows).tolist()))
 
+    bounds: dict[str, Any] = {}
+    if not args.no_bound:  # the FFN's share of a llama.cpp step, from the same converter at every type
+        stub = ffn_stub(work, data_dir)
+        d_ffn = json.loads((cache_default_model(data_dir) / "config.json").read_text())["intermediate_size"]
+        for t in args.types:
+            out = work / "gguf" / f"ffn-stub-{t}"
+            found = sorted(out.glob("*.gguf")) or [Path(export_gguf(str(stub), out, t, data_dir)["file"])]
+            bounds[t] = ffn_bound(_in_subprocess(found[0], "paired", args.threads, files[("dense", t)]), d_ffn, args.costs)
     timed = time_files(files, args.threads, args.repeat)
     rows: dict[str, dict[str, Any]] = {f"{n}/{t}": {"bytes": f.stat().st_size, **timed[(n, t)]} for (n, t), f in files.items()}
     for (n, t), paired in time_pairs(files, args.threads).items():
@@ -255,12 +316,15 @@ def main() -> None:
         r["bytes_vs_dense"] = r["bytes"] / d["bytes"]
     result = {"threads": args.threads, "prefill_tokens": PREFILL, "decode_tokens": DECODE,
               "heldout": {"source": "builtin:mixed", "windows": args.windows, "seq_len": SEQ},
-              "conversions": info, "rows": rows, "seconds": time.perf_counter() - t0}
+              "conversions": info, "rows": rows, "ffn_bound": bounds, "seconds": time.perf_counter() - t0}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     parts = [f"{n}/{t}: decode {r['decode_vs_dense']:.2f}x (paired {r['paired_decode_vs_dense']:.2f}x) prefill "
              f"{r['prefill_vs_dense']:.2f}x (paired {r['paired_prefill_vs_dense']:.2f}x) ppl {r['perplexity_vs_dense']:.2f}x"
              for n in models if n != "dense" for t in args.types for r in [rows[f"{n}/{t}"]]]
+    parts += [f"bound {t}: FFN {b['decode_ffn_share']:.0%} of a decode step, at most "
+              + "/".join(f"{v:.2f}x" for v in b["decode_bound"].values()) + " at cost " + "/".join(b["decode_bound"])
+              for t, b in bounds.items()]
     print("bench_llamacpp: " + "; ".join(parts))
 
 
