@@ -376,10 +376,11 @@ def _speed_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def fit_inputs_for(adapter: Any, profile: Any, data_dir: Path) -> Any:
     """``fit_for(n_tokens)``: the calibration inputs of ``n_tokens`` fit tokens of ``profile``, collected once
-    per count (the same a conversion collects)."""
+    per count (the same a conversion collects, the dense hidden activations with them: each variant is fitted
+    as ``moelab convert`` fits it, bit for bit)."""
     @functools.cache
     def fit_for(n_tokens: int) -> Any:
-        return collect_inputs(adapter, profile_token_windows(adapter, profile, n_tokens, data_dir))
+        return collect_inputs(adapter, profile_token_windows(adapter, profile, n_tokens, data_dir), keep_hidden=True)
 
     return fit_for
 

@@ -12,15 +12,17 @@ from click.testing import CliRunner
 
 from moelab.cli import main
 from moelab.engine.core.allocation import plan_flops_fraction
-from moelab.engine.core.fitting import (_curve_weights, budget_costs, collect_inputs, error_curve, fit_router, greedy_budget, output_fisher,
-                                         rank_sums, routed_hidden, skipped_means, skipped_means_at)
+from moelab.engine.core.fitting import (_curve_weights, budget_costs, collect_inputs, error_curve, fit_router, greedy_budget,
+                                         layerwise_inputs, output_fisher, profile_token_windows, rank_sums, routed_hidden,
+                                         skipped_means, skipped_means_at)
+from moelab.engine.layer_calls import layer_list_name
 from moelab.engine.runtime.moelab_routers import ROUTERS
 from moelab.engine.core.params import ConversionError
 from moelab.engine.core.slicing import moe_from_dense, partition_modules
 from moelab.engine.methods import cmoe, expertweaver, get_method
 from moelab.engine.methods.cmoe import CMoEParams
 from moelab.engine.methods.expertweaver import ExpertWeaverParams
-from moelab.engine.models import load_model
+from moelab.engine.models import dense_weights, load_model
 from moelab.engine.runs import run_profile
 from moelab.engine.profiling.profiler import ProfileSettings
 from moelab.engine.runtime.export import load_exported
@@ -410,6 +412,55 @@ def test_collect_inputs_with_replaced_mlps_reads_what_the_converted_layers_produ
     assert torch.equal(from_model.mlp_inputs[first + 1], converted.mlp_inputs[first + 1])
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "phi3"])
+def test_the_layer_by_layer_pass_reads_the_same_numbers_as_the_whole_forward(tiny_model, data_dir, family):
+    """``layerwise_inputs`` runs each decoder layer over every batch with the arguments the model's own forward gave
+    it (Gemma 3: alternating sliding and full attention; Phi-3: a fused gate and up projection): every layer's MLP
+    inputs, residual norms and hidden activations are the whole forward's, bit for bit, and the hidden activations
+    are the MLP's own act(g·x)·(u·x)."""
+    adapter = load_model(str(tiny_model(family)), data_dir=data_dir)
+    torch.manual_seed(0)
+    windows = torch.randint(0, 1000, (6, 64))
+    whole = collect_inputs(adapter, windows, batch=4, keep_hidden=True)
+    seen = []
+    for inputs in layerwise_inputs(adapter, windows, batch=4):
+        i = inputs.index
+        seen.append(i)
+        assert torch.equal(inputs.x, whole.mlp_inputs[i]) and torch.equal(inputs.residual_sq, whole.residual_sq[i])
+        assert torch.equal(inputs.hidden, whole.hidden[i])
+        gate_w, up_w, _ = (w.float() for w in dense_weights(adapter, i))
+        torch.testing.assert_close(inputs.hidden, routed_hidden(inputs.x, gate_w, up_w, np.arange(gate_w.shape[0])[None],
+                                                                adapter.activation), rtol=1e-4, atol=1e-5)
+    assert seen == list(range(adapter.n_layers))
+    assert all(lay.block.mlp is lay.mlp for lay in adapter.layers)  # the model is as it was
+    assert type(adapter.decoder().get_submodule(layer_list_name(adapter))[0]) is type(adapter.layers[0].block)
+
+
+def test_a_fit_on_kept_inputs_is_the_fit_the_cli_makes(fitted, data_dir):
+    """A benchmark fits many conversions on one ``collect_inputs(..., keep_hidden=True)``; the CLI's fit runs its
+    own layer-by-layer pass and takes each layer's hidden activations from it: the same routers, plan and means,
+    bit for bit. Without the kept activations they are computed again, the same to float rounding."""
+    _, adapter, prof, _ = fitted
+    params = ExpertWeaverParams(n_experts=8, sparsity=0.5, router="ridge", alpha_basis="active", plan="budget",
+                                compensation="skipped_mean", fit_tokens=256)
+    rows = expertweaver.plan_for(prof, params)
+    build = expertweaver.layer_builder(prof, params)
+    windows = profile_token_windows(adapter, prof, params.fit_tokens, data_dir)
+
+    def fit(calib):
+        _, experts, _, record = partition_modules(adapter, prof, params, rows, build, data_dir=data_dir, calib=calib)
+        return [(e.top_k, {k: np.asarray(v) for k, v in e.router_weights.items()}) for e in experts], record
+
+    own, own_record = fit(None)
+    kept, kept_record = fit(collect_inputs(adapter, windows, keep_hidden=True))
+    again, _ = fit(collect_inputs(adapter, windows))
+    assert own_record == kept_record and own_record["fit_tokens"] == windows.numel()
+    for (k0, w0), (k1, w1), (k2, w2) in zip(own, kept, again):
+        assert k0 == k1 and w0.keys() == w1.keys() == w2.keys()
+        assert all(np.array_equal(w0[name], w1[name]) for name in w0)
+        assert all(np.allclose(w0[name], w2[name], rtol=1e-3, atol=1e-5) for name in w0)
+
+
 def test_refit_on_the_converted_inputs_changes_only_the_fits_and_keeps_the_plan(fitted, data_dir):
     _, adapter, prof, calib = fitted
     base = ExpertWeaverParams(n_experts=8, sparsity=0.5, router="ridge", alpha_basis="active", plan="budget",
@@ -489,11 +540,11 @@ def test_a_plan_error_without_a_plan_that_uses_it_is_refused(tmp_path):
 
 def test_the_output_plan_weighs_each_token_by_the_dense_mlps_own_output(fitted):
     _, adapter, _, calib = fitted
-    tokens, weights = _curve_weights(adapter, calib, "output")
+    tokens, weights = _curve_weights(adapter, calib.n_tokens, calib.windows, "output")
     for layer in (0, adapter.n_layers - 1):
         with torch.no_grad():
             y = adapter.layers[layer].mlp(calib.mlp_inputs[layer][tokens])  # the model's own module
-        assert torch.allclose(weights(layer), 1 / y.pow(2).sum(-1), rtol=1e-4)
+        assert torch.allclose(weights(calib.layer(layer)), 1 / y.pow(2).sum(-1), rtol=1e-4)
 
 
 def test_the_residual_plan_weighs_a_normed_mlp_output_as_it_reaches_the_stream(tiny_model, data_dir):
@@ -508,10 +559,10 @@ def test_the_residual_plan_weighs_a_normed_mlp_output_as_it_reaches_the_stream(t
             lay.post_norm.weight.copy_(torch.randn(D_MODEL))
             lay.down_proj.weight.mul_(100.0)  # MLP outputs far above the norm's ε, as in real models
     calib = collect_inputs(adapter, torch.randint(0, 1000, (4, 64)))
-    tokens, weights = _curve_weights(adapter, calib, "residual")
+    tokens, weights = _curve_weights(adapter, calib.n_tokens, calib.windows, "residual")
     layer = 1
     lay = adapter.layers[layer]
-    w = weights(layer)
+    w = weights(calib.layer(layer))
     assert w.shape == (len(tokens), D_MODEL)
     with torch.no_grad():
         y = lay.mlp(calib.mlp_inputs[layer][tokens])
@@ -520,8 +571,8 @@ def test_the_residual_plan_weighs_a_normed_mlp_output_as_it_reaches_the_stream(t
         reached = (lay.post_norm(y + e) - lay.post_norm(y)).pow(2).sum(-1) / calib.residual_sq[layer][tokens]
         torch.testing.assert_close((w * e.pow(2)).sum(-1), reached, rtol=2e-2, atol=0)
         lay.down_proj.weight.mul_(50.0)
-    torch.testing.assert_close(weights(layer), w / 50.0 ** 2, rtol=1e-4, atol=0)
+    torch.testing.assert_close(weights(calib.layer(layer)), w / 50.0 ** 2, rtol=1e-4, atol=0)
     llama = load_model(str(tiny_model("llama")), data_dir=data_dir)
     llama_calib = collect_inputs(llama, torch.randint(0, 1000, (2, 64)))
-    toks, plain = _curve_weights(llama, llama_calib, "residual")
-    assert torch.equal(plain(0), 1 / llama_calib.residual_sq[0][toks].clamp_min(1e-12))  # no norm: per token, as before
+    toks, plain = _curve_weights(llama, llama_calib.n_tokens, llama_calib.windows, "residual")
+    assert torch.equal(plain(llama_calib.layer(0)), 1 / llama_calib.residual_sq[0][toks].clamp_min(1e-12))  # no norm: per token, as before

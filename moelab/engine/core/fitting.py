@@ -64,7 +64,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -75,18 +75,34 @@ from ..progress import NO_PROGRESS, Progress
 from .params import ConversionError
 
 CURVE_TOKENS = 1024  # calibration tokens the budget plan's error curves are measured on
+FIT_STAGE = "fit: calibration forward, routers and error curves"  # layer by layer (``layerwise_inputs``)
 FIT_SEQ_LEN = 256
 
 
 @dataclass
 class CalibrationInputs:
     """Per layer: MLP inputs ``x`` ``[T, d]`` (float32) and the squared norm of each token's residual
-    stream entering the block ``[T]``."""
+    stream entering the block ``[T]``; with ``keep_hidden``, the dense MLP's hidden activations too."""
 
     mlp_inputs: dict[int, torch.Tensor]
     residual_sq: dict[int, torch.Tensor]
     n_tokens: int
     windows: torch.Tensor | None = None  # the ``[n, FIT_SEQ_LEN]`` token ids the inputs were read on
+    hidden: dict[int, torch.Tensor] | None = None  # ``[T, d_ffn]``: act(g·x)·(u·x), the down projection's input
+
+    def layer(self, i: int) -> LayerInputs:
+        return LayerInputs(i, self.mlp_inputs[i], self.residual_sq[i], None if self.hidden is None else self.hidden[i])
+
+
+@dataclass
+class LayerInputs:
+    """One layer's share of ``CalibrationInputs``: its MLP inputs ``x`` ``[T, d]``, residual norms ``[T]`` and,
+    where they were kept, the dense MLP's hidden activations ``[T, d_ffn]`` as its own forward computed them."""
+
+    index: int
+    x: torch.Tensor
+    residual_sq: torch.Tensor
+    hidden: torch.Tensor | None = None
 
 
 def profile_token_windows(adapter: ModelAdapter, profile: Any, n_tokens: int, data_dir: Any) -> torch.Tensor:
@@ -124,29 +140,46 @@ def text_token_windows(adapter: ModelAdapter, texts: list[str], n_tokens: int, w
     return torch.from_numpy(stream[: n * FIT_SEQ_LEN].reshape(n, FIT_SEQ_LEN))
 
 
+def _input_hooks(lay: Any, mlp: torch.nn.Module, xs: list[torch.Tensor], res: list[torch.Tensor],
+                 hid: list[torch.Tensor] | None) -> list[Any]:
+    """Hooks on decoder layer ``lay`` (its MLP ``mlp``) that append each call's MLP input ``[t, d]``, the squared norm
+    of the residual stream entering the block ``[t]`` and, into ``hid`` where given, the dense MLP's hidden
+    activations ``[t, d_ffn]`` (its down projection's input), all float32 on the CPU."""
+    def mlp_hook(_m, args):
+        xs.append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())
+
+    def block_hook(_m, args, kwargs):
+        h = args[0] if args else kwargs["hidden_states"]
+        res.append(h.float().pow(2).sum(-1).reshape(-1).cpu())
+
+    def down_hook(_m, args):
+        hid.append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())
+
+    handles = [mlp.register_forward_pre_hook(mlp_hook), lay.block.register_forward_pre_hook(block_hook, with_kwargs=True)]
+    if hid is not None:
+        handles.append(lay.down_proj.register_forward_pre_hook(down_hook))
+    return handles
+
+
 @torch.no_grad()
 def collect_inputs(adapter: ModelAdapter, windows: torch.Tensor, progress: Progress = NO_PROGRESS,
-                   batch: int = 4, replaced: dict[int, torch.nn.Module] | None = None) -> CalibrationInputs:
+                   batch: int = 4, replaced: dict[int, torch.nn.Module] | None = None,
+                   keep_hidden: bool = False) -> CalibrationInputs:
     """One forward pass over ``windows``, keeping every layer's MLP input and residual norm: of the dense
     model, or with the layers' MLPs in ``replaced`` run instead (each later layer then sees the inputs the
-    converted layers before it produce)."""
+    converted layers before it produce). ``keep_hidden``: every dense layer's hidden activations too (``T·d_ffn``
+    floats a layer: for a benchmark that fits many conversions on one pass; ``layerwise_inputs`` holds one layer's)."""
     replaced = replaced or {}
     xs: dict[int, list[torch.Tensor]] = {lay.index: [] for lay in adapter.layers}
     res: dict[int, list[torch.Tensor]] = {lay.index: [] for lay in adapter.layers}
+    hid: dict[int, list[torch.Tensor]] = {lay.index: [] for lay in adapter.layers if lay.index not in replaced}
     handles, originals = [], {}
     for lay in adapter.layers:
-        def mlp_hook(_m, args, i=lay.index):
-            xs[i].append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())
-
-        def block_hook(_m, args, kwargs, i=lay.index):
-            h = args[0] if args else kwargs["hidden_states"]
-            res[i].append(h.float().pow(2).sum(-1).reshape(-1).cpu())
-
         if lay.index in replaced:
             originals[lay.index] = lay.block.mlp
             lay.block.mlp = replaced[lay.index]
-        handles.append(replaced.get(lay.index, lay.mlp).register_forward_pre_hook(mlp_hook))
-        handles.append(lay.block.register_forward_pre_hook(block_hook, with_kwargs=True))
+        handles += _input_hooks(lay, replaced.get(lay.index, lay.mlp), xs[lay.index], res[lay.index],
+                                hid.get(lay.index) if keep_hidden else None)
     try:
         chunks = windows.split(batch)
         for b, ids in enumerate(chunks):
@@ -159,7 +192,36 @@ def collect_inputs(adapter: ModelAdapter, windows: torch.Tensor, progress: Progr
             adapter.layers[i].block.mlp = mlp
     n = int(windows.numel())
     return CalibrationInputs({i: torch.cat(v) for i, v in xs.items()}, {i: torch.cat(v) for i, v in res.items()}, n,
-                             windows)
+                             windows, {i: torch.cat(v) for i, v in hid.items()} if keep_hidden else None)
+
+
+@torch.no_grad()
+def layerwise_inputs(adapter: ModelAdapter, windows: torch.Tensor, progress: Progress = NO_PROGRESS,
+                     batch: int = 4) -> Iterator[LayerInputs]:
+    """What ``collect_inputs(..., keep_hidden=True)`` keeps of each layer, the same numbers (the same batches
+    through the same layers), one layer at a time in order: the model's forward runs once per batch to catch
+    each decoder layer's call (``layer_calls``), then each layer runs over every batch before the next
+    (a GPTQ-style sequential pass). A layer's fit can then take its hidden activations from its own dense
+    forward instead of computing them again, while only one layer's activations are held."""
+    from ..layer_calls import catch_calls, layer_list_name, run_layer
+
+    decoder, name, n_layers = adapter.decoder(), layer_list_name(adapter), adapter.n_layers
+    chunks = windows.split(batch)
+    calls = [catch_calls(decoder, name, n_layers, input_ids=ids.to(adapter.device)) for ids in chunks]
+    states = [c.pop("input") for c in calls]
+    for n, lay in enumerate(adapter.layers):
+        xs: list[torch.Tensor] = []
+        res: list[torch.Tensor] = []
+        hid: list[torch.Tensor] = []
+        handles = _input_hooks(lay, lay.mlp, xs, res, hid)
+        try:
+            for b in range(len(chunks)):
+                states[b] = run_layer(lay.block, states[b], calls[b][lay.index])
+        finally:
+            for h in handles:
+                h.remove()
+        progress.update("fit: calibration forward", n + 1, n_layers)
+        yield LayerInputs(lay.index, torch.cat(xs), torch.cat(res), torch.cat(hid))
 
 
 def output_fisher(adapter: ModelAdapter, windows: torch.Tensor, batch: int = 4) -> dict[int, torch.Tensor]:
@@ -424,6 +486,9 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
     """The ridge router (``params.router == "ridge"``), the budget or leading plan (``params.plan``)
     and the skipped-expert compensation (``params.compensation == "skipped_mean"``, fitted last: it
     depends on the final top-k) of a partitioned model; returns the updated ``(rows, experts, record)``.
+    Each layer is fitted as the calibration pass reaches it (``layerwise_inputs``): its routed experts' activations
+    are the columns of its dense forward's own, and only one layer's activations are held; ``calib``, inputs a
+    benchmark collected once for many conversions (with ``keep_hidden``: the same fit, bit for bit).
 
     Budget: ``ffn_flops_fraction ≤ params.flops_budget()`` where the method defines it (EW:
     ``1 − sparsity``), else the paper plan's own cost (CMoE: the uniform S·A·E plan's); shared parts
@@ -432,8 +497,12 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
 
     from ..core.allocation import layer_cost
 
-    if calib is None:  # ``calib``: the same inputs, already collected (a benchmark converting many times)
-        calib = collect_inputs(adapter, profile_token_windows(adapter, profile, params.fit_tokens, data_dir), progress)
+    if calib is None:  # one layer's activations at a time, its hidden activations from its own dense forward
+        windows = profile_token_windows(adapter, profile, params.fit_tokens, data_dir)
+        layer_inputs, n_tokens = layerwise_inputs(adapter, windows), int(windows.numel())
+    else:  # the same inputs, already collected (a benchmark converting many times)
+        windows, n_tokens = calib.windows, calib.n_tokens
+        layer_inputs = (calib.layer(lay.index) for lay in adapter.layers)
     plan = getattr(params, "plan", "paper")
     budget_plan = plan in ("budget", "leading")  # both choose top-k from the same error curves
     compensate = getattr(params, "compensation", "none") == "skipped_mean"
@@ -447,10 +516,11 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
     skip_sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for n, (row, ex) in enumerate(zip(rows, experts)):
         gate_w, up_w, down_w = weights_of(row.layer)
-        x = calib.mlp_inputs[row.layer]
+        inputs = next(i for i in layer_inputs if i.index == row.layer)  # rows go in layer order
+        x = inputs.x
         if len(ex.routed):
-            # the routed experts' activations on every token, computed once for the router fit and the compensation
-            hidden = (routed_hidden(x, gate_w, up_w, ex.routed, adapter.activation)
+            # the routed experts' activations on every token, once for the router fit and the compensation
+            hidden = (_routed_hidden_of(inputs, adapter, gate_w, up_w, ex.routed)
                       if compensate or router_kind(ex.router).fitted else None)
             if fitted := fit_router(x, ex.router, gate_w, up_w, ex.routed, adapter.activation, hidden):
                 ex.router_weights = fitted
@@ -465,15 +535,17 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
             unit.append(c)
             if len(ex.routed):
                 if curve_tokens is None:
-                    curve_tokens, token_weights = _curve_weights(adapter, calib, getattr(params, "plan_error", "residual"))
-                weights = token_weights(row.layer)
+                    curve_tokens, token_weights = _curve_weights(adapter, n_tokens, windows,
+                                                                 getattr(params, "plan_error", "residual"))
+                weights = token_weights(inputs)
                 err = error_curve(x[curve_tokens], gate_w, up_w, down_w, ex.routed, scores[row.layer][curve_tokens],
                                   adapter.activation, weights=weights)
                 curves.append(err / len(weights))
             else:
                 curves.append(np.zeros(1))
-        progress.update("fit: routers and error curves", n + 1, len(rows))
-    record: dict[str, Any] = {"fit_tokens": calib.n_tokens, "fit_source": profile.manifest["calibration"]["source"]}
+        del inputs, x
+        progress.update(FIT_STAGE, n + 1, len(rows))
+    record: dict[str, Any] = {"fit_tokens": n_tokens, "fit_source": profile.manifest["calibration"]["source"]}
     if plan == "leading":
         rows = _leading_rows(params, rows, experts, curves, d, record)
     elif budget_plan:
@@ -489,9 +561,22 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
     return rows, experts, record
 
 
-def _curve_weights(adapter: ModelAdapter, calib: CalibrationInputs, plan_error: str) -> tuple[torch.Tensor, Any]:
+def _routed_hidden_of(inputs: LayerInputs, adapter: ModelAdapter, gate_w: torch.Tensor, up_w: torch.Tensor,
+                      routed: np.ndarray) -> torch.Tensor:
+    """``routed_hidden`` of the layer, its columns taken from the dense forward's own hidden activations where
+    they were kept and are the same function (no gate or up bias: ``routed_hidden`` leaves biases out), which saves
+    a product over every calibration token and routed neuron a layer (11 s of a 64 s default-model build)."""
+    lay = adapter.layers[inputs.index]
+    if inputs.hidden is None or lay.gate_bias() is not None or lay.up_bias() is not None:
+        return routed_hidden(inputs.x, gate_w, up_w, routed, adapter.activation)
+    return inputs.hidden[:, torch.as_tensor(routed.reshape(-1), dtype=torch.long)]
+
+
+def _curve_weights(adapter: ModelAdapter, n_tokens: int, windows: torch.Tensor | None,
+                   plan_error: str) -> tuple[torch.Tensor, Any]:
     """The calibration tokens the plan's error curves are measured on (``CURVE_TOKENS``, an even
-    subsample: the curve is a mean, its cost is T·E·d) and, per layer, their weights (module docstring):
+    subsample of ``n_tokens``: the curve is a mean, its cost is T·E·d) and, as a function of a layer's
+    ``LayerInputs``, their weights (module docstring):
     ``residual``, each token's error over its residual stream's squared norm ``[T]`` (``[T, d]`` where a
     norm rescales the MLP output before it joins the stream: as it reaches the stream); ``output``, over
     the squared norm of the dense FFN's own output on it ``[T]`` (every layer's relative error counts
@@ -499,33 +584,33 @@ def _curve_weights(adapter: ModelAdapter, calib: CalibrationInputs, plan_error: 
     output dimension's by the empirical Fisher of the calibration loss ``[T, d]`` (``output_fisher``,
     read on ``4 · CURVE_TOKENS`` tokens of windows spread over the calibration set, every fourth kept)."""
     if plan_error in ("residual", "output"):
-        every = max(1, calib.n_tokens // CURVE_TOKENS)
-        tokens = torch.arange(0, calib.n_tokens, every)
+        every = max(1, n_tokens // CURVE_TOKENS)
+        tokens = torch.arange(0, n_tokens, every)
 
-        def dense_output(layer: int) -> torch.Tensor:
-            gate_w, up_w, down_w = (w.detach().float().cpu() for w in dense_weights(adapter, layer))
-            return _hidden(calib.mlp_inputs[layer][tokens], gate_w, up_w, adapter.activation) @ down_w.T
+        def dense_output(inputs: LayerInputs) -> torch.Tensor:
+            gate_w, up_w, down_w = (w.detach().float().cpu() for w in dense_weights(adapter, inputs.index))
+            return _hidden(inputs.x[tokens], gate_w, up_w, adapter.activation) @ down_w.T
 
-        def over_residual(layer: int) -> torch.Tensor:
-            w = 1 / calib.residual_sq[layer][tokens].clamp_min(1e-12)
-            lay = adapter.layers[layer]
+        def over_residual(inputs: LayerInputs) -> torch.Tensor:
+            w = 1 / inputs.residual_sq[tokens].clamp_min(1e-12)
+            lay = adapter.layers[inputs.index]
             if lay.post_norm is None:
                 return w
             # A norm on the MLP output (Gemma 2/3, OLMo 2) adds g ⊙ y / rms(y) to the stream: to first
             # order, an error e of y adds g ⊙ e / rms(y) (less its part along y), whatever y's own scale.
-            return lay.output_gain(dense_output(layer)).pow(2) * w[:, None]
+            return lay.output_gain(dense_output(inputs)).pow(2) * w[:, None]
 
         if plan_error == "residual":
             return tokens, over_residual
-        return tokens, lambda layer: 1 / dense_output(layer).pow(2).sum(-1).clamp_min(1e-12)
-    if calib.windows is None:
+        return tokens, lambda inputs: 1 / dense_output(inputs).pow(2).sum(-1).clamp_min(1e-12)
+    if windows is None:
         raise ConversionError("plan_error 'fisher' needs the calibration windows the inputs were read on")
-    n_win, seq = calib.windows.shape
+    n_win, seq = windows.shape
     pick = torch.linspace(0, n_win - 1, min(n_win, max(1, 4 * CURVE_TOKENS // seq))).round().long().unique()
     every = max(1, len(pick) * seq // CURVE_TOKENS)
     tokens = (pick[:, None] * seq + torch.arange(seq)).reshape(-1)[::every]
-    fisher = output_fisher(adapter, calib.windows[pick])
-    return tokens, lambda layer: fisher[layer][::every]
+    fisher = output_fisher(adapter, windows[pick])
+    return tokens, lambda inputs: fisher[inputs.index][::every]
 
 
 def refit_on_converted(adapter: ModelAdapter, params: Any, experts: list[Any], modules: dict[int, torch.nn.Module],

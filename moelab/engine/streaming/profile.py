@@ -41,6 +41,7 @@ from torch import nn
 
 from ..atomic import temporary_sibling
 from ..data.calibration import CalibrationSet
+from ..layer_calls import catch_calls, layer_list_name, run_layer
 from ..profiling.profiler import (
     LayerStats,
     ProfileResult,
@@ -152,27 +153,6 @@ class _Units:
         return torch.from_numpy(np.stack(rows).reshape(n_layers, t1 - t0, d))
 
 
-class _LayerCatcher(nn.Module):
-    """Stands in for decoder layer ``index``: records the arguments the model's forward gives it."""
-
-    class Done(Exception):
-        pass
-
-    def __init__(self, index: int, last: bool, calls: dict[int, Any], original: nn.Module) -> None:
-        super().__init__()
-        self.index, self.last, self.calls = index, last, calls
-        if hasattr(original, "attention_type"):  # read by some decoders' loops
-            self.attention_type = original.attention_type
-
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.index == 0:
-            self.calls["input"] = hidden_states
-        self.calls[self.index] = (args, kwargs)
-        if self.last:
-            raise self.Done  # the final norm and head are not needed (and not loaded)
-        return hidden_states
-
-
 # --------------------------------------------------------------------------- the streamed pass
 
 
@@ -207,8 +187,8 @@ def profile_streamed(
     decoder = adapter.decoder()
     prefix = next(name for name, m in model.named_modules() if m is decoder)
     prefix = f"{prefix}." if prefix else ""
-    layer_prefix = f"{prefix}{next(n for n, m in decoder.named_modules() if m is adapter.layers[0].block).rsplit('.', 1)[0]}."
-    layers_name = layer_prefix[len(prefix):].rstrip(".")
+    layers_name = layer_list_name(adapter)
+    layer_prefix = f"{prefix}{layers_name}."
 
     # Where the carried tensors live: budget after the largest step, hidden states first
     # (they are read every layer), then the unit vectors, then the finished XᵀX matrices.
@@ -279,7 +259,7 @@ def profile_streamed(
 def _embed(plan: StreamPlan, p: _PassInputs, ckpt: Checkpoint, decoder: nn.Module, prefix: str, layers_name: str,
            h_in: _Carry, progress: Progress) -> tuple[list[dict[int, Any]], list[np.ndarray]]:
     """Step 2 of ``profile_streamed``: the decoder (weights under ``prefix``) without its layers runs
-    every batch, a ``_LayerCatcher`` in each layer's place; the first layer's input goes to ``h_in``.
+    every batch, a ``LayerCatcher`` in each layer's place; the first layer's input goes to ``h_in``.
     Returns every batch's per-layer call arguments and its feature rows."""
     model, device = plan.adapter.model, plan.device
     n_layers = plan.adapter.n_layers
@@ -287,25 +267,17 @@ def _embed(plan: StreamPlan, p: _PassInputs, ckpt: Checkpoint, decoder: nn.Modul
     load_module(model, prefix, decoder, ckpt, device, plan.dtype, skip=(f"{layers_name}.",))
     calls_per_batch: list[dict[int, Any]] = []
     feature_rows: list[np.ndarray] = []
-    originals = decoder.get_submodule(layers_name)
     try:
         with torch.inference_mode():
             for b, rows in enumerate(p.batches):
-                calls: dict[int, Any] = {}
-                catchers = nn.ModuleList(
-                    _LayerCatcher(i, i == n_layers - 1, calls, originals[i]) for i in range(n_layers))
-                decoder.set_submodule(layers_name, catchers)
                 input_ids, mask, keep = _batch_tensors(p, rows)
-                try:
-                    decoder(input_ids=input_ids.to(device), attention_mask=mask.long().to(device), use_cache=False)
-                except _LayerCatcher.Done:
-                    pass
+                calls = catch_calls(decoder, layers_name, n_layers, input_ids=input_ids.to(device),
+                                    attention_mask=mask.long().to(device))
                 h_in.put(b, calls.pop("input"))
                 calls_per_batch.append(calls)
                 feature_rows.append(_feature_rows(rows, keep))
                 progress.update("embed", b + 1, len(p.batches))
     finally:
-        decoder.set_submodule(layers_name, originals)
         unload_module(decoder, skip=(f"{layers_name}.",))
     return calls_per_batch, feature_rows
 
@@ -331,9 +303,7 @@ def _run_layer(i: int, lay: Any, plan: StreamPlan, p: _PassInputs, s: ProfileSet
                 out_buf = {i: torch.empty(n_real, d_model, device=device)}
                 mlp_buf = {i: torch.empty(n_real, d_model, device=device)}
                 state.update(_batch_state(p, rows, mask, keep, device), out_buf=out_buf, mlp_buf=mlp_buf)
-                args, kwargs = calls_per_batch[b][i]
-                out = lay.block(h_in.get(b).to(device), *args, **kwargs)
-                h_out.put(b, out[0] if isinstance(out, tuple) else out)
+                h_out.put(b, run_layer(lay.block, h_in.get(b).to(device), calls_per_batch[b][i]))
                 units_out.put(i, int(token_start[b]), out_buf[i].cpu())
                 units_mlp.put(i, int(token_start[b]), mlp_buf[i].cpu())
     finally:
