@@ -221,7 +221,10 @@ def layerwise_inputs(adapter: ModelAdapter, windows: torch.Tensor, progress: Pro
             for h in handles:
                 h.remove()
         progress.update("fit: calibration forward", n + 1, n_layers)
-        yield LayerInputs(lay.index, torch.cat(xs), torch.cat(res), torch.cat(hid))
+        out = LayerInputs(lay.index, torch.cat(xs), torch.cat(res), torch.cat(hid))
+        del xs, res, hid  # the batches' pieces, freed before the caller fits the layer
+        yield out
+        del out  # not held through the next layer's pass
 
 
 def output_fisher(adapter: ModelAdapter, windows: torch.Tensor, batch: int = 4) -> dict[int, torch.Tensor]:
