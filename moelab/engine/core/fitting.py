@@ -196,20 +196,20 @@ def collect_inputs(adapter: ModelAdapter, windows: torch.Tensor, progress: Progr
 
 
 @torch.no_grad()
-def layerwise_inputs(adapter: ModelAdapter, windows: torch.Tensor, progress: Progress = NO_PROGRESS,
-                     batch: int = 4) -> Iterator[LayerInputs]:
+def layerwise_inputs(adapter: ModelAdapter, windows: torch.Tensor, batch: int = 4) -> Iterator[LayerInputs]:
     """What ``collect_inputs(..., keep_hidden=True)`` keeps of each layer, the same numbers (the same batches
     through the same layers), one layer at a time in order: the model's forward runs once per batch to catch
     each decoder layer's call (``layer_calls``), then each layer runs over every batch before the next
     (a GPTQ-style sequential pass). A layer's fit can then take its hidden activations from its own dense
-    forward instead of computing them again, while only one layer's activations are held."""
+    forward instead of computing them again, while only one layer's activations are held. Progress is the
+    caller's to report: it fits each layer between two of them (``fit_layers``: ``FIT_STAGE``)."""
     from ..layer_calls import catch_calls, layer_list_name, run_layer
 
     decoder, name, n_layers = adapter.decoder(), layer_list_name(adapter), adapter.n_layers
     chunks = windows.split(batch)
     calls = [catch_calls(decoder, name, n_layers, input_ids=ids.to(adapter.device)) for ids in chunks]
     states = [c.pop("input") for c in calls]
-    for n, lay in enumerate(adapter.layers):
+    for lay in adapter.layers:
         xs: list[torch.Tensor] = []
         res: list[torch.Tensor] = []
         hid: list[torch.Tensor] = []
@@ -220,7 +220,6 @@ def layerwise_inputs(adapter: ModelAdapter, windows: torch.Tensor, progress: Pro
         finally:
             for h in handles:
                 h.remove()
-        progress.update("fit: calibration forward", n + 1, n_layers)
         out = LayerInputs(lay.index, torch.cat(xs), torch.cat(res), torch.cat(hid))
         del xs, res, hid  # the batches' pieces, freed before the caller fits the layer
         yield out
