@@ -329,6 +329,60 @@ def test_the_kept_whole_block_call_follows_the_layers_weights_and_settings(monke
     assert fused == [3] * 7
 
 
+def test_the_kept_call_is_checked_cheaply_and_sees_what_no_setattr_of_the_block_does(monkeypatch):
+    """Unchanged, a layer's steps reuse one kept call (``_KeptDecode``, checked by a layout epoch, the native switch
+    and the weights' data pointers, not by rebuilding a key of settings and types a layer); what changes the layer
+    without an attribute of the block, its experts or its router being set is seen too: the shared expert's Linear
+    given a new weight Parameter, a parametrisation on it, the block converted to float64 and back, also into new
+    Parameter and buffer objects, then changed in place. Each change is made alike to a copy that runs the reference
+    loop (nothing set between the steps, so nothing else marks the layout changed): == it every time, through the
+    whole-block call where it applies."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    mod = kernel_moe("ridge", "weighted", d_shared=40, d_ffn=104, down_keep=0.5, skip_mean=torch.randn(16, 32))
+    ref = copy.deepcopy(mod)
+    ref.experts_impl = "loop"  # never the whole-block call
+    fused: list[int] = []
+    calls(monkeypatch, fused)
+    x = torch.randn(1, 32)
+
+    def step_after(change, dtype=torch.float32):
+        for m in (mod, ref):
+            change(m)
+        with torch.no_grad():
+            tol = 1e-5 if dtype == torch.float32 else 1e-9
+            torch.testing.assert_close(mod(x.to(dtype)), ref(x.to(dtype)), rtol=tol, atol=tol)
+
+    def overwritten(m):  # new Parameter and buffer objects (torch's _apply sets them in the dicts: no hook runs)
+        overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+        torch.__future__.set_overwrite_module_params_on_conversion(True)
+        try:
+            m.double().float()
+        finally:
+            torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+        with torch.no_grad():
+            for t in (m.shared_down.weight, m.experts.gate_up_proj, m.skip_mean):
+                t.mul_(3)
+
+    with torch.no_grad():
+        first = mod(x)
+        kept = mod.__dict__["_fused_kept"]
+        assert torch.equal(mod(x), first) and mod.__dict__["_fused_kept"] is kept and fused == [1, 1]
+    step_after(lambda m: setattr(m.shared_gate, "weight", torch.nn.Parameter(-m.shared_gate.weight.detach())))
+    assert fused == [1] * 3
+    step_after(lambda m: parametrize.register_parametrization(m.shared_up, "weight", Doubled()))
+    assert fused == [1] * 3  # no whole-block call under a parametrisation
+    step_after(lambda m: parametrize.remove_parametrizations(m.shared_up, "weight"))
+    step_after(lambda m: m.double(), torch.float64)
+    step_after(lambda m: m.float())
+    step_after(overwritten)
+    assert fused == [1] * 6
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 @pytest.mark.parametrize("combine", ["sum", "weighted"])
 @pytest.mark.parametrize("down_keep", [1.0, 0.5])

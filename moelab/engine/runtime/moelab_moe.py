@@ -42,7 +42,6 @@ summation order).
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -56,7 +55,7 @@ from .moelab_kernels import (EXPERTS_IMPLS, decode_layout, every_expert, keep_la
                              select_kernel)
 from .moelab_native import (DECODE_TOKENS, FUSED_COMBINES, FUSED_MAX_EXPERTS, FusedDecode, glu_keep, moe_routed,
                             skipped_means)
-from .moelab_native import library as native_library, usable as native_usable
+from .moelab_native import switched_off as native_switched_off, usable as native_usable
 from .moelab_routers import COMBINES, ffn_macs, kept, router_kind
 
 DISPATCHES = ("auto", "loop", "padded")
@@ -64,7 +63,65 @@ DISPATCHES = ("auto", "loop", "padded")
 _DISPATCH_TO_IMPL = {"auto": "auto", "loop": "loop", "padded": "auto"}
 
 
-class MoeExperts(nn.Module):
+#: counts what may change a kept whole-block decode call (``MoeFFN._fused_decode``) other than a weight's ``.data``:
+#: an attribute of a block, of its experts or of its router set or deleted, a module's tensors converted (``.to()``,
+#: ``.double()``: ``_WatchedLayout``), and a parameter, buffer or submodule registered on one of them or on a module
+#: they hold (torch's global registration hooks: a shared Linear's weight replaced, a parametrisation added to it)
+_LAYOUT_EPOCH = [0]
+
+
+def _layout_changed(module: nn.Module, *_: Any) -> None:
+    # only the watched modules: transformers slices its ModuleList of layers at every forward, 30 registrations a step
+    if isinstance(module, _WatchedLayout) or module.__dict__.get("_moelab_watched"):
+        _LAYOUT_EPOCH[0] += 1  # returns None: the registration goes on unchanged
+
+
+for _register in (nn.modules.module.register_module_parameter_registration_hook,
+                  nn.modules.module.register_module_buffer_registration_hook,
+                  nn.modules.module.register_module_module_registration_hook):
+    _register(_layout_changed)
+
+
+class _WatchedLayout:
+    """Mixin of the modules a kept decode call reads settings of: any attribute set or deleted, or tensors
+    converted, counts as a change (``_LAYOUT_EPOCH``)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, nn.Module) and not isinstance(value, _WatchedLayout):
+            value.__dict__["_moelab_watched"] = True  # a registration on it (its weight replaced) counts too
+        super().__setattr__(name, value)  # type: ignore[misc]
+        _LAYOUT_EPOCH[0] += 1
+
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(name)  # type: ignore[misc]
+        _LAYOUT_EPOCH[0] += 1
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        out = super()._apply(fn, recurse)  # type: ignore[misc]
+        _LAYOUT_EPOCH[0] += 1
+        return out
+
+
+class _KeptDecode:
+    """A block's checked whole-block decode call (``FusedDecode``, or None where it does not apply) and what it was
+    checked against: the layout epoch, the native kernels' switch and each weight's data pointer (a ``.data``
+    assigned, as ``realign_parameters`` does, moves it; no hook sees that). It holds the weights: while the call
+    holds their pointers, no new tensor can take their place. ``current()`` touches a handful of objects: a decode
+    step asks once a layer, right after the layer's weights went through the caches, where rebuilding the key of
+    settings, types and pointers it was checked on took 40-60 µs a layer on a Xeon (6% of a step)."""
+
+    __slots__ = ("epoch", "native_off", "weights", "ptrs", "call")
+
+    def __init__(self, weights: tuple[torch.Tensor, ...], call: FusedDecode | None) -> None:
+        self.epoch, self.native_off = _LAYOUT_EPOCH[0], native_switched_off()
+        self.weights, self.ptrs, self.call = weights, tuple(map(torch.Tensor.data_ptr, weights)), call
+
+    def current(self) -> bool:
+        return (self.epoch == _LAYOUT_EPOCH[0] and self.native_off == native_switched_off()
+                and tuple(map(torch.Tensor.data_ptr, self.weights)) == self.ptrs)
+
+
+class MoeExperts(_WatchedLayout, nn.Module):
     """The routed experts of one MoE layer, stacked as in transformers 5's MoE experts modules
     (``Qwen2MoeExperts``, ``MixtralExperts``): ``gate_up_proj [E, 2m, d_model]`` (rows ``:m`` the
     gate, ``m:`` the up projection of each expert) and ``down_proj [E, d_model, m]``; expert e is
@@ -187,7 +244,7 @@ class MoeExperts(nn.Module):
         return y
 
 
-class MoeRouter(nn.Module):
+class MoeRouter(_WatchedLayout, nn.Module):
     """The sparse block's router (``block.router``), a child module as in transformers' sparse-MoE
     blocks (``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``): ``forward(x [T, d])`` gives the scores
     ``[T, E]`` that rank the routed experts (its ``kind``'s formula, ``moelab_routers.ROUTERS``) and,
@@ -247,12 +304,7 @@ class MoeRouter(nn.Module):
         return p if top is None else p.gather(1, top)
 
 
-#: each MoeFFN's kept whole-block decode call (``MoeFFN._fused_decode``), outside the module: a copy or a pickle of
-#: a layer that has run a decode step would otherwise meet the call's ctypes pointers, which neither can take
-_FUSED_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-class MoeFFN(nn.Module):
+class MoeFFN(_WatchedLayout, nn.Module):
     """Shared expert + top-k routed experts; ``forward(x[..., d_model]) -> [..., d_model]``.
 
     Parameters: ``shared_gate``/``shared_up`` (nn.Linear d_model -> d_shared) and
@@ -480,36 +532,33 @@ class MoeFFN(nn.Module):
         scaled combine, expert groups, a shared expert wrapped by an adapter or not in the decode layout, and
         wherever ``_native_routed`` says no. Some ten torch calls and thread-pool forks a layer become one, with
         two barriers: the 30 FFNs of ``--recipe best`` at 0.5, one token, 9.3 ms against 15.0 ms (docs/runtime.md).
-        The checks and the call's arguments are kept (``_fused_call``) while the weights, their storage and the
-        settings they were made from stay the same objects; a gradient is looked for at every call."""
-        if x.dtype != torch.float32 or x.device.type != "cpu":
+        The checked call is kept (``_KeptDecode``) until the layout, the native switch or a weight's data changes;
+        a gradient is looked for at every call."""
+        if x.dtype != torch.float32 or not x.is_cpu:
             return None
-        key, weights = self._fused_inputs()
-        kept = _FUSED_KEPT.get(self)
-        if kept is None or kept[0] != key:
+        kept = self.__dict__.get("_fused_kept")
+        if kept is None or not kept.current():
             with torch.no_grad():  # what is checked once is the layout; a gradient, at every call
-                # the weights are kept too: while the call holds their pointers, no new tensor can take their place
-                kept = (key, self._fused_call(x), weights)
-            _FUSED_KEPT[self] = kept
-        call = kept[1]
-        if call is None or (torch.is_grad_enabled() and _needs_grad(x, *weights)):
+                kept = _KeptDecode(self._fused_weights(), self._fused_call(x))
+            self.__dict__["_fused_kept"] = kept  # not a setattr: that would count as a change of layout
+        call = kept.call
+        if call is None or (torch.is_grad_enabled() and _needs_grad(x, *kept.weights)):
             return None
         return call(x)
 
-    def _fused_inputs(self) -> tuple[tuple[Any, ...], list[torch.Tensor | None]]:
-        """What ``_fused_call`` reads, as a key (the settings, the modules' types, where each weight's data lies: a
-        ``.data`` assigned, as ``realign_parameters`` does, moves it) and the weights; read from the modules' dicts
-        (``nn.Module.__getattr__`` cost more than the call they check)."""
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_fused_kept", None)  # a copy or a pickle would meet the call's ctypes pointers, which neither can take
+        return state
+
+    def _fused_weights(self) -> tuple[torch.Tensor, ...]:
+        """The tensors ``_fused_call`` reads, read from the modules' dicts (``nn.Module.__getattr__`` costs more)."""
         modules = self._modules
-        experts, router = modules["experts"], modules["router"]
-        if type(experts) is not MoeExperts:  # wrapped (peft's ParamWrapper) or parametrised: no whole-block call
-            return (type(experts),), []
+        experts = modules["experts"]
         lins = [modules["shared_gate"], modules["shared_up"], modules["shared_down"]] if self.d_shared else []
-        weights = [*(router.scorer.linear(self) or ()), *experts._parameters.values(),
+        weights = [*(modules["router"].scorer.linear(self) or ()), *experts._parameters.values(),
                    *(lin._parameters.get("weight") for lin in lins), self._buffers.get("skip_mean")]
-        return ((native_library(), router.scorer, router.groups is None, self.combine, self.top_k, self.shared_keep,
-                 self.act, self.compensated, type(experts), experts.experts_impl, experts.down_keep, *map(type, lins),
-                 *(None if w is None else w.data_ptr() for w in weights)), weights)
+        return tuple(w for w in weights if w is not None)
 
     def _fused_call(self, x: torch.Tensor) -> FusedDecode | None:
         """The checked call of ``_fused_decode``, or None where it does not apply (gradients aside)."""
