@@ -222,7 +222,8 @@ def test_the_row_skipping_decode_kernel_computes_the_dense_products(native, monk
     (``moelab_native.rows_matmul``: the rows some token of a block of four needs, each read once for the four) up to
     ``DECODE_TOKENS`` tokens, and without it torch's ``skip_rows`` (one bag per thread over the rows of nonzero
     inputs) up to ``ROW_SKIP_MAX_TOKENS``; a token with every input zeroed gives zeros; more tokens, or a gradient,
-    take the dense path; the weights stay in the decode layout through ``use_decode_layout``."""
+    take the dense path; the weights stay in the decode layout through ``use_decode_layout``; a token's product has
+    the same bits alone as in a block of four."""
     from moelab.engine.runtime import moelab_native, moelab_teal
     from moelab.engine.runtime.moelab_teal import row_major_t, skip_rows
 
@@ -252,6 +253,11 @@ def test_the_row_skipping_decode_kernel_computes_the_dense_products(native, monk
             assert torch.equal(mod(x[:2])[1], torch.zeros(48))
     assert mod._row_product(x[: most + 1]) is None
     assert mod._row_product(x[:1].clone().requires_grad_()) is None  # training: the dense products
+    if native:  # a token alone (row by row) and in a block of four (24 columns at a time): the same sums, the same bits
+        rows = mod.gate_proj.weight.t()
+        block = moelab_native.rows_matmul(sparse[4:8], rows)
+        for t in range(4):
+            assert torch.equal(moelab_native.rows_matmul(sparse[4 + t: 5 + t], rows), block[t: t + 1])
 
 
 def test_the_evaluation_times_teal_beside_the_conversion(conversion, data_dir, one_thread):
