@@ -223,7 +223,7 @@ def test_the_row_skipping_decode_kernel_computes_the_dense_products(native, monk
     ``DECODE_TOKENS`` tokens, and without it torch's ``skip_rows`` (one bag per thread over the rows of nonzero
     inputs) up to ``ROW_SKIP_MAX_TOKENS``; a token with every input zeroed gives zeros; more tokens, or a gradient,
     take the dense path; the weights stay in the decode layout through ``use_decode_layout``; a token's product has
-    the same bits alone as in a block of four."""
+    the same bits alone as in a block of four or eight."""
     from moelab.engine.runtime import moelab_native, moelab_teal
     from moelab.engine.runtime.moelab_teal import row_major_t, skip_rows
 
@@ -253,11 +253,14 @@ def test_the_row_skipping_decode_kernel_computes_the_dense_products(native, monk
             assert torch.equal(mod(x[:2])[1], torch.zeros(48))
     assert mod._row_product(x[: most + 1]) is None
     assert mod._row_product(x[:1].clone().requires_grad_()) is None  # training: the dense products
-    if native:  # a token alone (row by row) and in a block of four (24 columns at a time): the same sums, the same bits
-        rows = mod.gate_proj.weight.t()
-        block = moelab_native.rows_matmul(sparse[4:8], rows)
-        for t in range(4):
-            assert torch.equal(moelab_native.rows_matmul(sparse[4 + t: 5 + t], rows), block[t: t + 1])
+    if native:  # a token alone (row by row), in a block of four and of eight (AVX-512): the same sums, the same bits
+        for lin in (mod.gate_proj, mod.down_proj):
+            rows = lin.weight.t()
+            inputs = sparse if lin is mod.gate_proj else torch.relu(torch.randn(9, 80))
+            eight = moelab_native.rows_matmul(inputs[1:9], rows)
+            for t in range(8):
+                assert torch.equal(moelab_native.rows_matmul(inputs[1 + t: 2 + t], rows), eight[t: t + 1])
+            assert torch.equal(moelab_native.rows_matmul(inputs[5:9], rows), eight[4:])
 
 
 def test_the_evaluation_times_teal_beside_the_conversion(conversion, data_dir, one_thread):

@@ -311,53 +311,61 @@ static inline int64_t kept_rows(const float *h, int64_t m2, int64_t m, int nq, i
     return n;
 }
 
-/* o[0..d) += Σ_j h[r_j] · Wd[r_j, 0..d) over the n rows r_j (rows ld apart) for one token (a decode step), row by
-   row: each kept row read once, in order, four at a time into the outputs (each output loaded and stored once per
-   four rows; the hardware prefetchers follow the rows: prefetching the next four as these are read, or taking eight
-   at a time, gained nothing). Walking 24-column blocks down every kept row instead (down_24), the rows prefetched
-   into L2 first, read TEAL's rows at about half the dense GEMV's speed on a 480 MiB-L3 Xeon (a gate product of 61% of
-   the rows 165 µs against 137 µs dense; row by row 107-111 µs). Each output's sum runs in row order, as down_24's
-   does: the same bits. */
-static void down_rows_one(const float *h, const int64_t *rows, int64_t n, const float *Wd, int64_t d, int64_t ld,
-                          float *o) {
+/* outs[q][0..d) += Σ_j h_q[r_j] · Wd[r_j, 0..d) over the n rows r_j (rows ld apart) for nq tokens (h_q: row q of h,
+   stride hs), row by row: four rows at a time, each read once from memory, in order, into every token's outputs (the
+   next tokens read them from L1; each output loaded and stored once per four rows). The hardware prefetchers follow
+   rows read in order, where walking 24-column blocks down every kept row (down_24) waits on memory at every row:
+   TEAL's gate product of 61% of the rows on a 480 MiB-L3 Xeon took 165 µs against 137 µs dense for one token that
+   way (row by row 107-111 µs; prefetching the next rows, or eight at a time, gained nothing), and 539 µs against 342
+   µs dense for eight. Each output's sum runs in row order, as down_24's does, and a row a token did not keep adds
+   its exact zero: the same bits in a block of any size. */
+static void down_rows(const float *h, int64_t hs, const int64_t *rows, int64_t n, const float *Wd, int64_t d,
+                      int64_t ld, float *const *outs, int nq) {
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
         const float *w0 = Wd + rows[j] * ld, *w1 = Wd + rows[j + 1] * ld, *w2 = Wd + rows[j + 2] * ld,
                     *w3 = Wd + rows[j + 3] * ld;
-        const float c0 = h[rows[j]], c1 = h[rows[j + 1]], c2 = h[rows[j + 2]], c3 = h[rows[j + 3]];
-        int64_t i = 0;
-        for (; i + 16 <= d; i += 16) {
-            v8 a = *(v8 *)(o + i), b = *(v8 *)(o + i + 8);
-            a += c0 * *(const v8 *)(w0 + i); b += c0 * *(const v8 *)(w0 + i + 8);
-            a += c1 * *(const v8 *)(w1 + i); b += c1 * *(const v8 *)(w1 + i + 8);
-            a += c2 * *(const v8 *)(w2 + i); b += c2 * *(const v8 *)(w2 + i + 8);
-            a += c3 * *(const v8 *)(w3 + i); b += c3 * *(const v8 *)(w3 + i + 8);
-            *(v8 *)(o + i) = a; *(v8 *)(o + i + 8) = b;
-        }
-        for (; i < d; i++) {
-            float a = o[i];
-            a += c0 * w0[i]; a += c1 * w1[i]; a += c2 * w2[i]; a += c3 * w3[i];
-            o[i] = a;
+        for (int q = 0; q < nq; q++) {
+            const float *hq = h + q * hs;
+            const float c0 = hq[rows[j]], c1 = hq[rows[j + 1]], c2 = hq[rows[j + 2]], c3 = hq[rows[j + 3]];
+            float *o = outs[q];
+            int64_t i = 0;
+            for (; i + 16 <= d; i += 16) {
+                v8 a = *(v8 *)(o + i), b = *(v8 *)(o + i + 8);
+                a += c0 * *(const v8 *)(w0 + i); b += c0 * *(const v8 *)(w0 + i + 8);
+                a += c1 * *(const v8 *)(w1 + i); b += c1 * *(const v8 *)(w1 + i + 8);
+                a += c2 * *(const v8 *)(w2 + i); b += c2 * *(const v8 *)(w2 + i + 8);
+                a += c3 * *(const v8 *)(w3 + i); b += c3 * *(const v8 *)(w3 + i + 8);
+                *(v8 *)(o + i) = a; *(v8 *)(o + i + 8) = b;
+            }
+            for (; i < d; i++) {
+                float a = o[i];
+                a += c0 * w0[i]; a += c1 * w1[i]; a += c2 * w2[i]; a += c3 * w3[i];
+                o[i] = a;
+            }
         }
     }
     for (; j < n; j++) {
         const float *w = Wd + rows[j] * ld;
-        const float c = h[rows[j]];
-        int64_t i = 0;
-        for (; i + 8 <= d; i += 8) *(v8 *)(o + i) += c * *(const v8 *)(w + i);
-        for (; i < d; i++) o[i] += c * w[i];
+        for (int q = 0; q < nq; q++) {
+            const float c = h[q * hs + rows[j]];
+            float *o = outs[q];
+            int64_t i = 0;
+            for (; i + 8 <= d; i += 8) *(v8 *)(o + i) += c * *(const v8 *)(w + i);
+            for (; i < d; i++) o[i] += c * w[i];
+        }
     }
 }
 
 /* outs[q] += h_q · Wd (Wd [m, d], rows ld apart; h_q: row q of h, stride m2, its first m entries) for the TB tokens
-   outs (TB tokens × 24 outputs in registers), or the one outs[0] (down_rows_one). Only the rows some token of the
+   outs (TB tokens × 24 outputs in registers), or the one outs[0] (down_rows). Only the rows some token of the
    block kept are read (a decode step's down_keep halves the bytes it reads); within the block a row one token did not
    keep is multiplied by its zero, which adds nothing and is cheaper than a sparse pass per token. rows: room for m
    indices. */
 static void down_block(const float *h, int64_t m2, int64_t m, const float *Wd, int64_t d, int64_t ld, float *const *outs,
                        int one, int64_t *rows) {
     if (one) {
-        down_rows_one(h, rows, kept_rows(h, m2, m, 1, rows), Wd, d, ld, outs[0]);
+        down_rows(h, m2, rows, kept_rows(h, m2, m, 1, rows), Wd, d, ld, outs, 1);
         return;
     }
     float *o0 = outs[0], *o1 = outs[1], *o2 = outs[2], *o3 = outs[3];
@@ -667,17 +675,18 @@ void moelab_moe_prefill(int64_t T, int64_t k, int64_t E, int64_t d, int64_t m, i
 }
 
 /* columns c0..c1 of out [T, n] += h_t · W (h_t: row t of h, stride hs, its first m entries; W: [m, n] storage), for
-   slice u of parts (c0, c1 multiples of 8 but the last), TB tokens at a time through down_block (only the rows some
-   token of a block has nonzero are read). rows: room for m indices */
+   slice u of parts (c0, c1 multiples of 8 but the last), up to ROWS_TOKENS tokens at a time through down_rows: each
+   row some token of a block has nonzero read once for the block (a decode step of up to eight sequences: once).
+   rows: room for m indices */
+#define ROWS_TOKENS 8
 static void rows_slice(const float *h, int64_t hs, int64_t m, const float *W, int64_t n, int64_t u, int64_t parts,
                        int64_t T, float *out, int64_t *rows) {
     const int64_t c0 = n * u / parts / 8 * 8, c1 = u + 1 == parts ? n : n * (u + 1) / parts / 8 * 8;
-    float *outs[TB];
-    for (int64_t q0 = 0; q0 < T && c1 > c0;) {
-        const int nq = T - q0 >= TB ? TB : 1;
+    float *outs[ROWS_TOKENS];
+    for (int64_t q0 = 0; q0 < T && c1 > c0; q0 += ROWS_TOKENS) {
+        const int nq = T - q0 >= ROWS_TOKENS ? ROWS_TOKENS : (int)(T - q0);
         for (int q = 0; q < nq; q++) outs[q] = out + (q0 + q) * n + c0;
-        down_block(h + q0 * hs, hs, m, W + c0, c1 - c0, n, outs, nq == 1, rows);
-        q0 += nq;
+        down_rows(h + q0 * hs, hs, rows, kept_rows(h + q0 * hs, hs, m, nq, rows), W + c0, c1 - c0, n, outs, nq);
     }
 }
 
