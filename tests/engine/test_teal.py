@@ -219,7 +219,7 @@ def test_evaluation_goes_on_without_teal_when_the_profile_is_gone(tiny, tmp_path
 @pytest.mark.parametrize("native", [True, False])
 def test_the_row_skipping_decode_kernel_computes_the_dense_products(native, monkeypatch, tmp_path):
     """TEAL's CPU decode kernel gives what the dense products with the zeros in give: the native one
-    (``moelab_native.rows_matmul``: the rows some token of a block of four needs, each read once for the four) up to
+    (``moelab_native.rows_matmul``: the rows some token of a block of up to eight needs, each read once for them) up to
     ``DECODE_TOKENS`` tokens, and without it torch's ``skip_rows`` (one bag per thread over the rows of nonzero
     inputs) up to ``ROW_SKIP_MAX_TOKENS``; a token with every input zeroed gives zeros; more tokens, or a gradient,
     take the dense path; the weights stay in the decode layout through ``use_decode_layout``; a token's product has
@@ -253,7 +253,7 @@ def test_the_row_skipping_decode_kernel_computes_the_dense_products(native, monk
             assert torch.equal(mod(x[:2])[1], torch.zeros(48))
     assert mod._row_product(x[: most + 1]) is None
     assert mod._row_product(x[:1].clone().requires_grad_()) is None  # training: the dense products
-    if native:  # a token alone (row by row), in a block of four and of eight (AVX-512): the same sums, the same bits
+    if native:  # a token alone, in a block of four and of eight: the same sums in the same order, the same bits
         for lin in (mod.gate_proj, mod.down_proj):
             rows = lin.weight.t()
             inputs = sparse if lin is mod.gate_proj else torch.relu(torch.randn(9, 80))

@@ -32,7 +32,8 @@ a Python frame: the 30 FFNs of a ``--recipe best`` conversion at 0.5 took 9.3 ms
 MLPs 26-30 ms) on a 2-vCPU AMD EPYC, and the whole model 1.46x dense against 1.28x (``bench_recipe_speed --unfused``).
 
 TEAL's layers (``moelab_teal.TealGLU``) take ``rows_matmul`` at a decode step: a product that reads only the
-weight rows some token of a block of four has a nonzero input for, each row multiplied into the four at once.
+weight rows some token of the call (up to eight) has a nonzero input for, each row read once and multiplied
+into every token, row by row.
 
 The source is compiled once per machine and source text (``-O3 -march=native -fopenmp``) into the user's
 cache (``MOELAB_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/moelab/kernels`` or ``~/.cache/moelab/kernels``),
@@ -690,9 +691,9 @@ static void rows_slice(const float *h, int64_t hs, int64_t m, const float *W, in
     }
 }
 
-/* out [T, n] = x [T, kin] · W (W: [kin, n] storage), reading only the rows of W that some token of a block of four
-   has a nonzero input for (TEAL's row-skipping product, for a decode step of up to DECODE_TOKENS tokens: each row
-   read is multiplied into four tokens at once); the threads share the output columns */
+/* out [T, n] = x [T, kin] · W (W: [kin, n] storage), reading only the rows of W that some token of a block of
+   ROWS_TOKENS has a nonzero input for (TEAL's row-skipping product, for a decode step of up to DECODE_TOKENS tokens:
+   each row read is multiplied into every token of the block); the threads share the output columns */
 void moelab_rows_matmul(int64_t T, int64_t kin, int64_t n, const float *x, const float *W, float *out, int nthreads) {
     memset(out, 0, sizeof(float) * T * n);
     #pragma omp parallel num_threads(nthreads)
@@ -1064,8 +1065,8 @@ def moe_ffn_decode(x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, to
 
 def rows_matmul(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``x [T, in] @ rows [in, out]`` (``rows`` contiguous: a weight in ``[in, out]`` storage, transposed), reading only
-    the rows of ``rows`` that some token of a block of four has a nonzero input for: TEAL's row-skipping product for
-    a decode step (up to ``DECODE_TOKENS`` tokens), each row read once per four tokens."""
+    the rows of ``rows`` that some token has a nonzero input for: TEAL's row-skipping product for a decode step (up
+    to ``DECODE_TOKENS`` tokens), each row read once for them all."""
     T, kin = x.shape
     x = x.contiguous()
     out = torch.empty(T, rows.shape[1], dtype=torch.float32)

@@ -28,7 +28,7 @@ from .moelab_native import DECODE_TOKENS, library as native_library, rows_matmul
 #: dense GEMM reads every weight once (the default model's FFN at sparsities 0.5 / 0.5, 2 threads: 1.5x the dense
 #: FFN's speed for 1 token, 1.5-1.8x for 2, 0.9-1.2x for 4, 0.7x for 8). Where the native kernels are built, a
 #: decode step of up to ``moelab_native.DECODE_TOKENS`` tokens runs ``moelab_native.rows_matmul`` instead, which
-#: reads each needed row once per four tokens.
+#: reads each needed row once for all of them.
 ROW_SKIP_MAX_TOKENS = 2
 
 
