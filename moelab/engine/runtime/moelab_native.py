@@ -1041,9 +1041,11 @@ class FusedDecode:
         self._middle = tuple(kind(v) for kind, v in zip(self._run.argtypes[4:], middle))
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        T, d = x.shape
+        """``(output shaped as x [..., d], selected experts [T, top_k])``."""
         x = x.contiguous()
-        out = torch.empty(T, d, dtype=torch.float32)
+        d = x.shape[-1]
+        T = x.numel() // d
+        out = torch.empty_like(x)
         top = torch.empty(T, self.top_k, dtype=torch.int64)
         self._run(T, d, self.act, x.data_ptr(), *self._middle, out.data_ptr(), top.data_ptr(), torch.get_num_threads())
         return out, top
