@@ -551,7 +551,7 @@ class MoeFFN(_WatchedLayout, nn.Module):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.pop("_fused_kept", None)  # a copy or a pickle would meet the call's ctypes pointers, which neither can take
+        state.pop("_fused_kept", None)  # a copy or a pickle would meet the call's ctypes pointers: neither takes them
         return state
 
     def _fused_weights(self) -> tuple[torch.Tensor, ...]:
