@@ -209,10 +209,10 @@ static inline void prefetch_start(const float *w, int64_t n) {
 
 /* 24 columns of TB tokens' products (gate_up_24: or of the one token x0 when one), the micro-kernels of
    gate_up_block and down_block. gate_up_24: o_q[0..24) = x_q · W[:, 0..24) (rows m2 apart); down_24: o_q[0..24) +=
-   Σ_j h_q[r_j] · Wd[r_j, 0..24) over the n rows r_j (rows ld apart). With AVX-512 the 24 columns are one 16- and one 8-float
-   vector, two multiply-adds a row and token where 8-float vectors take three (and 32 registers hold them): the
-   kernels' products took about twice as long as the dense FFN's GEMMs per multiply-add on a Xeon whose BLAS uses
-   16-float vectors. Each column's sum runs in the same order either way, so the bits are the same. */
+   Σ_j h_q[r_j] · Wd[r_j, 0..24) over the n rows r_j (rows ld apart). With AVX-512 the 24 columns are one 16- and
+   one 8-float vector, two multiply-adds a row and token where 8-float vectors take three (and 32 registers hold
+   them): the kernels' products took about twice as long as the dense FFN's GEMMs per multiply-add on a Xeon whose
+   BLAS uses 16-float vectors. Each column's sum runs in the same order either way, so the bits are the same. */
 #if defined(__AVX512F__)
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 #define V24_ZERO(a) v16 a##l = {0}; v8 a##h = {0}
