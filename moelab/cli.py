@@ -276,7 +276,8 @@ def _recovery_modes() -> list[str]:
 @_method_param_options
 @click.option("--max-memory", default=None, metavar="SIZE",
               help="memory budget, e.g. 2GiB: a dense model larger than it is converted one decoder layer at a time "
-                   "(expertweaver/cmoe with the paper router and plan; default: MOELAB_MAX_MEMORY; unset: load it whole)")
+                   "(expertweaver/cmoe, every recipe: a fitted one in two passes, its fit held beside the layer; "
+                   "default: MOELAB_MAX_MEMORY; unset: load it whole)")
 @click.option("--out", type=click.Path(path_type=Path), required=True)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--quiet", is_flag=True)

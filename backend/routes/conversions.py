@@ -83,20 +83,29 @@ def _check_engine_params(method: str, params: dict, profiles: list[_ProfileFacts
 
 def _check_budget(session, method, params: dict, profile: Profile, max_memory: str) -> None:
     """422 when ``max_memory`` cannot hold one layer of the profiled model, or when the conversion would
-    have to stream (the model exceeds it) but its method or recipe needs the whole model."""
-    from moelab.engine.core.params import check_streamable
+    have to stream (the model and a fit's work exceed it) but its method or recipe needs the whole model, or
+    the budget cannot hold the fit beside the largest layer (``core.params.fit_bytes``)."""
+    from moelab.engine.core.params import check_streamable, fit_budget_error, fit_bytes
     from moelab.engine.sizes import format_size, parse_size
 
-    memory = ((session.get(Model, profile.model_id).summary or {}).get("memory") or {})
+    summary = session.get(Model, profile.model_id).summary or {}
+    memory = summary.get("memory") or {}
     budget = parse_size(max_memory)
     if memory.get("min_max_memory") is not None and budget < memory["min_max_memory"]:
         raise ApiError(422, f"max_memory: {max_memory} cannot hold one layer of model {profile.model_id}; "
                             f"give at least {format_size(memory['min_max_memory'])} ({memory['min_max_memory']} bytes)")
-    if memory.get("total_bytes") is not None and budget < memory["total_bytes"]:
+    if memory.get("total_bytes") is None:
+        return
+    parsed = params_from_dict(params)
+    shape = (summary.get("d_model"), max(summary.get("d_ffn") or [0]), summary.get("n_layers"))
+    work = fit_bytes(parsed, *shape) if all(shape) else 0
+    if budget < memory["total_bytes"] + work:
         try:
-            check_streamable(method, params_from_dict(params))
+            check_streamable(method, parsed)
         except ConversionError as exc:
             raise ApiError(422, f"max_memory: {exc}") from exc
+        if error := fit_budget_error(parsed, budget, memory["min_max_memory"], work):
+            raise ApiError(422, f"max_memory: {error}")
 
 
 def _calibration_spec(session, ref: str) -> str:

@@ -159,7 +159,8 @@ def run_conversion(
                                trust_remote_code=trust_remote_code)
         budget["max_memory_bytes"] = float(plan.max_memory)
         if plan.stream:
-            return convert_streamed(plan, profiles[0], params, method, out, progress, complete=complete)
+            return convert_streamed(plan, profiles[0], params, method, out, data_dir=data_dir, progress=progress,
+                                    complete=complete)
     inputs = ConversionInputs(profiles=profiles, data_dir=data_dir, device=device, model=model, calib=calib,
                               map_layers=map_layers)
     if profiles:

@@ -19,7 +19,9 @@ from moelab.engine.profiling.profiler import ProfileSettings, profile_model
 from moelab.engine.profiling.store import write_profile
 from moelab.engine.streaming.footprint import MemoryBudgetError
 from moelab.engine.streaming.plan import plan_streaming
-from moelab.engine.runs import run_conversion
+from moelab.engine.methods import get_method
+from moelab.engine.runs import run_conversion, run_profile
+from moelab.engine.streaming.conversion import plan_conversion
 from moelab.engine.runtime.export import load_exported
 
 from .test_profiling import make_set
@@ -80,10 +82,69 @@ def test_streamed_conversion_equals_the_in_memory_one(profiled, params, data_dir
 def test_what_cannot_stream_is_refused_before_any_work(profiled, data_dir, tmp_path):
     src, prof = profiled
     budget = _budget(src, data_dir)
-    with pytest.raises(ConversionError, match="ridge router, the budget plan and the skipped-expert compensation"):
-        run_conversion(prof, ExpertWeaverParams(n_experts=8, router="ridge"), tmp_path / "ridge", data_dir=data_dir, max_memory=budget)
+    with pytest.raises(ConversionError, match="plan_error 'fisher' reads the loss gradient of the whole model"):
+        run_conversion(prof, ExpertWeaverParams(n_experts=8, router="ridge", plan="budget", plan_error="fisher"),
+                       tmp_path / "fisher", data_dir=data_dir, max_memory=budget)
+    with pytest.raises(ConversionError, match="refit 'converted_inputs' runs the whole converted model"):
+        run_conversion(prof, ExpertWeaverParams(n_experts=8, router="ridge", refit="converted_inputs"),
+                       tmp_path / "refit", data_dir=data_dir, max_memory=budget)
+    assert not (tmp_path / "fisher").exists() and not (tmp_path / "refit").exists()
     with pytest.raises(MemoryBudgetError):
         run_conversion(prof, ExpertWeaverParams(n_experts=8), tmp_path / "small", data_dir=data_dir, max_memory=1024)
-    assert not (tmp_path / "ridge").exists() and not (tmp_path / "small").exists()
+    assert not (tmp_path / "small").exists()
     big = run_conversion(prof, ExpertWeaverParams(n_experts=8), tmp_path / "fits", data_dir=data_dir, max_memory="64GiB")
     assert "streamed" not in big["timings"]  # a model that fits is converted in memory as before
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def profiled_on_builtin(request, tiny_model, data_dir, tmp_path_factory):
+    """A sharded tiny model profiled on built-in text, which a fitted conversion reads again, with its kernel table."""
+    src = _sharded(tiny_model, request.param, tmp_path_factory.mktemp("sharded") / request.param)
+    prof = run_profile(str(src), "builtin:mixed", tmp_path_factory.mktemp("prof") / "p",
+                       ProfileSettings(max_tokens=64, batch_tokens=512), samples=24, data_dir=data_dir)
+    return src, prof.path, prof
+
+
+@pytest.mark.parametrize("recipe", ["best", "portable"])
+def test_a_fitted_recipe_streams_in_two_passes_and_equals_the_in_memory_conversion(profiled_on_builtin, recipe,
+                                                                                    data_dir, tmp_path):
+    """``--recipe best`` (ridge router, budget plan under the speed guard, skipped-expert compensation, half the down
+    rows) and ``portable`` (leading plan) under a budget that holds the largest step and the fit but not the model:
+    fitted layer by layer in a first pass, built in a second, and the same export as in memory (records, tensors
+    bit for bit, logits). A budget that holds the largest step but not the fit beside it is refused, saying so."""
+    src, prof, stored = profiled_on_builtin
+    params = get_method("expertweaver").recipe(recipe, n_experts=8, fit_tokens=1024,
+                                               **({"width_multiple": 8} if recipe == "portable" else {}))
+    plan = plan_conversion(get_method("expertweaver"), params, stored, 1 << 40, data_dir=data_dir)
+    fp = plan.footprint
+    assert plan.work_bytes > 0 and fp.total_bytes > 1.5 * fp.floor_bytes
+    budget = fp.floor_bytes + plan.work_bytes + (fp.floor_bytes >> 3)
+    with pytest.raises(MemoryBudgetError, match=r"the fit on 1024 calibration tokens holds up to .* fewer fit_tokens"):
+        run_conversion(prof, params, tmp_path / "short", data_dir=data_dir, max_memory=budget - plan.work_bytes)
+    assert not (tmp_path / "short").exists()
+    whole = run_conversion(prof, params, tmp_path / "whole", data_dir=data_dir)
+    streamed = run_conversion(prof, params, tmp_path / "streamed", data_dir=data_dir, max_memory=budget)
+    assert streamed["timings"]["streamed"] is True and "streamed" not in whole["timings"]
+    assert whole["fit"]["fit_tokens"] == 1024 and ("budget" if recipe == "best" else "leading") in whole["fit"]
+    if recipe == "best":  # the guard read the same kernel table in both
+        assert whole["fit"]["speed_guard"]["applied"] and whole["fit"]["compensation"] == "skipped_mean"
+        assert any(lay["top_k"] < lay["n_routed"] for lay in whole["layers"])  # some expert is skipped: compensated
+    for key in ("summary", "layers", "params", "fit", "model", "calibration"):
+        a, b = whole[key], streamed[key]
+        if key == "layers":  # clustering times differ; everything else is the same
+            a = [{k: v for k, v in lay.items() if k != "seconds"} for lay in a]
+            b = [{k: v for k, v in lay.items() if k != "seconds"} for lay in b]
+        if key == "summary":  # the streamed model is not in memory to measure the experts a batch touches
+            a, b = dict(a), dict(b)
+            pa, pb = a.pop("predicted_speed"), b.pop("predicted_speed")
+            assert pa["measured_at"] == pb["measured_at"] and "routing taken as uniform" in pb["note"]
+        assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True), key
+    w, s = _weights(tmp_path / "whole"), _weights(tmp_path / "streamed")
+    assert w.keys() == s.keys() and any(".skip_mean" in k for k in w) == (recipe == "best")
+    for k in w:
+        assert w[k].dtype == s[k].dtype == torch.float32 and torch.equal(w[k], s[k]), k
+    ids = torch.tensor([[1, 5, 9, 42, 7, 3, 11]])
+    with torch.inference_mode():
+        a = load_exported(tmp_path / "whole").eval()(input_ids=ids).logits
+        b = load_exported(tmp_path / "streamed").eval()(input_ids=ids).logits
+    assert torch.equal(a, b)

@@ -48,9 +48,47 @@ def test_conversion_job_streams_under_max_memory(client, settings, model_id, pro
         x |= load_file(str(f))
     y = load_file(str(root / conversion_id / "model.safetensors"))
     assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in y)
-    bad = [({**block, "router": "ridge"}, budget, "ridge router, the budget plan and the skipped-expert compensation"),
+    bad = [({**block, "router": "ridge", "plan": "budget", "plan_error": "fisher"}, budget,
+            "plan_error 'fisher' reads the loss gradient of the whole model"),
            (block, str(memory["min_max_memory"] // 2), "cannot hold one layer"),
            (block, "lots", "max_memory")]
     for b, mm, words in bad:
         r = client.post("/api/v1/conversions", json={"profile_id": profile_id, "expertweaver": b, "max_memory": mm})
         assert r.status_code == 422 and words in r.text, r.text
+
+
+def test_the_best_recipe_streams_from_the_api(client, settings, model_id, profile_id):
+    """``--recipe best`` (as the designer sends it: the recipe's fields) under a budget that holds the largest layer
+    and the fit but not the model: fitted and built layer by layer on the worker, the same weights as the in-memory
+    job; a budget that holds the layer but not the fit beside it: 422, saying how much to give."""
+    from moelab.engine.core.params import fit_bytes
+    from moelab.engine.methods import params_from_dict
+
+    methods = client.get("/api/v1/methods").json()["items"]
+    recipe = next(m for m in methods if m["name"] == "expertweaver")["recipes"]["best"]
+    block = {**recipe, "n_experts": 8, "fit_tokens": 1024, "sparsity": 0.5}
+    model = client.get(f"/api/v1/models/{model_id}").json()["info"]
+    memory = model["memory"]
+    work = fit_bytes(params_from_dict({"method": "expertweaver", **block}), model["d_model"], max(model["d_ffn"]),
+                     model["n_layers"])
+    budget = 2 * memory["min_max_memory"] + work
+    assert work > 0 and budget < memory["total_bytes"] + work
+    r = client.post("/api/v1/conversions", json={"profile_id": profile_id, "expertweaver": block,
+                                                 "max_memory": str(memory["min_max_memory"] + work // 2)})
+    assert r.status_code == 422 and "fewer fit_tokens" in r.text, r.text
+    ids = {}
+    for name, extra in (("whole", {}), ("streamed", {"max_memory": str(budget)})):
+        r = client.post("/api/v1/conversions", json={"profile_id": profile_id, "expertweaver": block, **extra})
+        assert r.status_code == 202, r.text
+        job = succeeded(client, r.json())
+        assert ("streamed" in job["timings"]) == (name == "streamed")
+        ids[name] = r.json()["id"]
+    root = settings.resolved_artifacts_dir() / "conversions"
+    weights = {}
+    for name, i in ids.items():
+        weights[name] = {}
+        for f in (root / i).glob("model*.safetensors"):
+            weights[name] |= load_file(str(f))
+    x, y = weights["streamed"], weights["whole"]
+    assert any(k.endswith("skip_mean") for k in y)  # compensated: the fit's second pass ran
+    assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in y)

@@ -62,6 +62,7 @@ the FFN) prediction of every neuron's gate and up was worse than ridge; the orac
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Iterator, Sequence
@@ -72,11 +73,10 @@ import torch
 from ..models import ModelAdapter, dense_weights
 from ..runtime.moelab_routers import router_kind
 from ..progress import NO_PROGRESS, Progress
-from .params import ConversionError
+from .params import FIT_SEQ_LEN, ConversionError
 
 CURVE_TOKENS = 1024  # calibration tokens the budget plan's error curves are measured on
 FIT_STAGE = "fit: calibration forward, routers and error curves"  # layer by layer (``layerwise_inputs``)
-FIT_SEQ_LEN = 256
 
 
 @dataclass
@@ -195,35 +195,53 @@ def collect_inputs(adapter: ModelAdapter, windows: torch.Tensor, progress: Progr
                              windows, {i: torch.cat(v) for i, v in hid.items()} if keep_hidden else None)
 
 
+class InMemory:
+    """``layerwise_inputs``'s default weights: all in memory, nothing to load around a step (a streamed job loads them:
+    ``streaming.checkpoint.LayerLoader``)."""
+
+    def decoder(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def layer(self, lay: Any) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
 @torch.no_grad()
-def layerwise_inputs(adapter: ModelAdapter, windows: torch.Tensor, batch: int = 4) -> Iterator[LayerInputs]:
+def layerwise_inputs(adapter: ModelAdapter, windows: torch.Tensor, batch: int = 4,
+                     weights: Any = None) -> Iterator[LayerInputs]:
     """What ``collect_inputs(..., keep_hidden=True)`` keeps of each layer, the same numbers (the same batches
     through the same layers), one layer at a time in order: the model's forward runs once per batch to catch
     each decoder layer's call (``layer_calls``), then each layer runs over every batch before the next
     (a GPTQ-style sequential pass). A layer's fit can then take its hidden activations from its own dense
     forward instead of computing them again, while only one layer's activations are held. Progress is the
-    caller's to report: it fits each layer between two of them (``fit_layers``: ``FIT_STAGE``)."""
+    caller's to report: it fits each layer between two of them (``fit_layers``: ``FIT_STAGE``). ``weights``: what
+    loads the decoder's own weights around the calls' catch and each layer's around its pass and until the caller
+    asks for the next layer (``InMemory``, the default, loads nothing), so a layer's weights are in memory while
+    the caller fits it."""
     from ..layer_calls import catch_calls, layer_list_name, run_layer
 
+    weights = weights or InMemory()
     decoder, name, n_layers = adapter.decoder(), layer_list_name(adapter), adapter.n_layers
     chunks = windows.split(batch)
-    calls = [catch_calls(decoder, name, n_layers, input_ids=ids.to(adapter.device)) for ids in chunks]
+    with weights.decoder():
+        calls = [catch_calls(decoder, name, n_layers, input_ids=ids.to(adapter.device)) for ids in chunks]
     states = [c.pop("input") for c in calls]
     for lay in adapter.layers:
-        xs: list[torch.Tensor] = []
-        res: list[torch.Tensor] = []
-        hid: list[torch.Tensor] = []
-        handles = _input_hooks(lay, lay.mlp, xs, res, hid)
-        try:
-            for b in range(len(chunks)):
-                states[b] = run_layer(lay.block, states[b], calls[b][lay.index])
-        finally:
-            for h in handles:
-                h.remove()
-        out = LayerInputs(lay.index, torch.cat(xs), torch.cat(res), torch.cat(hid))
-        del xs, res, hid  # the batches' pieces, freed before the caller fits the layer
-        yield out
-        del out  # not held through the next layer's pass
+        with weights.layer(lay):
+            xs: list[torch.Tensor] = []
+            res: list[torch.Tensor] = []
+            hid: list[torch.Tensor] = []
+            handles = _input_hooks(lay, lay.mlp, xs, res, hid)
+            try:
+                for b in range(len(chunks)):
+                    states[b] = run_layer(lay.block, states[b], calls[b][lay.index])
+            finally:
+                for h in handles:
+                    h.remove()
+            out = LayerInputs(lay.index, torch.cat(xs), torch.cat(res), torch.cat(hid))
+            del xs, res, hid  # the batches' pieces, freed before the caller fits the layer
+            yield out
+            del out  # not held through the next layer's pass
 
 
 def output_fisher(adapter: ModelAdapter, windows: torch.Tensor, batch: int = 4) -> dict[int, torch.Tensor]:
@@ -496,71 +514,105 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
     ``1 − sparsity``), else the paper plan's own cost (CMoE: the uniform S·A·E plan's); shared parts
     and routers are paid first, the rest buys routed experts (``greedy_budget``).
     """
-
-    from ..core.allocation import layer_cost
-
     if calib is None:  # one layer's activations at a time, its hidden activations from its own dense forward
         windows = profile_token_windows(adapter, profile, params.fit_tokens, data_dir)
         layer_inputs, n_tokens = layerwise_inputs(adapter, windows), int(windows.numel())
     else:  # the same inputs, already collected (a benchmark converting many times)
         windows, n_tokens = calib.windows, calib.n_tokens
         layer_inputs = (calib.layer(lay.index) for lay in adapter.layers)
-    plan = getattr(params, "plan", "paper")
-    budget_plan = plan in ("budget", "leading")  # both choose top-k from the same error curves
-    compensate = getattr(params, "compensation", "none") == "skipped_mean"
-    d = adapter.d_model
-    curves, fixed, unit, scores = [], [], [], {}
-    curve_tokens: torch.Tensor | None = None
-
-    def weights_of(layer: int) -> tuple[torch.Tensor, ...]:
-        return tuple(w.detach().float().cpu() for w in dense_weights(adapter, layer))
-
-    skip_sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    fits = LayerFits(adapter, params, n_tokens, windows)
     for n, (row, ex) in enumerate(zip(rows, experts)):
-        gate_w, up_w, down_w = weights_of(row.layer)
-        inputs = next(i for i in layer_inputs if i.index == row.layer)  # rows go in layer order
+        fits.add(row, ex, next(i for i in layer_inputs if i.index == row.layer))  # rows go in layer order
+        progress.update(FIT_STAGE, n + 1, len(rows))
+    table = guard_table(params, data_dir, adapter.model, adapter, profile)
+    rows, record = fits.plan(rows, experts, profile, table)
+    if fits.compensates:
+        for n, ex in enumerate(experts):
+            fits.compensate(ex, lambda i: _float_weights(adapter, i)[2])
+            progress.update("fit: skipped-expert compensation", n + 1, len(experts))
+    return rows, experts, record
+
+
+def _float_weights(adapter: ModelAdapter, layer: int) -> tuple[torch.Tensor, ...]:
+    """Layer ``layer``'s dense gate, up and down weights as float32 on the CPU."""
+    return tuple(w.detach().float().cpu() for w in dense_weights(adapter, layer))
+
+
+class LayerFits:
+    """What ``fit_layers`` fits, in its three steps: ``add`` each layer as its calibration inputs arrive (its
+    router, and what the plan and the compensation need of it: error curve, per-rank hidden sums), ``plan`` over
+    every layer at once, then ``compensate`` each layer at its final top-k. Only ``add`` and ``compensate`` read a
+    layer's weights, so a streamed conversion (``streaming.conversion``) runs them in two passes with one layer's
+    weights in memory at a time; between them it holds the curves and the sums (``fit_bytes``)."""
+
+    def __init__(self, adapter: ModelAdapter, params: Any, n_tokens: int, windows: torch.Tensor | None) -> None:
+        self.adapter, self.params, self.n_tokens, self.windows = adapter, params, n_tokens, windows
+        self.kind = getattr(params, "plan", "paper")
+        self.budget_plan = self.kind in ("budget", "leading")  # both choose top-k from the same error curves
+        self.compensates = getattr(params, "compensation", "none") == "skipped_mean"
+        self.curves: list[np.ndarray] = []
+        self.fixed: list[int] = []
+        self.unit: list[int] = []
+        self.skip_sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._curve_tokens: torch.Tensor | None = None
+        self._token_weights: Any = None
+
+    def add(self, row: Any, ex: Any, inputs: LayerInputs) -> None:
+        """Fit layer ``row.layer`` (``ex``: its experts, router weights set here) on its calibration ``inputs``;
+        its dense weights must be in memory."""
+        from ..core.allocation import layer_cost
+
+        adapter, act = self.adapter, self.adapter.activation
+        gate_w, up_w, down_w = _float_weights(adapter, row.layer)
         x = inputs.x
         if len(ex.routed):
             # the routed experts' activations on every token, once for the router fit and the compensation
             hidden = (_routed_hidden_of(inputs, adapter, gate_w, up_w, ex.routed)
-                      if compensate or router_kind(ex.router).fitted else None)
-            if fitted := fit_router(x, ex.router, gate_w, up_w, ex.routed, adapter.activation, hidden):
+                      if self.compensates or router_kind(ex.router).fitted else None)
+            if fitted := fit_router(x, ex.router, gate_w, up_w, ex.routed, act, hidden):
                 ex.router_weights = fitted
-            if budget_plan or compensate:
-                scores[row.layer] = router_scores(x, ex.router, ex.router_weights, gate_w, ex.routed, adapter.activation)
-            if compensate:
-                skip_sums[row.layer] = rank_sums(hidden, scores[row.layer])
+            if self.budget_plan or self.compensates:
+                scores = router_scores(x, ex.router, ex.router_weights, gate_w, ex.routed, act)
+            if self.compensates:
+                self.skip_sums[row.layer] = rank_sums(hidden, scores)
             del hidden
-        if budget_plan:
-            f, c = layer_cost(row, ex.router, d, getattr(params, "down_keep", 1.0))
-            fixed.append(f)
-            unit.append(c)
-            if len(ex.routed):
-                if curve_tokens is None:
-                    curve_tokens, token_weights = _curve_weights(adapter, n_tokens, windows,
-                                                                 getattr(params, "plan_error", "residual"))
-                weights = token_weights(inputs)
-                err = error_curve(x[curve_tokens], gate_w, up_w, down_w, ex.routed, scores[row.layer][curve_tokens],
-                                  adapter.activation, weights=weights)
-                curves.append(err / len(weights))
-            else:
-                curves.append(np.zeros(1))
-        del inputs, x
-        progress.update(FIT_STAGE, n + 1, len(rows))
-    record: dict[str, Any] = {"fit_tokens": n_tokens, "fit_source": profile.manifest["calibration"]["source"]}
-    if plan == "leading":
-        rows = _leading_rows(params, rows, experts, curves, d, record)
-    elif budget_plan:
-        no_slower = _no_slower_top_k(params, rows, adapter, profile, data_dir, record)
-        rows = _budget_rows(params, rows, experts, curves, fixed, unit, d, record, no_slower)
-    if compensate:
-        for n, ex in enumerate(experts):
-            if len(ex.routed) and ex.top_k < len(ex.routed):
-                ex.router_weights = {**ex.router_weights, "skip_mean": skipped_means_at(
-                    *skip_sums[ex.layer], ex.top_k, weights_of(ex.layer)[2], ex.routed)}
-            progress.update("fit: skipped-expert compensation", n + 1, len(experts))
-        record["compensation"] = "skipped_mean"
-    return rows, experts, record
+        if not self.budget_plan:
+            return
+        f, c = layer_cost(row, ex.router, adapter.d_model, getattr(self.params, "down_keep", 1.0))
+        self.fixed.append(f)
+        self.unit.append(c)
+        if not len(ex.routed):
+            self.curves.append(np.zeros(1))
+            return
+        if self._curve_tokens is None:
+            self._curve_tokens, self._token_weights = _curve_weights(adapter, self.n_tokens, self.windows,
+                                                                     getattr(self.params, "plan_error", "residual"))
+        weights = self._token_weights(inputs)
+        tokens = self._curve_tokens
+        err = error_curve(x[tokens], gate_w, up_w, down_w, ex.routed, scores[tokens], act, weights=weights)
+        self.curves.append(err / len(weights))
+
+    def plan(self, rows: list[Any], experts: list[Any], profile: Any,
+             table: dict[str, Any] | None) -> tuple[list[Any], dict[str, Any]]:
+        """The plan's rows over every added layer (each layer's ``top_k`` set on its experts) and the fit's record;
+        ``table``: this machine's kernel table for the speed guard (``guard_table``)."""
+        record: dict[str, Any] = {"fit_tokens": self.n_tokens, "fit_source": profile.manifest["calibration"]["source"]}
+        d = self.adapter.d_model
+        if self.kind == "leading":
+            rows = _leading_rows(self.params, rows, experts, self.curves, d, record)
+        elif self.budget_plan:
+            no_slower = _no_slower_top_k(self.params, rows, table, record)
+            rows = _budget_rows(self.params, rows, experts, self.curves, self.fixed, self.unit, d, record, no_slower)
+        if self.compensates:
+            record["compensation"] = "skipped_mean"
+        return rows, record
+
+    def compensate(self, ex: Any, down_of: Any) -> None:
+        """Layer ``ex.layer``'s skipped-expert means at its planned top-k, where it skips any (``down_of(layer)``: its
+        dense down weight as float32)."""
+        if len(ex.routed) and ex.top_k < len(ex.routed):
+            ex.router_weights = {**ex.router_weights, "skip_mean": skipped_means_at(
+                *self.skip_sums[ex.layer], ex.top_k, down_of(ex.layer), ex.routed)}
 
 
 def _routed_hidden_of(inputs: LayerInputs, adapter: ModelAdapter, gate_w: torch.Tensor, up_w: torch.Tensor,
@@ -643,17 +695,23 @@ def refit_on_converted(adapter: ModelAdapter, params: Any, experts: list[Any], m
     return {"refit": "converted_inputs", "refit_tokens": calib.n_tokens}
 
 
-def _no_slower_top_k(params: Any, rows: list[Any], adapter: ModelAdapter, profile: Any, data_dir: Any,
-                     record: dict[str, Any]) -> list[np.ndarray | None]:
-    """Per row, the top-k ``params.speed_guard`` leaves to the budget plan (None: any), from the kernel table the
-    profiled model has on this machine (``evaluation.speed_table``); notes in ``record["speed_guard"]`` what the
-    guard was based on, or why it could not run."""
-    if getattr(params, "speed_guard", "none") != "machine":
-        return [None] * len(rows)
+def guard_table(params: Any, data_dir: Any, where: Any, adapter: ModelAdapter, profile: Any) -> dict[str, Any] | None:
+    """The kernel table the speed guard (``params.speed_guard == "machine"``) reads: the one the profiled model has on
+    this machine (``evaluation.speed_table``), for a model whose weights are on ``where`` (a module, or a
+    ``(device, dtype)`` pair where the model is not in memory); None without a guard or a table."""
+    if getattr(params, "speed_guard", "none") != "machine" or data_dir is None:
+        return None
     from ..evaluation.speed_table import cached_table, model_info
 
-    table = None if data_dir is None else cached_table(
-        adapter.model, model_info(adapter, profile.manifest["model"].get("source")), data_dir)
+    return cached_table(where, model_info(adapter, profile.manifest["model"].get("source")), data_dir)
+
+
+def _no_slower_top_k(params: Any, rows: list[Any], table: dict[str, Any] | None,
+                     record: dict[str, Any]) -> list[np.ndarray | None]:
+    """Per row, the top-k ``params.speed_guard`` leaves to the budget plan (None: any), from this machine's kernel
+    table (``guard_table``); notes in ``record["speed_guard"]`` what the guard was based on, or why it could not run."""
+    if getattr(params, "speed_guard", "none") != "machine":
+        return [None] * len(rows)
     if table is None:
         record["speed_guard"] = {"applied": False, "note": "no kernel timings of this model on this machine (a profile "
                                  "measures them unless MOELAB_TIME_KERNELS is off): every top-k offered"}

@@ -18,6 +18,9 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, ClassVar, Literal, Mapping, TypeVar, Union
 
 from ..runtime.moelab_routers import ROUTERS
+from ..sizes import format_size
+
+FIT_SEQ_LEN = 256  # tokens per calibration window a fit reads (``core.fitting``)
 
 T = TypeVar("T")
 _BOUNDS = (("ge", operator.ge, "≥"), ("gt", operator.gt, ">"), ("le", operator.le, "≤"), ("lt", operator.lt, "<"))
@@ -192,6 +195,32 @@ def needs_fitting(params: Any) -> bool:
             or getattr(params, "compensation", "none") != "none")
 
 
+def fit_bytes(params: Any, d_model: int, d_ffn: int, n_layers: int) -> int:
+    """What a streamed fit (``streaming.conversion``) holds beside a layer's weights, at most: ``fit_tokens``
+    calibration tokens' hidden states carried between layers, one layer's MLP inputs and hidden activations (each
+    twice while its batches are joined) and the routed experts' copy of them, float32; with the compensation, every
+    layer's per-rank sums until the second pass (float64, ``core.fitting.rank_sums``). 0 without a fit."""
+    if not needs_fitting(params):
+        return 0
+    tokens = max(FIT_SEQ_LEN, getattr(params, "fit_tokens", 0) // FIT_SEQ_LEN * FIT_SEQ_LEN)  # whole windows
+    held = tokens * 4 * (3 * d_model + 3 * d_ffn)
+    if getattr(params, "compensation", "none") != "none":
+        n = getattr(params, "n_experts", 1)
+        held += n_layers * 8 * n * n * (-(-d_ffn // n) + 1)
+    return held
+
+
+def fit_budget_error(params: Any, max_memory: int, floor_bytes: int, fit: int) -> str | None:
+    """Why ``max_memory`` cannot hold a streamed conversion's largest step (``floor_bytes``) and its fit (``fit``,
+    ``fit_bytes``) beside it, and what to give instead; None where it can (or there is no fit)."""
+    if not fit or max_memory >= floor_bytes + fit:
+        return None
+    return (f"memory budget (--max-memory / max_memory) {format_size(max_memory)} is too small for a fitted conversion "
+            f"streamed layer by layer: the fit on {params.fit_tokens} calibration tokens holds up to "
+            f"{format_size(fit)} beside the largest step's {format_size(floor_bytes)}; give at least "
+            f"{format_size(floor_bytes + fit)} ({floor_bytes + fit} bytes) or fewer fit_tokens (--fit-tokens)")
+
+
 def check_compensation(params: Any) -> None:
     """The skipped-expert compensation adds unweighted expert means (``core.fitting``): only under the
     ``sum`` combine are they what a skipped expert would have added."""
@@ -206,8 +235,11 @@ def check_streamable(method: Any, params: Any) -> None:
         raise ConversionError(
             f"{method.name} cannot convert under --max-memory: only the partition methods (expertweaver, cmoe) build one "
             "layer at a time; run it on a machine that holds the whole model, or without --max-memory")
-    if needs_fitting(params):
+    if getattr(params, "plan_error", "residual") == "fisher":
         raise ConversionError(
-            "the ridge router, the budget plan and the skipped-expert compensation (and the leading plan) are fitted on "
-            "calibration activations of the whole model, which --max-memory does not hold: use --router centroid (expertweaver) or representative "
-            "(cmoe), --plan paper and --compensation none (--recipe paper), or convert without --max-memory")
+            "plan_error 'fisher' reads the loss gradient of the whole model at once, which --max-memory does not hold: "
+            "use plan_error 'residual' (--recipe best), or convert without --max-memory")
+    if getattr(params, "refit", "none") != "none":
+        raise ConversionError(
+            f"refit {params.refit!r} runs the whole converted model over the calibration text, which --max-memory does "
+            "not hold: use refit 'none' (--recipe best), or convert without --max-memory")

@@ -22,7 +22,7 @@ import statistics
 import time
 from pathlib import Path
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -211,13 +211,19 @@ def model_info(adapter: Any, source: str | None) -> dict[str, Any]:
     return {"source": source, "d_model": adapter.d_model, "d_ffn": adapter.layers[0].d_ffn, "n_layers": len(adapter.layers)}
 
 
-def table_path(model: nn.Module, info: dict[str, Any], data_dir: Path) -> Path:
-    """Where the table of ``model`` (``info``: its source and shape) on this machine, its dtype, this thread count and
-    this build of the native kernels is cached."""
-    param = next(model.parameters())
-    kernels = moelab_native.build_key() if param.device.type == "cpu" and moelab_native.library() is not None else ""
-    key = table_key(info, machine_name(param.device), str(param.dtype).removeprefix("torch."), torch.get_num_threads(),
-                    kernels)
+#: where a model's weights are: the model itself, or ``(device, dtype)`` for one that is not in memory (a streamed job)
+Placement = Union[nn.Module, tuple[torch.device, torch.dtype]]
+
+
+def table_path(where: Placement, info: dict[str, Any], data_dir: Path) -> Path:
+    """Where the table of a model on ``where`` (``info``: its source and shape) on this machine, its dtype, this thread
+    count and this build of the native kernels is cached."""
+    if isinstance(where, nn.Module):
+        param = next(where.parameters())
+        where = (param.device, param.dtype)
+    device, dtype = where
+    kernels = moelab_native.build_key() if device.type == "cpu" and moelab_native.library() is not None else ""
+    key = table_key(info, machine_name(device), str(dtype).removeprefix("torch."), torch.get_num_threads(), kernels)
     return Path(data_dir) / TABLE_DIR / f"{key}.json"
 
 
@@ -228,9 +234,9 @@ def _read(path: Path) -> dict[str, Any] | None:
         return None  # never measured, or damaged: measured again by the next profile
 
 
-def cached_table(model: nn.Module, info: dict[str, Any], data_dir: Path) -> dict[str, Any] | None:
-    """The table ``ensure_table`` measured for ``model`` here, or None."""
-    return _read(table_path(model, info, data_dir))
+def cached_table(where: Placement, info: dict[str, Any], data_dir: Path) -> dict[str, Any] | None:
+    """The table ``ensure_table`` measured here for the model on ``where``, or None."""
+    return _read(table_path(where, info, data_dir))
 
 
 def ensure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], data_dir: Path) -> dict[str, Any]:

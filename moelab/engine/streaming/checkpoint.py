@@ -4,7 +4,9 @@ module of a ``meta``-device model from them (and back to ``meta``) so only one l
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -84,3 +86,37 @@ def unload_module(module: nn.Module, skip: tuple[str, ...] = ()) -> None:
     for name, _ in module.named_parameters():
         if not name.startswith(skip):
             set_module_tensor_to_device(module, name, "meta")
+
+
+class LayerLoader:
+    """A ``meta``-device model's weights read from its checkpoint around each step of a layer-by-layer pass
+    (``core.fitting.layerwise_inputs``): the decoder's own weights (embeddings, final norm) while ``decoder()`` is
+    entered, one decoder layer's while ``layer(lay)`` is; back to ``meta`` on leaving."""
+
+    def __init__(self, adapter: Any, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> None:
+        from ..layer_calls import layer_list_name
+
+        self.model, self.ckpt, self.device, self.dtype = adapter.model, ckpt, device, dtype
+        self.decoder_module = adapter.decoder()
+        names = {id(m): name for name, m in self.model.named_modules()}
+        prefix = names[id(self.decoder_module)]
+        self.prefix = f"{prefix}." if prefix else ""
+        self.layers_prefix = f"{layer_list_name(adapter)}."
+        self.names = names
+
+    @contextmanager
+    def decoder(self) -> Iterator[None]:
+        skip = (self.layers_prefix,)
+        load_module(self.model, self.prefix, self.decoder_module, self.ckpt, self.device, self.dtype, skip=skip)
+        try:
+            yield
+        finally:
+            unload_module(self.decoder_module, skip=skip)
+
+    @contextmanager
+    def layer(self, lay: Any) -> Iterator[None]:
+        load_module(self.model, f"{self.names[id(lay.block)]}.", lay.block, self.ckpt, self.device, self.dtype)
+        try:
+            yield
+        finally:
+            unload_module(lay.block)

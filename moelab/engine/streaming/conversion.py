@@ -10,10 +10,18 @@ copied from the source shards one at a time. The export has the same files, name
 values as the in-memory conversion's (``runtime.export.export_model``), so it loads the same way
 and computes the same logits.
 
-What cannot stream is refused before any weight is read: the ridge router and the budget plan fit
-on calibration activations of the whole model (``core.fitting``), and the other methods read the
-whole model by design. ``plan_conversion`` decides whether a conversion streams and checks that it
-can (``core.params.check_streamable``), once; ``convert_streamed`` takes that plan as the decision.
+A fitted conversion (ridge router, budget or leading plan, skipped-expert compensation: ``--recipe best``
+and ``portable``) runs two passes. The first is ``core.fitting.layerwise_inputs`` over the calibration
+windows with each decoder layer loaded in turn (``checkpoint.LayerLoader``): while a layer is in memory its
+experts are clustered and fitted (``core.fitting.LayerFits.add``); then the plan is made over every layer,
+as in memory. The second loads each MLP again, fits its skipped-expert means at the planned top-k and
+writes it. The fit holds the calibration windows' hidden states and one layer's activations
+(``fit_bytes``), which the budget must hold beside the largest layer.
+
+What cannot stream is refused before any weight is read: the Fisher-weighted plan and the refit on the
+converted model's inputs run the whole model at once, and the other methods read the whole model by
+design. ``plan_conversion`` decides whether a conversion streams and checks that it can
+(``core.params.check_streamable``), once; ``convert_streamed`` takes that plan as the decision.
 """
 
 from __future__ import annotations
@@ -26,14 +34,16 @@ import torch
 from torch import nn
 
 from ..atomic import atomic_directory, write_json_atomic
-from ..core.params import MethodParams, check_streamable
+from ..core.fitting import FIT_STAGE, LayerFits, guard_table, layerwise_inputs, profile_token_windows
+from ..core.params import MethodParams, check_streamable, fit_budget_error, fit_bytes, needs_fitting
 from ..core.slicing import build_modules, build_one_layer, check_compatible, partition_arrays, partition_record
 from ..progress import NO_PROGRESS, Progress
 from ..runtime.export import AUTO_MAP, CONVERSION_FILE, PARTITION_FILE, build_moe_model, copy_runtime
 from ..runtime.modeling_moelab import MoelabForCausalLM
 from ..runtime.param_count import parameter_counts
 from ..sizes import parse_size
-from .checkpoint import Checkpoint, load_module, unload_module
+from .checkpoint import Checkpoint, LayerLoader, load_module, unload_module
+from .footprint import MemoryBudgetError
 from .plan import StreamPlan, plan_streaming
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -83,23 +93,47 @@ class _ShardWriter:
 def plan_conversion(method: Any, params: MethodParams, profile: Any, max_memory: int | str, *, data_dir: Path,
                     device: str = "auto", trust_remote_code: bool = False) -> StreamPlan:
     """The profiled model (``profile``'s source) built on ``meta`` in float32, as a conversion reads it,
-    against ``max_memory`` (bytes or "2GiB"): MemoryBudgetError when the budget cannot hold one layer;
-    when the model exceeds it (``plan.stream``), ConversionError when ``method`` or ``params`` cannot
-    stream. The plan is the decision ``convert_streamed`` acts on; nothing checks it again."""
+    against ``max_memory`` (bytes or "2GiB"): MemoryBudgetError when the budget cannot hold one layer (and,
+    for a fitted conversion, what its fit holds: ``fit_bytes``); when the model and its fit exceed it
+    (``plan.stream``), ConversionError when ``method`` or ``params`` cannot stream. The plan is the decision
+    ``convert_streamed`` acts on; nothing checks it again."""
     plan = plan_streaming(profile.manifest["model"]["source"], parse_size(max_memory), data_dir=data_dir,
                           device=device, dtype="float32", trust_remote_code=trust_remote_code)
+    adapter = plan.adapter
+    plan.work_bytes = fit_bytes(params, adapter.d_model, max(lay.d_ffn for lay in adapter.layers), adapter.n_layers)
     if plan.stream:
         check_streamable(method, params)
+        if error := fit_budget_error(params, plan.max_memory, plan.footprint.floor_bytes, plan.work_bytes):
+            raise MemoryBudgetError(error)
     return plan
 
 
-def convert_streamed(plan: StreamPlan, profile: Any, params: MethodParams, method: Any, out: Path,
+def _fit_pass(plan: StreamPlan, profile: Any, params: MethodParams, rows: list[Any], build_one: Callable[[int], Any],
+              ckpt: Checkpoint, data_dir: Path, progress: Progress) -> tuple[list[Any], list[Any], LayerFits, dict]:
+    """The first pass of a fitted conversion (module docstring): every layer clustered and fitted while the
+    calibration windows pass through it, then the plan; returns ``(rows, experts, fits, fit record)``."""
+    adapter = plan.adapter
+    windows = profile_token_windows(adapter, profile, params.fit_tokens, data_dir)  # type: ignore[attr-defined]
+    fits = LayerFits(adapter, params, int(windows.numel()), windows)
+    experts = []
+    progress.update(FIT_STAGE, 0, len(rows))
+    loader = LayerLoader(adapter, ckpt, plan.device, plan.dtype)
+    for i, inputs in enumerate(layerwise_inputs(adapter, windows, weights=loader)):
+        experts.append(build_one(i))
+        fits.add(rows[i], experts[i], inputs)
+        progress.update(FIT_STAGE, i + 1, len(rows))
+    rows, record = fits.plan(rows, experts, profile, guard_table(params, data_dir, (plan.device, plan.dtype),
+                                                                adapter, profile))
+    return rows, experts, fits, record
+
+
+def convert_streamed(plan: StreamPlan, profile: Any, params: MethodParams, method: Any, out: Path, *, data_dir: Path,
                      progress: Progress = NO_PROGRESS, complete: Callable[[dict[str, Any], Any], None] | None = None,
                      ) -> dict[str, Any]:
     """Convert ``plan.adapter`` (a meta-device model; ``plan`` from ``plan_conversion``, which checked that
     ``method`` and ``params`` stream) layer by layer into the export directory ``out`` (atomic); returns
     the conversion record. ``complete(record, moe)``: adds the caller's fields (cost, provenance) before
-    it is written."""
+    it is written. ``data_dir``: where a fitted conversion finds the profile's calibration text again."""
     from safetensors.numpy import save_file
 
     from ..runtime.model_card import write_model_card
@@ -116,22 +150,28 @@ def convert_streamed(plan: StreamPlan, profile: Any, params: MethodParams, metho
     before = parameter_counts(hf)
     names = _module_names(hf)
     mlp_prefixes = tuple(f"{names[id(lay.mlp)]}." for lay in adapter.layers)
-    experts, meta_modules = [], {}
+    experts, meta_modules, fits, fit = [], {}, None, {}
+    if needs_fitting(params):
+        rows, experts, fits, fit = _fit_pass(plan, profile, params, rows, build_one, ckpt, data_dir, progress)
     with atomic_directory(out) as tmp:
         shards = _ShardWriter(tmp)
-        progress.update("cluster experts", 0, len(rows))
+        progress.update("build experts", 0, len(rows))
         for i in range(len(rows)):
             mlp = adapter.layers[i].mlp
             load_module(hf, mlp_prefixes[i], mlp, ckpt, torch.device("cpu"), torch.float32)
-            layer = build_one(i)
-            module = build_modules(adapter, [layer], params)[i]
-            unload_module(mlp)
-            for name, t in module.state_dict().items():  # this layer's experts go to the export now, a shard of their own
+            if fits is None:
+                experts.append(build_one(i))
+            elif fits.compensates:
+                fits.compensate(experts[i], lambda _: adapter.layers[i].down_weight().detach().float())
+            module = build_modules(adapter, [experts[i]], params).get(i)
+            # this layer's experts (or, where the plan writes it whole, its dense MLP) go to the export now
+            for name, t in (module or mlp).state_dict().items():
                 shards.add(f"model.{mlp_prefixes[i]}{name}", t)
             shards.flush()
-            experts.append(layer)
-            meta_modules[i] = module.to("meta")
-            progress.update("cluster experts", i + 1, len(rows))
+            unload_module(mlp)
+            if module is not None:
+                meta_modules[i] = module.to("meta")
+            progress.update("build experts", i + 1, len(rows))
         t1 = time.perf_counter()
         progress.update("copy the other weights", 0, 1)
         moe = build_moe_model(adapter, meta_modules, provenance={"method": params.method, "router": params.router})  # type: ignore[attr-defined]
@@ -154,6 +194,10 @@ def convert_streamed(plan: StreamPlan, profile: Any, params: MethodParams, metho
         save_file(partition_arrays(experts), str(tmp / PARTITION_FILE))
         record = partition_record(params, rows, experts, adapter.n_layers, before, parameter_counts(moe),
                                   {"build_s": t1 - t0, "copy_s": time.perf_counter() - t1, "streamed": True})
+        if fit:  # as convert_partition records it
+            record["fit"] = fit
+            if "speed_guard" in fit:
+                record["summary"]["speed_guard"] = fit["speed_guard"]["note"]
         if complete is not None:
             complete(record, moe)
         write_json_atomic(tmp / CONVERSION_FILE, record)

@@ -24,11 +24,12 @@ class StreamPlan:
     dtype: torch.dtype
     footprint: Footprint
     max_memory: int
+    work_bytes: int = 0  # what the job holds beside the weights (a fitted conversion's fit: ``conversion.fit_bytes``)
 
     @property
     def stream(self) -> bool:
-        """Whether the whole model exceeds the budget (else the ordinary in-memory pass runs)."""
-        return self.footprint.total_bytes > self.max_memory
+        """Whether the whole model and the job's work exceed the budget (else the ordinary in-memory pass runs)."""
+        return self.footprint.total_bytes + self.work_bytes > self.max_memory
 
 
 def meta_model(spec: str, *, data_dir: Path, device: str = "auto", dtype: str = "auto",
