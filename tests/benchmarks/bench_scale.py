@@ -1,7 +1,7 @@
 """Profiling and converting an 8B-shaped model under a memory budget, one decoder layer at a time.
 
     python tests/benchmarks/bench_scale.py [--layers 4] [--max-memory 2GiB] [--samples 32] [--max-tokens 64]
-        [--work runs/bench_scale] [--device cpu]
+        [--recipe paper] [--fit-tokens N] [--work runs/bench_scale] [--device cpu]
 
 The model: a Llama with Llama-3-8B layer shapes (d_model 4096, d_ffn 14336, 32 query / 8 key-value
 heads), ``--layers`` decoder layers, the default model's tokenizer (vocabulary 49,152), random
@@ -9,7 +9,11 @@ weights saved as float32 safetensors shards (written one tensor at a time; made 
 ``--work``). Then, as a user runs them, each in its own process:
 
     moelab profile --model <it> --calib builtin:mixed --max-memory 2GiB …
-    moelab convert --profile <that> --method expertweaver --max-memory 2GiB …
+    moelab convert --profile <that> --method expertweaver --recipe paper --max-memory 2GiB …
+
+``--recipe best`` (or ``portable``) converts with a fit streamed in two passes; its fit is held beside the largest
+layer (``core.params.fit_bytes``: 4.5 GiB at 16,384 fit tokens for this shape, 1.3 GiB at 4,096, so ``--fit-tokens`` or a larger
+budget); ``--out`` then defaults to ``bench_scale_<recipe>.json``.
 
 Recorded per command: the process's peak RSS (the kernel's high-water mark, from ``wait4``), wall
 time, the engine's seconds per layer, and the extrapolation to 32 layers (8B) and 80 layers (70B)
@@ -103,10 +107,13 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--recipe", default="paper", choices=["paper", "best", "portable"])
+    ap.add_argument("--fit-tokens", type=int, default=None, help="the fitted recipes' calibration tokens")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_scale")
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--make-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.out = args.out or (OUT if args.recipe == "paper" else OUT.with_name(f"bench_scale_{args.recipe}.json"))
 
     data_dir = get_settings().data_dir
     model = args.work / f"llama3-8b-shaped-{args.layers}L"
@@ -124,17 +131,21 @@ def main() -> None:
     p_wall, p_rss, _ = run(["profile", "--model", str(model), "--calib", "builtin:mixed", "--samples", str(args.samples),
                             "--max-tokens", str(args.max_tokens), "--max-memory", args.max_memory, "--out", str(prof),
                             "--quiet"], env)
-    c_wall, c_rss, _ = run(["convert", "--profile", str(prof), "--method", "expertweaver", "--max-memory", args.max_memory,
-                            "--out", str(conv), "--quiet"], env)
+    fit = ["--fit-tokens", str(args.fit_tokens)] if args.fit_tokens else []
+    c_wall, c_rss, _ = run(["convert", "--profile", str(prof), "--method", "expertweaver", "--recipe", args.recipe, *fit,
+                            "--max-memory", args.max_memory, "--out", str(conv), "--quiet"], env)
     pt = json.loads((prof / "manifest.json").read_text())["timings"]
-    ct = json.loads((conv / "conversion.json").read_text())["timings"]
+    record = json.loads((conv / "conversion.json").read_text())
+    ct = record["timings"]
     p_layer = pt["seconds_per_layer"]
     c_layer = ct["build_s"] / args.layers
     p_rest, c_rest = p_wall - p_layer * args.layers, c_wall - c_layer * args.layers  # once per command, whatever the depth
     budget = parse_size(args.max_memory)
+    aim = budget / 2**30 + 0.75  # the budget and the Python/torch runtime (2.75 GiB at 2 GiB)
     report = {
         "model": {"shape": SHAPE, "layers": args.layers, "vocab": 49152, "weights_bytes": weights, "made_s": make_s},
-        "device": args.device, "max_memory": args.max_memory, "max_memory_bytes": budget,
+        "device": args.device, "max_memory": args.max_memory, "max_memory_bytes": budget, "recipe": args.recipe,
+        "fit_tokens": (record.get("fit") or {}).get("fit_tokens"),
         "calibration": {"set": "builtin:mixed", "samples": args.samples, "max_tokens": args.max_tokens},
         # peak_rss_mib: the whole process's (wait4); engine_peak_rss_mib: from the job's start (imports excluded)
         "profile": {"wall_s": p_wall, "peak_rss_mib": p_rss, "engine_peak_rss_mib": pt.get("peak_rss_mib"),
@@ -142,16 +153,17 @@ def main() -> None:
         "convert": {"wall_s": c_wall, "peak_rss_mib": c_rss, "engine_peak_rss_mib": ct.get("peak_rss_mib"),
                     "seconds_per_layer": c_layer, "timings": ct},
         "extrapolated_s": {f"{n} layers": {"profile": p_rest + p_layer * n, "convert": c_rest + c_layer * n} for n in (32, 80)},
-        "aim_peak_rss_gib": 2.75, "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
+        "aim_peak_rss_gib": aim, "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     gib = 1024
     ex = report["extrapolated_s"]
-    print(f"bench_scale: {args.layers}-layer 8B-shaped Llama ({weights / 2**30:.1f} GiB fp32) under --max-memory {args.max_memory} on "
+    print(f"bench_scale: {args.layers}-layer 8B-shaped Llama ({weights / 2**30:.1f} GiB fp32), --recipe {args.recipe}, under "
+          f"--max-memory {args.max_memory} on "
           f"{args.device}: profile peak RSS {p_rss / gib:.2f} GiB, {p_layer:.1f} s/layer; convert peak RSS {c_rss / gib:.2f} GiB, "
           f"{c_layer:.1f} s/layer; 8B (32 layers) ≈ {ex['32 layers']['profile'] / 60:.0f} + {ex['32 layers']['convert'] / 60:.0f} min, "
-          f"70B-deep (80) ≈ {ex['80 layers']['profile'] / 60:.0f} + {ex['80 layers']['convert'] / 60:.0f} min (aim ≤ 2.75 GiB)")
+          f"70B-deep (80) ≈ {ex['80 layers']['profile'] / 60:.0f} + {ex['80 layers']['convert'] / 60:.0f} min (aim ≤ {aim:.2f} GiB)")
 
 
 if __name__ == "__main__":

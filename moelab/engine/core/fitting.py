@@ -70,6 +70,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from ..memory import give_back_freed_heap
 from ..models import ModelAdapter, dense_weights
 from ..runtime.moelab_routers import router_kind
 from ..progress import NO_PROGRESS, Progress
@@ -197,13 +198,17 @@ def collect_inputs(adapter: ModelAdapter, windows: torch.Tensor, progress: Progr
 
 class InMemory:
     """``layerwise_inputs``'s default weights: all in memory, nothing to load around a step (a streamed job loads them:
-    ``streaming.checkpoint.LayerLoader``)."""
+    ``streaming.checkpoint.LayerLoader``); the heap a layer's step freed is given back as it ends, as there."""
 
     def decoder(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def layer(self, lay: Any) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def layer(self, lay: Any) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            give_back_freed_heap()
 
 
 @torch.no_grad()
@@ -226,22 +231,40 @@ def layerwise_inputs(adapter: ModelAdapter, windows: torch.Tensor, batch: int = 
     with weights.decoder():
         calls = [catch_calls(decoder, name, n_layers, input_ids=ids.to(adapter.device)) for ids in chunks]
     states = [c.pop("input") for c in calls]
+    n = int(windows.numel())
     for lay in adapter.layers:
         with weights.layer(lay):
-            xs: list[torch.Tensor] = []
-            res: list[torch.Tensor] = []
-            hid: list[torch.Tensor] = []
-            handles = _input_hooks(lay, lay.mlp, xs, res, hid)
+            xs, res, hid = _Rows(n), _Rows(n), _Rows(n)
+            handles = _input_hooks(lay, lay.mlp, xs, res, hid)  # type: ignore[arg-type]
             try:
                 for b in range(len(chunks)):
                     states[b] = run_layer(lay.block, states[b], calls[b][lay.index])
             finally:
                 for h in handles:
                     h.remove()
-            out = LayerInputs(lay.index, torch.cat(xs), torch.cat(res), torch.cat(hid))
-            del xs, res, hid  # the batches' pieces, freed before the caller fits the layer
+            out = LayerInputs(lay.index, xs.rows(), res.rows(), hid.rows())
+            del xs, res, hid
             yield out
             del out  # not held through the next layer's pass
+
+
+class _Rows:
+    """Batches' rows (``append``, as a list takes them) written into one tensor of ``n`` rows made at the first batch:
+    a layer's calibration activations joined without their pieces and a joined copy held at once (the pieces, some
+    MB each, also stayed in the heap after they were freed)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.at, self.t = n, 0, None
+
+    def append(self, rows: torch.Tensor) -> None:
+        if self.t is None:
+            self.t = rows.new_empty((self.n, *rows.shape[1:]))
+        self.t[self.at : self.at + len(rows)] = rows
+        self.at += len(rows)
+
+    def rows(self) -> torch.Tensor:
+        assert self.t is not None and self.at == self.n, "every batch's rows"
+        return self.t
 
 
 def output_fisher(adapter: ModelAdapter, windows: torch.Tensor, batch: int = 4) -> dict[int, torch.Tensor]:
@@ -573,8 +596,9 @@ class LayerFits:
                 ex.router_weights = fitted
             if self.budget_plan or self.compensates:
                 scores = router_scores(x, ex.router, ex.router_weights, gate_w, ex.routed, act)
-            if self.compensates:
-                self.skip_sums[row.layer] = rank_sums(hidden, scores)
+            if self.compensates:  # summed in float32: held so until the layer's top-k is known (half the memory)
+                sums, counts = rank_sums(hidden, scores)
+                self.skip_sums[row.layer] = (sums.float(), counts)
             del hidden
         if not self.budget_plan:
             return
@@ -611,8 +635,9 @@ class LayerFits:
         """Layer ``ex.layer``'s skipped-expert means at its planned top-k, where it skips any (``down_of(layer)``: its
         dense down weight as float32)."""
         if len(ex.routed) and ex.top_k < len(ex.routed):
+            sums, counts = self.skip_sums[ex.layer]
             ex.router_weights = {**ex.router_weights, "skip_mean": skipped_means_at(
-                *self.skip_sums[ex.layer], ex.top_k, down_of(ex.layer), ex.routed)}
+                sums.double(), counts, ex.top_k, down_of(ex.layer), ex.routed)}
 
 
 def _routed_hidden_of(inputs: LayerInputs, adapter: ModelAdapter, gate_w: torch.Tensor, up_w: torch.Tensor,

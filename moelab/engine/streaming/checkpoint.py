@@ -11,6 +11,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ..memory import give_back_freed_heap
 from ..models import DEFAULT_MODEL, ModelError, cache_default_model, service_location
 
 
@@ -98,11 +99,10 @@ class LayerLoader:
 
         self.model, self.ckpt, self.device, self.dtype = adapter.model, ckpt, device, dtype
         self.decoder_module = adapter.decoder()
-        names = {id(m): name for name, m in self.model.named_modules()}
-        prefix = names[id(self.decoder_module)]
+        self.names = {id(m): name for name, m in self.model.named_modules()}  # a module's weights' name prefix
+        prefix = self.names[id(self.decoder_module)]
         self.prefix = f"{prefix}." if prefix else ""
-        self.layers_prefix = f"{layer_list_name(adapter)}."
-        self.names = names
+        self.layers_prefix = f"{layer_list_name(adapter)}."  # under the decoder: the layers, loaded one at a time
 
     @contextmanager
     def decoder(self) -> Iterator[None]:
@@ -120,3 +120,4 @@ class LayerLoader:
             yield
         finally:
             unload_module(lay.block)
+            give_back_freed_heap()  # the layer's weights and what its step freed: resident memory stays bounded

@@ -121,6 +121,7 @@ def _fit_pass(plan: StreamPlan, profile: Any, params: MethodParams, rows: list[A
     for i, inputs in enumerate(layerwise_inputs(adapter, windows, weights=loader)):
         experts.append(build_one(i))
         fits.add(rows[i], experts[i], inputs)
+        del inputs  # not held through the next layer's pass
         progress.update(FIT_STAGE, i + 1, len(rows))
     rows, record = fits.plan(rows, experts, profile, guard_table(params, data_dir, (plan.device, plan.dtype),
                                                                 adapter, profile))

@@ -57,7 +57,7 @@ from ..profiling.profiler import (
     start_pass,
 )
 from ..progress import NO_PROGRESS, Progress
-from .checkpoint import Checkpoint, load_module, unload_module
+from .checkpoint import Checkpoint, LayerLoader
 from .plan import StreamPlan
 
 #: Tokens per chunk when S_L / S_M are reduced from the per-layer unit vectors: 64 MiB of floats.
@@ -183,12 +183,8 @@ def profile_streamed(
     s, p, timings = start_pass(adapter.tokenizer, cset, settings)
 
     n_layers, d_model = adapter.n_layers, adapter.d_model
-    model = adapter.model
     decoder = adapter.decoder()
-    prefix = next(name for name, m in model.named_modules() if m is decoder)
-    prefix = f"{prefix}." if prefix else ""
     layers_name = layer_list_name(adapter)
-    layer_prefix = f"{prefix}{layers_name}."
 
     # Where the carried tensors live: budget after the largest step, hidden states first
     # (they are read every layer), then the unit vectors, then the finished XᵀX matrices.
@@ -204,7 +200,7 @@ def profile_streamed(
         scratch = temporary_sibling(Path(scratch_near or Path.cwd()) / "profile", "stream")
         scratch.mkdir(parents=True)
 
-    ckpt = Checkpoint(plan.location)
+    loader = LayerLoader(adapter, Checkpoint(plan.location), plan.device, plan.dtype)
     try:
         def carry(name: str) -> _Carry:
             return _Carry(batch_shapes, plan.dtype, scratch / f"{name}.bin" if hidden_disk else None)
@@ -216,7 +212,7 @@ def profile_streamed(
 
         # Step 2: embeddings and each layer's call arguments, through the model's own forward.
         t1 = time.perf_counter()
-        calls_per_batch, feature_rows = _embed(plan, p, ckpt, decoder, prefix, layers_name, h_in, progress)
+        calls_per_batch, feature_rows = _embed(plan, p, loader, decoder, layers_name, h_in, progress)
         timings["embed_s"] = time.perf_counter() - t1
 
         # Step 3: one layer at a time over every batch.
@@ -224,7 +220,7 @@ def profile_streamed(
         t2 = time.perf_counter()
         progress.update("profile layers", 0, n_layers)
         for i, lay in enumerate(adapter.layers):
-            acc = _run_layer(i, lay, plan, p, s, (ckpt, f"{layer_prefix}{i}."), calls_per_batch, (h_in, h_out),
+            acc = _run_layer(i, lay, plan, p, s, loader, calls_per_batch, (h_in, h_out),
                              (units_out, units_mlp), token_start)
             stats = _finish_layer(acc, p.sample_group, len(p.group_names), p.n_tokens, s)
             if xtx_disk and stats.xtx is not None:  # finished XᵀX wait on disk for the profile writer
@@ -256,18 +252,17 @@ def profile_streamed(
         raise
 
 
-def _embed(plan: StreamPlan, p: _PassInputs, ckpt: Checkpoint, decoder: nn.Module, prefix: str, layers_name: str,
+def _embed(plan: StreamPlan, p: _PassInputs, loader: LayerLoader, decoder: nn.Module, layers_name: str,
            h_in: _Carry, progress: Progress) -> tuple[list[dict[int, Any]], list[np.ndarray]]:
-    """Step 2 of ``profile_streamed``: the decoder (weights under ``prefix``) without its layers runs
+    """Step 2 of ``profile_streamed``: the decoder (its own weights loaded by ``loader``) without its layers runs
     every batch, a ``LayerCatcher`` in each layer's place; the first layer's input goes to ``h_in``.
     Returns every batch's per-layer call arguments and its feature rows."""
-    model, device = plan.adapter.model, plan.device
+    device = plan.device
     n_layers = plan.adapter.n_layers
     progress.update("embed", 0, len(p.batches))
-    load_module(model, prefix, decoder, ckpt, device, plan.dtype, skip=(f"{layers_name}.",))
     calls_per_batch: list[dict[int, Any]] = []
     feature_rows: list[np.ndarray] = []
-    try:
+    with loader.decoder():
         with torch.inference_mode():
             for b, rows in enumerate(p.batches):
                 input_ids, mask, keep = _batch_tensors(p, rows)
@@ -277,39 +272,35 @@ def _embed(plan: StreamPlan, p: _PassInputs, ckpt: Checkpoint, decoder: nn.Modul
                 calls_per_batch.append(calls)
                 feature_rows.append(_feature_rows(rows, keep))
                 progress.update("embed", b + 1, len(p.batches))
-    finally:
-        unload_module(decoder, skip=(f"{layers_name}.",))
     return calls_per_batch, feature_rows
 
 
-def _run_layer(i: int, lay: Any, plan: StreamPlan, p: _PassInputs, s: ProfileSettings, weights: tuple[Checkpoint, str],
+def _run_layer(i: int, lay: Any, plan: StreamPlan, p: _PassInputs, s: ProfileSettings, loader: LayerLoader,
                calls_per_batch: list[dict[int, Any]], hidden: tuple[_Carry, _Carry], units: tuple[_Units, _Units],
                token_start: np.ndarray) -> _LayerAccumulator:
-    """Step 3 of ``profile_streamed`` for layer ``i``: load its weights (``(checkpoint, its name
-    prefix)``), run every batch through it with the profiling hooks, hidden states ``h_in`` →
-    ``h_out`` (``hidden``), its unit vectors (output, MLP) into ``units``, unload it. Returns the
-    layer's accumulator."""
+    """Step 3 of ``profile_streamed`` for layer ``i``: its weights loaded (``loader``), every batch run through
+    it with the profiling hooks, hidden states ``h_in`` → ``h_out`` (``hidden``), its unit vectors (output, MLP)
+    into ``units``; unloaded again. Returns the layer's accumulator."""
     device, d_model = plan.device, plan.adapter.d_model
-    (ckpt, layer_prefix), (h_in, h_out), (units_out, units_mlp) = weights, hidden, units
-    load_module(plan.adapter.model, layer_prefix, lay.block, ckpt, device, plan.dtype)
+    (h_in, h_out), (units_out, units_mlp) = hidden, units
     acc = _LayerAccumulator(len(p.ids), lay.d_ffn, d_model, s, device)
     state: dict[str, Any] = {}
-    handles = _layer_hooks(i, lay, acc, state, s)
-    try:
-        with torch.inference_mode():
-            for b, rows in enumerate(p.batches):
-                _, mask, keep = _batch_tensors(p, rows)
-                n_real = int(mask.sum())
-                out_buf = {i: torch.empty(n_real, d_model, device=device)}
-                mlp_buf = {i: torch.empty(n_real, d_model, device=device)}
-                state.update(_batch_state(p, rows, mask, keep, device), out_buf=out_buf, mlp_buf=mlp_buf)
-                h_out.put(b, run_layer(lay.block, h_in.get(b).to(device), calls_per_batch[b][i]))
-                units_out.put(i, int(token_start[b]), out_buf[i].cpu())
-                units_mlp.put(i, int(token_start[b]), mlp_buf[i].cpu())
-    finally:
-        for h in handles:
-            h.remove()
-        unload_module(lay.block)
+    with loader.layer(lay):
+        handles = _layer_hooks(i, lay, acc, state, s)
+        try:
+            with torch.inference_mode():
+                for b, rows in enumerate(p.batches):
+                    _, mask, keep = _batch_tensors(p, rows)
+                    n_real = int(mask.sum())
+                    out_buf = {i: torch.empty(n_real, d_model, device=device)}
+                    mlp_buf = {i: torch.empty(n_real, d_model, device=device)}
+                    state.update(_batch_state(p, rows, mask, keep, device), out_buf=out_buf, mlp_buf=mlp_buf)
+                    h_out.put(b, run_layer(lay.block, h_in.get(b).to(device), calls_per_batch[b][i]))
+                    units_out.put(i, int(token_start[b]), out_buf[i].cpu())
+                    units_mlp.put(i, int(token_start[b]), mlp_buf[i].cpu())
+        finally:
+            for h in handles:
+                h.remove()
     return acc
 
 
