@@ -47,9 +47,10 @@ class _ConversionBase(_In):
     )
     max_memory: str | None = Field(
         None, max_length=32, examples=["2GiB"],
-        description="memory budget: when the dense model's weights exceed it, an expertweaver/cmoe conversion (paper "
-        "routers, paper plan) runs one decoder layer at a time into the export (same result); below one layer's "
-        "weights: 422 naming the minimum; unset: the worker's MOELAB_MAX_MEMORY",
+        description="memory budget: when the dense model's weights (and a fitted recipe's fit) exceed it, an "
+        "expertweaver/cmoe conversion runs one decoder layer at a time into the export (same result; a fitted recipe "
+        "in two passes); below one layer's weights, or below that and the fit: 422 naming the minimum; unset: the "
+        "worker's MOELAB_MAX_MEMORY",
     )
 
     @model_validator(mode="after")
