@@ -315,7 +315,12 @@ def convert(method: str, profile_dirs: tuple[Path, ...], model_source: str | Non
         sizes = f", {s['active_params'] / 1e6:.1f}M of {s['total_params'] / 1e6:.1f}M parameters active per token"
     if s.get("ffn_flops_fraction") is not None:
         sizes += f", FFN cost {s['ffn_flops_fraction']:.3f} of dense (ffn_flops_fraction)"
-    click.echo(f"converted model written to {out} ({method}){sizes}, {record['timings']['total_s']:.1f}s")
+    t = record["timings"]
+    click.echo(f"converted model written to {out} ({method}){sizes}, {t['total_s']:.1f}s")
+    if t.get("streamed"):
+        fitted = " (fitted in a first pass, built in a second)" if record.get("fit") else ""
+        click.echo(f"  streamed one layer at a time under --max-memory {t['max_memory_bytes'] / 2**30:.2f} GiB{fitted}, "
+                   f"peak RSS {t['peak_rss_mib']:.0f} MiB")
     if s.get("predicted_speed"):
         from moelab.engine.core.speed_prediction import describe_predicted
 

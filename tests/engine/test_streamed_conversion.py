@@ -148,3 +148,32 @@ def test_a_fitted_recipe_streams_in_two_passes_and_equals_the_in_memory_conversi
         a = load_exported(tmp_path / "whole").eval()(input_ids=ids).logits
         b = load_exported(tmp_path / "streamed").eval()(input_ids=ids).logits
     assert torch.equal(a, b)
+
+
+def test_moelab_convert_streams_the_best_recipe_and_says_so(profiled_on_builtin, data_dir, tmp_path):
+    """The CLI path a user takes: ``moelab convert --recipe best --max-memory`` streams, prints that it did (two passes,
+    the peak), and a budget that holds the largest step but not the fit exits 1 with what to give, writing nothing."""
+    import os
+    import subprocess
+    import sys
+
+    src, prof, stored = profiled_on_builtin
+    method = get_method("expertweaver")
+    plan = plan_conversion(method, method.recipe("best", n_experts=8, fit_tokens=1024), stored, 1 << 40,
+                           data_dir=data_dir)
+    budget = plan.footprint.floor_bytes + plan.work_bytes + (plan.footprint.floor_bytes >> 3)
+    env = dict(os.environ, MOELAB_DATA_DIR=str(data_dir))
+
+    def convert(max_memory: int, out) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "moelab.cli", "convert", "--profile", str(prof), "--recipe", "best",
+                               "--n-experts", "8", "--fit-tokens", "1024", "--max-memory", str(max_memory), "--out",
+                               str(out), "--quiet"], capture_output=True, text=True, env=env, timeout=600)
+
+    short = convert(budget - plan.work_bytes, tmp_path / "short")
+    assert short.returncode == 1 and "fewer fit_tokens (--fit-tokens)" in short.stderr
+    assert "Traceback" not in short.stderr and not (tmp_path / "short").exists()
+    proc = convert(budget, tmp_path / "c")
+    assert proc.returncode == 0, proc.stderr
+    assert "streamed one layer at a time" in proc.stdout and "fitted in a first pass, built in a second" in proc.stdout
+    record = json.loads((tmp_path / "c" / "conversion.json").read_text())
+    assert record["timings"]["streamed"] is True and record["fit"]["compensation"] == "skipped_mean"

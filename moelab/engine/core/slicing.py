@@ -230,10 +230,7 @@ def convert_partition(adapter: ModelAdapter, profile: Any, params: MethodParams,
     moe = build_moe_model(adapter, modules, provenance={"method": params.method, "router": params.router})  # type: ignore[attr-defined]
     record = partition_record(params, rows, experts, adapter.n_layers, before, parameter_counts(moe),
                               {"build_s": t1 - t0, "total_s": time.perf_counter() - t0})
-    if fit:
-        record["fit"] = fit
-        if "speed_guard" in fit:  # shown wherever the summary is (moelab convert, the designer's result card)
-            record["summary"]["speed_guard"] = fit["speed_guard"]["note"]
+    add_fit(record, fit)
     # which dense neurons each expert holds (not JSON: ``run_conversion`` writes it as PARTITION_FILE)
     record["partition"] = partition_arrays(experts)
     return moe, record
@@ -252,6 +249,15 @@ def partition_record(params: MethodParams, rows: list[LayerPlan], experts: list[
         "layers": [{**asdict(p), **e.summary()} for p, e in zip(rows, experts)],
         "timings": timings,
     }
+
+
+def add_fit(record: dict[str, Any], fit: dict[str, Any]) -> None:
+    """A conversion record's fit (``core.fitting``), where there was one; the speed guard's note goes to the summary too,
+    shown wherever the summary is (moelab convert, the designer's result card)."""
+    if fit:
+        record["fit"] = fit
+        if "speed_guard" in fit:
+            record["summary"]["speed_guard"] = fit["speed_guard"]["note"]
 
 
 def partition_arrays(experts: list[LayerExperts]) -> dict[str, np.ndarray]:

@@ -36,7 +36,8 @@ from torch import nn
 from ..atomic import atomic_directory, write_json_atomic
 from ..core.fitting import FIT_STAGE, LayerFits, guard_table, layerwise_inputs, profile_token_windows
 from ..core.params import MethodParams, check_streamable, fit_budget_error, fit_bytes, needs_fitting
-from ..core.slicing import build_modules, build_one_layer, check_compatible, partition_arrays, partition_record
+from ..core.slicing import (add_fit, build_modules, build_one_layer, check_compatible, partition_arrays,
+                            partition_record)
 from ..progress import NO_PROGRESS, Progress
 from ..runtime.export import AUTO_MAP, CONVERSION_FILE, PARTITION_FILE, build_moe_model, copy_runtime
 from ..runtime.modeling_moelab import MoelabForCausalLM
@@ -195,10 +196,7 @@ def convert_streamed(plan: StreamPlan, profile: Any, params: MethodParams, metho
         save_file(partition_arrays(experts), str(tmp / PARTITION_FILE))
         record = partition_record(params, rows, experts, adapter.n_layers, before, parameter_counts(moe),
                                   {"build_s": t1 - t0, "copy_s": time.perf_counter() - t1, "streamed": True})
-        if fit:  # as convert_partition records it
-            record["fit"] = fit
-            if "speed_guard" in fit:
-                record["summary"]["speed_guard"] = fit["speed_guard"]["note"]
+        add_fit(record, fit)
         if complete is not None:
             complete(record, moe)
         write_json_atomic(tmp / CONVERSION_FILE, record)
