@@ -105,17 +105,25 @@ def profiled_on_builtin(request, tiny_model, data_dir, tmp_path_factory):
     return src, prof.path, prof
 
 
-@pytest.mark.parametrize("recipe", ["best", "portable"])
+FITTED = {
+    "best": lambda: get_method("expertweaver").recipe("best", n_experts=8, fit_tokens=1024),
+    "portable": lambda: get_method("expertweaver").recipe("portable", n_experts=8, fit_tokens=1024, width_multiple=8),
+    "cmoe-fitted": lambda: CMoEParams(n_experts=8, shared=2, active=2, router="ridge", plan="budget",
+                                      compensation="skipped_mean", fit_tokens=1024),
+}
+
+
+@pytest.mark.parametrize("recipe", list(FITTED))
 def test_a_fitted_recipe_streams_in_two_passes_and_equals_the_in_memory_conversion(profiled_on_builtin, recipe,
                                                                                     data_dir, tmp_path):
     """``--recipe best`` (ridge router, budget plan under the speed guard, skipped-expert compensation, half the down
-    rows) and ``portable`` (leading plan) under a budget that holds the largest step and the fit but not the model:
-    fitted layer by layer in a first pass, built in a second, and the same export as in memory (records, tensors
-    bit for bit, logits). A budget that holds the largest step but not the fit beside it is refused, saying so."""
+    rows), ``portable`` (leading plan) and CMoE with the same fits under a budget that holds the largest step and the
+    fit but not the model: fitted layer by layer in a first pass, built in a second, and the same export as in memory
+    (records, tensors bit for bit, logits). A budget that holds the largest step but not the fit beside it is
+    refused, saying so."""
     src, prof, stored = profiled_on_builtin
-    params = get_method("expertweaver").recipe(recipe, n_experts=8, fit_tokens=1024,
-                                               **({"width_multiple": 8} if recipe == "portable" else {}))
-    plan = plan_conversion(get_method("expertweaver"), params, stored, 1 << 40, data_dir=data_dir)
+    params = FITTED[recipe]()
+    plan = plan_conversion(get_method(params.method), params, stored, 1 << 40, data_dir=data_dir)
     fp = plan.footprint
     assert plan.work_bytes > 0 and fp.total_bytes > 1.5 * fp.floor_bytes
     budget = fp.floor_bytes + plan.work_bytes + (fp.floor_bytes >> 3)
@@ -125,7 +133,7 @@ def test_a_fitted_recipe_streams_in_two_passes_and_equals_the_in_memory_conversi
     whole = run_conversion(prof, params, tmp_path / "whole", data_dir=data_dir)
     streamed = run_conversion(prof, params, tmp_path / "streamed", data_dir=data_dir, max_memory=budget)
     assert streamed["timings"]["streamed"] is True and "streamed" not in whole["timings"]
-    assert whole["fit"]["fit_tokens"] == 1024 and ("budget" if recipe == "best" else "leading") in whole["fit"]
+    assert whole["fit"]["fit_tokens"] == 1024 and ("leading" if recipe == "portable" else "budget") in whole["fit"]
     if recipe == "best":  # the guard read the same kernel table in both
         assert whole["fit"]["speed_guard"]["applied"] and whole["fit"]["compensation"] == "skipped_mean"
         assert any(lay["top_k"] < lay["n_routed"] for lay in whole["layers"])  # some expert is skipped: compensated
@@ -140,7 +148,7 @@ def test_a_fitted_recipe_streams_in_two_passes_and_equals_the_in_memory_conversi
             assert pa["measured_at"] == pb["measured_at"] and "routing taken as uniform" in pb["note"]
         assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True), key
     w, s = _weights(tmp_path / "whole"), _weights(tmp_path / "streamed")
-    assert w.keys() == s.keys() and any(".skip_mean" in k for k in w) == (recipe == "best")
+    assert w.keys() == s.keys() and any(".skip_mean" in k for k in w) == (recipe != "portable")
     for k in w:
         assert w[k].dtype == s[k].dtype == torch.float32 and torch.equal(w[k], s[k]), k
     ids = torch.tensor([[1, 5, 9, 42, 7, 3, 11]])
