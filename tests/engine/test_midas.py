@@ -198,10 +198,43 @@ def test_plain_down_is_the_truncated_svd_of_w_down_for_every_set(fresh, profiles
 def test_surrogate_samples_cover_the_hidden_width(fresh, profiles):
     """HᵀH is d_ffn × d_ffn: fewer Gaussian samples than neurons leave it singular, so a layer
     draws at least 2·d_ffn whatever surrogate_samples asks (16 here, d_ffn = 96)."""
-    _, record = convert_midas(fresh, profiles, MidasParams(keep_ratio=0.5, top_k=1, surrogate_samples=16))
+    _, record = convert_midas(fresh, profiles, MidasParams(keep_ratio=0.5, top_k=1, down="surrogate",
+                                                           surrogate_samples=16))
     for row in record["layers"]:
         assert row["surrogate_samples"] == 2 * D_FFN
         assert row["down_jitter"] == [0.0, 0.0]  # full rank: no jitter-dominated directions
+
+
+def test_hidden_down_whitens_w_down_with_the_hidden_moment_of_each_sets_own_text(tiny_model, data_dir, profiles,
+                                                                                 dense_weights):
+    """``down='hidden'`` (the default; SVD-LLM on W_down's own input, as MI §3.2 applies it to every FFN matrix): each
+    set's HᵀH is the one the dense model's own forward gives on the set's stored text (checked against a whole
+    forward), and each expert's down projection is then the rank-r map of least error on it: no higher than the
+    surrogate's or the plain SVD's there (Eckart–Young in the whitened space), lower in every layer."""
+    from moelab.engine.core.fitting import collect_inputs, stored_token_windows
+    from moelab.engine.methods.midas import HIDDEN_TOKENS, hidden_moments
+
+    adapter = load_model(str(tiny_model("llama")), data_dir=data_dir)
+    moments = list(hidden_moments(adapter, profiles))
+    for j, p in enumerate(profiles):
+        windows = stored_token_windows(adapter, p, min(int(p.manifest["n_tokens"]), HIDDEN_TOKENS), shorter=True)
+        whole = collect_inputs(adapter, windows, keep_hidden=True)
+        for i in range(N_LAYERS):
+            h = whole.hidden[i].double()
+            torch.testing.assert_close(moments[i][j], h.T @ h, rtol=1e-5, atol=1e-6 * float((h.T @ h).abs().max()))
+    assert MidasParams().down == "hidden"
+    errors = {}
+    for down in ("hidden", "surrogate", "plain"):
+        moe, record = convert_midas(load_model(str(tiny_model("llama")), data_dir=data_dir), profiles,
+                                    MidasParams(keep_ratio=0.5, top_k=1, down=down, dense_layers="none"))
+        if down == "hidden":
+            assert all("down_error_hidden" in row and "surrogate_samples" not in row for row in record["layers"])
+        errors[down] = [[data_error(dense_weights[i][2], (mod.down_b[j] @ mod.down_a[j]).detach(), moments[i][j])
+                         for j in range(2)] for i, mod in sorted(moe.moe_modules().items())]
+    for i in range(N_LAYERS):
+        for j in range(2):
+            assert errors["hidden"][i][j] <= min(errors["surrogate"][i][j], errors["plain"][i][j]) + 1e-9, (i, j)
+            assert errors["hidden"][i][j] < errors["surrogate"][i][j], (i, j)
 
 
 def test_a_layer_whose_ffn_outweighs_the_residual_stream_stays_dense(tiny_model, data_dir, profiles):

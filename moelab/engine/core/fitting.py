@@ -120,22 +120,27 @@ def profile_token_windows(adapter: ModelAdapter, profile: Any, n_tokens: int, da
     return text_token_windows(adapter, [s.text for s in cset.samples], n_tokens, repr(str(cal["source"])))
 
 
-def stored_token_windows(adapter: ModelAdapter, profile: Any, n_tokens: int) -> torch.Tensor:
+def stored_token_windows(adapter: ModelAdapter, profile: Any, n_tokens: int, shorter: bool = False) -> torch.Tensor:
     """The windows ``profile_token_windows`` cuts, from the text the profile stores (``samples.parquet``:
     the calibration set's samples, in order) rather than the set loaded again: the same tokens, also for
-    a set that cannot be loaded any more (a file since deleted, a set built in memory)."""
+    a set that cannot be loaded any more (a file since deleted, a set built in memory). ``shorter``: as
+    ``text_token_windows``."""
     return text_token_windows(adapter, list(profile.samples["text"]), n_tokens,
-                              repr(str(profile.manifest["calibration"].get("source", profile.path))))
+                              repr(str(profile.manifest["calibration"].get("source", profile.path))), shorter)
 
 
-def text_token_windows(adapter: ModelAdapter, texts: list[str], n_tokens: int, what: str) -> torch.Tensor:
+def text_token_windows(adapter: ModelAdapter, texts: list[str], n_tokens: int, what: str,
+                       shorter: bool = False) -> torch.Tensor:
     """``[n, FIT_SEQ_LEN]`` windows of ``texts`` tokenised and concatenated (each followed by EOS), at
-    most ``n_tokens`` tokens (at least one window); ``what`` names the text in the error when it is too short."""
+    most ``n_tokens`` tokens (at least one window); ``what`` names the text in the error when it is too short,
+    or, with ``shorter``, one window of all of it is returned instead."""
     tok = adapter.tokenizer
     eos = tok.eos_token_id if tok.eos_token_id is not None else 0
     ids = tok(texts, add_special_tokens=False)["input_ids"]
     stream = np.concatenate([np.append(np.asarray(x, dtype=np.int64), eos) for x in ids])
     n = min(max(1, n_tokens // FIT_SEQ_LEN), len(stream) // FIT_SEQ_LEN)
+    if n == 0 and shorter:
+        return torch.from_numpy(stream[None, :])
     if n == 0:
         raise ConversionError(f"calibration text {what} is shorter than {FIT_SEQ_LEN} tokens")
     return torch.from_numpy(stream[: n * FIT_SEQ_LEN].reshape(n, FIT_SEQ_LEN))

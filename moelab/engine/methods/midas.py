@@ -7,25 +7,33 @@ For every decoder layer and every calibration set D_i (one profile each, all of 
 * MI Eq. 2: gate and up projections ``W S_i ≈ U_r Σ_r V_rᵀ``, i.e. the rank-r map with the least
   error on D_i's FFN inputs (``lowrank.whitened_lowrank``).
 * The down projection reads the hidden state ``h = act(x W_gateᵀ) ⊙ x W_upᵀ``, not x, so S_i does
-  not apply to it and the profile holds no ``HᵀH``. Choice (``MidasParams.down``): ``surrogate``
-  (default) draws ``x = S_i z / √n`` with ``z ~ N(0, I)``, whose second moment is exactly
+  not apply to it and the profile holds no ``HᵀH``. MI §3.2 applies SVD-LLM to the FFN layers, and
+  SVD-LLM whitens each matrix by its own input's second moment, so ``MidasParams.down="hidden"``
+  (default) does that: ``HᵀH`` of the GLU hidden state that the dense model's own forward gives on
+  D_i's calibration text as its profile stores it (``hidden_moments``: every set's pass runs layer
+  by layer, ``core.fitting.layerwise_inputs``, at most ``max(HIDDEN_TOKENS, 2·d_ffn)`` tokens a
+  set), whitened and factorised as Eq. 1–2 do for the gate and up. Choices kept beside it:
+  ``surrogate`` draws ``x = S_i z / √n`` with ``z ~ N(0, I)``, whose second moment is exactly
   ``M_i / n``, pushes it through the *dense* gate and up projections and whitens ``W_down`` with
-  the resulting ``HᵀH`` (SVD-LLM's rule, with the hidden second moment estimated from D_i's
-  input statistics instead of a second pass over D_i's text); ``plain`` is the truncated SVD of
+  the resulting ``HᵀH`` (the hidden second moment estimated from D_i's input statistics instead of
+  a pass over D_i's text; the default before ``hidden``); ``plain`` is the truncated SVD of
   ``W_down`` (the same for every set). The surrogate is zero-mean Gaussian, which real FFN inputs
-  are not, so it is a heuristic; measured on the default model (keep_ratio 0.5, rank 209,
-  experts from 48 × 128 tokens of builtin:code / builtin:prose, errors on held-out hidden states
-  of the same set), down-projection relative error plain → surrogate (4096 samples) → true
-  ``HᵀH`` of the calibration text: layer 3 0.57 → 0.55 → 0.47, layer 15 0.59 → 0.52 → 0.38,
-  layer 27 0.50 → 0.35 → 0.28; whole-expert FFN output error at layer 15 0.68 → 0.62 → 0.52.
-  Samples: ``HᵀH`` is ``d_ffn × d_ffn`` and has rank ≤ the number of samples, so a layer draws
-  ``max(surrogate_samples, 2·d_ffn)`` (``surrogate_samples_for``; recorded per layer). With
-  fewer samples than neurons (the old fixed 4096 against d_ffn 11008–14336 of 7B models) the
-  whitening would be rank-deficient by construction: jitter alone would weigh every hidden
-  direction the samples miss. Two per neuron make it full rank (for isotropic Gaussian h the
-  sample eigenvalues would spread over (1 ± 1/√2)² of the true ones, Marchenko–Pastur). The
-  samples are drawn and accumulated 4096 at a time on the model's device (7B: 28672 samples,
-  about 18 TFLOP per layer and set).
+  are not; measured on the default model (keep_ratio 0.5, rank 209, experts from 48 × 128 tokens
+  of builtin:code / builtin:prose, errors on held-out hidden states of the same set),
+  down-projection relative error plain → surrogate (4096 samples) → true ``HᵀH`` of the
+  calibration text: layer 3 0.57 → 0.55 → 0.47, layer 15 0.59 → 0.52 → 0.38, layer 27 0.50 →
+  0.35 → 0.28; whole-expert FFN output error at layer 15 0.68 → 0.62 → 0.52; held-out perplexity
+  (16 × 128 tokens of builtin:mixed, dense 15.9, top-2) plain 1.7·10⁶ → surrogate 934 → hidden
+  802 (conversion 31 s surrogate, 53 s hidden), tested: on its own set's ``HᵀH`` each ``hidden`` expert's
+  down projection has less error than the surrogate's and the plain SVD's (Eckart–Young in the
+  whitened space). Surrogate samples: ``HᵀH`` is ``d_ffn × d_ffn`` and has rank ≤ the number of
+  samples, so a layer draws ``max(surrogate_samples, 2·d_ffn)`` (``surrogate_samples_for``;
+  recorded per layer). With fewer samples than neurons (the old fixed 4096 against d_ffn
+  11008–14336 of 7B models) the whitening would be rank-deficient by construction: jitter alone
+  would weigh every hidden direction the samples miss. Two per neuron make it full rank (for
+  isotropic Gaussian h the sample eigenvalues would spread over (1 ± 1/√2)² of the true ones,
+  Marchenko–Pastur). The samples are drawn and accumulated 4096 at a time on the model's device
+  (7B: 28672 samples, about 18 TFLOP per layer and set).
 * Factors: MI Eq. 2's rank-r map ``U_r Σ_r V_rᵀ S⁻¹`` equals ``U_r U_rᵀ W`` (the dense map
   followed by an orthogonal projection of its output), so no expert matrix can output more
   than the dense one on any input; the two stored factors split each rank-one component
@@ -59,8 +67,9 @@ The backbone (attention, norms, embeddings and the dense layers) is the base mod
 LoRA and the two-stage fine-tuning of MI §3.2 are a later step (the factors and G are plain
 parameters). Untrained, the model is far from dense, as in the paper (MI Table 9: C4 perplexity
 625 before CPT). On the default model, top-2 of {code, prose} (48 × 128 calibration tokens each),
-16 × 128 held-out builtin:mixed tokens, dense 15.9: keep_ratio 0.5 gives 934 (layers 0 and 29
-dense; 20.5k converting all 30), keep_ratio 0.25 gives 7.2·10⁵ (1.2·10⁶ converting all). At 0.25
+16 × 128 held-out builtin:mixed tokens, dense 15.9: keep_ratio 0.5 gives 802 with ``down="hidden"``
+(934 with the surrogate; layers 0 and 29 dense; 20.5k converting all 30 with the surrogate),
+keep_ratio 0.25 gives 7.3·10⁴ (7.2·10⁵ with the surrogate, 1.2·10⁶ converting all). At 0.25
 (rank 104 of 576) every converted layer's experts miss 0.8–0.9 of its FFN output on held-out text
 (0.65–0.75 at 0.5) and the errors compound over 28 layers; each layer alone costs only 3–16%
 perplexity. The hidden states do not blow up (median per-token norm within 0.77–1.5× of dense at
@@ -71,7 +80,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal, Sequence
 
 import numpy as np
 
@@ -85,7 +94,7 @@ if TYPE_CHECKING:  # core.lowrank is torch: imported where a conversion runs, ne
 
     from ..core.lowrank import LowRank, Whitening
 
-DownChoice = Literal["surrogate", "plain"]
+DownChoice = Literal["hidden", "surrogate", "plain"]
 #: Manifest fields that must agree between the profiles of one MIDAS conversion.
 _MODEL_KEYS = ("source", "family", "activation", "n_layers", "d_model", "d_ffn", "n_parameters")
 
@@ -101,8 +110,10 @@ class MidasParams(MethodParams):
     keep_ratio: float = param(0.25, "share of each FFN matrix's parameters an expert keeps", paper="MI §4.1", gt=0, le=1)
     top_k: int = param(2, "experts per token", paper="MI Table 8", ge=1)
     seed: int = param(0, "gating-network init and the surrogate samples", ge=0, advanced=True)
-    down: DownChoice = param("surrogate", "how W_down is factorised: whitened by a surrogate HᵀH, or plain SVD",
-                             paper="MI Eq. 2", advanced=True)
+    down: DownChoice = param(
+        "hidden", "how W_down is factorised: whitened by the HᵀH of its input (the GLU hidden state) on each set's own "
+        "calibration text (SVD-LLM per layer, as MI §3.2 applies it), by a Gaussian surrogate HᵀH, or plain SVD",
+        paper="MI Eq. 2", advanced=True)
     surrogate_samples: int = param(
         4096, "least Gaussian samples per layer and set for down=surrogate (a layer uses at least 2 × its d_ffn)",
         ge=16, advanced=True)
@@ -118,7 +129,8 @@ class MidasParams(MethodParams):
              f"keep_ratio must be in (0, 1] (fraction of each FFN matrix's parameters an expert keeps), got {self.keep_ratio}"),
             (isinstance(self.top_k, int) and 1 <= self.top_k <= n_sets,
              f"top_k must be between 1 and the number of calibration sets ({n_sets}), got {self.top_k}"),
-            (self.down in ("surrogate", "plain"), f"down must be 'surrogate' or 'plain', got {self.down!r}"),
+            (self.down in ("hidden", "surrogate", "plain"),
+             f"down must be 'hidden', 'surrogate' or 'plain', got {self.down!r}"),
             (isinstance(self.surrogate_samples, int) and self.surrogate_samples >= 16,
              f"surrogate_samples must be an integer ≥ 16, got {self.surrogate_samples}"),
             (_parse_dense_layers(self.dense_layers) is not None,
@@ -256,6 +268,35 @@ def surrogate_hidden_moment(
     return hth * (n_tokens / n_samples)
 
 
+#: At most this many of a set's calibration tokens feed its down projection's ``HᵀH`` (``down="hidden"``), but at least
+#: ``SURROGATE_PER_NEURON · d_ffn`` where the set has them (a full-rank moment).
+HIDDEN_TOKENS = 16384
+
+
+def hidden_moments(adapter: Any, profiles: Sequence[Any]) -> Iterator[list["torch.Tensor"]]:
+    """Per decoder layer, in order: each set's ``HᵀH`` ``[d_ffn, d_ffn]`` (float64) of the GLU hidden state
+    ``h = act(W_gate x) ⊙ W_up x`` that ``W_down`` reads, on the set's own calibration text as its profile stores it
+    (``down="hidden"``: SVD-LLM's whitening statistic for the down projection, which MI §3.2 applies to every FFN
+    matrix). Each set runs the dense model layer by layer (``core.fitting.layerwise_inputs``); the sets' passes advance
+    together, so one layer's activations per set are held. A set gives at most ``max(HIDDEN_TOKENS, 2·d_ffn)`` of its
+    profile's tokens, in windows of ``core.fitting.FIT_SEQ_LEN`` (one window of all of it where it is shorter)."""
+    import torch
+
+    from ..core.fitting import layerwise_inputs, stored_token_windows
+
+    cap = max(HIDDEN_TOKENS, SURROGATE_PER_NEURON * max(lay.d_ffn for lay in adapter.layers))
+    passes = [layerwise_inputs(adapter, stored_token_windows(adapter, p, min(int(p.manifest["n_tokens"]), cap),
+                                                             shorter=True)) for p in profiles]
+    for _ in adapter.layers:
+        moments = []
+        for inputs in (next(g) for g in passes):
+            h, hth = inputs.hidden, torch.zeros(inputs.hidden.shape[1], inputs.hidden.shape[1], dtype=torch.float64)
+            for s in range(0, len(h), 4096):  # float32 products, summed in float64 (as the surrogate's)
+                hth += (h[s : s + 4096].T @ h[s : s + 4096]).double()
+            moments.append(hth)
+        yield moments
+
+
 def surrogate_samples_for(params: "MidasParams", d_ffn: int) -> int:
     """Samples for one layer's surrogate ``HᵀH``: ``max(surrogate_samples, 2·d_ffn)``, so that the
     d_ffn × d_ffn moment is full rank (module doc)."""
@@ -273,13 +314,18 @@ class _SetFactors:
 
 def _factorise_set(
     w: dict[str, "torch.Tensor"], xtx: Any, n_tokens: int, rank: int, act: str, params: MidasParams, seed: int,
+    hth: "torch.Tensor | None" = None,
 ) -> _SetFactors:
-    """One set's factors on the device of ``w`` (float64 tensors there)."""
+    """One set's factors on the device of ``w`` (float64 tensors there); ``hth``: the set's ``HᵀH`` for
+    ``down="hidden"`` (``hidden_moments``)."""
     from ..core.lowrank import truncated_lowrank, whitened_lowrank, whitening
 
     white = whitening(xtx, device=w["gate"].device)
     gate = whitened_lowrank(w["gate"], white, rank)  # MI Eq. 2
     up = whitened_lowrank(w["up"], white, rank)
+    if params.down == "hidden":  # MI Eq. 1–2 on W_down's own input
+        white_h = whitening(hth, device=w["down"].device)
+        return _SetFactors(white, gate, up, whitened_lowrank(w["down"], white_h, rank), white_h.jitter)
     if params.down == "surrogate":
         n_samples = surrogate_samples_for(params, w["down"].shape[1])
         hth = surrogate_hidden_moment(w["gate"], w["up"], white, n_tokens, act, n_samples, seed)
@@ -297,8 +343,8 @@ def convert_midas(
     ``gate_error[i][k]`` / ``up_error[i][k]``: expert i's relative data error on set k's ``XᵀX``
     plus its jitter (``lowrank.projection_errors``; sets in ``summary.sets`` order; the diagonal is
     an expert's own set, the off-diagonal shows how specialised the experts are); with
-    ``down='surrogate'`` also ``down_error_surrogate``, the same for the down projection on each
-    set's surrogate ``HᵀH``, and ``surrogate_samples``.
+    ``down='hidden'`` (``'surrogate'``) also ``down_error_hidden`` (``down_error_surrogate``), the same for the down
+    projection on each set's ``HᵀH`` (surrogate ``HᵀH``, and ``surrogate_samples``), and ``down_jitter``.
     Layers kept dense (``params.dense_layers``, module doc) have no row; ``summary`` names them
     and holds every layer's ``ffn_residual_ratio``."""
     import torch
@@ -318,13 +364,15 @@ def convert_midas(
     keep_dense = _dense_layers(params.dense_layers, ratios, L)
     modules: dict[int, Any] = {}
     layers: list[dict[str, Any]] = []
+    moments = hidden_moments(adapter, profiles) if params.down == "hidden" else None
     progress.update("midas experts", 0, L)
     for i, lay in enumerate(adapter.layers):
         router = torch.randn(E, adapter.d_model, generator=gen, dtype=torch.float64) * init_std
+        hth = next(moments) if moments is not None else None  # every layer's pass runs: the next one reads its output
         if i in keep_dense:
             progress.update("midas experts", i + 1, L)
             continue
-        modules[i], row = _midas_layer(adapter, i, lay, profiles, router, params)
+        modules[i], row = _midas_layer(adapter, i, lay, profiles, router, params, hth)
         layers.append(row)
         progress.update("midas experts", i + 1, L)
     t1 = time.perf_counter()
@@ -374,9 +422,10 @@ def _dense_layers(spec: str, ratios: list[float], L: int) -> list[int]:
 
 
 def _midas_layer(adapter: Any, i: int, lay: Any, profiles: Sequence[Any], router: Any, params: MidasParams,
-                 ) -> tuple[Any, dict[str, Any]]:
-    """MI Alg. 1 for layer ``i``: expert ``j`` is the dense FFN factorised on profile ``j``'s ``XᵀX``;
-    returns the layer's ``LowRankMoeFFN`` (router ``router``) and its record row (``convert_midas``)."""
+                 hth: list[Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    """MI Alg. 1 for layer ``i``: expert ``j`` is the dense FFN factorised on profile ``j``'s ``XᵀX`` (and, for
+    ``down="hidden"``, its down projection on set ``j``'s ``HᵀH``: ``hth[j]``); returns the layer's ``LowRankMoeFFN``
+    (router ``router``) and its record row (``convert_midas``)."""
     import torch
 
     from ..core.lowrank import as_float64, lowrank_moe_from_factors, projection_errors
@@ -389,8 +438,8 @@ def _midas_layer(adapter: Any, i: int, lay: Any, profiles: Sequence[Any], router
          (("gate", lay.gate_weight()), ("up", lay.up_weight()), ("down", lay.down_weight()))}
     rank = expert_rank(lay.d_ffn, adapter.d_model, params.keep_ratio)
     xtx = [as_float64(p.xtx(i), ref.device) for p in profiles]
-    sets = [_factorise_set(w, xtx[j], n_tokens[j], rank, adapter.activation, params, params.seed * 7919 + i * E + j)
-            for j in range(E)]
+    sets = [_factorise_set(w, xtx[j], n_tokens[j], rank, adapter.activation, params, params.seed * 7919 + i * E + j,
+                           None if hth is None else hth[j]) for j in range(E)]
 
     def cross(kind: str) -> list[list[float]]:
         return projection_errors([getattr(f, kind) for f in sets])
@@ -403,8 +452,9 @@ def _midas_layer(adapter: Any, i: int, lay: Any, profiles: Sequence[Any], router
     }
     if params.down == "surrogate":
         row["surrogate_samples"] = surrogate_samples_for(params, lay.d_ffn)
+    if params.down != "plain":  # each expert's down projection's error on each set's HᵀH (its own kind)
         row["down_jitter"] = [f.down_jitter for f in sets]
-        row["down_error_surrogate"] = cross("down")
+        row[f"down_error_{params.down}"] = cross("down")
 
     def stack(kind: str, part: str) -> Any:
         mats = [getattr(getattr(f, kind), part) for f in sets]
