@@ -287,12 +287,15 @@ def hidden_moments(adapter: Any, profiles: Sequence[Any]) -> Iterator[list["torc
     cap = max(HIDDEN_TOKENS, SURROGATE_PER_NEURON * max(lay.d_ffn for lay in adapter.layers))
     passes = [layerwise_inputs(adapter, stored_token_windows(adapter, p, min(int(p.manifest["n_tokens"]), cap),
                                                              shorter=True)) for p in profiles]
+    dev = adapter.device  # the products on the model's device, as the surrogate's (7B: 5 TFLOP a layer and set)
     for _ in adapter.layers:
         moments = []
         for inputs in (next(g) for g in passes):
-            h, hth = inputs.hidden, torch.zeros(inputs.hidden.shape[1], inputs.hidden.shape[1], dtype=torch.float64)
+            h, hth = inputs.hidden, torch.zeros(inputs.hidden.shape[1], inputs.hidden.shape[1], dtype=torch.float64,
+                                                device=dev)
             for s in range(0, len(h), 4096):  # float32 products, summed in float64 (as the surrogate's)
-                hth += (h[s : s + 4096].T @ h[s : s + 4096]).double()
+                chunk = h[s : s + 4096].to(dev)
+                hth += (chunk.T @ chunk).double()
             moments.append(hth)
         yield moments
 
