@@ -319,7 +319,8 @@ def convert(method: str, profile_dirs: tuple[Path, ...], model_source: str | Non
     click.echo(f"converted model written to {out} ({method}){sizes}, {t['total_s']:.1f}s")
     if t.get("streamed"):
         fitted = " (fitted in a first pass, built in a second)" if record.get("fit") else ""
-        click.echo(f"  streamed one layer at a time under --max-memory {t['max_memory_bytes'] / 2**30:.2f} GiB{fitted}, "
+        budget = t["max_memory_bytes"] / 2**30
+        click.echo(f"  streamed one layer at a time under --max-memory {budget:.2f} GiB{fitted}, "
                    f"peak RSS {t['peak_rss_mib']:.0f} MiB")
     if s.get("predicted_speed"):
         from moelab.engine.core.speed_prediction import describe_predicted

@@ -12,8 +12,8 @@ weights saved as float32 safetensors shards (written one tensor at a time; made 
     moelab convert --profile <that> --method expertweaver --recipe paper --max-memory 2GiB …
 
 ``--recipe best`` (or ``portable``) converts with a fit streamed in two passes; its fit is held beside the largest
-layer (``core.params.fit_bytes``: 4.5 GiB at 16,384 fit tokens for this shape, 1.3 GiB at 4,096, so ``--fit-tokens`` or a larger
-budget); ``--out`` then defaults to ``bench_scale_<recipe>.json``.
+layer (``core.params.fit_bytes``: 4.5 GiB at 16,384 fit tokens for this shape, 1.3 GiB at 4,096, so
+``--fit-tokens`` or a larger budget); ``--out`` then defaults to ``bench_scale_<recipe>.json``.
 
 Recorded per command: the process's peak RSS (the kernel's high-water mark, from ``wait4``), wall
 time, the engine's seconds per layer, and the extrapolation to 32 layers (8B) and 80 layers (70B)
@@ -132,8 +132,8 @@ def main() -> None:
                             "--max-tokens", str(args.max_tokens), "--max-memory", args.max_memory, "--out", str(prof),
                             "--quiet"], env)
     fit = ["--fit-tokens", str(args.fit_tokens)] if args.fit_tokens else []
-    c_wall, c_rss, _ = run(["convert", "--profile", str(prof), "--method", "expertweaver", "--recipe", args.recipe, *fit,
-                            "--max-memory", args.max_memory, "--out", str(conv), "--quiet"], env)
+    c_wall, c_rss, _ = run(["convert", "--profile", str(prof), "--method", "expertweaver", "--recipe", args.recipe,
+                            *fit, "--max-memory", args.max_memory, "--out", str(conv), "--quiet"], env)
     pt = json.loads((prof / "manifest.json").read_text())["timings"]
     record = json.loads((conv / "conversion.json").read_text())
     ct = record["timings"]

@@ -173,9 +173,9 @@ def test_moelab_convert_streams_the_best_recipe_and_says_so(profiled_on_builtin,
     env = dict(os.environ, MOELAB_DATA_DIR=str(data_dir))
 
     def convert(max_memory: int, out) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "moelab.cli", "convert", "--profile", str(prof), "--recipe", "best",
-                               "--n-experts", "8", "--fit-tokens", "1024", "--max-memory", str(max_memory), "--out",
-                               str(out), "--quiet"], capture_output=True, text=True, env=env, timeout=600)
+        return subprocess.run([sys.executable, "-m", "moelab.cli", "convert", "--profile", str(prof), "--recipe",
+                               "best", "--n-experts", "8", "--fit-tokens", "1024", "--max-memory", str(max_memory),
+                               "--out", str(out), "--quiet"], capture_output=True, text=True, env=env, timeout=600)
 
     short = convert(budget - plan.work_bytes, tmp_path / "short")
     assert short.returncode == 1 and "fewer fit_tokens (--fit-tokens)" in short.stderr

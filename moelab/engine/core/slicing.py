@@ -252,8 +252,8 @@ def partition_record(params: MethodParams, rows: list[LayerPlan], experts: list[
 
 
 def add_fit(record: dict[str, Any], fit: dict[str, Any]) -> None:
-    """A conversion record's fit (``core.fitting``), where there was one; the speed guard's note goes to the summary too,
-    shown wherever the summary is (moelab convert, the designer's result card)."""
+    """A conversion record's fit (``core.fitting``), where there was one; the speed guard's note goes to the summary
+    too, shown wherever the summary is (moelab convert, the designer's result card)."""
     if fit:
         record["fit"] = fit
         if "speed_guard" in fit:

@@ -24,9 +24,9 @@ For every decoder layer and every calibration set D_i (one profile each, all of 
   calibration text: layer 3 0.57 → 0.55 → 0.47, layer 15 0.59 → 0.52 → 0.38, layer 27 0.50 →
   0.35 → 0.28; whole-expert FFN output error at layer 15 0.68 → 0.62 → 0.52; held-out perplexity
   (16 × 128 tokens of builtin:mixed, dense 15.9, top-2) plain 1.7·10⁶ → surrogate 934 → hidden
-  802 (conversion 31 s surrogate, 53 s hidden), tested: on its own set's ``HᵀH`` each ``hidden`` expert's
-  down projection has less error than the surrogate's and the plain SVD's (Eckart–Young in the
-  whitened space). Surrogate samples: ``HᵀH`` is ``d_ffn × d_ffn`` and has rank ≤ the number of
+  802 (conversion 31 s surrogate, 53 s hidden), tested: on its own set's ``HᵀH`` each ``hidden``
+  expert's down projection has less error than the surrogate's and the plain SVD's (Eckart–Young
+  in the whitened space). Surrogate samples: ``HᵀH`` is ``d_ffn × d_ffn`` and has rank ≤ the number of
   samples, so a layer draws ``max(surrogate_samples, 2·d_ffn)`` (``surrogate_samples_for``;
   recorded per layer). With fewer samples than neurons (the old fixed 4096 against d_ffn
   11008–14336 of 7B models) the whitening would be rank-deficient by construction: jitter alone

@@ -23,8 +23,8 @@ from here.
 
 Whether a conversion can stream (a partition method, nothing that reads the whole model at once) is
 ``core.params.check_streamable``, and what its fit holds ``core.params.fit_bytes``: rules without torch, which
-the API also asks when it takes a request. A conversion asks it once, in ``conversion.plan_conversion``, and only when the model
-exceeds the budget; ``convert_streamed`` acts on that plan without checking again.
+the API also asks when it takes a request. A conversion asks it once, in ``conversion.plan_conversion``, and
+only when the model exceeds the budget; ``convert_streamed`` acts on that plan without checking again.
 
 This package's modules import torch; the package itself imports none of them.
 """
