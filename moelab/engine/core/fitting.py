@@ -556,7 +556,7 @@ def fit_layers(adapter: ModelAdapter, profile: Any, params: Any, rows: list[Any]
     rows, record = fits.plan(rows, experts, profile, table)
     if fits.compensates:
         for n, ex in enumerate(experts):
-            fits.compensate(ex, lambda i: _float_weights(adapter, i)[2])
+            fits.compensate(ex)
             progress.update("fit: skipped-expert compensation", n + 1, len(experts))
     return rows, experts, record
 
@@ -636,13 +636,13 @@ class LayerFits:
             record["compensation"] = "skipped_mean"
         return rows, record
 
-    def compensate(self, ex: Any, down_of: Any) -> None:
-        """Layer ``ex.layer``'s skipped-expert means at its planned top-k, where it skips any (``down_of(layer)``: its
-        dense down weight as float32)."""
+    def compensate(self, ex: Any) -> None:
+        """Layer ``ex.layer``'s skipped-expert means at its planned top-k, where it skips any; its dense down weight
+        must be in memory then."""
         if len(ex.routed) and ex.top_k < len(ex.routed):
             sums, counts = self.skip_sums[ex.layer]
             ex.router_weights = {**ex.router_weights, "skip_mean": skipped_means_at(
-                sums.double(), counts, ex.top_k, down_of(ex.layer), ex.routed)}
+                sums.double(), counts, ex.top_k, _float_weights(self.adapter, ex.layer)[2], ex.routed)}
 
 
 def _routed_hidden_of(inputs: LayerInputs, adapter: ModelAdapter, gate_w: torch.Tensor, up_w: torch.Tensor,

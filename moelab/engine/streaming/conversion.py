@@ -164,7 +164,7 @@ def convert_streamed(plan: StreamPlan, profile: Any, params: MethodParams, metho
             if fits is None:
                 experts.append(build_one(i))
             elif fits.compensates:
-                fits.compensate(experts[i], lambda _: adapter.layers[i].down_weight().detach().float())
+                fits.compensate(experts[i])
             module = build_modules(adapter, [experts[i]], params).get(i)
             # this layer's experts (or, where the plan writes it whole, its dense MLP) go to the export now
             for name, t in (module or mlp).state_dict().items():
