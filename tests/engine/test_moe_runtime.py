@@ -757,3 +757,30 @@ def test_build_checks_specs_against_modules(tiny_model, data_dir):
     moe = build_moe_model(adapter, {1: mods[1]}, [None, {"kind": "moe", "note": "clustered", "top_k": 99}, None])
     assert moe.config.moe_layers[0] == {"kind": "dense"}
     assert moe.config.moe_layers[1]["note"] == "clustered" and moe.config.moe_layers[1]["top_k"] == 2
+
+
+def test_a_dropped_block_is_freed_at_once_and_a_copy_routes_with_its_own_router():
+    """The router reads its block through a weak reference: a block (after a decode step too) is freed when its last
+    reference goes, not when the cyclic collector next runs; a deep copy's router reads the copy's parameters."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        mod = make_moe(router="centroid", top_k=2)[0].eval()
+        with torch.inference_mode():
+            mod(torch.randn(1, 32))
+        gone = weakref.ref(mod)
+        del mod
+        assert gone() is None
+    finally:
+        gc.enable()
+    mod = make_moe(router="centroid", top_k=2)[0].eval()
+    twin = copy.deepcopy(mod)
+    assert twin.router.block is twin and mod.router.block is mod
+    x = torch.randn(16, 32)
+    with torch.inference_mode():
+        before = mod.router.select(mod.router(x)[0])
+        twin.router_weight.copy_(-twin.router_weight)
+        assert torch.equal(mod.router.select(mod.router(x)[0]), before)
+        assert not torch.equal(twin.router.select(twin.router(x)[0]), before)
