@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 
 from .atomic import write_json_atomic
@@ -84,8 +84,11 @@ def run_profile(
         if plan is not None and plan.stream:
             remove_scratch(result)
     profile = StoredProfile.open(out)
-    if time_kernels and (plan is None or not plan.stream):  # a streamed model does not fit whole: no whole-model timing
-        measure_kernel_times(adapter, profile.manifest["model"], data_dir, progress)
+    if time_kernels:
+        if plan is not None and plan.stream:  # a streamed model does not fit whole: its FFN layers alone are timed
+            measure_ffn_kernel_times(plan, profile.manifest["model"], data_dir, progress)
+        else:
+            measure_kernel_times(adapter, profile.manifest["model"], data_dir, progress)
     return profile
 
 
@@ -95,14 +98,40 @@ def measure_kernel_times(adapter: ModelAdapter, model: dict[str, Any], data_dir:
     from .evaluation.speed_table import ensure_table, model_info
 
     info = model_info(adapter, model.get("source"))
+    with _kernel_timing(info["source"], progress):
+        windows = heldout_windows(adapter.tokenizer, data_dir, seq_len=128, n_windows=4)
+        ensure_table(adapter.model.eval(), windows, info, data_dir)
+
+
+def measure_ffn_kernel_times(plan: Any, model: dict[str, Any], data_dir: Path, progress: Progress) -> None:
+    """``measure_kernel_times`` for a model that streams (``plan``: its ``StreamPlan``): its FFN layers only, at its
+    shape with random weights, within the plan's memory budget (``speed_table.ensure_ffn_table``), so that the speed
+    guard of a streamed conversion has them."""
+    from .evaluation.speed_table import ensure_ffn_table, model_info
+    from .runtime.modeling_moelab import decoder_layers, ffn_name
+
+    info = model_info(plan.adapter, model.get("source"))
+    layer = decoder_layers(plan.adapter.model)[0]
+    prefill = min(SpeedProtocol().prefill_tokens,
+                  int(getattr(plan.adapter.model.config, "max_position_embeddings", None) or 1 << 30))
+    with _kernel_timing(info["source"], progress, "FFN kernels"):
+        if ensure_ffn_table(getattr(layer, ffn_name(layer)), info, (plan.device, plan.dtype), data_dir,
+                            plan.max_memory, prefill) is None:
+            log.warning("the FFN kernel timing of %s needs more than --max-memory; a streamed --recipe best of it runs "
+                        "without the speed guard", info["source"])
+
+
+@contextlib.contextmanager
+def _kernel_timing(source: Any, progress: Progress, what: str = "kernels") -> Iterator[None]:
+    """A progress step around a kernel timing whose failure is logged, never the job's (a prediction's basis is a
+    help; the profile is already published)."""
     try:
-        with progress.step("time this machine's kernels (once per model)"):
-            windows = heldout_windows(adapter.tokenizer, data_dir, seq_len=128, n_windows=4)
-            ensure_table(adapter.model.eval(), windows, info, data_dir)
+        with progress.step(f"time this machine's {what} (once per model)"):
+            yield
     except Cancelled:
         raise
-    except Exception:  # noqa: BLE001 - a prediction's basis is a help; the profile is already published
-        log.warning("kernel timing of %s failed; the designer will not predict its speed", info["source"], exc_info=True)
+    except Exception:  # noqa: BLE001
+        log.warning("kernel timing of %s failed; the designer will not predict its speed", source, exc_info=True)
 
 
 def run_conversion(
@@ -159,6 +188,8 @@ def run_conversion(
                                trust_remote_code=trust_remote_code)
         budget["max_memory_bytes"] = float(plan.max_memory)
         if plan.stream:
+            if time_kernels and getattr(params, "speed_guard", "none") == "machine":  # as load_dense does below
+                measure_ffn_kernel_times(plan, profiles[0].manifest["model"], data_dir, progress)
             return convert_streamed(plan, profiles[0], params, method, out, data_dir=data_dir, progress=progress,
                                     complete=complete)
     inputs = ConversionInputs(profiles=profiles, data_dir=data_dir, device=device, model=model, calib=calib,

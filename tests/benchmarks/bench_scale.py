@@ -152,6 +152,9 @@ def main() -> None:
                     "seconds_per_layer": p_layer, "timings": pt},
         "convert": {"wall_s": c_wall, "peak_rss_mib": c_rss, "engine_peak_rss_mib": ct.get("peak_rss_mib"),
                     "seconds_per_layer": c_layer, "timings": ct},
+        # a streamed profile times the FFN layers (never the whole model), which the recipe's speed guard reads
+        "speed_guard": {k: v for k, v in ((record.get("fit") or {}).get("speed_guard") or {}).items() if k != "top_k_offered"},
+        "kernel_timing_s": p_wall - pt["total_s"],  # after the profile's own work: the FFN table, once per model
         "extrapolated_s": {f"{n} layers": {"profile": p_rest + p_layer * n, "convert": c_rest + c_layer * n} for n in (32, 80)},
         "aim_peak_rss_gib": aim, "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
     }
@@ -163,7 +166,9 @@ def main() -> None:
           f"--max-memory {args.max_memory} on "
           f"{args.device}: profile peak RSS {p_rss / gib:.2f} GiB, {p_layer:.1f} s/layer; convert peak RSS {c_rss / gib:.2f} GiB, "
           f"{c_layer:.1f} s/layer; 8B (32 layers) ≈ {ex['32 layers']['profile'] / 60:.0f} + {ex['32 layers']['convert'] / 60:.0f} min, "
-          f"70B-deep (80) ≈ {ex['80 layers']['profile'] / 60:.0f} + {ex['80 layers']['convert'] / 60:.0f} min (aim ≤ {aim:.2f} GiB)")
+          f"70B-deep (80) ≈ {ex['80 layers']['profile'] / 60:.0f} + {ex['80 layers']['convert'] / 60:.0f} min (aim ≤ {aim:.2f} GiB)"
+          + (f"; speed guard {'applied' if report['speed_guard'].get('applied') else 'not applied'}"
+             if report["speed_guard"] else ""))
 
 
 if __name__ == "__main__":

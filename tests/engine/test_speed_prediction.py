@@ -81,6 +81,45 @@ def test_the_prediction_runs_the_kernels_the_runtime_chooses():
     assert dense_at_prefill[3] == dense_at_prefill[4] == 0 and dense_at_prefill[6] == 512 * 128 * 12
 
 
+def test_a_prefill_of_large_experts_runs_torchs_kernels_and_the_prediction_says_the_same(monkeypatch):
+    """Past ``NATIVE_PREFILL_MAX_EXPERT_BYTES`` an expert leaves the native prefill kernel (which walks each selected
+    expert's weights once per block of a few tokens) to torch's GEMMs, unless most experts are selected (two GEMMs);
+    decode steps stay native. The block's choice, the kernel table's mirror (numpy) and the features agree."""
+    from moelab.engine.core import speed_prediction
+    from moelab.engine.runtime import moelab_native
+    from moelab.engine.runtime.moelab_moe import MoeFFN
+
+    assert speed_prediction.NATIVE_PREFILL_MAX_EXPERT_BYTES == moelab_native.NATIVE_PREFILL_MAX_EXPERT_BYTES
+    assert moelab_native.DECODE_TOKENS == speed_prediction.GATHER_MAX_TOKENS
+    d = 256
+    for m, e, k in ((64, 8, 2), (512, 8, 2), (512, 8, 6), (1024, 4, 1)):
+        spec = {"kind": "moe", "d_model": d, "d_shared": 0, "n_routed": e, "expert_size": m, "top_k": k,
+                "router": "centroid", "combine": "sum"}
+        block = MoeFFN(spec).eval()
+        block.use_decode_layout()
+        large = 3 * m * d * 4 > moelab_native.NATIVE_PREFILL_MAX_EXPERT_BYTES
+        for tokens in (1, 8, 9, 512, 2048):
+            want = tokens <= 8 or not large or k >= (0.7 if tokens <= 1024 else 0.55) * e
+            x = torch.zeros(tokens, d)
+            assert speed_prediction.runs_native_prefill(tokens, k, e, m, d) == want, (m, e, k, tokens)
+            assert moelab_native.runs_native_prefill(tokens, k, e, m, d) == want, (m, e, k, tokens)
+            if moelab_native.library() is not None:
+                with torch.no_grad():
+                    assert block._native_routed(x, None) == want, (m, e, k, tokens)
+            layer = {"kind": "moe", "d_shared": 0, "n_routed": e, "expert_size": m, "top_k": k, "down_keep": 0.5}
+            native = layer_features(layer, tokens, native=True, d_model=d)
+            assert np.array_equal(native, layer_features(layer, tokens, native=want, d_model=0 if want else d))
+    with torch.inference_mode():  # torch's kernels and the native ones compute the same block
+        spec = {"kind": "moe", "d_model": d, "d_shared": 32, "n_routed": 8, "expert_size": 512, "top_k": 2,
+                "router": "centroid", "combine": "sum"}
+        block = MoeFFN(spec).eval()
+        block.use_decode_layout()
+        x = torch.randn(64, d)
+        ours = block(x)
+        monkeypatch.setattr("moelab.engine.runtime.moelab_moe.runs_native_prefill", lambda *a: True)
+        assert torch.allclose(ours, block(x), atol=1e-5, rtol=1e-4)
+
+
 def test_where_the_native_kernels_run_a_prefill_computes_the_selected_pairs_with_their_down_rows_whole():
     """The native kernels (the table says whether they ran when it was measured) compute the selected pairs only
     below ``NATIVE_DENSE_SHARE`` (every expert from there, at a prefill), and their prefill multiplies every down

@@ -185,3 +185,48 @@ def test_moelab_convert_streams_the_best_recipe_and_says_so(profiled_on_builtin,
     assert "streamed one layer at a time" in proc.stdout and "fitted in a first pass, built in a second" in proc.stdout
     record = json.loads((tmp_path / "c" / "conversion.json").read_text())
     assert record["timings"]["streamed"] is True and record["fit"]["compensation"] == "skipped_mean"
+
+
+def test_a_model_that_only_streams_has_its_ffn_layers_timed_and_its_streamed_best_guarded(tiny_model, data_dir,
+                                                                                          tmp_path):
+    """A model profiled under a budget it cannot load whole in cannot be timed whole; its profile times its FFN layers
+    (random weights at its shape, within the budget) instead, and a streamed ``--recipe best`` reads them: the speed
+    guard applies (it offered every top-k before). They predict no whole-model speed, and the record says why. A
+    conversion that loads the model whole times it whole, replacing them; a budget below what the timing holds
+    times nothing."""
+    from moelab.engine.core.speed_prediction import FEATURES, TABLE_DIR
+    from moelab.engine.evaluation.speed_table import ensure_ffn_table, ffn_table_bytes, model_info
+    from moelab.engine.runtime.modeling_moelab import decoder_layers, ffn_name
+
+    from .test_speed_prediction import data_without_tables
+
+    data = data_without_tables(data_dir, tmp_path)
+    src = _sharded(tiny_model, "llama", tmp_path / "llama")
+    fp = plan_streaming(str(src), 1 << 40, data_dir=data, dtype="float32").footprint
+    prof = run_profile(str(src), "builtin:mixed", tmp_path / "p", ProfileSettings(max_tokens=64, batch_tokens=512),
+                       samples=24, data_dir=data, max_memory=fp.floor_bytes + (fp.floor_bytes >> 3))
+    (path,) = (data / TABLE_DIR).glob("*.json")
+    table = json.loads(path.read_text())
+    plan = plan_conversion(get_method("expertweaver"), FITTED["best"](), prof, 1 << 40, data_dir=data)
+    positions = plan.adapter.model.config.max_position_embeddings
+    assert table["scope"] == "ffn_layers" and table["phases"]["prefill"]["tokens"] == min(512, positions)
+    assert all("dense_model_s" not in p and p["dense_ffn_s"] > 0 and len(p["coef"]) == len(FEATURES)
+               for p in table["phases"].values()) and len(table["grid"]) >= 8
+
+    budget = fp.floor_bytes + plan.work_bytes + (fp.floor_bytes >> 3)
+    streamed = run_conversion(prof.path, FITTED["best"](), tmp_path / "s", data_dir=data, max_memory=budget)
+    guard = streamed["fit"]["speed_guard"]
+    assert streamed["timings"]["streamed"] is True and guard["applied"] and guard["measured_at"] == table["measured_at"]
+    assert "only this model's FFN layers were timed" in streamed["summary"]["predicted_speed"]["note"]
+
+    whole = run_conversion(prof.path, FITTED["best"](), tmp_path / "w", data_dir=data)
+    timed = json.loads(path.read_text())
+    assert "scope" not in timed and all(p["dense_model_s"] > 0 for p in timed["phases"].values())
+    assert whole["fit"]["speed_guard"]["measured_at"] == timed["measured_at"]
+    assert "phases" in whole["summary"]["predicted_speed"]
+
+    layer = decoder_layers(plan.adapter.model)[0]
+    info, where = model_info(plan.adapter, "elsewhere"), (plan.device, plan.dtype)
+    assert ensure_ffn_table(getattr(layer, ffn_name(layer)), info, where, tmp_path / "short",
+                            ffn_table_bytes(info, where, 16) - 1, 16) is None
+    assert not (tmp_path / "short").exists()

@@ -744,8 +744,8 @@ def _no_slower_top_k(params: Any, rows: list[Any], table: dict[str, Any] | None,
         return [None] * len(rows)
     if table is None:
         record["speed_guard"] = {"applied": False, "note": "no kernel timings of this model on this machine (a profile "
-                                 "that loads the model whole measures them, unless MOELAB_TIME_KERNELS is off): every "
-                                 "top-k offered"}
+                                 "measures them unless MOELAB_TIME_KERNELS is off; a streamed one times the FFN layers "
+                                 "where two of them fit --max-memory): every top-k offered"}
         return [None] * len(rows)
     from .speed_prediction import top_k_no_slower
 

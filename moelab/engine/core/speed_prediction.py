@@ -35,12 +35,15 @@ from typing import Any
 import numpy as np
 
 TABLE_DIR = "speed-tables"
-TABLE_VERSION = 10  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
+TABLE_VERSION = 11  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
 # 5: layouts timed as ratios to the dense FFN in the same rounds; 6: a decode step's whole block in one native call;
 # 7: the FFNs' share of the model measured, weights cycled past the largest cache, the shared expert's kept down rows,
 # a native prefill's two GEMMs where most experts are selected; 8: the neurons ranked for down_keep, the grid's
 # small experts at two thirds and four fifths selected; 9: no more copies of a layer cycled than the model has layers;
-# 10: a prefill computes the last position's logits only, as generation does (``evaluation.speed``)
+# 10: a prefill computes the last position's logits only, as generation does (``evaluation.speed``); 11: a prefill
+# of experts past NATIVE_PREFILL_MAX_EXPERT_BYTES runs torch's kernels
+#: ``scope`` of a table that timed the FFN layers only (``speed_table.measure_ffn_table``: a streamed model)
+FFN_LAYERS = "ffn_layers"
 FEATURES = ("fixed", "shared_neurons", "touched_neurons", "computed_rows", "pairs", "router_scores", "dense_rows",
             "ranked_neurons")
 
@@ -53,6 +56,15 @@ DENSE_NEURONS = 100
 #: ``runtime.moelab_native``'s: with the native kernels, above GATHER_MAX_TOKENS tokens every routed expert runs in two
 #: GEMMs once the selected share k/E reaches this (the lower one from NATIVE_LONG_TOKENS tokens on)
 NATIVE_DENSE_SHARE, NATIVE_DENSE_SHARE_LONG, NATIVE_LONG_TOKENS = 0.7, 0.55, 1024
+#: ``runtime.moelab_native``'s: a prefill's selected pairs run natively only for experts of at most these bytes
+NATIVE_PREFILL_MAX_EXPERT_BYTES = 3 << 19
+
+
+def runs_native_prefill(tokens: int, top_k: int, n_routed: int, expert_size: int, d_model: int) -> bool:
+    """``runtime.moelab_native.runs_native_prefill``, mirrored without torch (the tests check they agree)."""
+    share = NATIVE_DENSE_SHARE if tokens <= NATIVE_LONG_TOKENS else NATIVE_DENSE_SHARE_LONG
+    return (tokens <= GATHER_MAX_TOKENS or top_k >= share * n_routed
+            or 3 * expert_size * d_model * 4 <= NATIVE_PREFILL_MAX_EXPERT_BYTES)
 
 
 def runs_dense(layer: Mapping[str, Any], tokens: int, native: bool = False) -> bool:
@@ -67,16 +79,19 @@ def runs_dense(layer: Mapping[str, Any], tokens: int, native: bool = False) -> b
     return tokens > GATHER_MAX_TOKENS and 0 < k < e and k >= e * share
 
 
-def layer_features(layer: Mapping[str, Any], tokens: int, native: bool = False) -> np.ndarray:
+def layer_features(layer: Mapping[str, Any], tokens: int, native: bool = False, d_model: int = 0) -> np.ndarray:
     """``FEATURES`` of one FFN layer run on ``tokens`` tokens. ``layer``: a ``moe_layers`` entry (``kind`` moe: d_shared,
     n_routed, expert_size, top_k, down_keep) or ``{"kind": "dense", "d_ffn": D}`` (all of it shared). A layer that
     ``runs_dense`` computes all its routed rows in large GEMMs (``dense_rows``) and moves no (token, expert) pairs.
     ``native``: the native kernels run, whose prefill multiplies every down row of a selected expert (the rows a
     token did not keep as zeros), so its computed rows do not shrink with ``down_keep``; at a decode step they read
-    only the kept down rows of the shared expert as of the routed ones (``down_keep`` applies to both)."""
+    only the kept down rows of the shared expert as of the routed ones (``down_keep`` applies to both). ``d_model``:
+    the model's width, whose experts past ``NATIVE_PREFILL_MAX_EXPERT_BYTES`` a prefill runs in torch's kernels
+    (``runs_native_prefill``; 0: experts taken as small)."""
     if layer.get("kind", "moe") == "dense":
         return np.array([1.0, tokens * float(layer["d_ffn"]), 0, 0, 0, 0, 0, 0])
     e, m, k = int(layer.get("n_routed", 0)), int(layer.get("expert_size", 0)), int(layer.get("top_k", 0))
+    native = native and runs_native_prefill(tokens, k, e, m, d_model)
     d_shared = float(layer.get("d_shared", 0))
     # gate and up rows whole, the down rows kept (all of them multiplied by the native prefill)
     kept = (2 + float(layer.get("down_keep", 1.0))) / 3
@@ -95,11 +110,11 @@ def layer_features(layer: Mapping[str, Any], tokens: int, native: bool = False) 
     return np.array([1.0, shared, touched * m * down, tokens * k * m * down, float(tokens * k), scores, 0.0, ranked])
 
 
-def fit(rows: Sequence[Mapping[str, Any]], tokens: int, phase: str, native: bool = False) -> np.ndarray:
+def fit(rows: Sequence[Mapping[str, Any]], tokens: int, phase: str, native: bool = False, d_model: int = 0) -> np.ndarray:
     """Non-negative coefficients of ``FEATURES`` fitting the grid's measured seconds of ``phase`` (relative error)."""
     from scipy.optimize import nnls
 
-    x = np.stack([layer_features(r["layer"], tokens, native) for r in rows])
+    x = np.stack([layer_features(r["layer"], tokens, native, d_model) for r in rows])
     y = np.array([r["seconds"][phase] for r in rows])
     scale = 1 / y  # each layout weighs by its relative error, not its size
     coef, _ = nnls(x * scale[:, None], np.ones_like(y))
@@ -108,7 +123,11 @@ def fit(rows: Sequence[Mapping[str, Any]], tokens: int, phase: str, native: bool
 
 def predict(table: Mapping[str, Any], layers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Each phase's predicted seconds and speed over dense of a model whose FFN layers are ``layers`` (``moe_layers``
-    entries, one per decoder layer). Layers of other kinds (low-rank, hierarchical …) are not modelled: ValueError."""
+    entries, one per decoder layer). Layers of other kinds (low-rank, hierarchical …) are not modelled, nor is a model
+    whose table timed its FFN layers only: ValueError."""
+    if table.get("scope") == FFN_LAYERS:
+        raise ValueError("only this model's FFN layers were timed on this machine (it was profiled streamed, never "
+                         "whole in memory): the speed guard reads them, but no whole-model speed is predicted")
     unknown = sorted({str(l.get("kind")) for l in layers} - {"moe", "dense"})
     if unknown:
         raise ValueError(f"no speed model for layer kind(s) {', '.join(unknown)}")
@@ -116,7 +135,8 @@ def predict(table: Mapping[str, Any], layers: Sequence[Mapping[str, Any]]) -> di
     for phase, entry in table["phases"].items():
         coef = np.asarray(entry["coef"])
         tokens = int(entry["tokens"])
-        ratios = [1.0 if l.get("kind") == "dense" else float(layer_features(l, tokens, bool(table.get("native"))) @ coef)
+        ratios = [1.0 if l.get("kind") == "dense" else float(layer_features(l, tokens, bool(table.get("native")),
+                                                                            _width(table)) @ coef)
                   / entry["dense_ffn_s"] for l in layers]
         share = entry["ffn_share"]
         seconds = entry["dense_model_s"] * (1 - share + share * sum(ratios) / table["n_layers"])
@@ -131,10 +151,15 @@ def layer_ratios(table: Mapping[str, Any], layer: Mapping[str, Any]) -> np.ndarr
     native = bool(table.get("native"))
     out = []
     for entry in table["phases"].values():
-        feats = np.stack([layer_features({**layer, "top_k": k}, int(entry["tokens"]), native)
+        feats = np.stack([layer_features({**layer, "top_k": k}, int(entry["tokens"]), native, _width(table))
                           for k in range(int(layer["n_routed"]) + 1)])
         out.append(feats @ np.asarray(entry["coef"]) / entry["dense_ffn_s"])
     return np.stack(out)
+
+
+def _width(table: Mapping[str, Any]) -> int:
+    """The d_model of the model ``table`` timed (0 where it does not say)."""
+    return int((table.get("model") or {}).get("d_model") or 0)
 
 
 def top_k_no_slower(table: Mapping[str, Any], layer: Mapping[str, Any]) -> np.ndarray:

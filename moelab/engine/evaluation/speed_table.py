@@ -10,6 +10,10 @@ a call reads them from memory as a whole model's layer does, not from a cache th
 L3 held 18 copies of the default model's dense FFN, and the table's FFNs ran 15% faster than the model's), but
 no more copies than the model has layers (a model whose layers fit the cache runs them from it), and each
 layout is timed in the same rounds as the dense FFN, as a ratio to it (a busy or drifting machine moves both alike).
+
+A model that never is whole in memory (profiled under ``--max-memory``, streamed) gets ``measure_ffn_table``: the same
+FFN layers at its shape, random weights, without the whole-model phases. That predicts no model's speed, but it is
+what the speed guard of ``--recipe best`` reads, so a streamed conversion is guarded too.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 from torch import nn
 
 from ..atomic import write_json_atomic
-from ..core.speed_prediction import TABLE_DIR, TABLE_VERSION, cpu_machine_name, fit, table_key
+from ..core.speed_prediction import FFN_LAYERS, TABLE_DIR, TABLE_VERSION, cpu_machine_name, fit, table_key
 from ..runtime.modeling_moelab import convert_in_place, decoder_layers, ffn_name
 from ..runtime import moelab_native
 from ..runtime.moelab_moe import MoeFFN
@@ -165,13 +169,58 @@ def measure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], 
     """The kernel table of ``model`` (a dense causal LM; ``info``: its source, d_model, d_ffn, n_layers) on its device."""
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
-    d_model, d_ffn, n_layers = int(info["d_model"]), int(info["d_ffn"]), int(info["n_layers"])
     whole = time_phases({"dense": model, "no_ffn": model}, tokens, protocol=protocol,
                         setups={"no_ffn": lambda: without_ffns(model)})
     tokens_by_phase = {**PHASE_TOKENS, "prefill": int(whole["phases"]["prefill"]["tokens"])}
     own = decoder_layers(model)[0]
     mlp = getattr(own, ffn_name(own))  # the dense FFN a conversion replaces, as the model runs it
-    dense = lambda: copy.deepcopy(mlp)  # noqa: E731
+    table = _ffn_table(lambda: copy.deepcopy(mlp), info, tokens_by_phase, device, dtype, repeats)
+    for phase, entry in table["phases"].items():
+        timed = whole["phases"][phase]
+        entry.update(dense_model_s=timed["seconds"]["dense"], ffn_share=max(0.0, 1 - 1 / timed["speedup"]["no_ffn"]))
+    return table
+
+
+def measure_ffn_table(mlp: nn.Module, info: dict[str, Any], where: tuple[torch.device, torch.dtype],
+                      prefill_tokens: int, repeats: int = 3) -> dict[str, Any]:
+    """The kernel table of a model that is never whole in memory (a streamed profile): the dense FFN layer and the
+    grid of MoE layers only, ``mlp`` (the model's FFN module, on any device, meta included) rebuilt with random
+    weights on ``where`` as the reference. Without the whole model's phases it predicts no model's speed
+    (``scope`` ``ffn_layers``, ``speed_prediction.predict`` says so), but it holds what the speed guard reads: each
+    layout's time over the dense FFN's (``top_k_no_slower``). Choice: ``repeats`` 3, where the whole-model table takes 5:
+    a layer of an 8B model takes about a second to prefill 512 tokens on 2 cores, and the grid is 21 layouts."""
+    device, dtype = where
+    tokens_by_phase = {**PHASE_TOKENS, "prefill": int(prefill_tokens)}
+    table = _ffn_table(lambda: _random_weights(mlp, device, dtype), info, tokens_by_phase, device, dtype, repeats)
+    return {**table, "scope": FFN_LAYERS}
+
+
+def ffn_table_bytes(info: dict[str, Any], where: tuple[torch.device, torch.dtype], prefill_tokens: int) -> int:
+    """What ``measure_ffn_table`` holds at once: a grid layout and the dense FFN (about one GLU's weights each), each
+    in as many copies as a decode timing cycles through (``copies``), and a prefill's activations twice over (its
+    input, gate and up products, and their GLU; an 8B-shaped table peaked 1.55 GiB over the process before it,
+    against the weights' 1.31 GiB and this 0.18 GiB)."""
+    device, dtype = where
+    d_model, d_ffn, item = int(info["d_model"]), int(info["d_ffn"]), torch.empty((), dtype=dtype).element_size()
+    size = 3 * d_model * d_ffn * item
+    return 2 * copies(size, int(info["n_layers"]), device) * size + 2 * prefill_tokens * (d_model + 3 * d_ffn) * item
+
+
+def _random_weights(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``module`` (its weights anywhere, on ``meta`` too) on ``device`` in ``dtype``, with random weights:
+    what its calls take does not depend on the values."""
+    out = copy.deepcopy(module).to_empty(device=device).to(dtype)
+    with torch.no_grad():
+        for p in out.parameters():
+            nn.init.normal_(p, std=0.02)
+    return out
+
+
+def _ffn_table(dense: Any, info: dict[str, Any], tokens_by_phase: dict[str, int], device: torch.device,
+               dtype: torch.dtype, repeats: int) -> dict[str, Any]:
+    """The table's FFN part: the dense FFN layer ``dense()`` builds and the grid's MoE layers timed against it, each
+    phase's coefficients fitted."""
+    d_model, d_ffn, n_layers = int(info["d_model"]), int(info["d_ffn"]), int(info["n_layers"])
     dense_ffn = {phase: statistics.median(r[0] for r in rounds)
                  for phase, rounds in _round_times([dense], d_model, tokens_by_phase, device, dtype, repeats, n_layers).items()}
     rows = []
@@ -180,13 +229,10 @@ def measure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], 
         rows.append({"layer": layout, "seconds": _layer_seconds(lambda s=spec: MoeFFN(s), dense, dense_ffn, d_model,
                                                                 tokens_by_phase, device, dtype, repeats, n_layers)})
     native = device.type == "cpu" and dtype == torch.float32 and moelab_native.library() is not None
-    phases = {}
-    for phase, t in tokens_by_phase.items():
-        timed = whole["phases"][phase]
-        phases[phase] = {"tokens": t, "dense_model_s": timed["seconds"]["dense"], "dense_ffn_s": dense_ffn[phase],
-                         "ffn_share": max(0.0, 1 - 1 / timed["speedup"]["no_ffn"]), "coef": fit(rows, t, phase, native).tolist()}
+    phases = {phase: {"tokens": t, "dense_ffn_s": dense_ffn[phase], "coef": fit(rows, t, phase, native, d_model).tolist()}
+              for phase, t in tokens_by_phase.items()}
     return {"version": TABLE_VERSION, "native": native, "model": {k: info[k] for k in ("source", "d_model", "d_ffn", "n_layers")},
-            "d_ffn": d_ffn, "n_layers": int(info["n_layers"]), "machine": machine_name(device),
+            "d_ffn": d_ffn, "n_layers": n_layers, "machine": machine_name(device),
             "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
             "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "phases": phases, "grid": rows}
 
@@ -241,11 +287,29 @@ def cached_table(where: Placement, info: dict[str, Any], data_dir: Path) -> dict
 
 def ensure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], data_dir: Path) -> dict[str, Any]:
     """The cached table of ``model`` on this machine, measured and written (atomically) when there is none (or it is
-    damaged)."""
+    damaged, or it timed the FFN layers only: the model is whole in memory now)."""
     path = table_path(model, info, data_dir)
     table = _read(path)
-    if table is None:
+    if table is None or table.get("scope") == FFN_LAYERS:
         table = measure_table(model, tokens, info)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, table)
+        _write(path, table)
     return table
+
+
+def ensure_ffn_table(mlp: nn.Module, info: dict[str, Any], where: tuple[torch.device, torch.dtype], data_dir: Path,
+                     max_memory: int, prefill_tokens: int) -> dict[str, Any] | None:
+    """The cached table of a model that streams (``mlp``: its FFN module, on ``meta``), or its FFN layers timed and
+    written when there is none; None where that timing would not fit ``max_memory`` (``ffn_table_bytes``)."""
+    path = table_path(where, info, data_dir)
+    table = _read(path)
+    if table is None:
+        if ffn_table_bytes(info, where, prefill_tokens) > max_memory:
+            return None
+        table = measure_ffn_table(mlp, info, where, prefill_tokens)
+        _write(path, table)
+    return table
+
+
+def _write(path: Path, table: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, table)
