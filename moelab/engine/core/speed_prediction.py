@@ -60,11 +60,9 @@ NATIVE_DENSE_SHARE, NATIVE_DENSE_SHARE_LONG, NATIVE_LONG_TOKENS = 0.7, 0.55, 102
 NATIVE_PREFILL_MAX_EXPERT_BYTES = 3 << 19
 
 
-def runs_native_prefill(tokens: int, top_k: int, n_routed: int, expert_size: int, d_model: int) -> bool:
+def runs_native_prefill(tokens: int, expert_size: int, d_model: int) -> bool:
     """``runtime.moelab_native.runs_native_prefill``, mirrored without torch (the tests check they agree)."""
-    share = NATIVE_DENSE_SHARE if tokens <= NATIVE_LONG_TOKENS else NATIVE_DENSE_SHARE_LONG
-    return (tokens <= GATHER_MAX_TOKENS or top_k >= share * n_routed
-            or 3 * expert_size * d_model * 4 <= NATIVE_PREFILL_MAX_EXPERT_BYTES)
+    return tokens <= GATHER_MAX_TOKENS or 3 * expert_size * d_model * 4 <= NATIVE_PREFILL_MAX_EXPERT_BYTES
 
 
 def runs_dense(layer: Mapping[str, Any], tokens: int, native: bool = False) -> bool:
@@ -91,7 +89,7 @@ def layer_features(layer: Mapping[str, Any], tokens: int, native: bool = False, 
     if layer.get("kind", "moe") == "dense":
         return np.array([1.0, tokens * float(layer["d_ffn"]), 0, 0, 0, 0, 0, 0])
     e, m, k = int(layer.get("n_routed", 0)), int(layer.get("expert_size", 0)), int(layer.get("top_k", 0))
-    native = native and runs_native_prefill(tokens, k, e, m, d_model)
+    native = native and runs_native_prefill(tokens, m, d_model)
     d_shared = float(layer.get("d_shared", 0))
     # gate and up rows whole, the down rows kept (all of them multiplied by the native prefill)
     kept = (2 + float(layer.get("down_keep", 1.0))) / 3

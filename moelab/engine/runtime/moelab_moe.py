@@ -613,17 +613,16 @@ class MoeFFN(_WatchedLayout, nn.Module):
                            wd.transpose(1, 2), self.expert_size, self.experts.down_keep, self.act,
                            self.skip_mean if self.compensated else None)
 
-    def _native_routed(self, x: torch.Tensor, weights: torch.Tensor | None, top_k: int | None = None) -> bool:
+    def _native_routed(self, x: torch.Tensor, weights: torch.Tensor | None) -> bool:
         """Whether this call's routed experts and compensation run ``moelab_native.moe_routed``: a CPU call
         without gradient, of plain float32 experts (not wrapped by an adapter) in the decode layout, the kernel
-        chosen by ``auto``, the kernel built on this machine, and a decode step or a prefill the native kernels run
-        (``runs_native_prefill``: each token selecting ``top_k``, the block's by default). Decided before the weights
-        are read: under a parametrisation (LoRA on the stacked experts) every read recomputes them."""
+        chosen by ``auto``, the kernel built on this machine, and a decode step or a prefill of experts the native
+        kernels run (``runs_native_prefill``). Decided before the weights are read: under a parametrisation (LoRA
+        on the stacked experts) every read recomputes them."""
         experts = self.experts
         if (not isinstance(experts, MoeExperts) or experts.experts_impl != "auto" or is_parametrized(experts)
                 or _needs_grad(x, weights)
-                or not runs_native_prefill(x.numel() // max(1, x.shape[-1]), self.top_k if top_k is None else top_k,
-                                           self.n_routed, self.expert_size, self.d_model)):
+                or not runs_native_prefill(x.numel() // max(1, x.shape[-1]), self.expert_size, self.d_model)):
             return False
         wgu, wd = experts.gate_up_proj, experts.down_proj
         return (not _needs_grad(x, wgu, wd, weights) and wgu.transpose(1, 2).is_contiguous() and wd.transpose(1, 2).is_contiguous()
@@ -638,7 +637,7 @@ class MoeFFN(_WatchedLayout, nn.Module):
         if self.combine != "sum":  # every expert selected: the weighted and normalized combines coincide
             scores, act_gate = self.router(x)
             weights = self.router.weights(scores, None)
-        if act_gate is None and self._native_routed(x, weights, self.n_routed):
+        if act_gate is None and self._native_routed(x, weights):
             wgu, wd = self.experts.gate_up_proj, self.experts.down_proj
             every = torch.arange(self.n_routed, device=x.device).expand(x.shape[0], self.n_routed)
             return moe_routed(x, every, weights, wgu.transpose(1, 2), wd.transpose(1, 2), self.expert_size,

@@ -972,22 +972,21 @@ def moe_routed(x: torch.Tensor, top: torch.Tensor, weights: torch.Tensor | None,
     return out
 
 
-#: the largest expert (its gate, up and down blocks, float32 bytes) whose selected pairs a prefill runs in the native
-#: kernel (``moelab_moe_prefill``): it walks every expert's weights once per block of a few tokens, which pays while an
-#: expert stays in a core's cache; past that torch's GEMMs per expert (``sorted``) take the prefill. 512 tokens, 2 threads
-#: of a Zen 4 EPYC (1 MiB L2), time over the dense FFN's: d 576, experts 0.08-1.3 MiB, native 0.32-0.45x against torch's
-#: 0.37-1.18x; d 2,048, 1.6 MiB 0.98 against 0.99x, 6.3 MiB 0.70 against 0.49x; d 4,096 (an 8B shape), 5.5 MiB 0.72
-#: against 0.63x, 22-88 MiB 1.32-2.38x against 0.41-0.52x
+#: the largest expert (its gate, up and down blocks, float32 bytes) a prefill runs in the native kernels: the pairs
+#: kernel (``moelab_moe_prefill``) walks each selected expert's weights once per block of a few tokens, which pays
+#: while an expert stays in a core's cache, and the two GEMMs of ``_routed_dense`` pay for their copy and ranking;
+#: past it torch's GEMMs per expert (``sorted``) take the prefill. 512 tokens, 2 threads of a Zen 4 EPYC (1 MiB L2),
+#: time over the dense FFN's: d 576, experts 0.08-1.3 MiB, native 0.32-0.45x against torch's 0.37-1.18x; d 2,048,
+#: 1.6 MiB 0.98 against 0.99x, 6.3 MiB 0.70 against 0.49x; d 4,096 (an 8B shape), 5.5 MiB 0.72 against 0.63x (top-77
+#: of 96 in two GEMMs, half the down rows: 1.32 against 0.94x), 22-88 MiB 1.32-2.38x against 0.41-0.52x
 NATIVE_PREFILL_MAX_EXPERT_BYTES = 3 << 19
 
 
-def runs_native_prefill(tokens: int, top_k: int, n_routed: int, expert_size: int, d_model: int) -> bool:
+def runs_native_prefill(tokens: int, expert_size: int, d_model: int) -> bool:
     """Whether a call of ``tokens`` tokens that the native kernels could run (``moe_routed``) does: a decode step
-    always; a prefill where it runs every expert in two GEMMs (``NATIVE_DENSE_SHARE``) or its experts are no larger
-    than ``NATIVE_PREFILL_MAX_EXPERT_BYTES`` (else torch's kernels run it)."""
-    share = NATIVE_DENSE_SHARE if tokens <= NATIVE_LONG_TOKENS else NATIVE_DENSE_SHARE_LONG
-    return (tokens <= DECODE_TOKENS or top_k >= share * n_routed
-            or 3 * expert_size * d_model * 4 <= NATIVE_PREFILL_MAX_EXPERT_BYTES)
+    always, a prefill where its experts are no larger than ``NATIVE_PREFILL_MAX_EXPERT_BYTES`` (else torch's
+    kernels run it)."""
+    return tokens <= DECODE_TOKENS or 3 * expert_size * d_model * 4 <= NATIVE_PREFILL_MAX_EXPERT_BYTES
 
 
 #: from this share of the routed experts selected per token, a prefill runs every expert in two GEMMs (the selected
