@@ -198,7 +198,7 @@ def measure_ffn_table(mlp: nn.Module, info: dict[str, Any], where: tuple[torch.d
 def ffn_table_bytes(info: dict[str, Any], where: tuple[torch.device, torch.dtype], prefill_tokens: int) -> int:
     """What ``measure_ffn_table`` holds at once: a grid layout and the dense FFN (about one GLU's weights each), each
     in as many copies as a decode timing cycles through (``copies``), and a prefill's activations twice over (its
-    input, gate and up products, and their GLU; an 8B-shaped table peaked 1.55 GiB over the process before it,
+    input, gate and up products, and their GLU; an 8B-shaped table peaked 1.52 GiB over the process before it,
     against the weights' 1.31 GiB and this 0.18 GiB)."""
     device, dtype = where
     d_model, d_ffn, item = int(info["d_model"]), int(info["d_ffn"]), torch.empty((), dtype=dtype).element_size()
