@@ -108,15 +108,10 @@ def measure_ffn_kernel_times(plan: Any, model: dict[str, Any], data_dir: Path, p
     shape with random weights, within the plan's memory budget (``speed_table.ensure_ffn_table``), so that the speed
     guard of a streamed conversion has them."""
     from .evaluation.speed_table import ensure_ffn_table, model_info
-    from .runtime.modeling_moelab import decoder_layers, ffn_name
 
     info = model_info(plan.adapter, model.get("source"))
-    layer = decoder_layers(plan.adapter.model)[0]
-    prefill = min(SpeedProtocol().prefill_tokens,
-                  int(getattr(plan.adapter.model.config, "max_position_embeddings", None) or 1 << 30))
     with _kernel_timing(info["source"], progress, "FFN kernels"):
-        if ensure_ffn_table(getattr(layer, ffn_name(layer)), info, (plan.device, plan.dtype), data_dir,
-                            plan.max_memory, prefill) is None:
+        if ensure_ffn_table(plan.adapter.model, info, (plan.device, plan.dtype), data_dir, plan.max_memory) is None:
             log.warning("the FFN kernel timing of %s needs more than --max-memory; a streamed --recipe best of it runs "
                         "without the speed guard", info["source"])
 
@@ -161,6 +156,7 @@ def run_conversion(
     profiles = check_conversion(params, profile_paths, model, calib)  # before a model is loaded
     reset_peak_rss()
     budget: dict[str, float] = {}
+    guarded = time_kernels and getattr(params, "speed_guard", "none") == "machine"
 
     def complete(record: dict[str, Any], moe: Any, tokenizer: Any = None) -> None:
         if profiles:
@@ -188,7 +184,7 @@ def run_conversion(
                                trust_remote_code=trust_remote_code)
         budget["max_memory_bytes"] = float(plan.max_memory)
         if plan.stream:
-            if time_kernels and getattr(params, "speed_guard", "none") == "machine":  # as load_dense does below
+            if guarded:  # as load_dense does below
                 measure_ffn_kernel_times(plan, profiles[0].manifest["model"], data_dir, progress)
             return convert_streamed(plan, profiles[0], params, method, out, data_dir=data_dir, progress=progress,
                                     complete=complete)
@@ -196,7 +192,6 @@ def run_conversion(
                               map_layers=map_layers)
     if profiles:
         source = profiles[0].manifest["model"]["source"]
-        guarded = time_kernels and getattr(params, "speed_guard", "none") == "machine"
 
         def load_dense() -> ModelAdapter:
             adapter = loader(source, data_dir=data_dir, device=device, dtype="float32",

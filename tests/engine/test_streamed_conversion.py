@@ -196,7 +196,6 @@ def test_a_model_that_only_streams_has_its_ffn_layers_timed_and_its_streamed_bes
     times nothing."""
     from moelab.engine.core.speed_prediction import FEATURES, TABLE_DIR
     from moelab.engine.evaluation.speed_table import ensure_ffn_table, ffn_table_bytes, model_info
-    from moelab.engine.runtime.modeling_moelab import decoder_layers, ffn_name
 
     from .test_speed_prediction import data_without_tables
 
@@ -225,8 +224,7 @@ def test_a_model_that_only_streams_has_its_ffn_layers_timed_and_its_streamed_bes
     assert whole["fit"]["speed_guard"]["measured_at"] == timed["measured_at"]
     assert "phases" in whole["summary"]["predicted_speed"]
 
-    layer = decoder_layers(plan.adapter.model)[0]
     info, where = model_info(plan.adapter, "elsewhere"), (plan.device, plan.dtype)
-    assert ensure_ffn_table(getattr(layer, ffn_name(layer)), info, where, tmp_path / "short",
-                            ffn_table_bytes(info, where, 16) - 1, 16) is None
+    need = ffn_table_bytes(info, where, table["phases"]["prefill"]["tokens"])
+    assert ensure_ffn_table(plan.adapter.model, info, where, tmp_path / "short", need - 1) is None
     assert not (tmp_path / "short").exists()

@@ -36,7 +36,7 @@ from ..core.speed_prediction import FFN_LAYERS, TABLE_DIR, TABLE_VERSION, cpu_ma
 from ..runtime.modeling_moelab import convert_in_place, decoder_layers, ffn_name
 from ..runtime import moelab_native
 from ..runtime.moelab_moe import MoeFFN
-from .speed import SpeedProtocol, time_phases
+from .speed import SpeedProtocol, max_positions, time_phases
 
 WORKING_SET_BYTES = 192 << 20
 MAX_COPIES = 128
@@ -172,8 +172,7 @@ def measure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], 
     whole = time_phases({"dense": model, "no_ffn": model}, tokens, protocol=protocol,
                         setups={"no_ffn": lambda: without_ffns(model)})
     tokens_by_phase = {**PHASE_TOKENS, "prefill": int(whole["phases"]["prefill"]["tokens"])}
-    own = decoder_layers(model)[0]
-    mlp = getattr(own, ffn_name(own))  # the dense FFN a conversion replaces, as the model runs it
+    mlp = _first_ffn(model)
     table = _ffn_table(lambda: copy.deepcopy(mlp), info, tokens_by_phase, device, dtype, repeats)
     for phase, entry in table["phases"].items():
         timed = whole["phases"][phase]
@@ -181,16 +180,17 @@ def measure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], 
     return table
 
 
-def measure_ffn_table(mlp: nn.Module, info: dict[str, Any], where: tuple[torch.device, torch.dtype],
+def measure_ffn_table(model: nn.Module, info: dict[str, Any], where: tuple[torch.device, torch.dtype],
                       prefill_tokens: int, repeats: int = 3) -> dict[str, Any]:
     """The kernel table of a model that is never whole in memory (a streamed profile): the dense FFN layer and the
-    grid of MoE layers only, ``mlp`` (the model's FFN module, on any device, meta included) rebuilt with random
+    grid of MoE layers only, ``model``'s FFN module (its weights on any device, meta included) rebuilt with random
     weights on ``where`` as the reference. Without the whole model's phases it predicts no model's speed
     (``scope`` ``ffn_layers``, ``speed_prediction.predict`` says so), but it holds what the speed guard reads: each
     layout's time over the dense FFN's (``top_k_no_slower``). Choice: ``repeats`` 3, where the whole-model table takes 5:
     a layer of an 8B model takes about a second to prefill 512 tokens on 2 cores, and the grid is 21 layouts."""
     device, dtype = where
     tokens_by_phase = {**PHASE_TOKENS, "prefill": int(prefill_tokens)}
+    mlp = _first_ffn(model)
     table = _ffn_table(lambda: _random_weights(mlp, device, dtype), info, tokens_by_phase, device, dtype, repeats)
     return {**table, "scope": FFN_LAYERS}
 
@@ -204,6 +204,12 @@ def ffn_table_bytes(info: dict[str, Any], where: tuple[torch.device, torch.dtype
     d_model, d_ffn, item = int(info["d_model"]), int(info["d_ffn"]), torch.empty((), dtype=dtype).element_size()
     size = 3 * d_model * d_ffn * item
     return 2 * copies(size, int(info["n_layers"]), device) * size + 2 * prefill_tokens * (d_model + 3 * d_ffn) * item
+
+
+def _first_ffn(model: nn.Module) -> nn.Module:
+    """The dense FFN a conversion replaces (the first decoder layer's), as the model runs it."""
+    own = decoder_layers(model)[0]
+    return getattr(own, ffn_name(own))
 
 
 def _random_weights(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -296,16 +302,18 @@ def ensure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], d
     return table
 
 
-def ensure_ffn_table(mlp: nn.Module, info: dict[str, Any], where: tuple[torch.device, torch.dtype], data_dir: Path,
-                     max_memory: int, prefill_tokens: int) -> dict[str, Any] | None:
-    """The cached table of a model that streams (``mlp``: its FFN module, on ``meta``), or its FFN layers timed and
-    written when there is none; None where that timing would not fit ``max_memory`` (``ffn_table_bytes``)."""
+def ensure_ffn_table(model: nn.Module, info: dict[str, Any], where: tuple[torch.device, torch.dtype], data_dir: Path,
+                     max_memory: int) -> dict[str, Any] | None:
+    """The cached table of a model that streams (``model``: on ``meta``), or its FFN layers timed (the prefill as the
+    whole-model table's, ``TABLE_PROTOCOL``, within the model's positions) and written when there is none; None where
+    that timing would not fit ``max_memory`` (``ffn_table_bytes``)."""
     path = table_path(where, info, data_dir)
     table = _read(path)
     if table is None:
-        if ffn_table_bytes(info, where, prefill_tokens) > max_memory:
+        prefill = min([TABLE_PROTOCOL.prefill_tokens, *filter(None, [max_positions(model)])])
+        if ffn_table_bytes(info, where, prefill) > max_memory:
             return None
-        table = measure_ffn_table(mlp, info, where, prefill_tokens)
+        table = measure_ffn_table(model, info, where, prefill)
         _write(path, table)
     return table
 
