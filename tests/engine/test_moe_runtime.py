@@ -784,3 +784,29 @@ def test_a_dropped_block_is_freed_at_once_and_a_copy_routes_with_its_own_router(
         twin.router_weight.copy_(-twin.router_weight)
         assert torch.equal(mod.router.select(mod.router(x)[0]), before)
         assert not torch.equal(twin.router.select(twin.router(x)[0]), before)
+
+
+def test_a_fresh_layer_is_drawn_in_its_storage_order_and_a_loaded_weight_is_left_alone():
+    """``reset_parameters`` draws the experts (stored transposed: the decode layouts) through a view in storage order,
+    the torch fast path: every weight keeps its strides and gets N(0, std) values, the same draw as a contiguous
+    tensor of the storage's shape under the same seed; a weight transformers flags as loaded is not drawn."""
+    from transformers import initialization
+
+    experts = modeling_moelab.MoeExperts(16, 24, 64)
+    strides = [p.stride() for p in experts.parameters()]
+    assert any(not p.is_contiguous() for p in experts.parameters())
+    torch.manual_seed(3)
+    experts.reset_parameters(0.5)
+    assert [p.stride() for p in experts.parameters()] == strides
+    torch.manual_seed(3)
+    for p in experts.parameters():
+        storage_order = p.permute(sorted(range(p.dim()), key=lambda i: -p.stride(i)))
+        assert torch.equal(storage_order, torch.empty(storage_order.shape).normal_(0.0, 0.5))
+        assert abs(float(p.detach().std()) - 0.5) < 0.01
+    loaded = experts.down_proj
+    loaded.data.fill_(1.0)
+    loaded._is_hf_initialized = True
+    with initialization.guard_torch_init_functions():
+        experts.reset_parameters(0.5)
+    assert torch.equal(loaded.detach(), torch.ones_like(loaded))
+    assert abs(float(experts.gate_up_proj.detach().std()) - 0.5) < 0.01

@@ -227,12 +227,15 @@ def _ffn_table(dense: Any, info: dict[str, Any], tokens_by_phase: dict[str, int]
     """The table's FFN part: the dense FFN layer ``dense()`` builds and the grid's MoE layers timed against it, each
     phase's coefficients fitted."""
     d_model, d_ffn, n_layers = int(info["d_model"]), int(info["d_ffn"]), int(info["n_layers"])
+    built = dense()  # once: every layout is timed against this layer (an 8B shape's random FFN takes a second to draw)
+    reference = lambda: built  # noqa: E731
     dense_ffn = {phase: statistics.median(r[0] for r in rounds)
-                 for phase, rounds in _round_times([dense], d_model, tokens_by_phase, device, dtype, repeats, n_layers).items()}
+                 for phase, rounds in _round_times([reference], d_model, tokens_by_phase, device, dtype, repeats,
+                                                   n_layers).items()}
     rows = []
     for layout in grid(d_ffn):
         spec = {**layout, "d_model": d_model, "router": "centroid", "combine": "sum"}
-        rows.append({"layer": layout, "seconds": _layer_seconds(lambda s=spec: MoeFFN(s), dense, dense_ffn, d_model,
+        rows.append({"layer": layout, "seconds": _layer_seconds(lambda s=spec: MoeFFN(s), reference, dense_ffn, d_model,
                                                                 tokens_by_phase, device, dtype, repeats, n_layers)})
     native = device.type == "cpu" and dtype == torch.float32 and moelab_native.library() is not None
     phases = {phase: {"tokens": t, "dense_ffn_s": dense_ffn[phase], "coef": fit(rows, t, phase, native, d_model).tolist()}

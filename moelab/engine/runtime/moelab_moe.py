@@ -52,8 +52,8 @@ from torch.nn.utils.parametrize import is_parametrized
 from transformers.activations import ACT2FN
 
 from .moelab_compat import load_legacy_expert_keys, register_load_pre_hook
-from .moelab_kernels import (EXPERTS_IMPLS, decode_layout, every_expert, keep_largest, per_expert, row_major_t, run_kernel,
-                             select_kernel)
+from .moelab_kernels import (EXPERTS_IMPLS, decode_layout, every_expert, keep_largest, normal_in_storage_order, per_expert,
+                             row_major_t, run_kernel, select_kernel)
 from .moelab_native import (DECODE_TOKENS, FUSED_COMBINES, FUSED_MAX_EXPERTS, FusedDecode, glu_keep, moe_routed,
                             runs_native_prefill, skipped_means)
 from .moelab_native import switched_off as native_switched_off, usable as native_usable
@@ -170,7 +170,7 @@ class MoeExperts(_WatchedLayout, nn.Module):
     def reset_parameters(self, std: float = 0.02) -> None:
         for p in self.parameters(recurse=False):
             if p.device.type != "meta":
-                nn.init.normal_(p, 0.0, std)
+                normal_in_storage_order(p, std)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, expert_size={self.expert_size}, d_model={self.d_model}, "
@@ -457,7 +457,7 @@ class MoeFFN(_WatchedLayout, nn.Module):
         """Random init (a fresh model only; converted and loaded models overwrite it)."""
         for p in self.parameters(recurse=False):
             if p.device.type != "meta":
-                nn.init.normal_(p, 0.0, std)
+                normal_in_storage_order(p, std)
         self.experts.reset_parameters(std)
         if self.combine == "scaled" and self.router_scale.device.type != "meta":
             self.router_scale.zero_()  # u = b = 0: no perturbation of the sum combine (CM §3.3)
