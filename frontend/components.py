@@ -152,6 +152,21 @@ def wants_baselines(value: list[str] | None) -> bool:
     return "baselines" in (value or [])
 
 
+def memory_budget_input(ident: str, what: str) -> html.Div:
+    """A job's memory budget (``max_memory`` of a profile or a conversion, ``what`` says which) as the user types it
+    ('2GiB', '700MB'); :func:`memory_budget` reads it for the API, which checks it (422 in words)."""
+    return html.Div([html.Label("memory budget"),
+                     dcc.Input(id=ident, type="text", placeholder="e.g. 2GiB", style={"width": 100})],
+                    title=f"the {what} of a model whose weights exceed it runs one decoder layer at a time, with the same "
+                          "result (docs/large-models.md); empty: the server's MOELAB_MAX_MEMORY, unset there: the whole "
+                          "model in memory")
+
+
+def memory_budget(value: str | None) -> str | None:
+    """The budget :func:`memory_budget_input` holds, for the API (empty: none, the server's default applies)."""
+    return (value or "").strip() or None
+
+
 def install_hint(name: str) -> str:
     return f"not installed: install with `moelab data install {name}`"
 

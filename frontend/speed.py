@@ -105,10 +105,10 @@ def slower_phases(predicted: dict[str, Any]) -> list[str]:
 
 def predicted_speed_words(predicted: dict[str, Any]) -> str:
     """'Predicted speed × dense: decode b1 1.21×, decode b8 0.85×, prefill 0.70× — slower than dense in decode b8 and
-    prefill (cpu: …, 2 threads).' or the note saying why there is no prediction."""
+    prefill (cpu: …, 2 threads).' or 'Predicted speed × dense: none (why).'"""
     phases = predicted.get("phases") or {}
     if not phases:
-        return predicted.get("note") or ""
+        return f"Predicted speed × dense: none ({predicted['note']})." if predicted.get("note") else ""
     said = ", ".join(f"{PHASES.get(p, p)} {v['speedup']:.2f}×" for p, v in phases.items() if isinstance(v.get("speedup"), (int, float)))
     slow = slower_phases(predicted)
     verdict = (" — slower than dense in " + " and ".join(PHASES.get(p, p) for p in slow)) if slow else " — no phase slower than dense"

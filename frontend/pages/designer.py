@@ -17,8 +17,8 @@ from frontend.figures import designer as F, common as FC, compare as FX
 from moelab.api_client import ApiError, api
 from frontend.exportability import ui_words
 from frontend.param_controls import param_bounds, param_step
-from frontend.components import (baselines_choice, builtin_source_options, cancel_started, error_box, figure_card, options, profile_picker,
-                                 progress, to_search, wants_baselines)
+from frontend.components import (baselines_choice, builtin_source_options, cancel_started, error_box, figure_card, memory_budget,
+                                 memory_budget_input, options, profile_picker, progress, to_search, wants_baselines)
 from frontend.names import fmt
 from frontend.speed import predicted_speed_words, slower_phases
 from moelab.engine.methods.labels import collapse_notes, layer_span
@@ -195,6 +195,7 @@ def layout(profile: str | None = None, method: str = "expertweaver", **query: st
             html.Button("Cancel", id=f"{N}-cancel", className="small", title="cancel the running conversion or evaluation"),
             dcc.Checklist(id=f"{N}-allow-pruned", options=[{"label": "convert even with pruned layers", "value": "allow"}], value=[],
                           inline=True),
+            memory_budget_input(f"{N}-max-memory", "conversion (expertweaver, cmoe)"),
             html.Div([html.Label("evaluate on"), dcc.Dropdown(id=f"{N}-eval-source", options=builtin_source_options(), value="builtin:mixed",
                                                               clearable=False, style={"width": 380})]),
             baselines_choice(f"{N}-eval-baselines"),
@@ -366,9 +367,9 @@ def params_problems(m: dict[str, Any], method: str, values: list[Any], ids: list
           State({"type": PARAM, "method": ALL, "name": ALL}, "value"), State({"type": PARAM, "method": ALL, "name": ALL}, "id"),
           State(f"{N}-extra_profiles", "value"), State(f"{N}-moe_model", "value"), State(f"{N}-calibration", "value"),
           State(f"{N}-methods", "data"), State(f"{N}-eval-source", "value"), State(f"{N}-eval-baselines", "value"),
-          State(f"{N}-allow-pruned", "value"), prevent_initial_call=True)
+          State(f"{N}-allow-pruned", "value"), State(f"{N}-max-memory", "value"), prevent_initial_call=True)
 def _launch(_c, _e, conversion_id, profile, method, values, ids, extra_profiles, moe_model, calibration, methods, eval_source,
-            eval_baselines, allow_pruned):
+            eval_baselines, allow_pruned, max_memory):
     try:
         if ctx.triggered_id == f"{N}-evaluate":
             if not conversion_id:
@@ -393,7 +394,7 @@ def _launch(_c, _e, conversion_id, profile, method, values, ids, extra_profiles,
                 static = api().method_preview(profile, method, **body[method])["summary"].get("static_layers")
                 if static:
                     return no_update, no_update, True, error_box("not converted: " + pruned_warning(static))
-        created = api().create_conversion(**body)
+        created = api().create_conversion(**body, max_memory=memory_budget(max_memory))
     except ApiError as exc:
         return no_update, no_update, True, error_box(f"could not start: {exc}")
     return created["job_id"], created["id"], False, progress(created.get("job"))
@@ -450,6 +451,12 @@ def fmt_measure(key: str, value: Any) -> str:
     return f"{name} {fmt(value)}"
 
 
+def planned_top_k(layers: list[dict[str, Any]]) -> str:
+    """'dense, 54/84, 0/84 …': each layer's selected experts over its routed ones, 'dense' where the plan kept the
+    dense FFN (no routed expert: its top-k of 0 selects nothing because there is nothing to select)."""
+    return ", ".join("dense" if not r.get("n_routed") else f"{r.get('top_k')}/{r['n_routed']}" for r in layers)
+
+
 def _result(conversion_id: str, job: dict[str, Any] | None = None) -> tuple[html.Div, bool]:
     """The result card and whether the conversion is ready (can be evaluated): plan summary, timings,
     what the last job's failure was in words, and — once evaluated — perplexity vs baselines and
@@ -472,8 +479,8 @@ def _result(conversion_id: str, job: dict[str, Any] | None = None) -> tuple[html
     for line in collapse_notes(s.get("notes") or []):
         children.append(html.Div(line, className="aggregated note-line"))
     if (conv.get("params") or {}).get("plan") == "budget" and conv.get("layers"):
-        ks = ", ".join(str(r.get("top_k")) for r in conv["layers"])
-        children.append(html.Div(f"budget plan's top-k per layer (layers 0–{len(conv['layers']) - 1}): {ks}", className="note"))
+        children.append(html.Div(f"budget plan's top-k per layer (layers 0–{len(conv['layers']) - 1}): "
+                                 f"{planned_top_k(conv['layers'])}", className="note", id=f"{N}-top-k"))
     timings = (conv.get("job") or {}).get("timings") or s.get("timings")
     if isinstance(timings, dict):
         children.append(html.Div("timings: " + ", ".join(fmt_measure(k, v) for k, v in timings.items()), className="note timings"))

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any
 
 import dash
 from dash import ALL, Input, Output, State, callback, ctx, dcc, html, no_update
 
 from moelab.api_client import ApiError, api
+from moelab.engine.sizes import format_size
 from frontend.figures import common as FC
-from frontend.components import baselines_choice, builtin_options, error_box, options, progress, source_options, wants_baselines
+from frontend.components import (baselines_choice, builtin_options, error_box, memory_budget, memory_budget_input, options, progress,
+                                 source_options, wants_baselines)
 from frontend.defaults import CALIBRATION_NOTE, CALIBRATION_SAMPLES, CALIBRATION_SET, CALIBRATION_TOKENS
 from frontend.downloads import download_url, export_download_url
 from frontend.exportability import ui_words
@@ -57,6 +60,7 @@ def layout(**_):
                 html.Div([html.Label("calibration set"), dcc.Dropdown(id=f"{N}-set", style={"width": 300})]),
                 html.Div([html.Label("max tokens / sample"), dcc.Input(id=f"{N}-max-tokens", type="number", value=CALIBRATION_TOKENS, min=2, style={"width": 90})]),
                 html.Div([html.Label("CV across"), dcc.Dropdown(id=f"{N}-group-by", options=GROUP_BY, value="auto", clearable=False, style={"width": 130})]),
+                memory_budget_input(f"{N}-max-memory", "profile"),
                 html.Button("Profile", id=f"{N}-add-profile"),
                 dcc.Link("Design a conversion →", href="/designer"),
             ]),
@@ -332,6 +336,29 @@ def _delete(_ok, pending):
     return html.Div(text, className="note"), None
 
 
+def model_weights(m: dict[str, Any]) -> str:
+    """'513.14 MiB (a memory budget ≥ 108.00 MiB streams it)': the model's weights in the dtype its jobs run and the
+    least budget a profile or conversion streams it in (its inspection's ``memory``); '' before it is inspected."""
+    memory = (m.get("info") or {}).get("memory") or {}
+    if not memory.get("total_bytes"):
+        return ""
+    floor = memory.get("min_max_memory")
+    return format_size(memory["total_bytes"]) + (f" (a memory budget ≥ {format_size(floor)} streams it)" if floor else "")
+
+
+def profile_memory(p: dict[str, Any]) -> str:
+    """How a profile ran: 'streamed under 500MB' (one decoder layer at a time), 'whole model', or its budget while
+    it waits."""
+    budget = (p.get("params") or {}).get("max_memory")
+    model = (p.get("summary") or {}).get("model") or {}
+    if "streamed" not in model:
+        return f"budget {budget}" if budget else ""
+    if not model["streamed"]:
+        return "whole model"
+    ran = ((p.get("job") or {}).get("timings") or {}).get("max_memory_bytes")  # the server's budget where it set none
+    return "streamed under " + (budget or (format_size(int(ran)) if ran else "a memory budget"))
+
+
 def _status(it: dict):
     job = it.get("job")
     if it["status"] in ("queued", "running") and job:
@@ -565,6 +592,7 @@ def _refresh(_n, _created, _deleted, _job_action, _exported, refusal, shown_dige
     lists_shown = [
         table("Models", "models", models, [("id", lambda m: m["id"]), ("name", lambda m: m["name"]), ("status", _status),
                                            ("layers", lambda m: str((m.get("info") or {}).get("n_layers", ""))),
+                                           ("weights", model_weights),
                                            ("", lambda m: _delete_button("models", m))]),
         table("Calibration sets", "calibration-sets", sets,
               [("id", lambda s: dcc.Link(s["id"], href=f"/calibration?set={s['id']}")), ("name", lambda s: s["name"]),
@@ -573,7 +601,7 @@ def _refresh(_n, _created, _deleted, _job_action, _exported, refusal, shown_dige
         table("Profiles", "profiles", profiles,
               [("profile", names.profile), ("id", lambda p: html.Span(p["id"], className="note")),
                ("CV across", lambda p: str((p.get("summary") or {}).get("cv_basis") or (p.get("params") or {}).get("group_by") or "")),
-               ("status", _status),
+               ("memory", profile_memory), ("status", _status),
                ("open", lambda p: html.Span([dcc.Link("neurons", href=f"/neurons?profile={p['id']}"), " · ",
                                              dcc.Link("layers", href=f"/layers?profile={p['id']}"), " · ",
                                              dcc.Link("design", href=f"/designer?profile={p['id']}")]) if p["status"] == "ready" else ""),
@@ -602,9 +630,9 @@ def _refresh(_n, _created, _deleted, _job_action, _exported, refusal, shown_dige
           State(f"{N}-max-tokens", "value"), State(f"{N}-group-by", "value"), State(f"{N}-eval-conversion", "value"),
           State(f"{N}-eval-source", "value"), State(f"{N}-eval-windows", "value"), State(f"{N}-eval-seq-len", "value"),
           State(f"{N}-eval-baselines", "value"), State(f"{N}-eval-tasks", "value"), State(f"{N}-eval-task-limit", "value"),
-          State(f"{N}-eval-task-dir", "value"), prevent_initial_call=True)
+          State(f"{N}-eval-task-dir", "value"), State(f"{N}-max-memory", "value"), prevent_initial_call=True)
 def _create(_m, _s, _p, _e, source, builtin, samples, model, cset, max_tokens, group_by, conversion, eval_source, windows, seq_len,
-            baselines, tasks, task_limit, task_dir):
+            baselines, tasks, task_limit, task_dir, max_memory):
     c = api()
     try:
         if ctx.triggered_id == f"{N}-add-model":
@@ -621,7 +649,8 @@ def _create(_m, _s, _p, _e, source, builtin, samples, model, cset, max_tokens, g
             if not model or not cset:
                 return error_box("choose a ready model and calibration set first")
             mt = int(max_tokens or 256)
-            created = c.create_profile(model, cset, max_tokens=mt, batch_tokens=max(2048, mt), group_by=group_by or "auto")
+            budget = {"max_memory": b} if (b := memory_budget(max_memory)) else {}
+            created = c.create_profile(model, cset, max_tokens=mt, batch_tokens=max(2048, mt), group_by=group_by or "auto", **budget)
     except ApiError as exc:
         return error_box(f"could not create: {exc}")
     return html.Div(f"created {created['id']} (job {created.get('job_id')})", className="note")

@@ -33,6 +33,7 @@ from frontend.pages.designer import (
     param_bounds,
     param_problem,
     param_step,
+    planned_top_k,
 )
 from moelab.engine.methods import describe_methods
 
@@ -110,6 +111,11 @@ def test_timings_and_memory_carry_their_own_units():
                                               "seconds_per_layer": 0.1, "n_tokens": 12}.items()]
     assert shown == ["total 6.24 s", "peak rss 1,667.7 MiB", "max memory 2.00 GiB", "seconds per layer 0.10 s", "n tokens 12"]
     assert not any("MiB s" in s or "GiB s" in s for s in shown)
+
+
+def test_a_budget_plans_top_k_says_dense_where_the_plan_kept_the_dense_ffn():
+    layers = [{"n_routed": 0, "top_k": 0, "d_shared": 1536}, {"n_routed": 84, "top_k": 54}, {"n_routed": 84, "top_k": 0}]
+    assert planned_top_k(layers) == "dense, 54/84, 0/84"
 
 
 def test_identical_per_layer_notes_collapse_into_one_line():
@@ -415,6 +421,9 @@ def test_designer_recipe_budget_preview_result_card_and_failed_evaluation(page, 
     assert {n["note"] for n in notes} <= {"budget plan: top-k chosen by calibration error", "left dense (all neurons kept)"}
     for line in collapse_notes(notes):
         assert card.count(line) == 1, line
+    layers = api.get(f"/conversions/{conversion}").json()["layers"]  # each layer's top-k of its experts, or 'dense'
+    said = page.inner_text("#cd-top-k").split(": ", 1)[1].split(", ")
+    assert said == ["dense" if not r["n_routed"] else f"{r['top_k']}/{r['n_routed']}" for r in layers]
     # the recipe's speed guard says what this machine's kernel table let each layer run, and from when
     guard = api.get(f"/conversions/{conversion}").json()["summary"]["speed_guard"]
     assert guard.startswith("each layer offered only the top-k") and f"speed_guard: {guard}" in card

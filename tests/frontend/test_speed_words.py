@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from frontend.speed import phase_speedup, phase_title, speed_cell, teal_wins, teal_words
+from frontend.speed import (phase_speedup, phase_title, predicted_speed_words, slower_phases, speed_cell, teal_wins,
+                            teal_words)
 
 
 def _summary(conv: dict[str, float], teal: dict[str, float] | None, ppl: dict[str, float]) -> dict:
@@ -46,3 +47,17 @@ def test_a_timing_on_a_busy_machine_says_so_in_the_cell_and_its_hover():
     assert speed_cell(busy) == "1.20× / 1.10× / 0.95× (busy machine)"
     assert "busy machine" not in phase_title(quiet, "prefill") and "busy machine" not in phase_title(old, "prefill")
     assert "timed on a busy machine: other processes took 48% of the CPUs" in phase_title(busy, "prefill")
+
+
+def test_a_prediction_says_its_numbers_and_slower_phases_or_why_there_is_none():
+    predicted = {"machine": "cpu: x", "dtype": "float32", "threads": 2, "note": "from measured kernel times",
+                 "phases": {"decode_b1": {"speedup": 1.21}, "decode_b8": {"speedup": 0.85}, "prefill": {"speedup": 0.7}}}
+    assert slower_phases(predicted) == ["decode_b8", "prefill"]
+    assert predicted_speed_words(predicted) == (
+        "Predicted speed × dense: decode b1 1.21×, decode b8 0.85×, prefill 0.70× — slower than dense in decode b8 and "
+        "prefill (cpu: x, float32, 2 threads; from measured kernel times).")
+    streamed = {"phases": {}, "note": "only this model's FFN layers were timed on this machine"}
+    assert slower_phases(streamed) == []
+    assert predicted_speed_words(streamed) == (
+        "Predicted speed × dense: none (only this model's FFN layers were timed on this machine).")
+    assert predicted_speed_words({"phases": {}}) == ""

@@ -9,6 +9,7 @@ shows a run's settings after a reload, evaluation offers every built-in set."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 import zipfile
@@ -19,11 +20,13 @@ import pytest
 import frontend.app  # noqa: F401  (instantiates the Dash app: the page modules register with it)
 from frontend.components import BASELINES, builtin_options, source_options
 from frontend.names import Names, fmt, ratio_ci
+from frontend.pages.designer import fmt_measure
 from frontend.pages.finetune import form_values
 from frontend.pages.workspace import (AUTO_NOTE, cv_note, delete_message, dependants, evaluation_cells, getting_started, job_title,
-                                      ppl, subjects)
+                                      model_weights, ppl, profile_memory, subjects)
 from moelab.engine.data.builtin import bigbench_installed
 from moelab.engine.evaluation.busy_machine import busy_note
+from moelab.engine.sizes import format_size
 
 from .conftest import ARTIFACTS, wait_job
 
@@ -314,6 +317,20 @@ def test_builtin_sets_not_installed_are_offered_disabled_with_how_to_install():
     assert [o.get("disabled", False) for o in opts] == [False, True, False] and opts[1]["value"] == "builtin:bigbench"
 
 
+def test_a_models_weights_and_how_each_profile_ran_are_said_in_bytes():
+    model = {"info": {"memory": {"total_bytes": 538060032, "min_max_memory": 113248512}}}
+    assert model_weights(model) == "513.13 MiB (a memory budget ≥ 108.00 MiB streams it)"
+    assert model_weights({"info": None}) == ""
+    waiting = {"params": {"max_memory": "400MB"}, "summary": None}
+    assert profile_memory(waiting) == "budget 400MB" and profile_memory({"params": {}}) == ""
+    streamed = {"params": {"max_memory": "400MB"}, "summary": {"model": {"streamed": True}}}
+    assert profile_memory(streamed) == "streamed under 400MB"
+    by_server = {"params": {"max_memory": None}, "summary": {"model": {"streamed": True}},
+                 "job": {"timings": {"max_memory_bytes": 500000000.0}}}
+    assert profile_memory(by_server) == "streamed under 476.84 MiB"  # the worker's MOELAB_MAX_MEMORY
+    assert profile_memory({"params": {}, "summary": {"model": {"streamed": False}}}) == "whole model"
+
+
 # ----------------------------------------------------------------------------- in the browser
 
 
@@ -429,3 +446,42 @@ def test_builtin_sets_say_whether_installed(page, live, api, service_config):
         assert option.locator("input").is_disabled()
         option.click(force=True)  # choosing it does nothing: the set stays what it was
         assert "bigbench" not in page.inner_text("#ws-builtin")
+
+
+@pytest.mark.slow
+def test_a_profile_and_a_conversion_stream_under_the_memory_budget_typed_in_the_ui(page, live, api, profile_id):
+    """The memory budget the Workspace's profile form and the designer's Convert take: a budget the API cannot read or
+    one below a decoder layer is refused in words, nothing made; one at the model's floor streams the profile (its row
+    says so), and the conversion under twice that streams too (its timings say so)."""
+    prof = api.get(f"/profiles/{profile_id}").json()
+    memory = api.get(f"/models/{prof['model_id']}").json()["info"]["memory"]
+    floor, before = memory["min_max_memory"], len(api.get("/profiles").json()["items"])
+    page.goto(f"{live['ui']}/")
+    page.wait_for_selector(f"text={format_size(memory['total_bytes'])} (a memory budget ≥ {format_size(floor)} streams it)")
+    _choose(page, "ws-model", prof["model_id"])
+    _choose(page, "ws-set", prof["calibration_set_id"])
+    page.fill("#ws-max-tokens", "16")
+    for typed, said in (("lots", "cannot read memory size 'lots'"), ("1KB", f"give at least {format_size(floor)}")):
+        page.fill("#ws-max-memory", typed)
+        page.click("#ws-add-profile")
+        page.wait_for_selector(f"#ws-created >> text={said}")
+    assert len(api.get("/profiles").json()["items"]) == before
+    page.fill("#ws-max-memory", str(floor))
+    page.click("#ws-add-profile")
+    page.wait_for_selector("#ws-created >> text=created pr-")
+    new = page.inner_text("#ws-created").split()[1]
+    wait_job(api, api.get(f"/profiles/{new}").json()["job_id"])
+    made = api.get(f"/profiles/{new}").json()
+    assert made["params"]["max_memory"] == str(floor) and made["summary"]["model"]["streamed"] is True
+    _row(page, "profiles", new).locator(f"text=streamed under {floor}").wait_for()
+
+    page.goto(f"{live['ui']}/designer?profile={new}&n_experts=8")
+    page.wait_for_selector("#cd-summary >> text=FFN cost")
+    page.fill("#cd-max-memory", str(2 * floor))
+    page.click("#cd-convert")
+    page.wait_for_selector("#cd-job >> text=succeeded", timeout=180_000)
+    card = page.wait_for_selector("#cd-result-card").inner_text()
+    conversion = api.get(f"/conversions/{re.search(r'(conv-[0-9a-f]+)', card).group(1)}").json()
+    assert conversion["params"]["max_memory"] == str(2 * floor) and conversion["job"]["timings"]["streamed"] == 1.0
+    assert "streamed yes" in card and fmt_measure("max_memory_bytes", 2 * floor) in card
+    assert page.errors == [], page.errors
