@@ -41,6 +41,10 @@ from .speed import SpeedProtocol, max_positions, time_phases
 WORKING_SET_BYTES = 192 << 20
 MAX_COPIES = 128
 PHASE_TOKENS = {"decode_b1": 1, "decode_b8": 8}  # prefill: the protocol's prefill tokens
+#: rounds a decode phase takes at least: a decode call of an 8B-shaped layer swings ±20% from one call to the next
+#: (a grid layout's ratio to dense at batch 8 read 0.82 in one table and 1.24 in the next with 3 rounds), and its
+#: calls are short (tens of ms) where a prefill's take a second
+DECODE_MIN_ROUNDS = 9
 
 
 def largest_cache_bytes() -> int:
@@ -112,7 +116,7 @@ def _round_times(makes: list[Any], d_model: int, tokens: dict[str, int], device:
                 for layer in layers:
                     layer(x)
             rounds = []
-            for _ in range(repeats):
+            for _ in range(repeats if t > max(PHASE_TOKENS.values()) else max(repeats, DECODE_MIN_ROUNDS)):
                 row = []
                 for layers in cycled:
                     if device.type == "cuda":
@@ -187,7 +191,8 @@ def measure_ffn_table(model: nn.Module, info: dict[str, Any], where: tuple[torch
     weights on ``where`` as the reference. Without the whole model's phases it predicts no model's speed
     (``scope`` ``ffn_layers``, ``speed_prediction.predict`` says so), but it holds what the speed guard reads: each
     layout's time over the dense FFN's (``top_k_no_slower``). Choice: ``repeats`` 3, where the whole-model table takes 5:
-    a layer of an 8B model takes about a second to prefill 512 tokens on 2 cores, and the grid is 21 layouts."""
+    a layer of an 8B model takes about a second to prefill 512 tokens on 2 cores, and the grid is 21 layouts (the decode
+    phases' short calls take ``DECODE_MIN_ROUNDS`` all the same)."""
     device, dtype = where
     tokens_by_phase = {**PHASE_TOKENS, "prefill": int(prefill_tokens)}
     mlp = _first_ffn(model)
