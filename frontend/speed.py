@@ -103,6 +103,21 @@ def slower_phases(predicted: dict[str, Any]) -> list[str]:
             if isinstance(v.get("speedup"), (int, float)) and v["speedup"] < 1]
 
 
+def predicted_cell(summary: dict[str, Any] | None) -> tuple[str, str]:
+    """A conversion's predicted speed over dense, '1.46× / 1.31× / 0.92× (slower)' in :data:`PHASES` order, and its
+    hover (:func:`predicted_speed_words`); '–' with the reason when nothing was predicted, ('', '') for a conversion
+    from before predictions."""
+    predicted = (summary or {}).get("predicted_speed")
+    if not predicted:
+        return "", ""
+    phases = predicted.get("phases") or {}
+    values = [(phases.get(p) or {}).get("speedup") for p in PHASES]
+    if not any(isinstance(v, (int, float)) for v in values):
+        return "–", predicted_speed_words(predicted)
+    text = " / ".join(f"{v:.2f}×" if isinstance(v, (int, float)) else "–" for v in values)
+    return text + (" (slower)" if slower_phases(predicted) else ""), predicted_speed_words(predicted)
+
+
 def predicted_speed_words(predicted: dict[str, Any]) -> str:
     """'Predicted speed × dense: decode b1 1.21×, decode b8 0.85×, prefill 0.70× — slower than dense in decode b8 and
     prefill (cpu: …, 2 threads).' or 'Predicted speed × dense: none (why).'"""

@@ -24,7 +24,7 @@ from frontend.components import (baselines_choice, builtin_options, error_box, m
 from frontend.defaults import CALIBRATION_NOTE, CALIBRATION_SAMPLES, CALIBRATION_SET, CALIBRATION_TOKENS
 from frontend.downloads import download_url, export_download_url
 from frontend.exportability import ui_words
-from frontend.speed import how_timed, perplexity_ratio, speed_cell
+from frontend.speed import how_timed, perplexity_ratio, predicted_cell, speed_cell
 from frontend.task_accuracy import accuracy_cell
 from frontend.names import (Names, evaluation_name, finetune_name, fmt, fmt_pct, heldout_text, job_subject, probe_name, ratio_ci,
                             with_id)
@@ -359,6 +359,13 @@ def profile_memory(p: dict[str, Any]) -> str:
     return "streamed under " + (budget or (format_size(int(ran)) if ran else "a memory budget"))
 
 
+def _predicted(v: dict[str, Any]) -> html.Span:
+    """The conversion's predicted speed per phase (its record's, from this machine's kernel table), the words on
+    hover; the measured one is its evaluations'."""
+    text, title = predicted_cell(v.get("summary"))
+    return html.Span(text, title=title, className="slower" if "(slower)" in text else None)
+
+
 def _status(it: dict):
     job = it.get("job")
     if it["status"] in ("queued", "running") and job:
@@ -611,6 +618,7 @@ def _refresh(_n, _created, _deleted, _job_action, _exported, refusal, shown_dige
                ("method", lambda v: v.get("method") or ""), ("router", lambda v: (v.get("params") or {}).get("router") or ""),
                ("sparsity (parameter)", lambda v: fmt_pct((v.get("params") or {}).get("sparsity"))),
                ("ffn_flops_fraction", lambda v: fmt((v.get("summary") or {}).get("ffn_flops_fraction"), 3)),
+               ("predicted speed × dense (decode b1 / b8 / prefill)", _predicted),
                ("status", _status), ("open", _conversion_actions), ("GGUF (llama.cpp / Ollama)", gguf_cell)]),
         _evaluation_table(evals, {v["id"]: v for v in convs}, conv_names, refusal),
         html.Div(className="card", id=f"{N}-jobs", children=[html.Div("Recent jobs", className="card-title")] + [_job_row(j, said) for j in jobs]),

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from frontend.speed import (phase_speedup, phase_title, predicted_speed_words, slower_phases, speed_cell, teal_wins,
-                            teal_words)
+from frontend.speed import (phase_speedup, phase_title, predicted_cell, predicted_speed_words, slower_phases, speed_cell,
+                            teal_wins, teal_words)
 
 
 def _summary(conv: dict[str, float], teal: dict[str, float] | None, ppl: dict[str, float]) -> dict:
@@ -61,3 +61,14 @@ def test_a_prediction_says_its_numbers_and_slower_phases_or_why_there_is_none():
     assert predicted_speed_words(streamed) == (
         "Predicted speed × dense: none (only this model's FFN layers were timed on this machine).")
     assert predicted_speed_words({"phases": {}}) == ""
+
+
+def test_a_conversions_predicted_speed_cell_says_each_phase_and_why_there_is_none():
+    predicted = {"machine": "cpu: x", "dtype": "float32", "threads": 2, "note": "from measured kernel times",
+                 "phases": {"decode_b1": {"speedup": 1.46}, "decode_b8": {"speedup": 1.31}, "prefill": {"speedup": 0.92}}}
+    text, hover = predicted_cell({"predicted_speed": predicted})
+    assert text == "1.46× / 1.31× / 0.92× (slower)" and hover == predicted_speed_words(predicted)
+    assert "slower than dense in prefill" in hover
+    streamed = {"phases": {}, "note": "only this model's FFN layers were timed on this machine"}
+    assert predicted_cell({"predicted_speed": streamed}) == ("–", predicted_speed_words(streamed))
+    assert predicted_cell({"ffn_flops_fraction": 0.5}) == ("", "") and predicted_cell(None) == ("", "")

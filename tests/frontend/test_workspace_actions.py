@@ -22,6 +22,7 @@ from frontend.components import BASELINES, builtin_options, source_options
 from frontend.names import Names, fmt, ratio_ci
 from frontend.pages.designer import fmt_measure
 from frontend.pages.finetune import form_values
+from frontend.speed import predicted_cell
 from frontend.pages.workspace import (AUTO_NOTE, cv_note, delete_message, dependants, evaluation_cells, getting_started, job_title,
                                       model_weights, ppl, profile_memory, subjects)
 from moelab.engine.data.builtin import bigbench_installed
@@ -484,4 +485,11 @@ def test_a_profile_and_a_conversion_stream_under_the_memory_budget_typed_in_the_
     conversion = api.get(f"/conversions/{re.search(r'(conv-[0-9a-f]+)', card).group(1)}").json()
     assert conversion["params"]["max_memory"] == str(2 * floor) and conversion["job"]["timings"]["streamed"] == 1.0
     assert "streamed yes" in card and fmt_measure("max_memory_bytes", 2 * floor) in card
+    # its Workspace row: the predicted speed beside the cost, or why there is none, in words on hover
+    text, hover = predicted_cell(conversion["summary"])
+    assert text and hover
+    page.goto(f"{live['ui']}/")
+    cell = _row(page, "conversions", conversion["id"]).get_by_title(hover, exact=True)
+    cell.wait_for()
+    assert cell.inner_text() == text
     assert page.errors == [], page.errors
