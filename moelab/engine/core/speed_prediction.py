@@ -124,8 +124,8 @@ def predict(table: Mapping[str, Any], layers: Sequence[Mapping[str, Any]]) -> di
     entries, one per decoder layer). Layers of other kinds (low-rank, hierarchical …) are not modelled, nor is a model
     whose table timed its FFN layers only: ValueError."""
     if table.get("scope") == FFN_LAYERS:
-        raise ValueError("only this model's FFN layers were timed on this machine (it was profiled streamed, never "
-                         "whole in memory): the speed guard reads them, but no whole-model speed is predicted")
+        raise ValueError("only this model's FFN layers were timed on this machine, as it was profiled streamed and "
+                         "never whole in memory; the speed guard reads them, but no whole-model speed is predicted")
     unknown = sorted({str(l.get("kind")) for l in layers} - {"moe", "dense"})
     if unknown:
         raise ValueError(f"no speed model for layer kind(s) {', '.join(unknown)}")
