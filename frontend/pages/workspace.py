@@ -24,7 +24,7 @@ from frontend.components import (baselines_choice, builtin_options, error_box, m
 from frontend.defaults import CALIBRATION_NOTE, CALIBRATION_SAMPLES, CALIBRATION_SET, CALIBRATION_TOKENS
 from frontend.downloads import download_url, export_download_url
 from frontend.exportability import ui_words
-from frontend.speed import how_timed, perplexity_ratio, predicted_cell, speed_cell
+from frontend.speed import how_timed, perplexity_ratio, predicted_cell, slower_phases, speed_cell
 from frontend.task_accuracy import accuracy_cell
 from frontend.names import (Names, evaluation_name, finetune_name, fmt, fmt_pct, heldout_text, job_subject, probe_name, ratio_ci,
                             with_id)
@@ -363,7 +363,8 @@ def _predicted(v: dict[str, Any]) -> html.Span:
     """The conversion's predicted speed per phase (its record's, from this machine's kernel table), the words on
     hover; the measured one is its evaluations'."""
     text, title = predicted_cell(v.get("summary"))
-    return html.Span(text, title=title, className="slower" if "(slower)" in text else None)
+    slower = slower_phases((v.get("summary") or {}).get("predicted_speed") or {})
+    return html.Span(text, title=title, className="slower" if slower else None)
 
 
 def _status(it: dict):
@@ -657,8 +658,8 @@ def _create(_m, _s, _p, _e, source, builtin, samples, model, cset, max_tokens, g
             if not model or not cset:
                 return error_box("choose a ready model and calibration set first")
             mt = int(max_tokens or 256)
-            budget = {"max_memory": b} if (b := memory_budget(max_memory)) else {}
-            created = c.create_profile(model, cset, max_tokens=mt, batch_tokens=max(2048, mt), group_by=group_by or "auto", **budget)
+            created = c.create_profile(model, cset, max_tokens=mt, batch_tokens=max(2048, mt), group_by=group_by or "auto",
+                                       max_memory=memory_budget(max_memory))
     except ApiError as exc:
         return error_box(f"could not create: {exc}")
     return html.Div(f"created {created['id']} (job {created.get('job_id')})", className="note")

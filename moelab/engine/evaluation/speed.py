@@ -49,7 +49,7 @@ import inspect
 import platform
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -214,6 +214,11 @@ def max_positions(model: nn.Module) -> int | None:
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
+def prefill_length(protocol: SpeedProtocol, models: Iterable[nn.Module]) -> int:
+    """The tokens ``protocol``'s prefill times: its ``prefill_tokens``, within every model's positions."""
+    return min([protocol.prefill_tokens, *filter(None, map(max_positions, models))])
+
+
 @torch.inference_mode()
 def time_phases(models: Mapping[str, nn.Module], tokens: torch.Tensor, *, reference: str = "dense",
                 protocol: SpeedProtocol = SpeedProtocol(),
@@ -228,7 +233,7 @@ def time_phases(models: Mapping[str, nn.Module], tokens: torch.Tensor, *, refere
     param = next(first.parameters())
     device, dtype = param.device, param.dtype
     limits = [n for n in (max_positions(m) for m in models.values()) if n]
-    prefill = min([protocol.prefill_tokens, *limits])
+    prefill = prefill_length(protocol, models.values())
     context = min([protocol.context, *(n - protocol.decode_steps for n in limits)])
     if context < 1:
         raise ValueError(f"the models hold {min(limits)} positions: too few to time {protocol.decode_steps} decode steps")

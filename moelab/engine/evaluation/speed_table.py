@@ -36,7 +36,7 @@ from ..core.speed_prediction import FFN_LAYERS, TABLE_DIR, TABLE_VERSION, cpu_ma
 from ..runtime.modeling_moelab import convert_in_place, decoder_layers, ffn_name
 from ..runtime import moelab_native
 from ..runtime.moelab_moe import MoeFFN
-from .speed import SpeedProtocol, max_positions, time_phases
+from .speed import SpeedProtocol, prefill_length, time_phases
 
 WORKING_SET_BYTES = 192 << 20
 MAX_COPIES = 128
@@ -177,7 +177,7 @@ def measure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], 
                         setups={"no_ffn": lambda: without_ffns(model)})
     tokens_by_phase = {**PHASE_TOKENS, "prefill": int(whole["phases"]["prefill"]["tokens"])}
     mlp = _first_ffn(model)
-    table = _ffn_table(lambda: copy.deepcopy(mlp), info, tokens_by_phase, device, dtype, repeats)
+    table = _ffn_table(copy.deepcopy(mlp), info, tokens_by_phase, device, dtype, repeats)
     for phase, entry in table["phases"].items():
         timed = whole["phases"][phase]
         entry.update(dense_model_s=timed["seconds"]["dense"], ffn_share=max(0.0, 1 - 1 / timed["speedup"]["no_ffn"]))
@@ -195,8 +195,7 @@ def measure_ffn_table(model: nn.Module, info: dict[str, Any], where: tuple[torch
     phases' short calls take ``DECODE_MIN_ROUNDS`` all the same)."""
     device, dtype = where
     tokens_by_phase = {**PHASE_TOKENS, "prefill": int(prefill_tokens)}
-    mlp = _first_ffn(model)
-    table = _ffn_table(lambda: _random_weights(mlp, device, dtype), info, tokens_by_phase, device, dtype, repeats)
+    table = _ffn_table(_random_weights(_first_ffn(model), device, dtype), info, tokens_by_phase, device, dtype, repeats)
     return {**table, "scope": FFN_LAYERS}
 
 
@@ -227,13 +226,12 @@ def _random_weights(module: nn.Module, device: torch.device, dtype: torch.dtype)
     return out
 
 
-def _ffn_table(dense: Any, info: dict[str, Any], tokens_by_phase: dict[str, int], device: torch.device,
+def _ffn_table(dense: nn.Module, info: dict[str, Any], tokens_by_phase: dict[str, int], device: torch.device,
                dtype: torch.dtype, repeats: int) -> dict[str, Any]:
-    """The table's FFN part: the dense FFN layer ``dense()`` builds and the grid's MoE layers timed against it, each
-    phase's coefficients fitted."""
+    """The table's FFN part: the dense FFN layer ``dense`` and the grid's MoE layers timed against it (every layout
+    against this one layer: an 8B shape's random FFN takes a second to draw), each phase's coefficients fitted."""
     d_model, d_ffn, n_layers = int(info["d_model"]), int(info["d_ffn"]), int(info["n_layers"])
-    built = dense()  # once: every layout is timed against this layer (an 8B shape's random FFN takes a second to draw)
-    reference = lambda: built  # noqa: E731
+    reference = lambda: dense  # noqa: E731
     dense_ffn = {phase: statistics.median(r[0] for r in rounds)
                  for phase, rounds in _round_times([reference], d_model, tokens_by_phase, device, dtype, repeats,
                                                    n_layers).items()}
@@ -318,7 +316,7 @@ def ensure_ffn_table(model: nn.Module, info: dict[str, Any], where: tuple[torch.
     path = table_path(where, info, data_dir)
     table = _read(path)
     if table is None:
-        prefill = min([TABLE_PROTOCOL.prefill_tokens, *filter(None, [max_positions(model)])])
+        prefill = prefill_length(TABLE_PROTOCOL, [model])
         if ffn_table_bytes(info, where, prefill) > max_memory:
             return None
         table = measure_ffn_table(model, info, where, prefill)
