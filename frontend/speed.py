@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from moelab.engine.core.speed_prediction import kernel_dense_words
 from moelab.engine.evaluation.busy_machine import busy_note
+from moelab.engine.evaluation.kernel_gain import LABEL as KERNEL_LABEL, NAME as KERNEL_DENSE, sparsity_gain
 
 #: The phases an evaluation times (the keys of ``summary.speed.phases``) and their short names.
 PHASES = {"decode_b1": "decode b1", "decode_b8": "decode b8", "prefill": "prefill"}
+#: how a hover names a timed model whose key says less to a reader
+MODEL_NAMES = {"teal": "TEAL", KERNEL_DENSE: KERNEL_LABEL}
 
 
 def phase_speedup(summary: dict[str, Any] | None, phase: str, name: str = "converted") -> float | None:
@@ -45,7 +49,7 @@ def phase_title(summary: dict[str, Any] | None, phase: str) -> str:
     if not seconds:
         return how_timed(summary)
     what = f"prefill of {entry.get('tokens')} tokens" if phase == "prefill" else f"one decode step of batch {entry.get('batch')}"
-    timed = ", ".join(f"{'TEAL' if name == 'teal' else name} {1e3 * s:.1f} ms" for name, s in seconds.items())
+    timed = ", ".join(f"{MODEL_NAMES.get(name, name)} {1e3 * s:.1f} ms" for name, s in seconds.items())
     return f"{what}: {timed}; " + how_timed(summary)
 
 
@@ -97,6 +101,21 @@ def teal_words(summary: dict[str, Any] | None) -> str:
     return text
 
 
+def kernel_words(summary: dict[str, Any] | None) -> str:
+    """'1.51× / 1.26× / 1.00×; the conversion over it 1.05× / 1.02× / 1.15×': the dense model in moelab's kernels
+    (the same weights, the same outputs) over dense, timed in the same rounds, and the conversion's speed over that
+    baseline: what its sparsity bought beyond the kernels, '(slower)' where the conversion loses to it. The reason
+    where it was not timed; '' for an evaluation from before it."""
+    speed = (summary or {}).get("speed") or {}
+    cell = speed_cell(summary, KERNEL_DENSE)
+    if not cell:
+        return f"not timed: {speed['kernel_dense_note']}" if speed.get("kernel_dense_note") else ""
+    gain = sparsity_gain(speed)
+    values = [gain.get(p) for p in PHASES]
+    return (cell + "; the conversion over it " + " / ".join("–" if v is None else f"{v:.2f}×" for v in values)
+            + (" (slower)" if any(v is not None and v < 1 for v in values) else ""))
+
+
 def slower_phases(predicted: dict[str, Any]) -> list[str]:
     """The phases a predicted plan runs slower than dense in (``summary.predicted_speed`` of a preview)."""
     return [phase for phase, v in (predicted.get("phases") or {}).items()
@@ -120,12 +139,13 @@ def predicted_cell(summary: dict[str, Any] | None) -> tuple[str, str]:
 
 def predicted_speed_words(predicted: dict[str, Any]) -> str:
     """'Predicted speed × dense: decode b1 1.21×, decode b8 0.85×, prefill 0.70× — slower than dense in decode b8 and
-    prefill (cpu: …, 2 threads).' or 'Predicted speed × dense: none (why).'"""
+    prefill; the dense model in moelab's kernels 1.45× / 1.22× / 1.00×, the plan over it 0.83× / 0.70× / 0.70× (cpu: …,
+    2 threads).' or 'Predicted speed × dense: none (why).'"""
     phases = predicted.get("phases") or {}
     if not phases:
         return f"Predicted speed × dense: none ({predicted['note']})." if predicted.get("note") else ""
     said = ", ".join(f"{PHASES.get(p, p)} {v['speedup']:.2f}×" for p, v in phases.items() if isinstance(v.get("speedup"), (int, float)))
     slow = slower_phases(predicted)
     verdict = (" — slower than dense in " + " and ".join(PHASES.get(p, p) for p in slow)) if slow else " — no phase slower than dense"
-    return (f"Predicted speed × dense: {said}{verdict} ({predicted.get('machine')}, {predicted.get('dtype')}, "
-            f"{predicted.get('threads')} threads; {predicted.get('note') or 'from measured kernel times'}).")
+    return (f"Predicted speed × dense: {said}{verdict}{kernel_dense_words(predicted)} ({predicted.get('machine')}, "
+            f"{predicted.get('dtype')}, {predicted.get('threads')} threads; {predicted.get('note') or 'from measured kernel times'}).")

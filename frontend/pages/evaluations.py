@@ -17,7 +17,7 @@ from frontend.downloads import tasks_table_url
 from frontend.components import error_box, figure_card, page_names, to_search
 from frontend.names import fmt, heldout_text, ratio_ci, with_id
 from frontend.names import chart_label
-from frontend.speed import PHASES, phase_text, phase_title, teal_words
+from frontend.speed import PHASES, kernel_words, phase_text, phase_title, teal_words
 from frontend.task_accuracy import accuracy_cell
 
 dash.register_page(__name__, path="/evaluations", name="Evaluations", order=10)
@@ -108,9 +108,15 @@ def _accuracy_with_downloads(e: dict[str, Any]) -> list[Any] | str:
             html.A("Markdown", href=tasks_table_url(e["id"], "md"), className="small")]
 
 
+KERNEL_DENSE_TITLE = ("The dense model's own weights with each MLP run in moelab's decode kernel (the same outputs, "
+                      "FFN cost 1.0), timed in the same rounds: the part of the conversion's speed-up that the kernels "
+                      "give, and after ';' the conversion's speed over it, what its sparsity gives")
+
+
 def _table(evals: list[dict[str, Any]], named: dict[str, tuple[str, dict[str, Any]]]) -> html.Table:
     header = html.Tr([html.Th(h) for h in ("evaluation", "id", "status", "method", "text", "FFN cost", "perplexity × dense (95% CI)",
                                            "recon. error (mean)", "load CV (mean)", *(f"{name} speed × dense" for name in PHASES.values()),
+                                           "dense in moelab's kernels (speed b1 / b8 / prefill)",
                                            "TEAL at the same cost (speed b1 / b8 / prefill)",
                                            "task accuracy (converted / dense)",
                                            "tags", "notes", "created")])
@@ -125,6 +131,7 @@ def _table(evals: list[dict[str, Any]], named: dict[str, tuple[str, dict[str, An
             html.Td(ratio_ci(d.get("perplexity_ratio"), d.get("perplexity_ratio_ci"))), html.Td(fmt(d.get("mean_reconstruction_error"), 3)),
             html.Td(fmt(d.get("mean_load_cv"), 3)),
             *(html.Td(phase_text(e.get("summary"), phase), title=phase_title(e.get("summary"), phase)) for phase in PHASES),
+            html.Td(kernel_words(e.get("summary")), className="kernel-dense", title=KERNEL_DENSE_TITLE),
             html.Td(teal_words(e.get("summary")), className="teal", title="TEAL (training-free activation sparsity) at the "
                     "conversion's FFN cost, timed in the same rounds; on CPU its decode step reads only the weight rows of "
                     "nonzero inputs"),

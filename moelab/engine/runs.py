@@ -23,10 +23,12 @@ from .memory import peak_rss_mib, reset_peak_rss
 from .core.speed_prediction import find_table, predicted_summary
 from .limits import conversion_config, eval_tokens_problem, seq_len_problem
 from .evaluation.harness import TaskRequest, load_tasks, run_tasks
+from .evaluation.kernel_dense import kernel_dense_mlps
+from .evaluation.kernel_gain import NAME as KERNEL_DENSE
 from .evaluation.speed import SpeedProtocol, time_phases
 from .evaluation.metrics import MC_TASKS, evaluate_models, evaluate_variants, heldout_windows, swapped_mlps
 from .methods import ConversionInputs, Method, check_conversion, get_method, method_of
-from .models import ModelAdapter, load_model
+from .models import ModelAdapter, adapt, load_model
 from .runtime.export import CONVERSION_FILE, export_model, load_exported
 from .runtime.param_count import ffn_flops_fraction
 from .profiling.store import ProfileNotFound, StoredProfile, write_profile
@@ -333,13 +335,23 @@ def run_evaluation(
 
 def _time_models(dense: Any, converted: Any, teal: tuple[ModelAdapter, dict[int, Any] | None] | None,
                  windows: Any, protocol: SpeedProtocol) -> dict[str, Any]:
-    """Dense and converted timed whole (``evaluation.speed``), and TEAL at the conversion's cost when its MLPs were
-    built (``teal``: the dense model's adapter and them), timed like the others: the dense model with TEAL's MLPs
-    swapped in for its rounds."""
+    """Dense and converted timed whole (``evaluation.speed``); the dense model in moelab's kernels
+    (``evaluation.kernel_dense``: what the kernels alone give, so the sparsity's own gain reads beside it; where the
+    model cannot run in them, ``kernel_dense_note`` says why); and TEAL at the conversion's cost when its MLPs were
+    built (``teal``: the dense model's adapter and them). Both baselines are the dense model with their MLPs swapped
+    in for the time of their rounds."""
     adapter, mlps = teal if teal is not None else (None, None)
-    models = {"dense": dense, "converted": converted, **({"teal": dense} if mlps else {})}
-    setups = {"teal": lambda: swapped_mlps(adapter, mlps)} if mlps else None
-    return time_phases(models, windows, protocol=protocol, setups=setups)
+    try:
+        adapter = adapter or adapt(dense)
+        kernel_mlps, problem = kernel_dense_mlps(adapter), None
+    except ValueError as exc:  # a reference that is no dense GLU model (ModelError), or no kernels here
+        kernel_mlps, problem = None, str(exc)
+    models = {"dense": dense, "converted": converted, **({KERNEL_DENSE: dense} if kernel_mlps else {}),
+              **({"teal": dense} if mlps else {})}
+    setups = {name: (lambda mods=mods: swapped_mlps(adapter, mods))
+              for name, mods in ((KERNEL_DENSE, kernel_mlps), ("teal", mlps)) if mods}
+    speed = time_phases(models, windows, protocol=protocol, setups=setups)
+    return {**speed, **({"kernel_dense_note": problem} if problem else {})}
 
 
 def _task_scores(models: dict[str, tuple[Any, dict[int, Any] | None]], tokenizer: Any,

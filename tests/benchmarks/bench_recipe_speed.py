@@ -8,7 +8,9 @@ this machine's kernel table) and to its multiply-adds.
 The profile is the README's shape (``builtin:mixed``, 64 × 256 tokens); each variant is built with ``moelab convert
 --recipe R --sparsity S`` as a user does (timed: building costs seconds too), then loaded with ``from_pretrained``. The
 kernel table is measured here (the designer's is measured by the profile job the same way). speed-up = dense time /
-converted time, interleaved round by round. TEAL (``--teal``, default costs 0.5 and 0.75; ``--teal`` alone: none) is calibrated as an evaluation
+converted time, interleaved round by round. The dense model in moelab's kernels (``evaluation.kernel_dense``: its own
+weights, each MLP in moelab's decode call) is timed in the same rounds, and each conversion's speed over it
+(``over_dense_kernels``) is what its sparsity gives beyond the kernels. TEAL (``--teal``, default costs 0.5 and 0.75; ``--teal`` alone: none) is calibrated as an evaluation
 calibrates it and timed in the same rounds, with its row-skipping CPU decode kernel. Writes tests/benchmarks/results/bench_recipe_speed.json and prints one
 summary line.
 """
@@ -33,12 +35,14 @@ sys.path.insert(0, str(ROOT))
 OUT = ROOT / "tests" / "benchmarks" / "results" / "bench_recipe_speed.json"
 
 from moelab.engine.core.fitting import collect_inputs, stored_token_windows  # noqa: E402
-from moelab.engine.core.speed_prediction import predict  # noqa: E402
+from moelab.engine.core.speed_prediction import kernel_dense_layers, predict  # noqa: E402
 from moelab.engine.core.teal import teal_flops_fraction, teal_modules  # noqa: E402
 from moelab.engine.evaluation.metrics import swapped_mlps  # noqa: E402
 from moelab.engine.evaluation.metrics import heldout_windows  # noqa: E402
 from moelab.engine.evaluation.speed import SpeedProtocol, time_phases  # noqa: E402
 from moelab.engine.evaluation.speed_table import measure_table  # noqa: E402
+from moelab.engine.evaluation.kernel_dense import kernel_dense_mlps  # noqa: E402
+from moelab.engine.evaluation.kernel_gain import NAME as KERNEL_DENSE, sparsity_gain  # noqa: E402
 from moelab.engine.models import load_model  # noqa: E402
 from moelab.engine.profiling.store import StoredProfile  # noqa: E402
 from moelab.engine.runs import TEAL_FIT_TOKENS  # noqa: E402
@@ -101,15 +105,21 @@ def main() -> None:
     teal = _teal_variants(adapter, profile, args.teal)
     models.update({name: dense for name in teal})
     setups = {name: (lambda mods=v["modules"]: swapped_mlps(adapter, mods)) for name, v in teal.items()}
+    kernel_mlps = kernel_dense_mlps(adapter)  # the dense model in moelab's kernels: what they give without sparsity
+    models[KERNEL_DENSE] = dense
+    setups[KERNEL_DENSE] = lambda: swapped_mlps(adapter, kernel_mlps)
     unfused = {f"{name}-unfused": name for name in built} if args.unfused else {}
     for name, of in unfused.items():
         models[name] = models[of]
         setups[name] = lambda model=models[of]: _without_fused_decode(model)
     measured = time_phases(models, windows, protocol=SpeedProtocol(repeats=args.repeats), setups=setups)
-    rows = [{"variant": name, "recipe": "teal", "sparsity": None, "ffn_flops_fraction": v["cost"], "convert_s": v["build_s"],
+    rows = [{"variant": name, "recipe": recipe, "sparsity": None, "ffn_flops_fraction": cost, "convert_s": build_s,
              "measured": {p: round(e["speedup"][name], 3) for p, e in measured["phases"].items()},
              "measured_ms": {p: round(1e3 * e["seconds"][name], 2) for p, e in measured["phases"].items()},
-             "predicted": {}} for name, v in teal.items()]
+             "predicted": {p: round(x["speedup"], 3) for p, x in predict(table, kernel_dense_layers(table)).items()}
+             if name == KERNEL_DENSE else {}}
+            for name, recipe, cost, build_s in [(KERNEL_DENSE, "dense in moelab's kernels", 1.0, None),
+                                                *((n, "teal", v["cost"], v["build_s"]) for n, v in teal.items())]]
     for name, v in [*built.items(), *((u, built[of]) for u, of in unfused.items())]:
         layers = json.loads((v["dir"] / "config.json").read_text())["moe_layers"]
         record = json.loads((v["dir"] / "conversion.json").read_text())
@@ -124,6 +134,7 @@ def main() -> None:
                      "convert_s": round(v["convert_s"], 1),
                      "measured": {p: round(e["speedup"][name], 3) for p, e in measured["phases"].items()},
                      "measured_ms": {p: round(1e3 * e["seconds"][name], 2) for p, e in measured["phases"].items()},
+                     "over_dense_kernels": {p: round(g, 3) for p, g in sparsity_gain(measured, name).items()},
                      "predicted": predicted})
     out = {"machine": table["machine"], "threads": args.threads, "dtype": table["dtype"], "repeats": args.repeats,
            "table_s": round(table_s, 1), "dense_ms": {p: round(1e3 * e["seconds"]["dense"], 2) for p, e in measured["phases"].items()},
@@ -133,6 +144,8 @@ def main() -> None:
     line = "; ".join(f"{r['variant']} (cost {r['ffn_flops_fraction']:.3f}): "
                      + ", ".join(f"{p} {r['measured'][p]:.2f}×" + (f" (pred {r['predicted'][p]:.2f}×)" if p in r["predicted"] else "")
                                  for p in r["measured"])
+                     + ("; over dense in moelab's kernels " + ", ".join(f"{g:.2f}×" for g in r["over_dense_kernels"].values())
+                        if r.get("over_dense_kernels") else "")
                      for r in rows)
     print(f"bench_recipe_speed: speed over dense, measured (predicted): {line}; table {table_s:.0f} s")
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from moelab.engine.core.speed_prediction import (FEATURES, TABLE_DIR, TABLE_VERSION, describe_predicted, find_table, fit, layer_features,
-                                                  plan_layers, predict, predicted_summary, runs_dense)
+                                                  plan_layers, predict, predicted_summary, runs_dense,
+                                                  kernel_dense_layers, kernel_dense_words)
 
 COEF = np.array([2e-5, 1e-9, 3e-9, 2e-9, 1e-6, 1e-10, 4e-10, 5e-10])  # seconds per unit of each feature
 
@@ -219,6 +220,29 @@ def test_plan_rows_become_layers_and_words_say_slower_phases():
     assert ("SLOWER than dense" in words) == bool(slow)
     assert "measured (once" in predicted_summary(None, plan)["note"]
     assert "low-rank" in predicted_summary(table, [{"kind": "low-rank"}])["note"]
+    assert "kernel_dense" not in summary and "moelab's kernels" not in words  # a table without the native kernels
+
+
+def test_a_plan_is_predicted_beside_the_dense_model_in_moelabs_kernels():
+    """A table of the native kernels predicts the dense model with every layer all-shared (the grid's layout that a
+    decode step runs in the whole-block call) beside the plan, and the words give both and the plan over it."""
+    table = {**_table(_grid_rows()), "native": True}
+    table["phases"]["decode_b1"]["dense_ffn_s"] *= 2  # torch's dense MLP twice the native call's time at a decode step
+    plan = [{"kind": "moe", "d_shared": 64, "n_routed": 28, "expert_size": 16, "top_k": 6}] * 4
+    summary = predicted_summary(table, plan)
+    all_shared = [{"kind": "moe", "d_shared": 512, "n_routed": 0, "expert_size": 0, "top_k": 0, "down_keep": 1.0}] * 4
+    assert kernel_dense_layers(table) == all_shared
+    kernels = {p: v["speedup"] for p, v in predict(table, all_shared).items()}
+    assert summary["kernel_dense"] == kernels and set(kernels) == set(summary["phases"])
+    ratio = [summary["phases"][p]["speedup"] / kernels[p] for p in ("decode_b1", "prefill")]
+    want = (f"; the dense model in moelab's kernels {kernels['decode_b1']:.2f}× / {kernels['prefill']:.2f}×, "
+            f"the plan over it {ratio[0]:.2f}× / {ratio[1]:.2f}×")
+    assert kernel_dense_words(summary) == want and want in describe_predicted(summary)
+    assert kernel_dense_words({**summary, "kernel_dense": {}}) == ""
+    # a layer a plan keeps dense decodes in that call too (runtime.moelab_dense); its prefill is the dense MLP's
+    kept = predict(table, [{"kind": "dense"}] * 4)
+    assert kept["decode_b1"]["speedup"] == pytest.approx(kernels["decode_b1"]) == pytest.approx(1 / (0.4 + 0.6 / 2))
+    assert kept["prefill"]["speedup"] == pytest.approx(1.0)
 
 
 def test_the_newest_table_of_the_models_source_is_found(tmp_path):

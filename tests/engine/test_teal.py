@@ -18,7 +18,9 @@ from moelab.engine.core.teal import (
 from moelab.engine.models import dense_weights, load_model
 from moelab.engine.progress import NO_PROGRESS
 from moelab.engine.runtime.modeling_moelab import LAYER_KINDS, build_layer_module, layer_spec
+from moelab.engine.runtime import moelab_native
 from moelab.engine.runtime.moelab_teal import TealGLU
+from moelab.engine.evaluation.kernel_gain import LABEL as KERNEL_LABEL, NAME as KERNEL_DENSE, sparsity_gain
 
 
 def dense_glu(x, wg, wu, wd, act="silu"):
@@ -272,11 +274,17 @@ def test_the_evaluation_times_teal_beside_the_conversion(conversion, data_dir, o
     protocol = SpeedProtocol(repeats=1, decode_steps=2, prefill_tokens=32)
     report = run_evaluation(conversion, data_dir=data_dir, n_windows=2, seq_len=16, write=False, mc_per_task=0,
                             speed=protocol)
+    kernels = moelab_native.library() is not None  # the dense model in moelab's kernels is timed beside them
     for phase, entry in report["speed"]["phases"].items():
-        assert set(entry["seconds"]) == {"dense", "converted", "teal"}, phase
+        assert set(entry["seconds"]) == {"dense", "converted", "teal", *([KERNEL_DENSE] if kernels else [])}, phase
         assert entry["speedup"]["teal"] == pytest.approx(entry["seconds"]["dense"] / entry["seconds"]["teal"])
     text = "\n".join(line for line in describe(report["speed"]) if "busy machine" not in line)  # a busy CI host adds one
-    assert text.count("teal ") == 3 and text.count("converted ") == 3
+    assert text.count("teal ") == 3 and text.count("converted ") == 3 + kernels
+    if kernels:  # the conversion's speed over that baseline, per phase, as the rounds give it
+        gain = sparsity_gain(report["speed"])
+        assert text.count(f"{KERNEL_LABEL} ") == 3 and set(gain) == set(report["speed"]["phases"])
+        assert ("converted over the dense model in moelab's kernels (the sparsity's own gain): decode, batch 1 "
+                f"{gain['decode_b1']:.2f}×, decode, batch 8 {gain['decode_b8']:.2f}×, prefill {gain['prefill']:.2f}×") in text
     again = run_evaluation(conversion, data_dir=data_dir, n_windows=2, seq_len=16, write=False, mc_per_task=0,
                            baselines=False, speed=protocol)
     assert again["results"]["dense"]["perplexity"] == pytest.approx(report["results"]["dense"]["perplexity"])

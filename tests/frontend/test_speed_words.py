@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from frontend.speed import (phase_speedup, phase_title, predicted_cell, predicted_speed_words, slower_phases, speed_cell,
-                            teal_wins, teal_words)
+from frontend.speed import (kernel_words, phase_speedup, phase_title, predicted_cell, predicted_speed_words, slower_phases,
+                            speed_cell, teal_wins, teal_words)
+from moelab.engine.evaluation.kernel_gain import NAME as KERNEL_DENSE
 
 
 def _summary(conv: dict[str, float], teal: dict[str, float] | None, ppl: dict[str, float]) -> dict:
@@ -72,3 +73,26 @@ def test_a_conversions_predicted_speed_cell_says_each_phase_and_why_there_is_non
     streamed = {"phases": {}, "note": "only this model's FFN layers were timed on this machine"}
     assert predicted_cell({"predicted_speed": streamed}) == ("–", predicted_speed_words(streamed))
     assert predicted_cell({"ffn_flops_fraction": 0.5}) == ("", "") and predicted_cell(None) == ("", "")
+
+
+def test_the_kernel_baseline_says_its_speed_and_the_conversions_over_it():
+    """The dense model in moelab's kernels: its speed over dense per phase, then the conversion's over it (from the
+    rounds), '(slower)' where the conversion loses to it; the reason where it was not timed."""
+    s = _summary(CONV, None, {"converted": 1.9})
+    rounds = {"decode_b1": ([0.10, 0.10, 0.10], [0.08, 0.08, 0.07], [0.05, 0.08, 0.07]),  # dense, kernels, converted
+              "decode_b8": ([0.10] * 3, [0.08] * 3, [0.09] * 3), "prefill": ([1.0] * 3, [1.0] * 3, [0.95] * 3)}
+    for phase, (dense, kern, conv) in rounds.items():
+        entry = s["speed"]["phases"][phase]
+        entry["rounds"] = {"dense": dense, KERNEL_DENSE: kern, "converted": conv}
+        entry["speedup"][KERNEL_DENSE] = sorted(d / k for d, k in zip(dense, kern))[1]
+        entry["seconds"][KERNEL_DENSE] = sorted(kern)[1]
+    # decode b1: kernels 1.25× dense; the conversion over them median(1.6, 1.0, 1.0) = 1.00×
+    assert kernel_words(s) == "1.25× / 1.25× / 1.00×; the conversion over it 1.00× / 0.89× / 1.05× (slower)"
+    assert "dense in moelab's kernels 80.0 ms" in phase_title(s, "decode_b1")
+    s["speed"]["phases"]["decode_b8"]["rounds"][KERNEL_DENSE] = [0.095] * 3
+    s["speed"]["phases"]["decode_b8"]["speedup"][KERNEL_DENSE] = 0.1 / 0.095
+    assert kernel_words(s) == "1.25× / 1.05× / 1.00×; the conversion over it 1.00× / 1.06× / 1.05×"
+    none = _summary(CONV, None, {"converted": 1.9})
+    assert kernel_words(none) == ""
+    none["speed"]["kernel_dense_note"] = "moelab's kernels run float32 on the CPU; this model is bfloat16 on cuda"
+    assert kernel_words(none) == "not timed: moelab's kernels run float32 on the CPU; this model is bfloat16 on cuda"

@@ -12,7 +12,8 @@ import pytest
 
 import frontend.app  # noqa: F401  (instantiates the Dash app: the page modules register with it)
 from frontend.names import fmt
-from frontend.speed import PHASES, phase_speedup, speed_cell, teal_words
+from frontend.speed import PHASES, kernel_words, phase_speedup, speed_cell, teal_words
+from moelab.engine.evaluation.kernel_gain import NAME as KERNEL_DENSE, sparsity_gain
 from frontend.task_accuracy import accuracy_cell
 
 from .conftest import wait_job
@@ -97,6 +98,12 @@ def test_tasks_from_the_workspace_shown_in_evaluations_and_compare(page, live, a
         assert f"ppl {ev['summary']['variants']['teal']['perplexity_ratio']:.2f}× dense" in teal_col
     else:
         assert teal_col == ""
+    # the dense model in moelab's kernels, timed in the same rounds, and the conversion's speed over it
+    kernel_col = got["dense in moelab's kernels (speed b1 / b8 / prefill)"]
+    kernels = [speed["phases"][p]["speedup"][KERNEL_DENSE] for p in PHASES]
+    gain = sparsity_gain(speed)
+    assert kernel_col == kernel_words(ev["summary"]) and kernel_col.startswith(" / ".join(f"{v:.2f}×" for v in kernels))
+    assert "; the conversion over it " + " / ".join(f"{gain[p]:.2f}×" for p in PHASES) in kernel_col, kernel_col
 
     page.goto(f"{live['ui']}/compare?ids={conversion}")
     wait_figures(page, "cc-acc-cost", "cc-acc-speed")

@@ -35,13 +35,14 @@ from typing import Any
 import numpy as np
 
 TABLE_DIR = "speed-tables"
-TABLE_VERSION = 11  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
+TABLE_VERSION = 12  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
 # 5: layouts timed as ratios to the dense FFN in the same rounds; 6: a decode step's whole block in one native call;
 # 7: the FFNs' share of the model measured, weights cycled past the largest cache, the shared expert's kept down rows,
 # a native prefill's two GEMMs where most experts are selected; 8: the neurons ranked for down_keep, the grid's
 # small experts at two thirds and four fifths selected; 9: no more copies of a layer cycled than the model has layers;
 # 10: a prefill computes the last position's logits only, as generation does (``evaluation.speed``); 11: a prefill
-# of experts past NATIVE_PREFILL_MAX_EXPERT_BYTES runs torch's kernels
+# of experts past NATIVE_PREFILL_MAX_EXPERT_BYTES runs torch's kernels; 12: a decode step of a top-0 layer (the grid's
+# all-shared layout) in the whole-block call
 #: ``scope`` of a table that timed the FFN layers only (``speed_table.measure_ffn_table``: a streamed model)
 FFN_LAYERS = "ffn_layers"
 FEATURES = ("fixed", "shared_neurons", "touched_neurons", "computed_rows", "pairs", "router_scores", "dense_rows",
@@ -133,14 +134,25 @@ def predict(table: Mapping[str, Any], layers: Sequence[Mapping[str, Any]]) -> di
     for phase, entry in table["phases"].items():
         coef = np.asarray(entry["coef"])
         tokens = int(entry["tokens"])
-        ratios = [1.0 if l.get("kind") == "dense" else float(layer_features(l, tokens, bool(table.get("native")),
-                                                                            _width(table)) @ coef)
-                  / entry["dense_ffn_s"] for l in layers]
+        runs = [_as_run(table, l, tokens) for l in layers]
+        ratios = [1.0 if run is None else float(layer_features(run, tokens, bool(table.get("native")), _width(table)) @ coef)
+                  / entry["dense_ffn_s"] for run in runs]
         share = entry["ffn_share"]
         seconds = entry["dense_model_s"] * (1 - share + share * sum(ratios) / table["n_layers"])
         out[phase] = {"seconds": seconds, "dense_seconds": entry["dense_model_s"],
                       "speedup": entry["dense_model_s"] / seconds if seconds > 0 else None}
     return out
+
+
+def _as_run(table: Mapping[str, Any], layer: Mapping[str, Any], tokens: int) -> Mapping[str, Any] | None:
+    """The layout ``layer`` runs as for ``tokens`` tokens, None for the dense FFN the table timed: a layer kept dense
+    decodes in the MoE layers' native call (``runtime.moelab_dense``) where the table's kernels are native, as the
+    grid's all-shared layout of the model's width does (at a prefill it runs the dense MLP's own GEMMs)."""
+    if layer.get("kind") != "dense":
+        return layer
+    if table.get("native") and tokens <= GATHER_MAX_TOKENS:
+        return kernel_dense_layers(table)[0]
+    return None
 
 
 def layer_ratios(table: Mapping[str, Any], layer: Mapping[str, Any]) -> np.ndarray:
@@ -218,13 +230,24 @@ def predicted_summary(table: Mapping[str, Any] | None, layers: Sequence[Mapping[
         phases = predict(table, layers)
     except ValueError as exc:
         return {"note": str(exc)}
+    kernels = predict(table, kernel_dense_layers(table)) if table.get("native") else None
     return {"phases": {p: {"speedup": v["speedup"], "seconds": v["seconds"], "dense_seconds": v["dense_seconds"]}
                        for p, v in phases.items()},
+            **({"kernel_dense": {p: v["speedup"] for p, v in kernels.items()}} if kernels else {}),
             "machine": table["machine"], "dtype": table["dtype"], "threads": table["threads"], "measured_at": table["measured_at"],
             "note": ("predicted from this machine's measured kernel times (" if machine in (None, table["machine"]) else
                      f"predicted from kernel times measured on another machine, {table['machine']} (this one has none; ") + (
                 "the experts a batch touches measured on held-out text" if any(l.get("touched") for l in layers)
                 else "routing taken as uniform") + ")"}
+
+
+def kernel_dense_layers(table: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The dense model in moelab's kernels (``evaluation.kernel_dense``) as ``moe_layers`` entries: every layer an
+    all-shared FFN of the model's width, the grid's all-shared layout, which a decode step runs in the whole-block
+    call (as it runs a layer a plan keeps dense). Predicted beside a plan, it says what the kernels give without
+    sparsity."""
+    return [{"kind": "moe", "d_shared": int(table["d_ffn"]), "n_routed": 0, "expert_size": 0, "top_k": 0,
+             "down_keep": 1.0}] * int(table["n_layers"])
 
 
 PHASE_WORDS = {"decode_b1": "decode batch 1", "decode_b8": "decode batch 8", "prefill": "prefill"}
@@ -238,4 +261,16 @@ def describe_predicted(predicted: Mapping[str, Any]) -> str:
     said = ", ".join(f"{PHASE_WORDS.get(p, p)} {v['speedup']:.2f}×" for p, v in phases.items() if v.get("speedup"))
     slow = [f"{PHASE_WORDS.get(p, p)} ({v['speedup']:.2f}×)" for p, v in phases.items() if v.get("speedup") and v["speedup"] < 1]
     verdict = ("; SLOWER than dense in " + ", ".join(slow)) if slow else "; no phase slower than dense"
-    return f"predicted speed × dense: {said}{verdict} ({predicted.get('machine')}, {predicted.get('threads')} threads; {predicted.get('note')})"
+    return (f"predicted speed × dense: {said}{verdict}{kernel_dense_words(predicted)} ({predicted.get('machine')}, "
+            f"{predicted.get('threads')} threads; {predicted.get('note')})")
+
+
+def kernel_dense_words(predicted: Mapping[str, Any]) -> str:
+    """'; the dense model in moelab's kernels 1.45× / 1.22× / 1.00×, the plan over it 1.05× / 1.10× / 1.20×' (phases
+    in the prediction's order), '' where the table predicts none (a GPU's, or one without the native kernels)."""
+    kernels, phases = predicted.get("kernel_dense") or {}, predicted.get("phases") or {}
+    pairs = [(kernels.get(p), (phases.get(p) or {}).get("speedup")) for p in phases]
+    if not kernels or not all(k and v for k, v in pairs):
+        return ""
+    return ("; the dense model in moelab's kernels " + " / ".join(f"{k:.2f}×" for k, _ in pairs)
+            + ", the plan over it " + " / ".join(f"{v / k:.2f}×" for k, v in pairs))

@@ -59,6 +59,7 @@ import torch
 from torch import nn
 
 from .busy_machine import busy_note
+from .kernel_gain import LABEL as KERNEL_LABEL, NAME as KERNEL_DENSE, sparsity_gain
 
 PHASES = ("decode_b1", "decode_b8", "prefill")
 RUNTIME = "PyTorch eager (transformers from_pretrained)"
@@ -387,6 +388,11 @@ def describe(speed: Mapping[str, Any], name: str | None = None) -> list[str]:
             unit = "per step" if phase != "prefill" else ""
             ratio = entry["speedup"][model]
             lines.append(f"  {phase_label(phase, entry):<24} {ref} {entry['seconds'][ref] * 1e3:8.1f} ms {unit:<8} "
-                         f"{model:<9} {entry['seconds'][model] * 1e3:8.1f} ms  {ratio:5.2f}× {ref}"
+                         f"{KERNEL_LABEL if model == KERNEL_DENSE else model:<9} {entry['seconds'][model] * 1e3:8.1f} ms  {ratio:5.2f}× {ref}"
                          + ("  (slower)" if ratio < 1 else ""))
+    if (gain := sparsity_gain(speed)) and (name is None or name == "converted"):
+        lines.append("  converted over the dense model in moelab's kernels (the sparsity's own gain): "
+                     + ", ".join(f"{PHASE_NAMES.get(p, p)} {g:.2f}×" for p, g in gain.items()))
+    elif speed.get("kernel_dense_note"):
+        lines.append(f"  the dense model in moelab's kernels: not timed ({speed['kernel_dense_note']})")
     return lines

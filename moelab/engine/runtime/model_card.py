@@ -28,6 +28,7 @@ from typing import Any
 from ..atomic import write_bytes_atomic
 from ..evaluation.busy_machine import busy_note
 from ..evaluation.harness import headline_metric
+from ..evaluation.kernel_gain import LABEL as KERNEL_LABEL, NAME as KERNEL_DENSE
 from ..evaluation.speed import phase_label
 from .gguf_layout import gguf_refusal
 
@@ -105,8 +106,11 @@ def _evaluation_lines(evaluation: dict | None, record: dict) -> list[str]:
             others = [n for n in next(iter(speed["phases"].values()))["seconds"] if n != "dense"]  # converted, TEAL
             lines += [f"Speed against the dense model ({speed['runtime']}; {speed['device']}, {speed['dtype']}, "
                       f"{speed['threads']} threads; median of {speed['protocol']['repeats']} interleaved rounds"
-                      + ("; TEAL at the conversion's cost, timed the same way" if "teal" in others else "") + "):", "",
-                      "| phase | dense (ms) |" + "".join(f" {n} (ms) | {n} × dense speed |" for n in others),
+                      + ("; TEAL at the conversion's cost, timed the same way" if "teal" in others else "")
+                      + (f"; {KERNEL_LABEL}: the dense model's own weights, each MLP in moelab's decode call, what the "
+                         "kernels give without sparsity" if KERNEL_DENSE in others else "") + "):", "",
+                      "| phase | dense (ms) |" + "".join(f" {label} (ms) | {label} × dense speed |"
+                                                  for label in (KERNEL_LABEL if n == KERNEL_DENSE else n for n in others)),
                       "|---|---|" + "---|---|" * len(others)]
             for phase, entry in speed["phases"].items():
                 lines.append(f"| {phase_label(phase, entry)} | {1e3 * entry['seconds']['dense']:.1f} |"

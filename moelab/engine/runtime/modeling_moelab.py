@@ -14,6 +14,7 @@ Files, read top to bottom (each imports only those above it)
 ``moelab_kernels.py``       the routed experts' fast kernels and ``select_kernel``
 ``moelab_compat.py``        loading the keys earlier runtimes wrote
 ``moelab_moe.py``           ``MoeExperts`` (reference forward), ``MoeRouter`` and ``MoeFFN``, the sparse block
+``moelab_dense.py``         the layers kept dense, at a decode step in the sparse block's native call
 ``moelab_abstopk.py``       ``AbsTopKGLU``: EW Eq. 2 baseline, per-token top-k neurons
 ``moelab_teal.py``          ``TealGLU``: TEAL baseline, magnitude thresholds on the projections' inputs
 ``moelab_hierarchical.py``  ``HierarchicalExperts``: AF Eq. 10, sub-experts inside every expert
@@ -25,7 +26,8 @@ Files, read top to bottom (each imports only those above it)
 
 Layer specs (JSON): ``{"kind": "moe", ...}`` (``moelab_moe``), ``{"kind": "abstopk", ...}``,
 ``{"kind": "teal", ...}``, ``{"kind": "hierarchical", ...}``, ``{"kind": "lowrank_moe", ...}`` (each
-module's docstring), and ``{"kind": "dense"}`` (or ``null``): the base architecture's MLP is kept.
+module's docstring), and ``{"kind": "dense"}`` (or ``null``): the base architecture's MLP is kept (a decode step
+of it runs in the native call the MoE layers take, where it applies: ``moelab_dense``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ except ImportError:  # pragma: no cover - older transformers
 
 from .moelab_abstopk import AbsTopKGLU
 from .moelab_compat import is_legacy_expert_conversion, legacy_expert_conversion
+from .moelab_dense import KernelDecode, kernel_decode
 from .moelab_hierarchical import HierarchicalExperts, set_experts
 from .moelab_kernels import EXPERTS_IMPLS, decode_layout
 from .moelab_lowrank import LowRankMoeFFN
@@ -109,14 +112,14 @@ def convert_in_place(model: nn.Module, layer_modules: dict[int, nn.Module | None
 def realign_parameters(model: nn.Module, alignment: int = 64) -> int:
     """Copy CPU parameters/buffers whose data is not ``alignment``-byte aligned (safetensors
     memory-maps tensors at arbitrary offsets) into fresh, aligned storage, and give every
-    ``MoeExperts.down_proj`` (and column-major ``gate_up_proj``), shared expert's down projection and
-    ``TealGLU`` weight its decode layout (a loaded checkpoint arrives contiguous). BLAS
+    ``MoeExperts.down_proj`` (and column-major ``gate_up_proj``), shared expert's down projection, kept dense MLP's
+    down projection (``moelab_dense``) and ``TealGLU`` weight its decode layout (a loaded checkpoint arrives contiguous). BLAS
     kernels may round differently depending on alignment and layout, so a model loaded from disk
     and the in-memory model it was saved from only compute bit-identical logits once both are
     realigned. Tied parameters stay tied (the Parameter objects are kept). Returns the number copied."""
     n = 0
     for mod in model.modules():
-        if isinstance(mod, (TealGLU, MoeFFN)):
+        if isinstance(mod, (TealGLU, MoeFFN, KernelDecode)):
             mod.use_decode_layout()
             continue
         if not isinstance(mod, MoeExperts):
@@ -193,6 +196,12 @@ def _base_causal_lm_class(base_config: PretrainedConfig) -> type:
         ) from None
 
 
+def _activation_name(config: Any) -> str:
+    """The activation a base config names for its MLPs (Gemma's ``hidden_activation``, else ``hidden_act``)."""
+    config = getattr(config, "text_config", None) or config
+    return str(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", ""))
+
+
 class MoelabPreTrainedModel(PreTrainedModel):
     config_class = MoelabConfig
     base_model_prefix = "model"
@@ -226,6 +235,10 @@ class MoelabForCausalLM(MoelabPreTrainedModel, GenerationMixin):
         if len(config.moe_layers) > len(layers):
             raise ValueError(f"{len(config.moe_layers)} moe_layers for a model of {len(layers)} layers")
         convert_in_place(self.model, {i: build_layer_module(e) for i, e in enumerate(config.moe_layers)})
+        act = _activation_name(config.base_config)
+        for i, block in enumerate(layers):  # the layers kept dense decode in the MoE layers' call (moelab_dense)
+            if i >= len(config.moe_layers) or config.moe_layers[i].get("kind") == "dense":
+                kernel_decode(getattr(block, "mlp", None), act)
         self.post_init()
 
     # delegation ...............................................................

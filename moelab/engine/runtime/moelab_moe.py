@@ -517,10 +517,12 @@ class MoeFFN(_WatchedLayout, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         E, k = self.n_routed, self.top_k
         # a decode step first, with no reshape: each torch call costs microseconds with the caches cold
-        if 0 < k < E and x.numel() <= DECODE_TOKENS * self.d_model and (fused := self._fused_decode(x)) is not None:
+        if (k < E or k == 0) and x.numel() <= DECODE_TOKENS * self.d_model and (fused := self._fused_decode(x)) is not None:
             y, top = fused
             if self.recorder is not None:
                 self._record(top, x.shape[:-1])
+            if k == 0 and self.compensated and E:
+                y = y + self.skip_mean.sum(0)  # every routed expert is skipped
             return y
         lead = x.shape[:-1]
         xt = x.reshape(-1, self.d_model)
@@ -555,6 +557,10 @@ class MoeFFN(_WatchedLayout, nn.Module):
         scaled combine, expert groups, a shared expert wrapped by an adapter or not in the decode layout, and
         wherever ``_native_routed`` says no. Some ten torch calls and thread-pool forks a layer become one, with
         two barriers: the 30 FFNs of ``--recipe best`` at 0.5, one token, 9.3 ms against 15.0 ms (docs/runtime.md).
+        A layer that selects no expert (top-0, or all of it shared) runs its shared expert alone in the same call:
+        in torch its down projection read the decode layout's transposed storage, and every row of it under
+        ``down_keep`` (at d 576, D 1,536: 0.98× / 1.03× the dense MLP's time at decode b1 / b8, and 0.95× with
+        half the rows kept, where the call reads only the kept rows).
         The checked call is kept (``_KeptDecode``) until the layout, the native switch or a weight's data changes;
         a gradient is looked for at every call."""
         if x.dtype != torch.float32 or not x.is_cpu:
@@ -591,7 +597,8 @@ class MoeFFN(_WatchedLayout, nn.Module):
 
     def _fused_call(self, x: torch.Tensor) -> FusedDecode | None:
         """The checked call of ``_fused_decode``, or None where it does not apply (gradients aside)."""
-        linear = self.router.scorer.linear(self)
+        routed = self.top_k > 0  # top-0: the shared expert alone, no router read, no expert (E = 0 to the call)
+        linear = self.router.scorer.linear(self) if routed else (x.new_empty(0, self.d_model), None)
         if (linear is None or type(self.experts) is not MoeExperts or self.combine not in FUSED_COMBINES
                 or self.router.groups is not None or self.n_routed > FUSED_MAX_EXPERTS or not self._native_routed(x, None)):
             return None
@@ -609,9 +616,11 @@ class MoeFFN(_WatchedLayout, nn.Module):
         if not rw.is_contiguous() or rw.dtype != torch.float32 or (rb is not None and rb.dtype != torch.float32):
             return None
         wgu, wd = self.experts.gate_up_proj, self.experts.down_proj
-        return FusedDecode(shared, self.shared_keep, (rw, rb), self.top_k, self.combine, wgu.transpose(1, 2),
-                           wd.transpose(1, 2), self.expert_size, self.experts.down_keep, self.act,
-                           self.skip_mean if self.compensated else None)
+        if not routed:
+            wgu, wd = wgu[:0], wd[:0]
+        return FusedDecode(shared, self.shared_keep, (rw, rb), self.top_k, self.combine if routed else "sum",
+                           wgu.transpose(1, 2), wd.transpose(1, 2), self.expert_size, self.experts.down_keep, self.act,
+                           self.skip_mean if self.compensated and routed else None)
 
     def _native_routed(self, x: torch.Tensor, weights: torch.Tensor | None) -> bool:
         """Whether this call's routed experts and compensation run ``moelab_native.moe_routed``: a CPU call

@@ -1,0 +1,28 @@
+"""A timing's dense-in-moelab's-kernels baseline read back (``evaluation.kernel_dense`` builds and times it): its
+name among the timed models and the sparsity's own gain over it. Standard library only, so the UI reads it as data."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from typing import Any
+
+#: the name a timing gives the baseline (``evaluation.speed.time_phases``' models)
+NAME = "dense_kernels"
+#: how a reader is told of it
+LABEL = "dense in moelab's kernels"
+
+
+def sparsity_gain(speed: Mapping[str, Any], name: str = "converted") -> dict[str, float]:
+    """Per phase, model ``name``'s speed over the dense model in moelab's kernels: the median over rounds of the
+    baseline's time over ``name``'s in the same round (as ``time_phases`` computes a speed-up), or, where the rounds
+    were not kept, the quotient of the two speed-ups over dense. What the sparsity bought beyond the kernels; empty
+    where the timing has no such baseline."""
+    out = {}
+    for phase, entry in (speed.get("phases") or {}).items():
+        rounds, ratios = entry.get("rounds") or {}, entry.get("speedup") or {}
+        if rounds.get(NAME) and rounds.get(name):
+            out[phase] = statistics.median(k / t for k, t in zip(rounds[NAME], rounds[name]))
+        elif isinstance(ratios.get(NAME), (int, float)) and isinstance(ratios.get(name), (int, float)) and ratios[NAME] > 0:
+            out[phase] = float(ratios[name]) / float(ratios[NAME])
+    return out
