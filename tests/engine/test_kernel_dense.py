@@ -5,6 +5,9 @@ weights shared and left as they were, the reasons it cannot run, and the sparsit
 from __future__ import annotations
 
 import shutil
+from types import SimpleNamespace
+
+import psutil
 
 import pytest
 import torch
@@ -72,6 +75,10 @@ def test_a_model_the_kernels_cannot_run_says_why(tiny_model, data_dir, monkeypat
     monkeypatch.undo()
     monkeypatch.setattr(moelab_native, "library", lambda: None)
     assert "not built on this machine" in kernel_dense_problem(adapter)
+    monkeypatch.undo()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=1000))
+    assert kernel_dense_problem(adapter).startswith("its down projections' copy in the decode layout (")
+    assert kernel_dense_problem(adapter).endswith("would take more than half the memory free (1000 B)")
     monkeypatch.undo()
     lay = adapter.layers[0]
     lay.down_proj.bias = torch.nn.Parameter(torch.zeros(lay.down_proj.out_features))

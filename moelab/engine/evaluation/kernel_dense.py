@@ -17,16 +17,19 @@ layout (``[d_ffn, d_model]`` storage), a third of the FFN's bytes, so it is buil
 
 from __future__ import annotations
 
+import psutil
 import torch
 from torch import nn
 
 from ..models import ModelAdapter
+from ..sizes import format_size
 from ..runtime import moelab_native
 from ..runtime.moelab_kernels import row_major_t
 from ..runtime.moelab_moe import MoeFFN
 
 def kernel_dense_problem(adapter: ModelAdapter) -> str | None:
-    """Why the dense model cannot run in moelab's decode call here (None: it can)."""
+    """Why the dense model cannot run in moelab's decode call here (None: it can), its copy of the down projections
+    included: more than half the memory free is refused."""
     if adapter.device.type != "cpu" or adapter.dtype != torch.float32:
         return f"moelab's kernels run float32 on the CPU; this model is {str(adapter.dtype).removeprefix('torch.')} on {adapter.device.type}"
     if adapter.activation not in moelab_native.ACTIVATIONS:
@@ -36,6 +39,10 @@ def kernel_dense_problem(adapter: ModelAdapter) -> str | None:
     if any(lay.gate_bias() is not None or lay.up_bias() is not None or lay.down_proj.bias is not None
            for lay in adapter.layers):
         return "its MLPs have biases, which moelab's kernels do not add"
+    copy = sum(lay.down_weight().numel() * lay.down_weight().element_size() for lay in adapter.layers)
+    if copy > psutil.virtual_memory().available // 2:  # a timing is not worth the machine's last free memory
+        return (f"its down projections' copy in the decode layout ({format_size(copy)}) would take more than half "
+                f"the memory free ({format_size(psutil.virtual_memory().available)})")
     return None
 
 
