@@ -18,7 +18,7 @@ from .layers import blocks, fusion_outline, layer_similarity  # noqa: F401
 from .designer import allocation_plan, budget_plan, budget_cap, reconstruction_error  # noqa: F401
 from .routing import routing_share, routed_experts, BLANK_NOTE, routing_heatmap, routing_difference, routing_js_line, load_cv_by_layer  # noqa: F401
 from .matching import matched_layer, skipped_reason, matched_label, best_match_text, matched_colour_ids, expert_overlap, matching_by_layer, routing_at_matched_ids  # noqa: F401
-from .compare import VARIANT_ORDER, VARIANT_COLOURS, perplexity_rows, _bar_label, TICK_LINE_PX, PANEL_PX, compare_perplexity, QUALITY_COST_COLUMNS, QUALITY_X, quality_cost_points, DOMAIN_SYMBOLS, DOMAIN_MARKS, TEXT_COLOURS, quality_vs_cost, compare_active  # noqa: F401
+from .compare import VARIANT_ORDER, VARIANT_COLOURS, perplexity_rows, _bar_label, TICK_LINE_PX, PANEL_PX, compare_perplexity, QUALITY_COST_COLUMNS, KERNELS_LABEL, QUALITY_X, quality_cost_points, DOMAIN_SYMBOLS, DOMAIN_MARKS, TEXT_COLOURS, quality_vs_cost, compare_active  # noqa: F401
 from .finetune import finetune_summary_text, finetune_eval_text, finetune_loss  # noqa: F401
 from .calibration import calibration_size_unit, calibration_sizes  # noqa: F401
 from .profile_compare import SPECIFICITY_SCALE, specificity_scatter, specific_share_bars, specific_rows  # noqa: F401

@@ -4,6 +4,7 @@ active experts."""
 from __future__ import annotations
 
 import math
+import statistics
 
 from collections.abc import Sequence
 from typing import Any
@@ -135,7 +136,10 @@ def compare_perplexity(rows: list[dict[str, Any]]) -> go.Figure:
 
 #: Columns of the quality-vs-cost CSV: exactly what each plotted point is.
 QUALITY_COST_COLUMNS = ("conversion_id", "conversion", "label", "calibration_set", "method", "recipe", "text", "domain", "evaluation_id",
-                        "ffn_flops_fraction", "speed_decode_b1", "speed_decode_b8", "speed_prefill", "perplexity_ratio")
+                        "ffn_flops_fraction", "speed_decode_b1", "speed_decode_b8", "speed_prefill", "perplexity_ratio",
+                        "kernels_decode_b1", "kernels_decode_b8", "kernels_prefill")
+#: ``kernels_<phase>``: the dense model in moelab's kernels (``evaluation.kernel_dense``), timed in the same evaluation
+KERNELS_LABEL = "dense in moelab's kernels"
 
 
 #: What :func:`quality_vs_cost` can put on x: (axis title, hover, which corner is better). ``speed_<phase>``: the
@@ -199,7 +203,8 @@ def quality_vs_cost(points: list[dict[str, Any]], x: str = "ffn_flops_fraction")
     if not points:
         return message_figure("no evaluated conversion with a recorded ffn_flops_fraction" if x == "ffn_flops_fraction" else
                               "no evaluation of these conversions timed them: evaluate again (evaluations time the models)")
-    xs = [p[x] for p in points]
+    xs = [p[x] for p in points] + [v for p in points if (v := p.get(x.replace("speed_", "kernels_", 1))) is not None
+                                   and x.startswith("speed_")]
     ys = [math.log10(p["perplexity_ratio"]) for p in points if p["perplexity_ratio"] > 0] or [0.0]
     x_lo, x_hi = min(xs), max(xs)
     if x != "ffn_flops_fraction":
@@ -224,6 +229,7 @@ def quality_vs_cost(points: list[dict[str, Any]], x: str = "ffn_flops_fraction")
                          p.get("domain") or "calibration domains unknown"] for p in pts],
             hovertemplate="%{customdata[0]}<br>%{customdata[1]}<br>" + hover + "<br>%{y:.3f}× dense perplexity"
                           "<br>%{customdata[2]}<extra>" + t + "</extra>"))
+    traces += _kernel_dense_marks(points, x, texts)
     fig = go.Figure(traces)
     fig.add_hline(y=1, line_dash="dot", line_color="gray")
     if x != "ffn_flops_fraction":  # dense's speed: right of it is faster than the model it came from
@@ -237,6 +243,25 @@ def quality_vs_cost(points: list[dict[str, Any]], x: str = "ffn_flops_fraction")
                    xaxis_range=[x_lo - x_pad, x_hi + x_pad], yaxis_range=[y_lo - y_pad, y_hi + 2 * y_pad],
                    yaxis_title="perplexity / dense", yaxis_type="log",
                    legend={"orientation": "h", "y": -0.25})  # long text names below, not eating the plot's width
+
+
+def _kernel_dense_marks(points: list[dict[str, Any]], x: str, texts: list[str]) -> list[go.Scatter]:
+    """On a speed axis, per held-out text, the dense model in moelab's kernels at its measured speed (the median over
+    that text's evaluations) and dense perplexity: right of it a conversion's sparsity gains over the kernels, left of
+    it the kernels alone are faster. None on the cost axis, or where no evaluation timed it."""
+    if not x.startswith("speed_"):
+        return []
+    out = []
+    for n, t in enumerate(texts):
+        speeds = sorted(v for p in points if p["text"] == t and (v := p.get(x.replace("speed_", "kernels_", 1))) is not None)
+        if speeds:
+            colour = TEXT_COLOURS[n % len(TEXT_COLOURS)]
+            out.append(go.Scatter(x=[statistics.median(speeds)], y=[1.0], mode="markers+text", text=[KERNELS_LABEL],
+                                  textposition="bottom center", textfont={"size": 10, "color": colour}, cliponaxis=False,
+                                  marker={"symbol": "diamond-open", "size": 12, "color": colour}, name=f"{t}: {KERNELS_LABEL}",
+                                  hovertemplate=KERNELS_LABEL + " (the same weights and outputs, each MLP in moelab's decode "
+                                  f"call), median of {len(speeds)} evaluation(s): %{{x:.2f}}× dense speed<extra>{t}</extra>"))
+    return out
 
 
 def compare_active(plans: dict[str, list[dict[str, Any]]]) -> go.Figure:

@@ -14,7 +14,7 @@ from dash import Input, Output, callback, dcc, html
 from frontend.figures import compare as F, common as FC
 from moelab.api_client import ApiError, api
 from frontend.components import error_box, figure_card, named_options, page_names, to_search
-from frontend.speed import PHASES, phase_speedup
+from frontend.speed import KERNEL_DENSE, PHASES, phase_speedup
 from frontend.task_accuracy import accuracy_figure, accuracy_points
 from frontend.names import calibration_of, calibration_spec, chart_label, domain_relation, fmt, fmt_pct, heldout_spec, with_id
 
@@ -136,7 +136,8 @@ def _update(ids, phase):
                                 "calibration_set": calibration_of(c, names), "method": c.get("method"), "recipe": short[c["id"]][1],
                                 "text": r["text"], "evaluation_id": r["evaluation_id"],
                                 "ffn_flops_fraction": s.get("ffn_flops_fraction"), "perplexity_ratio": r["ratio_to_dense"],
-                                **{f"speed_{p}": phase_speedup(ev["summary"], p) for p in PHASES}})
+                                **{f"speed_{p}": phase_speedup(ev["summary"], p) for p in PHASES},
+                                **{f"kernels_{p}": phase_speedup(ev["summary"], p, KERNEL_DENSE) for p in PHASES}})
         body.append(html.Tr([html.Td(label[c["id"]]), html.Td(c["id"], className="note"), html.Td(c["status"]), html.Td(c.get("method")),
                              html.Td(params.get("router") or ""), html.Td(fmt_pct(params.get("sparsity")))]
                             + [html.Td(fmt(params.get(k))) for k in keys]

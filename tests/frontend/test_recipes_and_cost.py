@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
 import frontend.app  # noqa: F401  (instantiates the Dash app: the page modules register with it)
@@ -67,6 +69,26 @@ def test_quality_vs_measured_speed_plots_each_phase_with_dense_in_view():
     rows = F.quality_cost_points(pts, "speed_prefill")
     assert [r["speed_prefill"] for r in rows] == [0.9, 1.05] and [r["label"] for r in rows] == ["best", "paper"]
     assert "timed" in F.quality_vs_cost(pts[2:], "speed_decode_b1").layout.annotations[0].text
+
+
+def test_the_dense_model_in_moelabs_kernels_is_marked_on_the_speed_axis_per_text():
+    """Per held-out text, a mark at dense perplexity and the median of its evaluations' measured speed of the dense
+    model in moelab's kernels; none on the cost axis; the CSV carries each evaluation's."""
+    pts = [{"label": "best", "text": "builtin:mixed", "ffn_flops_fraction": 0.5, "perplexity_ratio": 1.4,
+            "speed_decode_b1": 1.55, "kernels_decode_b1": 1.44},
+           {"label": "paper", "text": "builtin:mixed", "ffn_flops_fraction": 0.5, "perplexity_ratio": 20.0,
+            "speed_decode_b1": 1.65, "kernels_decode_b1": 1.48},
+           {"label": "best", "text": "builtin:code", "ffn_flops_fraction": 0.5, "perplexity_ratio": 1.3,
+            "speed_decode_b1": 1.50, "kernels_decode_b1": 1.41},
+           {"label": "old", "text": "builtin:chat", "ffn_flops_fraction": 0.5, "perplexity_ratio": 1.3, "speed_decode_b1": 1.2}]
+    fig = F.quality_vs_cost(pts, "speed_decode_b1")
+    marks = {t.name: t for t in fig.data if t.name.endswith(F.KERNELS_LABEL)}
+    assert set(marks) == {"builtin:mixed: dense in moelab's kernels", "builtin:code: dense in moelab's kernels"}
+    assert list(marks["builtin:mixed: dense in moelab's kernels"].x) == [pytest.approx(1.46)]  # median of 1.44, 1.48
+    assert list(marks["builtin:code: dense in moelab's kernels"].x) == [1.41]
+    assert all(list(t.y) == [1.0] and list(t.text) == ["dense in moelab's kernels"] for t in marks.values())
+    assert [t.name for t in F.quality_vs_cost(pts).data] == ["builtin:chat", "builtin:code", "builtin:mixed"]
+    assert [r["kernels_decode_b1"] for r in F.quality_cost_points(pts, "speed_decode_b1")] == [1.44, 1.48, 1.41, None]
 
 
 def test_the_portable_recipe_is_labelled_exportable_and_sets_the_leading_plan():

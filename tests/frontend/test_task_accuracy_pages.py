@@ -126,5 +126,8 @@ def test_tasks_from_the_workspace_shown_in_evaluations_and_compare(page, live, a
     assert quality["title"].startswith("Quality vs measured speed")
     assert ev["summary"]["variants"]["converted"]["perplexity_ratio"] == pytest.approx(quality["data"][0]["y"][0])
     assert quality["data"][0]["x"] == [pytest.approx(phase_speedup(ev["summary"], "prefill"))]
+    # the dense model in moelab's kernels, timed in that evaluation, marked at dense perplexity beside it
+    (mark,) = [t for t in quality["data"] if t["name"].endswith(": dense in moelab's kernels")]
+    assert mark["x"] == [pytest.approx(phase_speedup(ev["summary"], "prefill", KERNEL_DENSE))] and mark["y"] == [1.0]
     shot(page, "task-accuracy")
     no_errors(page)
