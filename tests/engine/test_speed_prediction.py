@@ -230,19 +230,18 @@ def test_a_plan_is_predicted_beside_the_dense_model_in_moelabs_kernels():
     table["phases"]["decode_b1"]["dense_ffn_s"] *= 2  # torch's dense MLP twice the native call's time at a decode step
     plan = [{"kind": "moe", "d_shared": 64, "n_routed": 28, "expert_size": 16, "top_k": 6}] * 4
     summary = predicted_summary(table, plan)
-    all_shared = [{"kind": "moe", "d_shared": 512, "n_routed": 0, "expert_size": 0, "top_k": 0, "down_keep": 1.0}] * 4
-    assert kernel_dense_layers(table) == all_shared
-    kernels = {p: v["speedup"] for p, v in predict(table, all_shared).items()}
+    assert kernel_dense_layers(table) == [{"kind": "dense"}] * 4
+    kernels = {p: v["speedup"] for p, v in predict(table, kernel_dense_layers(table)).items()}
     assert summary["kernel_dense"] == kernels and set(kernels) == set(summary["phases"])
     ratio = [summary["phases"][p]["speedup"] / kernels[p] for p in ("decode_b1", "prefill")]
     want = (f"; the dense model in moelab's kernels {kernels['decode_b1']:.2f}× / {kernels['prefill']:.2f}×, "
             f"the plan over it {ratio[0]:.2f}× / {ratio[1]:.2f}×")
     assert kernel_dense_words(summary) == want and want in describe_predicted(summary)
     assert kernel_dense_words({**summary, "kernel_dense": {}}) == ""
-    # a layer a plan keeps dense decodes in that call too (runtime.moelab_dense); its prefill is the dense MLP's
-    kept = predict(table, [{"kind": "dense"}] * 4)
-    assert kept["decode_b1"]["speedup"] == pytest.approx(kernels["decode_b1"]) == pytest.approx(1 / (0.4 + 0.6 / 2))
-    assert kept["prefill"]["speedup"] == pytest.approx(1.0)
+    # a kept-dense layer decodes as the grid's all-shared layout (runtime.moelab_dense) and prefills as the dense MLP
+    all_shared = [{"kind": "moe", "d_shared": 512, "n_routed": 0, "expert_size": 0, "top_k": 0, "down_keep": 1.0}] * 4
+    assert kernels["decode_b1"] == pytest.approx(predict(table, all_shared)["decode_b1"]["speedup"])
+    assert kernels["decode_b1"] == pytest.approx(1 / (0.4 + 0.6 / 2)) and kernels["prefill"] == pytest.approx(1.0)
 
 
 def test_the_newest_table_of_the_models_source_is_found(tmp_path):

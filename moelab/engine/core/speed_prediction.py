@@ -151,7 +151,7 @@ def _as_run(table: Mapping[str, Any], layer: Mapping[str, Any], tokens: int) -> 
     if layer.get("kind") != "dense":
         return layer
     if table.get("native") and tokens <= GATHER_MAX_TOKENS:
-        return kernel_dense_layers(table)[0]
+        return all_shared_layout(table)
     return None
 
 
@@ -242,12 +242,15 @@ def predicted_summary(table: Mapping[str, Any] | None, layers: Sequence[Mapping[
 
 
 def kernel_dense_layers(table: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The dense model in moelab's kernels (``evaluation.kernel_dense``) as ``moe_layers`` entries: every layer an
-    all-shared FFN of the model's width, the grid's all-shared layout, which a decode step runs in the whole-block
-    call (as it runs a layer a plan keeps dense). Predicted beside a plan, it says what the kernels give without
-    sparsity."""
-    return [{"kind": "moe", "d_shared": int(table["d_ffn"]), "n_routed": 0, "expert_size": 0, "top_k": 0,
-             "down_keep": 1.0}] * int(table["n_layers"])
+    """The dense model in moelab's kernels (``evaluation.kernel_dense``) as ``moe_layers`` entries: every layer kept
+    dense, which a decode step runs in the whole-block call (the grid's all-shared layout, ``_as_run``) and a prefill
+    in the MLP's own GEMMs. Predicted beside a plan, it says what the kernels give without sparsity."""
+    return [{"kind": "dense"}] * int(table["n_layers"])
+
+
+def all_shared_layout(table: Mapping[str, Any]) -> dict[str, Any]:
+    """The grid's all-shared layout at the model's width: one FFN of every neuron in the shared expert, no routed one."""
+    return {"kind": "moe", "d_shared": int(table["d_ffn"]), "n_routed": 0, "expert_size": 0, "top_k": 0, "down_keep": 1.0}
 
 
 PHASE_WORDS = {"decode_b1": "decode batch 1", "decode_b8": "decode batch 8", "prefill": "prefill"}
