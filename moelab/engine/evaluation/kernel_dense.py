@@ -5,14 +5,16 @@ A conversion runs in moelab's runtime, where a decode step's whole MoE block is 
 (``moelab_native.moe_ffn_decode``); transformers runs the dense MLP it replaces as five torch calls (three GEMVs, the
 activation, the product), each a fork of the thread pool. On a small model those calls' fixed costs are a large part
 of a step, so the *same dense weights* in moelab's call decode faster already: the default model, 2 threads of a
-Zen 5 EPYC, 1.51× at batch 1 and 1.26× at batch 8, prefill 1.01× (a prefill runs the same torch GEMMs). A
+Zen 5 EPYC, 1.41–1.48× at batch 1 and 1.26–1.28× at batch 8, prefill 0.98–1.07× (the same torch GEMMs; four runs). A
 conversion's speed over dense is then that of the kernels times that of its sparsity, and its speed over this
 baseline is the sparsity's alone: what converting bought beyond running the dense model in the same kernels.
 
 Each layer becomes an ``MoeFFN`` whose shared expert is the whole FFN and that has no routed expert (top-0: the
 decode call runs the shared expert alone): the same function, to float32 rounding (the sums run in another order).
 Its gate and up weights are the dense model's own tensors (no copy); its down projection is a copy in the decode
-layout (``[d_ffn, d_model]`` storage), a third of the FFN's bytes, so it is built only for the time of a timing.
+layout (``[d_ffn, d_model]`` storage), a third of the FFN's bytes, so it is built only for the time of a timing. A
+layer a conversion keeps dense runs the same call once loaded (``runtime.moelab_dense``, which keeps the base MLP's
+keys); this baseline takes the ``MoeFFN`` form, which Phi-3's fused gate/up projection fits too.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ..sizes import format_size
 from ..runtime import moelab_native
 from ..runtime.moelab_kernels import row_major_t
 from ..runtime.moelab_moe import MoeFFN
+
 
 def kernel_dense_problem(adapter: ModelAdapter) -> str | None:
     """Why the dense model cannot run in moelab's decode call here (None: it can), its copy of the down projections
