@@ -428,3 +428,50 @@ def test_this_machines_table_comes_before_a_newer_one_of_another_machine_and_the
     other = predicted_summary(table, plan, "cpu: here")
     assert "another machine, cpu: there" in other["note"] and "this machine's" not in other["note"]
     assert "another machine, cpu: there" in describe_predicted(other)
+
+
+def test_a_layout_off_the_fit_is_timed_again_and_a_busy_table_is_measured_again(tmp_path, monkeypatch):
+    """A grid layout whose first timing reads 20x its fit (a neighbour's burst during its rounds) is timed again, the
+    second timing kept and the first recorded; the table records the CPU share other processes took, a busy one is
+    measured again by the next profile and its prediction says why it is not to be trusted."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from moelab.engine.evaluation import speed_table
+
+    calls = []
+    real = speed_table._layer_seconds
+
+    def first_burst(make, *args, **kwargs):
+        out = real(make, *args, **kwargs)
+        calls.append(make().spec)
+        return {p: s * 20 for p, s in out.items()} if len(calls) == 4 else out
+
+    monkeypatch.setattr(speed_table, "_layer_seconds", first_burst)
+    torch.manual_seed(0)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=256)).eval()
+    info = {"source": "tiny", "d_model": 64, "d_ffn": 256, "n_layers": 4}
+    table = speed_table._ffn_table(mlp, info, {"decode_b1": 1, "decode_b8": 8, "prefill": 64}, torch.device("cpu"),
+                                   torch.float32, 1)
+    hit = speed_table.grid(256)[3]
+    assert hit in [r["layer"] for r in table["retimed"]]
+    first = next(r["first_seconds"] for r in table["retimed"] if r["layer"] == hit)
+    again = next(r["seconds"] for r in table["grid"] if r["layer"] == hit)
+    assert all(again[p] < first[p] / 4 for p in first)  # the burst's timing is not the one kept
+    assert len(calls) == len(speed_table.grid(256)) + len(table["retimed"])
+    assert 0.0 <= table["others_cpu_share"] <= 1.0
+
+    monkeypatch.setattr(speed_table, "measure_table", lambda *a, **k: {"measured": "again", "others_cpu_share": 0.0})
+    path = speed_table.table_path(mlp, info, tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({**table, "others_cpu_share": 0.02}))  # quiet: kept
+    assert speed_table.ensure_table(mlp, torch.zeros(1, 8), info, tmp_path)["others_cpu_share"] == 0.02
+    path.write_text(json.dumps({**table, "others_cpu_share": 0.35}))  # busy: measured again and written
+    assert speed_table.ensure_table(mlp, torch.zeros(1, 8), info, tmp_path)["measured"] == "again"
+    assert json.loads(path.read_text())["measured"] == "again"
+
+    busy = {**_table(_grid_rows()), "others_cpu_share": 0.35}
+    note = predicted_summary(busy, [{"kind": "dense"}] * 4)["note"]
+    assert note.endswith("; the kernel times were measured while other processes took 35% of the CPUs, so the "
+                         "prediction is unreliable: the next profile of this model measures them again")
+    assert "other processes" not in predicted_summary({**busy, "others_cpu_share": 0.05}, [{"kind": "dense"}] * 4)["note"]

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from ..evaluation.busy_machine import BUSY_SHARE
+
 TABLE_DIR = "speed-tables"
 TABLE_VERSION = 12  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
 # 5: layouts timed as ratios to the dense FFN in the same rounds; 6: a decode step's whole block in one native call;
@@ -238,7 +240,17 @@ def predicted_summary(table: Mapping[str, Any] | None, layers: Sequence[Mapping[
             "note": ("predicted from this machine's measured kernel times (" if machine in (None, table["machine"]) else
                      f"predicted from kernel times measured on another machine, {table['machine']} (this one has none; ") + (
                 "the experts a batch touches measured on held-out text" if any(l.get("touched") for l in layers)
-                else "routing taken as uniform") + ")"}
+                else "routing taken as uniform") + ")" + _busy_words(table)}
+
+
+def _busy_words(table: Mapping[str, Any]) -> str:
+    """'; the kernel times were measured while other processes took 23% of the CPUs …' for a table measured on a busy
+    machine (``others_cpu_share``, recorded since the table's version 12), '' otherwise."""
+    share = table.get("others_cpu_share")
+    if not isinstance(share, (int, float)) or share < BUSY_SHARE:
+        return ""
+    return (f"; the kernel times were measured while other processes took {share:.0%} of the CPUs, so the prediction "
+            "is unreliable: the next profile of this model measures them again")
 
 
 def kernel_dense_layers(table: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -247,7 +247,7 @@ def time_phases(models: Mapping[str, nn.Module], tokens: torch.Tensor, *, refere
     setups = setups or {}
     prefill_kwargs = {name: _last_logits_only(model) if protocol.prefill_logits == "last" else {}
                       for name, model in models.items()}
-    cpu = _CpuWatch()
+    cpu = CpuWatch()
     graphs = {phase: _graphs_usable(models, setups, inputs[phase], protocol) for phase in ("decode_b1", "decode_b8")}
     times: dict[str, dict[str, list[float]]] = {phase: {name: [] for name in models} for phase in PHASES}
     for round_ in range(protocol.repeats + 1):  # round 0 warms up
@@ -286,7 +286,7 @@ def time_phases(models: Mapping[str, nn.Module], tokens: torch.Tensor, *, refere
     }
 
 
-class _CpuWatch:
+class CpuWatch:
     """The CPU time every other process took since it was made, as a share of the machine's (wall time × CPUs)."""
 
     def __init__(self) -> None:
