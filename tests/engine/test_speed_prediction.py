@@ -430,10 +430,10 @@ def test_this_machines_table_comes_before_a_newer_one_of_another_machine_and_the
     assert "another machine, cpu: there" in describe_predicted(other)
 
 
-def test_a_layout_off_the_fit_is_timed_again_and_a_busy_table_is_measured_again(tmp_path, monkeypatch):
+def test_a_layout_off_the_fit_is_timed_again_and_a_busy_table_says_so(monkeypatch):
     """A grid layout whose first timing reads 20x its fit (a neighbour's burst during its rounds) is timed again, the
-    second timing kept and the first recorded; the table records the CPU share other processes took, a busy one is
-    measured again by the next profile and its prediction says why it is not to be trusted."""
+    second timing kept and the first recorded; the table records the CPU share other processes took, and a busy
+    table's predictions say they are not to be trusted and how to measure it again."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -461,17 +461,9 @@ def test_a_layout_off_the_fit_is_timed_again_and_a_busy_table_is_measured_again(
     assert len(calls) == len(speed_table.grid(256)) + len(table["retimed"])
     assert 0.0 <= table["others_cpu_share"] <= 1.0
 
-    monkeypatch.setattr(speed_table, "measure_table", lambda *a, **k: {"measured": "again", "others_cpu_share": 0.0})
-    path = speed_table.table_path(mlp, info, tmp_path)
-    path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({**table, "others_cpu_share": 0.02}))  # quiet: kept
-    assert speed_table.ensure_table(mlp, torch.zeros(1, 8), info, tmp_path)["others_cpu_share"] == 0.02
-    path.write_text(json.dumps({**table, "others_cpu_share": 0.35}))  # busy: measured again and written
-    assert speed_table.ensure_table(mlp, torch.zeros(1, 8), info, tmp_path)["measured"] == "again"
-    assert json.loads(path.read_text())["measured"] == "again"
-
     busy = {**_table(_grid_rows()), "others_cpu_share": 0.35}
     note = predicted_summary(busy, [{"kind": "dense"}] * 4)["note"]
-    assert note.endswith("; the kernel times were measured while other processes took 35% of the CPUs, so the "
-                         "prediction is unreliable: the next profile of this model measures them again")
+    assert note.endswith("; the kernel times were measured while other processes took 35% of the CPUs, which slows the "
+                         "MoE layers' many small parallel calls more than the dense FFN's: unreliable (delete the table "
+                         "under speed-tables/ and profile again with the machine to itself)")
     assert "other processes" not in predicted_summary({**busy, "others_cpu_share": 0.05}, [{"kind": "dense"}] * 4)["note"]

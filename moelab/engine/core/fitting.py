@@ -747,7 +747,7 @@ def _no_slower_top_k(params: Any, rows: list[Any], table: dict[str, Any] | None,
                                  "measures them unless MOELAB_TIME_KERNELS is off; a streamed one times the FFN layers "
                                  "where two of them fit --max-memory): every top-k offered"}
         return [None] * len(rows)
-    from .speed_prediction import top_k_no_slower
+    from .speed_prediction import busy_words, top_k_no_slower
 
     keep = getattr(params, "down_keep", 1.0)
     masks = [top_k_no_slower(table, {"kind": "moe", "d_shared": row.d_shared, "n_routed": row.n_routed,
@@ -765,7 +765,7 @@ def _no_slower_top_k(params: Any, rows: list[Any], table: dict[str, Any] | None,
         "top_k_offered": [[int(k) for k in np.flatnonzero(m)] if m is not None else [0] for m in masks],
         "note": f"each layer offered only the top-k this machine's kernel table predicts no slower than the dense FFN "
                 f"in every phase: up to {said} of its experts ({table.get('machine')}, {table.get('threads')} threads; "
-                f"measured {table.get('measured_at')})"}
+                f"measured {table.get('measured_at')})" + busy_words(table)}
     return masks
 
 

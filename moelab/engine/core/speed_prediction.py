@@ -240,17 +240,20 @@ def predicted_summary(table: Mapping[str, Any] | None, layers: Sequence[Mapping[
             "note": ("predicted from this machine's measured kernel times (" if machine in (None, table["machine"]) else
                      f"predicted from kernel times measured on another machine, {table['machine']} (this one has none; ") + (
                 "the experts a batch touches measured on held-out text" if any(l.get("touched") for l in layers)
-                else "routing taken as uniform") + ")" + _busy_words(table)}
+                else "routing taken as uniform") + ")" + busy_words(table)}
 
 
-def _busy_words(table: Mapping[str, Any]) -> str:
+def busy_words(table: Mapping[str, Any]) -> str:
     """'; the kernel times were measured while other processes took 23% of the CPUs …' for a table measured on a busy
-    machine (``others_cpu_share``, recorded since the table's version 12), '' otherwise."""
+    machine (``others_cpu_share``, recorded since the table's version 12), '' otherwise. Choice: such a table is said
+    to be unreliable, not measured again on its own: on a machine that stays busy every profile (and every streamed
+    conversion, whose 8B-shaped table takes minutes) would measure it again."""
     share = table.get("others_cpu_share")
     if not isinstance(share, (int, float)) or share < BUSY_SHARE:
         return ""
-    return (f"; the kernel times were measured while other processes took {share:.0%} of the CPUs, so the prediction "
-            "is unreliable: the next profile of this model measures them again")
+    return (f"; the kernel times were measured while other processes took {share:.0%} of the CPUs, which slows the MoE "
+            f"layers' many small parallel calls more than the dense FFN's: unreliable (delete the table under "
+            f"{TABLE_DIR}/ and profile again with the machine to itself)")
 
 
 def kernel_dense_layers(table: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -36,7 +36,6 @@ from ..core.speed_prediction import FFN_LAYERS, TABLE_DIR, TABLE_VERSION, cpu_ma
 from ..runtime.modeling_moelab import convert_in_place, decoder_layers, ffn_name
 from ..runtime import moelab_native
 from ..runtime.moelab_moe import MoeFFN
-from .busy_machine import busy_note
 from .speed import CpuWatch, SpeedProtocol, prefill_length, time_phases
 
 WORKING_SET_BYTES = 192 << 20
@@ -331,11 +330,10 @@ def cached_table(where: Placement, info: dict[str, Any], data_dir: Path) -> dict
 
 def ensure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], data_dir: Path) -> dict[str, Any]:
     """The cached table of ``model`` on this machine, measured and written (atomically) when there is none (or it is
-    damaged, or it timed the FFN layers only: the model is whole in memory now, or it was measured on a busy machine:
-    ``busy_note``)."""
+    damaged, or it timed the FFN layers only: the model is whole in memory now)."""
     path = table_path(model, info, data_dir)
     table = _read(path)
-    if table is None or table.get("scope") == FFN_LAYERS or busy_note(table):
+    if table is None or table.get("scope") == FFN_LAYERS:
         table = measure_table(model, tokens, info)
         _write(path, table)
     return table
@@ -345,10 +343,10 @@ def ensure_ffn_table(model: nn.Module, info: dict[str, Any], where: tuple[torch.
                      max_memory: int) -> dict[str, Any] | None:
     """The cached table of a model that streams (``model``: on ``meta``), or its FFN layers timed (the prefill as the
     whole-model table's, ``TABLE_PROTOCOL``, within the model's positions) and written when there is none; None where
-    that timing would not fit ``max_memory`` (``ffn_table_bytes``), or measured again where it was on a busy machine."""
+    that timing would not fit ``max_memory`` (``ffn_table_bytes``)."""
     path = table_path(where, info, data_dir)
     table = _read(path)
-    if table is None or busy_note(table):
+    if table is None:
         prefill = prefill_length(TABLE_PROTOCOL, [model])
         if ffn_table_bytes(info, where, prefill) > max_memory:
             return None
