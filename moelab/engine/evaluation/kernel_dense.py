@@ -5,7 +5,7 @@ A conversion runs in moelab's runtime, where a decode step's whole MoE block is 
 (``moelab_native.moe_ffn_decode``); transformers runs the dense MLP it replaces as five torch calls (three GEMVs, the
 activation, the product), each a fork of the thread pool. On a small model those calls' fixed costs are a large part
 of a step, so the *same dense weights* in moelab's call decode faster already: the default model, 2 threads of a
-Zen 5 EPYC, 1.41–1.48× at batch 1 and 1.26–1.28× at batch 8, prefill 0.98–1.07× (the same torch GEMMs; four runs). A
+Zen 5 EPYC, 1.39–1.48× at batch 1 and 1.25–1.28× at batch 8, prefill 0.98–1.07× (the same torch GEMMs; six runs). A
 conversion's speed over dense is then that of the kernels times that of its sparsity, and its speed over this
 baseline is the sparsity's alone: what converting bought beyond running the dense model in the same kernels.
 
