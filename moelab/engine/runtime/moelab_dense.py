@@ -23,7 +23,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .moelab_kernels import row_major_t
-from .moelab_moe import _KeptDecode, _needs_grad
+from .moelab_moe import _KeptDecode, _needs_grad, decode_glu_weights
 from .moelab_native import ACTIVATIONS, DECODE_TOKENS, FusedDecode, usable as native_usable
 
 #: the projections a kept MLP needs (Llama-style gated MLPs: Llama, Mistral, Qwen, Gemma, OLMo …)
@@ -58,17 +58,10 @@ class KernelDecode:
 
     def _decode_call(self, x: torch.Tensor) -> FusedDecode | None:
         """The checked call, or None where it does not apply (gradients aside)."""
-        lins = [self._modules.get(name) for name in PROJECTIONS]
-        if any(type(lin) is not nn.Linear or lin.bias is not None for lin in lins):  # an adapter's wrapper, a bias
+        weights = decode_glu_weights([self._modules.get(name) for name in PROJECTIONS])
+        if weights is None or not native_usable(x, weights[0], self._decode_act):
             return None
-        gate, up, down = (lin.weight for lin in lins)
-        if not (gate.is_contiguous() and up.is_contiguous() and down.t().is_contiguous()
-                and gate.dtype == up.dtype == down.dtype == torch.float32 and native_usable(x, gate, self._decode_act)):
-            return None
-        d = x.shape[-1]
-        none = x.new_empty(0, d)
-        return FusedDecode((gate, up, down), gate.shape[0], (none, None), 0, "sum", x.new_empty(0, d, 0),
-                           x.new_empty(0, 0, d), 0, 0, self._decode_act)
+        return FusedDecode.shared_only(weights, weights[0].shape[0], self._decode_act, x.shape[-1])
 
 
 _SUBCLASSES: dict[type, type] = {}

@@ -1057,6 +1057,14 @@ class FusedDecode:
         # as ctypes values once, not converted at every call
         self._middle = tuple(kind(v) for kind, v in zip(self._run.argtypes[4:], middle))
 
+    @classmethod
+    def shared_only(cls, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, shared_keep: int, act: str,
+                    d_model: int) -> "FusedDecode":
+        """The call of a block that selects no expert (top-0, all of it shared, or a dense FFN): its shared expert
+        alone (None: the block adds nothing), no router read, no routed expert (E = 0 to the kernel)."""
+        return cls(shared, shared_keep, (torch.empty(0, d_model), None), 0, "sum", torch.empty(0, d_model, 0),
+                   torch.empty(0, 0, d_model), 0, 0, act)
+
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(output shaped as x [..., d], selected experts [T, top_k])``."""
         x = x.contiguous()
