@@ -117,7 +117,9 @@ def configurations(level: float, d_model: int, profile: Any, candidates: bool = 
                 # a layer worth more than this share of its experts written whole (issue 38: prefill in seconds)
                 **{f"best-share{round(q * 100)}": replace(best, max_routed_share=q) for q in (0.5, 0.65, 0.8)},
                 # only the top-k this machine's kernel table predicts no slower than dense in any phase (issue 38)
-                "best-guard": replace(best, speed_guard="machine")}
+                "best-guard": replace(best, speed_guard="machine"),
+                # the guard with a margin for its prediction's error: each layer at most 1 - m of its dense FFN's time
+                **{f"best-margin{round(m * 100)}": replace(best, speed_margin=m) for m in (0.0, 0.05, 0.1)}}
         # portable's router, α basis and shared share (the leading plan uses the layers' mean α)
         out |= {"portable-centroid": replace(portable, router="centroid"),
                 "portable-total": replace(portable, alpha_basis="total"),

@@ -314,6 +314,17 @@ def test_the_speed_guard_offers_only_the_top_k_this_machines_table_predicts_no_s
             # slow or busy machine) predicts it slower than dense
             assert offered == sorted({0} | {int(k) for k in np.flatnonzero(top_k_no_slower(table, layout))})
     assert plan_flops_fraction(rows, "ridge", adapter.d_model, down_keep=0.5) <= 0.75 + 1e-9
+    # with a margin, each layer is offered only the top-k predicted at most 0.9 of its dense FFN's time, and says so
+    held = replace(p, speed_margin=0.1)
+    rows_m, _, modules_m, fit_m = partition_modules(adapter, prof, held, expertweaver.plan_for(prof, held),
+                                          expertweaver.layer_builder(prof, held), data_dir=data_dir, calib=calib)
+    margin = fit_m["speed_guard"]
+    assert margin["margin"] == 0.1 and "0.90× the dense FFN's time (a 10% margin" in margin["note"]
+    for row, offered, wider in zip(rows_m, margin["top_k_offered"], guard["top_k_offered"]):
+        layout = {"kind": "moe", "d_shared": row.d_shared, "n_routed": row.n_routed, "expert_size": row.d_expert,
+                  "down_keep": 0.5}
+        assert offered == sorted({0} | {int(k) for k in np.flatnonzero(top_k_no_slower(table, layout, 0.1))})
+        assert set(offered) <= set(wider) and (row.layer not in modules_m or row.top_k in offered)
     *_, unguarded = partition_modules(adapter, prof, p, expertweaver.plan_for(prof, p),
                                       expertweaver.layer_builder(prof, p), calib=calib)  # no data dir: no table
     assert not unguarded["speed_guard"]["applied"] and "no kernel timings" in unguarded["speed_guard"]["note"]

@@ -191,6 +191,10 @@ def test_a_layer_is_no_slower_than_dense_up_to_the_top_k_where_its_predicted_tim
     assert ok.tolist() == (ratios <= 1).all(axis=0).tolist()
     assert ok[0] and not ok[-1]  # the shared part alone beats dense; every expert and a router does not
     assert ok[: int(np.argmin(ok))].all()  # the time rises with k here: a prefix of top-k is offered
+    # a margin offers the top-k predicted at most 1 - margin of the dense FFN's time: fewer, and each of them in time
+    held = top_k_no_slower(table, layout, margin=0.1)
+    assert held.tolist() == (ratios <= 0.9).all(axis=0).tolist()
+    assert held.sum() < ok.sum() and not (held & ~ok).any()
 
 
 def test_a_converted_layers_measured_touched_experts_replace_the_uniform_count():

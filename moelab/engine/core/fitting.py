@@ -749,9 +749,9 @@ def _no_slower_top_k(params: Any, rows: list[Any], table: dict[str, Any] | None,
         return [None] * len(rows)
     from .speed_prediction import busy_words, top_k_no_slower
 
-    keep = getattr(params, "down_keep", 1.0)
+    keep, margin = getattr(params, "down_keep", 1.0), float(getattr(params, "speed_margin", 0.0))
     masks = [top_k_no_slower(table, {"kind": "moe", "d_shared": row.d_shared, "n_routed": row.n_routed,
-                                     "expert_size": row.d_expert, "down_keep": keep}) if row.n_routed else None
+                                     "expert_size": row.d_expert, "down_keep": keep}, margin) if row.n_routed else None
              for row in rows]
     for m in masks:
         if m is not None:  # the plan starts every layer from its shared part alone (``greedy_budget``): always offered
@@ -763,8 +763,11 @@ def _no_slower_top_k(params: Any, rows: list[Any], table: dict[str, Any] | None,
         "applied": True, "machine": table.get("machine"), "threads": table.get("threads"),
         "measured_at": table.get("measured_at"),
         "top_k_offered": [[int(k) for k in np.flatnonzero(m)] if m is not None else [0] for m in masks],
-        "note": f"each layer offered only the top-k this machine's kernel table predicts no slower than the dense FFN "
-                f"in every phase: up to {said} of its experts ({table.get('machine')}, {table.get('threads')} threads; "
+        "margin": margin,
+        "note": f"each layer offered only the top-k this machine's kernel table predicts no slower than "
+                + (f"{1 - margin:.2f}× the dense FFN's time (a {margin:.0%} margin for the prediction's error) "
+                   if margin else "the dense FFN ")
+                + f"in every phase: up to {said} of its experts ({table.get('machine')}, {table.get('threads')} threads; "
                 f"measured {table.get('measured_at')})" + busy_words(table)}
     return masks
 

@@ -37,14 +37,14 @@ import numpy as np
 from ..evaluation.busy_machine import BUSY_SHARE
 
 TABLE_DIR = "speed-tables"
-TABLE_VERSION = 12  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
+TABLE_VERSION = 13  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
 # 5: layouts timed as ratios to the dense FFN in the same rounds; 6: a decode step's whole block in one native call;
 # 7: the FFNs' share of the model measured, weights cycled past the largest cache, the shared expert's kept down rows,
 # a native prefill's two GEMMs where most experts are selected; 8: the neurons ranked for down_keep, the grid's
 # small experts at two thirds and four fifths selected; 9: no more copies of a layer cycled than the model has layers;
 # 10: a prefill computes the last position's logits only, as generation does (``evaluation.speed``); 11: a prefill
 # of experts past NATIVE_PREFILL_MAX_EXPERT_BYTES runs torch's kernels; 12: a decode step of a top-0 layer (the grid's
-# all-shared layout) in the whole-block call
+# all-shared layout) in the whole-block call; 13: two small-expert layouts at the speed guard's boundary
 #: ``scope`` of a table that timed the FFN layers only (``speed_table.measure_ffn_table``: a streamed model)
 FFN_LAYERS = "ffn_layers"
 FEATURES = ("fixed", "shared_neurons", "touched_neurons", "computed_rows", "pairs", "router_scores", "dense_rows",
@@ -174,10 +174,11 @@ def _width(table: Mapping[str, Any]) -> int:
     return int((table.get("model") or {}).get("d_model") or 0)
 
 
-def top_k_no_slower(table: Mapping[str, Any], layer: Mapping[str, Any]) -> np.ndarray:
+def top_k_no_slower(table: Mapping[str, Any], layer: Mapping[str, Any], margin: float = 0.0) -> np.ndarray:
     """``[n_routed + 1]`` booleans: the top-k at which ``layer`` is predicted no slower than the dense FFN in any phase
-    (the budget plan's ``speed_guard``)."""
-    return (layer_ratios(table, layer) <= 1.0).all(axis=0)
+    (the budget plan's ``speed_guard``); ``margin``: at most ``1 - margin`` of the dense FFN's time in every phase, so
+    that a plan the guard holds at dense is not slower than dense by the prediction's own error."""
+    return (layer_ratios(table, layer) <= 1.0 - margin).all(axis=0)
 
 
 def plan_layers(rows: Sequence[Mapping[str, Any]], down_keep: float = 1.0) -> list[dict[str, Any]]:

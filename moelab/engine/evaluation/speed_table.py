@@ -83,6 +83,12 @@ def grid(d_ffn: int) -> list[dict[str, Any]]:
     for share, keep in ((2 / 3, 0.5), (2 / 3, 1.0), (0.8, 0.5)):
         out.append({"kind": "moe", "d_shared": d_ffn // 4, "n_routed": n_routed, "expert_size": m,
                     "top_k": max(1, round(share * n_routed)), "down_keep": keep})
+    # and the guard's boundary, where a prefill of such a layer costs about the dense FFN's: without them the fit read
+    # a Xeon's layers of 35-45 such experts of 80-100 at 0.94-0.95 of the dense FFN where they took 1.0-1.1 in the model
+    for d_shared in (d_ffn // 4, d_ffn // 3):
+        n = (d_ffn - d_shared) // m
+        out.append({"kind": "moe", "d_shared": d_shared, "n_routed": n, "expert_size": m, "top_k": max(1, round(0.42 * n)),
+                    "down_keep": 0.5})
     out.append({"kind": "moe", "d_shared": d_ffn, "n_routed": 0, "expert_size": 0, "top_k": 0, "down_keep": 1.0})  # dense-like
     return out
 
@@ -191,7 +197,7 @@ def measure_ffn_table(model: nn.Module, info: dict[str, Any], where: tuple[torch
     weights on ``where`` as the reference. Without the whole model's phases it predicts no model's speed
     (``scope`` ``ffn_layers``, ``speed_prediction.predict`` says so), but it holds what the speed guard reads: each
     layout's time over the dense FFN's (``top_k_no_slower``). Choice: ``repeats`` 3, where the whole-model table takes 5:
-    a layer of an 8B model takes about a second to prefill 512 tokens on 2 cores, and the grid is 21 layouts (the decode
+    a layer of an 8B model takes about a second to prefill 512 tokens on 2 cores, and the grid is 23 layouts (the decode
     phases' short calls take ``DECODE_MIN_ROUNDS`` all the same)."""
     device, dtype = where
     tokens_by_phase = {**PHASE_TOKENS, "prefill": int(prefill_tokens)}

@@ -104,6 +104,10 @@ class ExpertWeaverParams(MethodParams):
         "profile) predicts no slower than the dense FFN in every phase (decode at batch 1 and 8, prefill of 512), so "
         "the plan trades no phase's seconds for multiply-adds where the kernels do not turn them into time; without "
         "a table every top-k is offered, and the record says so (moelab's)", advanced=True)
+    speed_margin: float = param(
+        0.0, "speed_guard machine: offer only the top-k predicted at most 1 - margin of the dense FFN's time in every "
+        "phase, so that a plan the guard holds at dense is not slower than dense by the prediction's error (a few "
+        "percent; without the guard it does nothing; moelab's)", ge=0, lt=0.5, advanced=True)
     width_multiple: int = param(
         1, "experts a whole multiple of this many neurons wide: the plan takes the expert count nearest n_experts (more "
         "experts on a tie) that splits d_ffn so, and says so in each layer's note; where none does, n_experts as given. "
@@ -367,9 +371,13 @@ METHOD = Method(
     # experts, so the 0.65 cap binds first and the plan is unchanged (bench_recipe_speed guard-0.25 / guard-0.5)
     # On a 300 MiB-L3 Xeon it offers 20-35% (prefill binds): prefill 0.81-0.91x -> 0.94-1.12x dense, but at 0.25 held-out
     # perplexity 1.25x -> 1.41x, 16 of 30 layers whole (bench_recipe_speed_xeon_guard*.json; docs/quality.md)
+    # speed_margin 0.05: the guard held a Xeon's plan at dense and its prefill measured 0.955-0.97x; with each layer at
+    # most 0.95 of its dense FFN, 0.25 measured 1.00-1.09x and decoded 1.5-4% faster for 1.280x -> 1.289x out of
+    # domain, 0.5 as good (2.015x -> 2.013x) and 1-4% faster (three runs in one process each; docs/quality.md); 0.1
+    # cost 0.25 its budget and quality (1.33x at 0.735) for no prefill
     recipes={"best": {"router": "ridge", "alpha_basis": "active", "plan": "budget", "compensation": "skipped_mean",
                       "fit_tokens": 16384, "n_experts": 128, "down_keep": 0.5, "max_routed_share": 0.65,
-                      "speed_guard": "machine"},
+                      "speed_guard": "machine", "speed_margin": 0.05},
              "portable": {"router": "ridge", "alpha_basis": "active", "plan": "leading", "compensation": "none",
                           "n_experts": 12, "width_multiple": 64}},
 )
