@@ -764,7 +764,7 @@ def _no_slower_top_k(params: Any, rows: list[Any], table: dict[str, Any] | None,
         "measured_at": table.get("measured_at"),
         "top_k_offered": [[int(k) for k in np.flatnonzero(m)] if m is not None else [0] for m in masks],
         "margin": margin,
-        "note": f"each layer offered only the top-k this machine's kernel table predicts no slower than "
+        "note": "each layer offered only the top-k this machine's kernel table predicts no slower than "
                 + (f"{1 - margin:.2f}× the dense FFN's time (a {margin:.0%} margin for the prediction's error) "
                    if margin else "the dense FFN ")
                 + f"in every phase: up to {said} of its experts ({table.get('machine')}, {table.get('threads')} threads; "

@@ -374,7 +374,8 @@ METHOD = Method(
     # speed_margin 0.05: the guard held a Xeon's plan at dense and its prefill measured 0.955-0.97x; with each layer at
     # most 0.95 of its dense FFN, 0.25 measured 1.00-1.09x and decoded 1.5-4% faster for 1.280x -> 1.289x out of
     # domain, 0.5 as good (2.015x -> 2.013x) and 1-4% faster (three runs in one process each; docs/quality.md); 0.1
-    # cost 0.25 its budget and quality (1.33x at 0.735) for no prefill
+    # cost 0.25 its budget and quality (1.33x at 0.735) for no prefill. With the table's layouts at the guard's
+    # boundary (TABLE_VERSION 13) the margin changes less: 1.31x -> 1.32x, prefill 1.01x -> 1.02x
     recipes={"best": {"router": "ridge", "alpha_basis": "active", "plan": "budget", "compensation": "skipped_mean",
                       "fit_tokens": 16384, "n_experts": 128, "down_keep": 0.5, "max_routed_share": 0.65,
                       "speed_guard": "machine", "speed_margin": 0.05},
