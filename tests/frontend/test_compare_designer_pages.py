@@ -149,7 +149,7 @@ def test_a_budget_plan_preview_says_it_is_the_starting_plan_and_the_cap():
 NAMES = Names.from_lists([{"id": "m", "name": "llama"}], [{"id": "s1", "name": "code"}, {"id": "s2", "name": "literature"}],
                          [{"id": "p1", "model_id": "m", "calibration_set_id": "s1"}, {"id": "p2", "model_id": "m", "calibration_set_id": "s2"}])
 BEST = {"router": "ridge", "alpha_basis": "active", "plan": "budget", "compensation": "skipped_mean", "down_keep": 0.5,
-        "max_routed_share": 0.65, "speed_guard": "machine"}
+        "max_routed_share": 0.65, "speed_guard": "machine", "speed_margin": 0.05}
 
 
 def test_chart_labels_name_the_calibration_set_method_and_recipe():

@@ -107,7 +107,7 @@ class ExpertWeaverParams(MethodParams):
     speed_margin: float = param(
         0.0, "speed_guard machine: offer only the top-k predicted at most 1 - margin of the dense FFN's time in every "
         "phase, so that a plan the guard holds at dense is not slower than dense by the prediction's error (a few "
-        "percent; without the guard it does nothing; moelab's)", ge=0, lt=0.5, advanced=True)
+        "percent; without the guard it does nothing; moelab's)", ge=0, le=0.2, advanced=True)
     width_multiple: int = param(
         1, "experts a whole multiple of this many neurons wide: the plan takes the expert count nearest n_experts (more "
         "experts on a tie) that splits d_ffn so, and says so in each layer's note; where none does, n_experts as given. "
