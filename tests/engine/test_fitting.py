@@ -317,7 +317,7 @@ def test_the_speed_guard_offers_only_the_top_k_this_machines_table_predicts_no_s
     # with a margin, each layer is offered only the top-k predicted at most 0.9 of its dense FFN's time, and says so
     held = replace(p, speed_margin=0.1)
     rows_m, _, modules_m, fit_m = partition_modules(adapter, prof, held, expertweaver.plan_for(prof, held),
-                                          expertweaver.layer_builder(prof, held), data_dir=data_dir, calib=calib)
+                                                    expertweaver.layer_builder(prof, held), data_dir=data_dir, calib=calib)
     margin = fit_m["speed_guard"]
     assert margin["margin"] == 0.1 and "0.90× the dense FFN's time (a 10% margin" in margin["note"]
     for row, offered, wider in zip(rows_m, margin["top_k_offered"], guard["top_k_offered"]):

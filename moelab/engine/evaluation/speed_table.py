@@ -76,20 +76,16 @@ def grid(d_ffn: int) -> list[dict[str, Any]]:
         n_routed = (d_ffn - d_ffn // 4) // m
         out.append({"kind": "moe", "d_shared": d_ffn // 4, "n_routed": n_routed, "expert_size": m,
                     "top_k": max(1, n_routed // 3), "down_keep": 0.5})
-    # small experts, most of them selected (``--recipe best``'s layers): the products ranked for down_keep, and a
-    # prefill past NATIVE_DENSE_SHARE in two GEMMs
+    # small experts (``--recipe best``'s layers): most of them selected (the products ranked for down_keep, and a
+    # prefill past NATIVE_DENSE_SHARE in two GEMMs), and 42% at the guard's boundary, where a prefill of such a layer
+    # costs about the dense FFN's (without those the fit read a Xeon's layers of 35-45 such experts of 80-100 at
+    # 0.94-0.95 of the dense FFN where they took 0.94-1.11, median 1.02, in the model)
     m = max(4, d_ffn // 128)
-    n_routed = (d_ffn - d_ffn // 4) // m
-    for share, keep in ((2 / 3, 0.5), (2 / 3, 1.0), (0.8, 0.5)):
-        out.append({"kind": "moe", "d_shared": d_ffn // 4, "n_routed": n_routed, "expert_size": m,
+    for d_shared, share, keep in ((d_ffn // 4, 2 / 3, 0.5), (d_ffn // 4, 2 / 3, 1.0), (d_ffn // 4, 0.8, 0.5),
+                                  (d_ffn // 4, 0.42, 0.5), (d_ffn // 3, 0.42, 0.5)):
+        n_routed = (d_ffn - d_shared) // m
+        out.append({"kind": "moe", "d_shared": d_shared, "n_routed": n_routed, "expert_size": m,
                     "top_k": max(1, round(share * n_routed)), "down_keep": keep})
-    # and the guard's boundary, where a prefill of such a layer costs about the dense FFN's: without them the fit read
-    # a Xeon's layers of 35-45 such experts of 80-100 at 0.94-0.95 of the dense FFN where they took 0.94-1.11 (median
-    # 1.02) in the model
-    for d_shared in (d_ffn // 4, d_ffn // 3):
-        n = (d_ffn - d_shared) // m
-        out.append({"kind": "moe", "d_shared": d_shared, "n_routed": n, "expert_size": m, "top_k": max(1, round(0.42 * n)),
-                    "down_keep": 0.5})
     out.append({"kind": "moe", "d_shared": d_ffn, "n_routed": 0, "expert_size": 0, "top_k": 0, "down_keep": 1.0})  # dense-like
     return out
 
