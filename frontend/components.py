@@ -97,8 +97,8 @@ def progress(job: dict[str, Any] | None, name: str | None = None, title: str | N
         label += " · cancel requested: it stops at its next step"  # the click was heard, the worker has not checked yet
     children = [html.Div(label, className=f"job-label state-{job['state']}"),
                 html.Progress(value=str(frac or 0), max="1", className="bar")]
-    if job.get("error"):
-        children.append(html.Div(job["error"], className="error"))
+    if job.get("error"):  # a cancelled job's reason is the user's own request, not an error
+        children.append(html.Div(job["error"], className="error" if job["state"] == "failed" else "note"))
     return html.Div(children, className="job")
 
 

@@ -372,7 +372,7 @@ def _status(it: dict):
     if it["status"] in ("queued", "running") and job:
         return progress(job)
     if it["status"] in ("failed", "cancelled") and job:
-        return html.Span([html.Span([it["status"], ": ", job.get("error") or ""], className="state-failed"), " ",
+        return html.Span([html.Span([it["status"], ": ", job.get("error") or ""], className=f"state-{it['status']}"), " ",
                           html.Button("Retry", id={"type": "ws-retry", "job": job["id"], "at": "row"}, className="small")])
     if it["status"] == "ready" and job and isinstance(job.get("run_s"), (int, float)):
         return f"ready ({job['run_s']:.1f} s)"  # how long its job ran

@@ -62,6 +62,11 @@ def test_job_progress_names_what_it_works_on_and_how_long_it_ran():
     assert progress(stopping).children[0].children == "profile job-1: running — profile 2/5 · cancel requested: it stops at its next step"
     waiting = {**job, "state": "queued", "queue_position": 2, "progress": {}}
     assert progress(waiting).children[0].children == "profile job-1: queued · 2nd in line"
+    # a failed job's reason is an error; a cancelled one's (the user's own request) a note, so no page shows it in red
+    failed = progress({**job, "state": "failed", "error": "out of memory during 'profile'"}).children[-1]
+    cancelled = progress({**job, "state": "cancelled", "error": "cancelled on request during 'load model'"}).children[-1]
+    assert (failed.className, cancelled.className) == ("error", "note")
+    assert cancelled.children == "cancelled on request during 'load model'"
 
 
 def test_stage_time_left_is_the_pace_so_far():
