@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moelab.engine.core.speed_prediction import kernel_dense_words
+from moelab.engine.core.speed_prediction import PREDICTION_ERROR, close_phases, kernel_dense_words, slower_phases
 from moelab.engine.evaluation.busy_machine import busy_note
 from moelab.engine.evaluation.kernel_gain import LABEL as KERNEL_LABEL, NAME as KERNEL_DENSE, sparsity_gain
 
@@ -116,16 +116,10 @@ def kernel_words(summary: dict[str, Any] | None) -> str:
             + (" (slower)" if any(v is not None and v < 1 for v in values) else ""))
 
 
-def slower_phases(predicted: dict[str, Any]) -> list[str]:
-    """The phases a predicted plan runs slower than dense in (``summary.predicted_speed`` of a preview)."""
-    return [phase for phase, v in (predicted.get("phases") or {}).items()
-            if isinstance(v.get("speedup"), (int, float)) and v["speedup"] < 1]
-
-
 def predicted_cell(summary: dict[str, Any] | None) -> tuple[str, str]:
-    """A conversion's predicted speed over dense, '1.46× / 1.31× / 0.92× (slower)' in :data:`PHASES` order, and its
-    hover (:func:`predicted_speed_words`); '–' with the reason when nothing was predicted, ('', '') for a conversion
-    from before predictions."""
+    """A conversion's predicted speed over dense, '1.46× / 1.31× / 0.92× (slower)' in :data:`PHASES` order ('(close to
+    dense)' where a phase is within the prediction's error of dense), and its hover (:func:`predicted_speed_words`);
+    '–' with the reason when nothing was predicted, ('', '') for a conversion from before predictions."""
     predicted = (summary or {}).get("predicted_speed")
     if not predicted:
         return "", ""
@@ -134,7 +128,8 @@ def predicted_cell(summary: dict[str, Any] | None) -> tuple[str, str]:
     if not any(isinstance(v, (int, float)) for v in values):
         return "–", predicted_speed_words(predicted)
     text = " / ".join(f"{v:.2f}×" if isinstance(v, (int, float)) else "–" for v in values)
-    return text + (" (slower)" if slower_phases(predicted) else ""), predicted_speed_words(predicted)
+    mark = " (slower)" if slower_phases(predicted) else " (close to dense)" if close_phases(predicted) else ""
+    return text + mark, predicted_speed_words(predicted)
 
 
 def predicted_speed_words(predicted: dict[str, Any]) -> str:
@@ -147,5 +142,8 @@ def predicted_speed_words(predicted: dict[str, Any]) -> str:
     said = ", ".join(f"{PHASES.get(p, p)} {v['speedup']:.2f}×" for p, v in phases.items() if isinstance(v.get("speedup"), (int, float)))
     slow = slower_phases(predicted)
     verdict = (" — slower than dense in " + " and ".join(PHASES.get(p, p) for p in slow)) if slow else " — no phase slower than dense"
+    if close := close_phases(predicted):
+        verdict += (f"{' and' if slow else ', but'} within the prediction's {PREDICTION_ERROR:.0%} error of dense in "
+                    + " and ".join(PHASES.get(p, p) for p in close) + ": it may measure slower")
     return (f"Predicted speed × dense: {said}{verdict}{kernel_dense_words(predicted)} ({predicted.get('machine')}, "
             f"{predicted.get('dtype')}, {predicted.get('threads')} threads; {predicted.get('note') or 'from measured kernel times'}).")

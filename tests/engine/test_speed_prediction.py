@@ -222,6 +222,12 @@ def test_plan_rows_become_layers_and_words_say_slower_phases():
         assert f"{v['speedup']:.2f}×" in words
     slow = [p for p, v in summary["phases"].items() if v["speedup"] < 1]
     assert ("SLOWER than dense" in words) == bool(slow)
+    close = {**summary, "phases": {"decode_b1": {"speedup": 1.03}, "prefill": {"speedup": 0.98}}}
+    assert "; SLOWER than dense in prefill (0.98×) and within the prediction's 5% error of dense in decode batch 1 " \
+           "(1.03×): it may measure slower" in describe_predicted(close)
+    close["phases"]["prefill"]["speedup"] = 1.06
+    assert "; no phase slower than dense, but within the prediction's 5% error of dense in decode batch 1 (1.03×): " \
+           "it may measure slower" in describe_predicted(close)
     assert "measured (once" in predicted_summary(None, plan)["note"]
     assert "low-rank" in predicted_summary(table, [{"kind": "low-rank"}])["note"]
     assert "kernel_dense" not in summary and "moelab's kernels" not in words  # a table without the native kernels

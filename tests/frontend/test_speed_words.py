@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from frontend.speed import (kernel_words, phase_speedup, phase_title, predicted_cell, predicted_speed_words, slower_phases,
-                            speed_cell, teal_wins, teal_words)
+from frontend.speed import (close_phases, kernel_words, phase_speedup, phase_title, predicted_cell, predicted_speed_words,
+                            slower_phases, speed_cell, teal_wins, teal_words)
 from moelab.engine.evaluation.kernel_gain import NAME as KERNEL_DENSE
 
 
@@ -62,6 +62,23 @@ def test_a_prediction_says_its_numbers_and_slower_phases_or_why_there_is_none():
     assert predicted_speed_words(streamed) == (
         "Predicted speed × dense: none (only this model's FFN layers were timed on this machine).")
     assert predicted_speed_words({"phases": {}}) == ""
+
+
+def test_a_phase_predicted_within_the_predictions_error_of_dense_is_said_to_be_close():
+    """A phase predicted faster than dense by less than PREDICTION_ERROR (5%) may measure slower: the words and the
+    cell say so, beside a slower phase or alone; 1.05x and above is not close."""
+    words = {"machine": "cpu: x", "dtype": "float32", "threads": 2, "note": "from measured kernel times"}
+    close = {**words, "phases": {"decode_b1": {"speedup": 1.21}, "decode_b8": {"speedup": 1.049}, "prefill": {"speedup": 1.0}}}
+    assert close_phases(close) == ["decode_b8", "prefill"] and slower_phases(close) == []
+    assert predicted_speed_words(close) == (
+        "Predicted speed × dense: decode b1 1.21×, decode b8 1.05×, prefill 1.00× — no phase slower than dense, but "
+        "within the prediction's 5% error of dense in decode b8 and prefill: it may measure slower (cpu: x, float32, "
+        "2 threads; from measured kernel times).")
+    assert predicted_cell({"predicted_speed": close})[0] == "1.21× / 1.05× / 1.00× (close to dense)"
+    both = {**words, "phases": {"decode_b1": {"speedup": 1.02}, "decode_b8": {"speedup": 1.05}, "prefill": {"speedup": 0.97}}}
+    assert close_phases(both) == ["decode_b1"] and slower_phases(both) == ["prefill"]
+    assert "— slower than dense in prefill and within the prediction's 5% error of dense in decode b1:" in predicted_speed_words(both)
+    assert predicted_cell({"predicted_speed": both})[0] == "1.02× / 1.05× / 0.97× (slower)"
 
 
 def test_a_conversions_predicted_speed_cell_says_each_phase_and_why_there_is_none():
