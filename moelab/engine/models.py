@@ -275,11 +275,14 @@ def gguf_read_once() -> Iterator[None]:
     (4 s each for the default model's 49,152-entry vocabulary, read field by field in Python), and builds the map
     once per module of the model (397 times, 7 s): 20 of the 30 s a cold cache took. The two are gguf-py's
     module attributes, swapped for the block: one block at a time (a threads-pool worker's loads wait), so that
-    each block puts back gguf-py's own."""
+    each block puts back gguf-py's own. transformers' bar over the tensors it dequantises is plain tqdm, deaf to
+    its own ``disable_progress_bar``: it follows that switch for the block (``moelab … --quiet`` printed it)."""
     import gguf
+    from transformers import modeling_gguf_pytorch_utils as gguf_loading
+    from transformers.utils import logging as hf_logging
 
     with _GGUF_PATCH:
-        reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        reader, name_map, bar = gguf.GGUFReader, gguf.get_tensor_name_map, gguf_loading.tqdm
         parsed: dict[tuple[str, str], Any] = {}
 
         def read(path: Any, mode: str = "r") -> Any:
@@ -289,10 +292,11 @@ def gguf_read_once() -> Iterator[None]:
             return parsed[key]
 
         gguf.GGUFReader, gguf.get_tensor_name_map = read, functools.lru_cache(maxsize=None)(name_map)
+        gguf_loading.tqdm = functools.partial(bar, disable=not hf_logging.is_progress_bar_enabled())
         try:
             yield
         finally:
-            gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+            gguf.GGUFReader, gguf.get_tensor_name_map, gguf_loading.tqdm = reader, name_map, bar
 
 
 def cache_default_model(data_dir: Path, progress: Progress = NO_PROGRESS) -> Path:

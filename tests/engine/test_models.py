@@ -108,3 +108,25 @@ def test_a_gguf_is_parsed_once_while_transformers_reads_it_three_times(tmp_path)
         assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
     assert gguf.GGUFReader(path) is not first
+
+
+def test_transformers_gguf_bar_follows_its_progress_switch():
+    """transformers dequantises a GGUF under plain tqdm, which its ``disable_progress_bar`` does not reach (``moelab
+    evaluate --quiet`` printed "Converting and de-quantizing GGUF tensors"): inside ``gguf_read_once`` the bar
+    follows that switch, and after it transformers' own tqdm is back."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_loading
+    from transformers.utils import logging as hf_logging
+
+    from moelab.engine.models import gguf_read_once
+
+    own, was_enabled = gguf_loading.tqdm, hf_logging.is_progress_bar_enabled()
+    try:
+        for enabled in (False, True):
+            (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+            with gguf_read_once():
+                bar = gguf_loading.tqdm(range(2), desc="Converting and de-quantizing GGUF tensors...")
+                assert bar.disable is not enabled
+                bar.close()
+            assert gguf_loading.tqdm is own
+    finally:
+        (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()

@@ -273,8 +273,8 @@ PHASE_WORDS = {"decode_b1": "decode batch 1", "decode_b8": "decode batch 8", "pr
 
 #: how far a whole-model prediction typically lands from the time measured for it: within 5% in most phases of the
 #: recipes timed by bench_recipe_speed.py on every CPU (docs/quality.md), up to 11% at an Ice Lake Xeon's prefill.
-#: A phase predicted faster than dense by less than this is too close to call (``close_phases``): the recipes' guard
-#: margin (``speed_margin`` 0.05) is the same allowance.
+#: A phase predicted faster than dense by less than this is too close to call (``close_phases``), and ``--recipe
+#: best``'s guard margin (``speed_margin``) is this allowance.
 PREDICTION_ERROR = 0.05
 
 
