@@ -7,7 +7,7 @@ from typing import Any
 
 from moelab.engine.core.speed_prediction import PREDICTION_ERROR, close_phases, kernel_dense_words, slower_phases
 from moelab.engine.evaluation.busy_machine import busy_note
-from moelab.engine.evaluation.kernel_gain import LABEL as KERNEL_LABEL, NAME as KERNEL_DENSE, sparsity_gain
+from moelab.engine.evaluation.kernel_gain import LABEL as KERNEL_LABEL, NAME as KERNEL_DENSE, round_ratios, sparsity_gain
 
 #: The phases an evaluation times (the keys of ``summary.speed.phases``) and their short names.
 PHASES = {"decode_b1": "decode b1", "decode_b8": "decode b8", "prefill": "prefill"}
@@ -43,14 +43,17 @@ def phase_text(summary: dict[str, Any] | None, phase: str) -> str:
 
 
 def phase_title(summary: dict[str, Any] | None, phase: str) -> str:
-    """A cell's hover: both models' times in this phase and how they were measured."""
+    """A cell's hover: both models' times in this phase, the converted model's ratio in each round (how far the
+    machine moved it) and how they were measured."""
     entry = ((((summary or {}).get("speed") or {}).get("phases") or {}).get(phase)) or {}
     seconds = entry.get("seconds") or {}
     if not seconds:
         return how_timed(summary)
     what = f"prefill of {entry.get('tokens')} tokens" if phase == "prefill" else f"one decode step of batch {entry.get('batch')}"
     timed = ", ".join(f"{MODEL_NAMES.get(name, name)} {1e3 * s:.1f} ms" for name, s in seconds.items())
-    return f"{what}: {timed}; " + how_timed(summary)
+    ratios = round_ratios(entry, "converted", "dense")
+    spread = f"; converted over dense by round {', '.join(f'{r:.2f}×' for r in ratios)}" if len(ratios) > 1 else ""
+    return f"{what}: {timed}{spread}; " + how_timed(summary)
 
 
 def speed_cell(summary: dict[str, Any] | None, name: str = "converted") -> str:

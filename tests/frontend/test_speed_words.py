@@ -39,6 +39,15 @@ def test_a_phase_hover_names_every_timed_model():
     assert title.startswith("one decode step of batch 1: dense 100.0 ms, converted 83.3 ms, TEAL 50.0 ms; cpu: x86_64")
 
 
+def test_a_phase_hover_gives_the_ratio_of_every_round():
+    """The stored rounds (dense 0.9, 1.0, 1.1 s against 1.0, 1.0, 1.0 s) read back as one ratio a round: a median of
+    0.98× whose rounds ran 0.90-1.10× is within the machine's drift, and the hover shows it."""
+    s = _summary(CONV, None, {"converted": 1.9})
+    s["speed"]["phases"]["prefill"]["rounds"] = {"dense": [0.9, 1.0, 1.1], "converted": [1.0, 1.0, 1.0]}
+    assert "; converted over dense by round 0.90×, 1.00×, 1.10×; cpu: x86_64" in phase_title(s, "prefill")
+    assert "by round" not in phase_title(s, "decode_b1")  # no rounds kept: nothing added
+
+
 def test_a_timing_on_a_busy_machine_says_so_in_the_cell_and_its_hover():
     """``others_cpu_share`` (the CPUs other processes took while the models were timed) from 10% on marks the ratios
     as measured on a busy machine; below it, and in timings from before it was recorded, nothing is added."""

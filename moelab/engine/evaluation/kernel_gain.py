@@ -20,9 +20,17 @@ def sparsity_gain(speed: Mapping[str, Any], name: str = "converted") -> dict[str
     where the timing has no such baseline."""
     out = {}
     for phase, entry in (speed.get("phases") or {}).items():
-        rounds, ratios = entry.get("rounds") or {}, entry.get("speedup") or {}
-        if rounds.get(NAME) and rounds.get(name):
-            out[phase] = statistics.median(k / t for k, t in zip(rounds[NAME], rounds[name]))
+        ratios = entry.get("speedup") or {}
+        if in_rounds := round_ratios(entry, name, NAME):
+            out[phase] = statistics.median(in_rounds)
         elif isinstance(ratios.get(NAME), (int, float)) and isinstance(ratios.get(name), (int, float)) and ratios[NAME] > 0:
             out[phase] = float(ratios[name]) / float(ratios[NAME])
     return out
+
+
+def round_ratios(entry: Mapping[str, Any], model: str, ref: str) -> list[float]:
+    """One phase of a timing (``time_phases``' ``phases[p]``): ``model``'s speed over ``ref``'s in each interleaved
+    round, ``ref``'s time over its own (a speed-up is their median). Their spread is how far the machine moved the
+    ratio while it was timed; [] where the rounds were not kept."""
+    rounds = entry.get("rounds") or {}
+    return [r / m for r, m in zip(rounds.get(ref) or [], rounds.get(model) or []) if m > 0]
