@@ -69,6 +69,9 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));  /* unaligned 8-float vectors */
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -142,8 +145,16 @@ static void kept_products(float *h, float *mag, int64_t m, int64_t keep, int act
         for (int64_t r = 0; r < m; r++) mag[r] = fabsf(h[r]);
         for (int64_t r0 = 0; r0 < m; r0 += RANK_LANES) {
             const int64_t n = m - r0 < RANK_LANES ? m - r0 : RANK_LANES;
+#if defined(__AVX512F__)
+            /* masked loads and stores: a memcpy of n floats (12 of 16 lanes for --recipe best) went through the stack
+               a float at a time, and the masked ones made the routed prefill call 2-4% faster (96 or 98 experts of
+               12, top-37 or top-63, 512 tokens, a Zen 4 EPYC; the same bits) */
+            const __mmask16 lanes = (__mmask16)((1u << n) - 1);
+            vr mv = (vr)_mm512_maskz_loadu_ps(lanes, mag + r0), hv;
+#else
             vr mv = {0}, hv = {0};
             memcpy(&mv, mag + r0, sizeof(float) * n);
+#endif
             vri rv = LANE_INDEX + (int32_t)r0, rank = {0};
             for (int64_t s = 0; s < m; s++) {
                 const vr a = (vr){0} + mag[s];
@@ -151,9 +162,15 @@ static void kept_products(float *h, float *mag, int64_t m, int64_t keep, int act
             }
             /* a select, not a branch per entry: a kept entry is as likely as not, and the mispredicted branches
                took some 1 ms of a 6 ms prefill layer (98 twelve-neuron experts, top-36, half kept, 512 tokens) */
+#if defined(__AVX512F__)
+            hv = (vr)_mm512_maskz_loadu_ps(lanes, h + r0);
+            hv = (vr)((vri)(hv * scale) & (rank < (int32_t)keep));
+            _mm512_mask_storeu_ps(h + r0, lanes, (__m512)hv);
+#else
             memcpy(&hv, h + r0, sizeof(float) * n);
             hv = (vr)((vri)(hv * scale) & (rank < (int32_t)keep));
             memcpy(h + r0, &hv, sizeof(float) * n);
+#endif
         }
         return;
     }
