@@ -147,7 +147,7 @@ static void kept_products(float *h, float *mag, int64_t m, int64_t keep, int act
             const int64_t n = m - r0 < RANK_LANES ? m - r0 : RANK_LANES;
 #if defined(__AVX512F__)
             /* masked loads and stores: a memcpy of n floats (12 of 16 lanes for --recipe best) went through the stack
-               a float at a time, and the masked ones made the routed prefill call 2-4% faster (96 or 98 experts of
+               a float at a time, and the masked ones made the routed prefill call 1-4% faster (96 or 98 experts of
                12, top-37 or top-63, 512 tokens, a Zen 4 EPYC; the same bits) */
             const __mmask16 lanes = (__mmask16)((1u << n) - 1);
             vr mv = (vr)_mm512_maskz_loadu_ps(lanes, mag + r0), hv;
