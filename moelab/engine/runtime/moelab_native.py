@@ -192,13 +192,12 @@ static void kept_products(float *h, float *mag, int64_t m, int64_t keep, int act
 #define TB 4
 /* an empty asm that "changes" vectors: they are then loaded once into registers, where the compiler would
    otherwise fold the same load into each of the TB multiply-adds that read it (TB loads, not one). "v" names all 32
-   of AVX-512's registers, "x" the first 16 */
+   of AVX-512's registers, "x" the first 16. No pin where an 8-float vector takes two registers (NEON's and SSE's hold
+   4 floats): there the constraint is impossible, and "+w" failed the whole build on aarch64 (the torch kernels ran) */
 #if defined(__x86_64__) && defined(__AVX512F__)
 #define PIN_ "+v"
-#elif defined(__x86_64__)
+#elif defined(__x86_64__) && defined(__AVX__)
 #define PIN_ "+x"
-#elif defined(__aarch64__)
-#define PIN_ "+w"
 #endif
 #ifdef PIN_
 #define IN_REGISTERS1(a) __asm__("" : PIN_(a))
