@@ -430,3 +430,15 @@ def test_the_kernels_build_where_a_register_holds_four_floats(target, tmp_path):
     done = subprocess.run([compiler, *flags, march, str(src), "-o", str(tmp_path / "k.so"), "-lm"], capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_build_key_names_an_arm_cpu_as_well_as_an_x86_one():
+    """``-march=native`` code may not run on another CPU, so a kernel cache shared between machines keeps a build per
+    CPU: aarch64's /proc/cpuinfo has no model name or flags line, and its implementer, part and features name it."""
+    x86 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f\n\nprocessor\t: 1\n"
+    arm = ("processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd sve\nCPU implementer\t: 0x41\nCPU architecture: 8\n"
+           "CPU variant\t: 0x1\nCPU part\t: 0xd40\nCPU revision\t: 1\n\nprocessor\t: 1\nFeatures\t: other\n")
+    assert moelab_native.cpu_identity(x86) == "model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f"
+    other_part = arm.replace("0xd40", "0xd4f")  # a Neoverse V1 against a V2: same features line
+    assert moelab_native.cpu_identity(arm) != moelab_native.cpu_identity(other_part)
+    assert "Features\t: fp asimd sve" in moelab_native.cpu_identity(arm) and "other" not in moelab_native.cpu_identity(arm)

@@ -882,16 +882,27 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moelab" / "kernels"
 
 
+#: the lines of /proc/cpuinfo that name a CPU and what it can run: x86's model and flags, and aarch64's, which has
+#: neither (its implementer, part and features)
+CPU_LINES = ("model name", "flags", "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features")
+
+
+def cpu_identity(cpuinfo: str) -> str:
+    """The first processor's ``CPU_LINES`` in a /proc/cpuinfo text."""
+    lines = []
+    for line in cpuinfo.splitlines():
+        if line.strip() == "":
+            break
+        if line.startswith(CPU_LINES):
+            lines.append(line)
+    return "\n".join(lines)
+
+
 def build_key() -> str:
     """What the compiled kernel is built from: the source, the flags and this CPU (``-march=native`` code may not run
-    on another one)."""
-    cpu = ""
-    with open("/proc/cpuinfo") as f:  # Linux: the model and flags of the first processor
-        for line in f:
-            if line.startswith(("model name", "flags")):
-                cpu += line
-            if line.strip() == "":
-                break
+    on another one: a kernel cache shared between machines keeps one build per CPU)."""
+    with open("/proc/cpuinfo") as f:  # Linux
+        cpu = cpu_identity(f.read())
     text = "\n".join([_SOURCE, " ".join(_FLAGS), platform.machine(), cpu])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
