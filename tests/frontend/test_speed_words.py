@@ -40,8 +40,8 @@ def test_a_phase_hover_names_every_timed_model():
 
 
 def test_a_phase_hover_gives_the_ratio_of_every_round():
-    """The stored rounds (dense 0.9, 1.0, 1.1 s against 1.0, 1.0, 1.0 s) read back as one ratio a round: a median of
-    0.98× whose rounds ran 0.90-1.10× is within the machine's drift, and the hover shows it."""
+    """The stored rounds (dense 0.9, 1.0, 1.1 s against 1.0, 1.0, 1.0 s) read back as one ratio a round: a median
+    whose rounds ran 0.90-1.10× is within the machine's drift, and the hover shows it."""
     s = _summary(CONV, None, {"converted": 1.9})
     s["speed"]["phases"]["prefill"]["rounds"] = {"dense": [0.9, 1.0, 1.1], "converted": [1.0, 1.0, 1.0]}
     assert "; converted over dense by round 0.90×, 1.00×, 1.10×; cpu: x86_64" in phase_title(s, "prefill")

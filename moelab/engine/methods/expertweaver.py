@@ -373,10 +373,10 @@ METHOD = Method(
     # On a 300 MiB-L3 Xeon it offers 20-35% (prefill binds): prefill 0.81-0.91x -> 0.94-1.12x dense, but at 0.25 held-out
     # perplexity 1.25x -> 1.41x, 16 of 30 layers whole (bench_recipe_speed_xeon_guard*.json; docs/quality.md)
     # speed_margin PREDICTION_ERROR (0.05): the guard held a Xeon's plan at dense and its prefill measured
-    # 0.955-0.97x; with each layer at most 0.95 of its dense FFN, 0.25 measured 1.00-1.09x and decoded 1.5-4% faster for 1.280x -> 1.289x out of
-    # domain, 0.5 as good (2.015x -> 2.013x) and 1-4% faster (three runs in one process each; docs/quality.md); 0.1
-    # cost 0.25 its budget and quality (1.33x at 0.735) for no prefill. With the table's layouts at the guard's
-    # boundary (TABLE_VERSION 13) the margin changes less: 1.31x -> 1.32x, prefill 1.01x -> 1.02x
+    # 0.955-0.97x; with each layer at most 0.95 of its dense FFN, 0.25 measured 1.00-1.09x and decoded 1.5-4% faster
+    # for 1.280x -> 1.289x out of domain, 0.5 as good (2.015x -> 2.013x) and 1-4% faster (three runs in one process
+    # each; docs/quality.md); 0.1 cost 0.25 its budget and quality (1.33x at 0.735) for no prefill. With the table's
+    # layouts at the guard's boundary (TABLE_VERSION 13) the margin changes less: 1.31x -> 1.32x, prefill 1.01x -> 1.02x
     recipes={"best": {"router": "ridge", "alpha_basis": "active", "plan": "budget", "compensation": "skipped_mean",
                       "fit_tokens": 16384, "n_experts": 128, "down_keep": 0.5, "max_routed_share": 0.65,
                       "speed_guard": "machine", "speed_margin": PREDICTION_ERROR},
