@@ -202,6 +202,17 @@ def _activation_name(config: Any) -> str:
     return str(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", ""))
 
 
+def decode_kept_layers(model: nn.Module, moe_layers: list[dict], base_config: Any) -> None:
+    """The layers ``model`` keeps dense (``{"kind": "dense"}`` in ``moe_layers``, or past its end) decode in the MoE
+    layers' whole-block call (``moelab_dense.kernel_decode``), their down projections in its layout: a model built in
+    memory (``export.build_moe_model``) as one loaded from disk, so that both run the same calls on the same layouts
+    and compute the same bits."""
+    act = _activation_name(base_config)
+    for i, block in enumerate(decoder_layers(model)):
+        if i >= len(moe_layers) or moe_layers[i].get("kind") == "dense":
+            kernel_decode(getattr(block, "mlp", None), act)
+
+
 class MoelabPreTrainedModel(PreTrainedModel):
     config_class = MoelabConfig
     base_model_prefix = "model"
@@ -235,10 +246,7 @@ class MoelabForCausalLM(MoelabPreTrainedModel, GenerationMixin):
         if len(config.moe_layers) > len(layers):
             raise ValueError(f"{len(config.moe_layers)} moe_layers for a model of {len(layers)} layers")
         convert_in_place(self.model, {i: build_layer_module(e) for i, e in enumerate(config.moe_layers)})
-        act = _activation_name(config.base_config)
-        for i, block in enumerate(layers):  # the layers kept dense decode in the MoE layers' call (moelab_dense)
-            if i >= len(config.moe_layers) or config.moe_layers[i].get("kind") == "dense":
-                kernel_decode(getattr(block, "mlp", None), act)
+        decode_kept_layers(self.model, config.moe_layers, config.base_config)
         self.post_init()
 
     # delegation ...............................................................
@@ -350,6 +358,7 @@ __all__ = [
     "TealGLU",
     "build_layer_module",
     "convert_in_place",
+    "decode_kept_layers",
     "decoder_layers",
     "layer_spec",
     "realign_parameters",
