@@ -21,6 +21,7 @@ def kernel_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("MOELAB_KERNEL_CACHE", str(tmp_path_factory.getbasetemp() / "kernels"))
     monkeypatch.setattr(moelab_native, "_tried", False)
     monkeypatch.setattr(moelab_native, "_library", None)
+    monkeypatch.setattr(moelab_native, "_shares", {})
 
 
 def calls(monkeypatch, fused: list[int] | None = None) -> list[int]:
@@ -387,9 +388,12 @@ def test_the_kept_call_is_checked_cheaply_and_sees_what_no_setattr_of_the_block_
 @pytest.mark.parametrize("combine", ["sum", "weighted"])
 @pytest.mark.parametrize("down_keep", [1.0, 0.5])
 def test_a_prefill_that_selects_most_experts_runs_them_all_in_two_gemms(act, combine, down_keep, monkeypatch):
-    """Past a decode step, where each token selects ``NATIVE_DENSE_SHARE`` of the experts or more, the routed experts
-    run as two GEMMs over all of them with the selected ones' kept products between (``_routed_dense``), with the
-    skipped experts' means: == the reference loop; below that share the pairs kernel runs."""
+    """Past a decode step, where each token selects the machine's ``dense_share`` of the experts or more (here the
+    fixed shares, as on the Xeon they were measured on), the routed experts run as two GEMMs over all of them with
+    the selected ones' kept products between (``_routed_dense``), with the skipped experts' means: == the reference
+    loop; below that share the pairs kernel runs."""
+    monkeypatch.setattr(moelab_native, "dense_shares",
+                        lambda: (moelab_native.NATIVE_DENSE_SHARE, moelab_native.NATIVE_DENSE_SHARE_LONG))
     E = 16
     dense_k = int(moelab_native.NATIVE_DENSE_SHARE * E + 0.999)
     dense_calls: list[int] = []
@@ -407,6 +411,52 @@ def test_a_prefill_that_selects_most_experts_runs_them_all_in_two_gemms(act, com
     x = torch.randn(moelab_native.NATIVE_LONG_TOKENS + 1, 32)
     torch.testing.assert_close(run(mod, x, "auto"), run(mod, x, "loop"), rtol=1e-5, atol=1e-5)
     assert dense_calls == [40, 40, x.shape[0]]
+
+
+def test_where_the_pairs_kernel_beats_the_gemms_at_every_share_a_prefill_never_takes_them(monkeypatch):
+    """A machine whose measured shares are above 1 (the pairs kernel faster than two GEMMs however many experts are
+    selected, as on a Zen 4 EPYC) runs every prefill by pairs, at every top-k and length."""
+    monkeypatch.setattr(moelab_native, "dense_shares", lambda: (1.02, 1.01))
+    dense_calls: list[int] = []
+    real = moelab_native._routed_dense
+    monkeypatch.setattr(moelab_native, "_routed_dense", lambda x, *a: dense_calls.append(x.shape[0]) or real(x, *a))
+    mod = kernel_moe("ridge", "sum", top_k=15, down_keep=0.5, skip_mean=torch.randn(16, 32))
+    for tokens in (40, moelab_native.NATIVE_LONG_TOKENS + 1):
+        x = torch.randn(tokens, 32)
+        torch.testing.assert_close(run(mod, x, "auto"), run(mod, x, "loop"), rtol=1e-5, atol=1e-5)
+    assert dense_calls == []
+
+
+def test_the_machines_shares_are_measured_once_and_kept_beside_the_build(tmp_path, monkeypatch):
+    """``dense_shares`` measures once per build and thread count, writes JSON beside the library (atomically: no
+    temporary left), and a later process reads it there without measuring; a file cut short is measured again."""
+    monkeypatch.setenv("MOELAB_KERNEL_CACHE", str(tmp_path))
+    measured: list[int] = []
+    monkeypatch.setattr(moelab_native, "measure_dense_shares", lambda: measured.append(1) or (0.8, 0.6))
+    assert moelab_native.dense_shares() == (0.8, 0.6) and moelab_native.dense_share(512) == 0.8
+    assert moelab_native.dense_share(moelab_native.NATIVE_LONG_TOKENS + 1) == 0.6
+    stored = list(tmp_path.glob(f"moelab_native-*-shares-{torch.get_num_threads()}.json"))
+    assert len(stored) == 1 and not list(tmp_path.glob("*.tmp"))
+    assert stored[0].name.startswith(f"moelab_native-{moelab_native.build_key()}")
+    monkeypatch.setattr(moelab_native, "_shares", {})  # a new process: the file, not the measurement
+    assert moelab_native.dense_shares() == (0.8, 0.6) and measured == [1]
+    stored[0].write_text('{"shares": [0.8')
+    monkeypatch.setattr(moelab_native, "_shares", {})
+    assert moelab_native.dense_shares() == (0.8, 0.6) and measured == [1, 1]
+
+
+def test_the_measured_share_is_where_the_pairs_kernel_would_cost_what_the_gemms_do(monkeypatch):
+    """With half the experts selected the pairs kernel taking 10 ms and the GEMMs 16 ms, the pairs cost as much as the
+    GEMMs at 0.5 · 16 / 10 = 0.8 of the experts selected (their time grows with the share, the GEMMs' does not); the
+    real kernels give a finite positive share at both lengths."""
+    import time
+
+    timed = moelab_native.measure_dense_shares(rounds=1)
+    assert len(timed) == 2 and all(0 < share < 10 for share in timed)
+    monkeypatch.setattr(moelab_native, "_routed_pairs", lambda *a: time.sleep(0.010))
+    monkeypatch.setattr(moelab_native, "_routed_dense", lambda *a: time.sleep(0.016))
+    for share in moelab_native.measure_dense_shares(rounds=3):
+        assert share == pytest.approx(0.8, abs=0.08)
 
 
 #: targets whose vector registers hold 4 floats, where the kernels' 8-float vectors take two: the register pins must

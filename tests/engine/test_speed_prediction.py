@@ -139,6 +139,11 @@ def test_where_the_native_kernels_run_a_prefill_computes_the_selected_pairs_with
     assert layer_features(most, 512, native=True)[6] == 512 * 128 * 12
     many = {**layer, "top_k": 80}  # 5/8: pairs at 512 tokens, two GEMMs at 2,048
     assert not runs_dense(many, 512, native=True) and runs_dense(many, 2048, native=True)
+    # a machine whose pairs kernel beats the GEMMs at every share (its table holds the shares it measured)
+    assert not runs_dense(most, 512, native=True, shares=[1.02, 1.01])
+    assert not runs_dense(many, 2048, native=True, shares=[1.02, 1.01])
+    assert runs_dense(many, 2048, native=True, shares=[1.02, 0.6])
+    assert layer_features(most, 512, native=True, shares=[1.02, 1.01])[6] == 0
     prefill, step = layer_features(layer, 512, native=True), layer_features(layer, 1, native=True)
     assert prefill[6] == 0 and prefill[3] == 512 * 40 * 12 and prefill[4] == 512 * 40
     assert step[3] == pytest.approx(40 * 12 * 2.5 / 3) and (step == layer_features(layer, 1)).all()
@@ -195,6 +200,18 @@ def test_a_layer_is_no_slower_than_dense_up_to_the_top_k_where_its_predicted_tim
     held = top_k_no_slower(table, layout, margin=0.1)
     assert held.tolist() == (ratios <= 0.9).all(axis=0).tolist()
     assert held.sum() < ok.sum() and not (held & ~ok).any()
+    # a native table predicts the prefill's choice the machine measured: its shares, else the fixed ones
+    native = {**table, "native": True}
+    prefill = list(table["phases"]).index("prefill")
+    for shares, gemms_from in ((None, 0.7), ([1.02, 1.01], None), ([0.5, 0.4], 0.5)):
+        ratios = layer_ratios({**native, **({"native_dense_shares": shares} if shares else {})}, layout)
+        entry = table["phases"]["prefill"]
+        for k in (7, 20, 27):
+            feats = layer_features({**layout, "top_k": k}, entry["tokens"], native=True)
+            assert (feats[6] > 0) == (k >= 28 * 0.7)  # the fixed shares': every expert from 0.7 selected
+            want = layer_features({**layout, "top_k": k}, entry["tokens"], native=True, shares=shares)
+            assert (want[6] > 0) == (gemms_from is not None and k >= 28 * gemms_from)
+            assert ratios[prefill, k] == pytest.approx(float(want @ np.asarray(entry["coef"])) / entry["dense_ffn_s"])
 
 
 def test_a_converted_layers_measured_touched_experts_replace_the_uniform_count():
@@ -295,6 +312,10 @@ def test_a_profile_measures_the_table_once_and_a_conversion_records_its_predicti
     assert len(table["grid"]) >= 8 and set(table["phases"]) == {"decode_b1", "decode_b8", "prefill"}
     assert all(len(p["coef"]) == len(FEATURES) and p["dense_model_s"] > p["dense_ffn_s"] > 0 and 0 <= p["ffn_share"] < 1
                for p in table["phases"].values()), table["phases"]
+    from moelab.engine.runtime import moelab_native
+
+    if table["native"]:  # the prefill's choice the grid ran under, as the prediction must make it
+        assert table["native_dense_shares"] == list(moelab_native.dense_shares())
     stamp = path.stat().st_mtime_ns
     run_profile(model, make_set(n=12, tasks=3, seed=2), tmp_path / "p2", ProfileSettings(max_tokens=32, batch_tokens=128),
                 samples=None, data_dir=data)

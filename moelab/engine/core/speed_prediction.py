@@ -37,14 +37,15 @@ import numpy as np
 from ..evaluation.busy_machine import BUSY_SHARE
 
 TABLE_DIR = "speed-tables"
-TABLE_VERSION = 13  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
+TABLE_VERSION = 14  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
 # 5: layouts timed as ratios to the dense FFN in the same rounds; 6: a decode step's whole block in one native call;
 # 7: the FFNs' share of the model measured, weights cycled past the largest cache, the shared expert's kept down rows,
 # a native prefill's two GEMMs where most experts are selected; 8: the neurons ranked for down_keep, the grid's
 # small experts at two thirds and four fifths selected; 9: no more copies of a layer cycled than the model has layers;
 # 10: a prefill computes the last position's logits only, as generation does (``evaluation.speed``); 11: a prefill
 # of experts past NATIVE_PREFILL_MAX_EXPERT_BYTES runs torch's kernels; 12: a decode step of a top-0 layer (the grid's
-# all-shared layout) in the whole-block call; 13: two small-expert layouts at the speed guard's boundary
+# all-shared layout) in the whole-block call; 13: two small-expert layouts at the speed guard's boundary; 14: the
+# prefill's choice between the pairs kernel and two GEMMs measured on the machine (``native_dense_shares``)
 #: ``scope`` of a table that timed the FFN layers only (``speed_table.measure_ffn_table``: a streamed model)
 FFN_LAYERS = "ffn_layers"
 FEATURES = ("fixed", "shared_neurons", "touched_neurons", "computed_rows", "pairs", "router_scores", "dense_rows",
@@ -57,7 +58,8 @@ GATHER_MAX_TOKENS = 8
 DENSE_SHARE = 0.1
 DENSE_NEURONS = 100
 #: ``runtime.moelab_native``'s: with the native kernels, above GATHER_MAX_TOKENS tokens every routed expert runs in two
-#: GEMMs once the selected share k/E reaches this (the lower one from NATIVE_LONG_TOKENS tokens on)
+#: GEMMs once the selected share k/E reaches this (the lower one from NATIVE_LONG_TOKENS tokens on), where the
+#: machine's own shares are not known (a table measured with the native kernels holds them: ``dense_shares``)
 NATIVE_DENSE_SHARE, NATIVE_DENSE_SHARE_LONG, NATIVE_LONG_TOKENS = 0.7, 0.55, 1024
 #: ``runtime.moelab_native``'s: a prefill's selected pairs run natively only for experts of at most these bytes
 NATIVE_PREFILL_MAX_EXPERT_BYTES = 3 << 19
@@ -68,19 +70,23 @@ def runs_native_prefill(tokens: int, expert_size: int, d_model: int) -> bool:
     return tokens <= GATHER_MAX_TOKENS or 3 * expert_size * d_model * 4 <= NATIVE_PREFILL_MAX_EXPERT_BYTES
 
 
-def runs_dense(layer: Mapping[str, Any], tokens: int, native: bool = False) -> bool:
+def runs_dense(layer: Mapping[str, Any], tokens: int, native: bool = False,
+               shares: Sequence[float] | None = None) -> bool:
     """Whether the runtime computes every routed expert of ``layer`` for ``tokens`` tokens (two GEMMs over all of
     them, the unselected ones zeroed); ``native``: the native kernels run, which compute the selected pairs only
-    below ``NATIVE_DENSE_SHARE`` (``NATIVE_DENSE_SHARE_LONG`` past ``NATIVE_LONG_TOKENS`` tokens)."""
+    below the first of ``shares`` (the second past ``NATIVE_LONG_TOKENS`` tokens; None: ``NATIVE_DENSE_SHARE``,
+    ``NATIVE_DENSE_SHARE_LONG``)."""
     e, m, k = int(layer.get("n_routed", 0)), int(layer.get("expert_size", 0)), int(layer.get("top_k", 0))
     if native:
-        share = NATIVE_DENSE_SHARE if tokens <= NATIVE_LONG_TOKENS else NATIVE_DENSE_SHARE_LONG
+        short, long = shares or (NATIVE_DENSE_SHARE, NATIVE_DENSE_SHARE_LONG)
+        share = short if tokens <= NATIVE_LONG_TOKENS else long
     else:
         share = DENSE_SHARE + m / DENSE_NEURONS
     return tokens > GATHER_MAX_TOKENS and 0 < k < e and k >= e * share
 
 
-def layer_features(layer: Mapping[str, Any], tokens: int, native: bool = False, d_model: int = 0) -> np.ndarray:
+def layer_features(layer: Mapping[str, Any], tokens: int, native: bool = False, d_model: int = 0,
+                   shares: Sequence[float] | None = None) -> np.ndarray:
     """``FEATURES`` of one FFN layer run on ``tokens`` tokens. ``layer``: a ``moe_layers`` entry (``kind`` moe: d_shared,
     n_routed, expert_size, top_k, down_keep) or ``{"kind": "dense", "d_ffn": D}`` (all of it shared). A layer that
     ``runs_dense`` computes all its routed rows in large GEMMs (``dense_rows``) and moves no (token, expert) pairs.
@@ -88,7 +94,7 @@ def layer_features(layer: Mapping[str, Any], tokens: int, native: bool = False, 
     token did not keep as zeros), so its computed rows do not shrink with ``down_keep``; at a decode step they read
     only the kept down rows of the shared expert as of the routed ones (``down_keep`` applies to both). ``d_model``:
     the model's width, whose experts past ``NATIVE_PREFILL_MAX_EXPERT_BYTES`` a prefill runs in torch's kernels
-    (``runs_native_prefill``; 0: experts taken as small)."""
+    (``runs_native_prefill``; 0: experts taken as small). ``shares``: the machine's (``runs_dense``)."""
     if layer.get("kind", "moe") == "dense":
         return np.array([1.0, tokens * float(layer["d_ffn"]), 0, 0, 0, 0, 0, 0])
     e, m, k = int(layer.get("n_routed", 0)), int(layer.get("expert_size", 0)), int(layer.get("top_k", 0))
@@ -99,7 +105,7 @@ def layer_features(layer: Mapping[str, Any], tokens: int, native: bool = False, 
     down = 1.0 if native and tokens > GATHER_MAX_TOKENS else kept
     shared = tokens * d_shared * (kept if native and tokens <= GATHER_MAX_TOKENS else 1.0)
     scores = float(tokens * e) if k else 0.0
-    dense = runs_dense(layer, tokens, native)
+    dense = runs_dense(layer, tokens, native, shares)
     # down_keep ranks each product it computes (the shared expert's, the selected experts' or, in two GEMMs, all)
     ranked = tokens * (d_shared + (e if dense else k) * m) if kept < 1 else 0.0
     if dense:
@@ -111,11 +117,12 @@ def layer_features(layer: Mapping[str, Any], tokens: int, native: bool = False, 
     return np.array([1.0, shared, touched * m * down, tokens * k * m * down, float(tokens * k), scores, 0.0, ranked])
 
 
-def fit(rows: Sequence[Mapping[str, Any]], tokens: int, phase: str, native: bool = False, d_model: int = 0) -> np.ndarray:
+def fit(rows: Sequence[Mapping[str, Any]], tokens: int, phase: str, native: bool = False, d_model: int = 0,
+        shares: Sequence[float] | None = None) -> np.ndarray:
     """Non-negative coefficients of ``FEATURES`` fitting the grid's measured seconds of ``phase`` (relative error)."""
     from scipy.optimize import nnls
 
-    x = np.stack([layer_features(r["layer"], tokens, native, d_model) for r in rows])
+    x = np.stack([layer_features(r["layer"], tokens, native, d_model, shares) for r in rows])
     y = np.array([r["seconds"][phase] for r in rows])
     scale = 1 / y  # each layout weighs by its relative error, not its size
     coef, _ = nnls(x * scale[:, None], np.ones_like(y))
@@ -137,7 +144,8 @@ def predict(table: Mapping[str, Any], layers: Sequence[Mapping[str, Any]]) -> di
         coef = np.asarray(entry["coef"])
         tokens = int(entry["tokens"])
         runs = [_as_run(table, l, tokens) for l in layers]
-        ratios = [1.0 if run is None else float(layer_features(run, tokens, bool(table.get("native")), _width(table)) @ coef)
+        ratios = [1.0 if run is None else float(layer_features(run, tokens, bool(table.get("native")), _width(table),
+                                                               dense_shares(table)) @ coef)
                   / entry["dense_ffn_s"] for run in runs]
         share = entry["ffn_share"]
         seconds = entry["dense_model_s"] * (1 - share + share * sum(ratios) / table["n_layers"])
@@ -163,10 +171,17 @@ def layer_ratios(table: Mapping[str, Any], layer: Mapping[str, Any]) -> np.ndarr
     native = bool(table.get("native"))
     out = []
     for entry in table["phases"].values():
-        feats = np.stack([layer_features({**layer, "top_k": k}, int(entry["tokens"]), native, _width(table))
+        feats = np.stack([layer_features({**layer, "top_k": k}, int(entry["tokens"]), native, _width(table),
+                                         dense_shares(table))
                           for k in range(int(layer["n_routed"]) + 1)])
         out.append(feats @ np.asarray(entry["coef"]) / entry["dense_ffn_s"])
     return np.stack(out)
+
+
+def dense_shares(table: Mapping[str, Any]) -> list[float] | None:
+    """The shares from which the native kernels ran a prefill's routed experts in two GEMMs when ``table`` was
+    measured (``runtime.moelab_native.dense_shares``; None: the fixed ones, as a table of version 13 or before ran)."""
+    return table.get("native_dense_shares")
 
 
 def _width(table: Mapping[str, Any]) -> int:

@@ -77,8 +77,8 @@ def grid(d_ffn: int) -> list[dict[str, Any]]:
         out.append({"kind": "moe", "d_shared": d_ffn // 4, "n_routed": n_routed, "expert_size": m,
                     "top_k": max(1, n_routed // 3), "down_keep": 0.5})
     # small experts (``--recipe best``'s layers): most of them selected (the products ranked for down_keep, and a
-    # prefill past NATIVE_DENSE_SHARE in two GEMMs), and 42% at the guard's boundary, where a prefill of such a layer
-    # costs about the dense FFN's (without those the fit read a Xeon's layers of 35-45 such experts of 80-100 at
+    # prefill past the machine's ``dense_share`` in two GEMMs), and 42% at the guard's boundary, where a prefill of
+    # such a layer costs about the dense FFN's (without those the fit read a Xeon's layers of 35-45 such experts of 80-100 at
     # 0.94-0.95 of the dense FFN where they took 0.94-1.11, median 1.02, in the model)
     m = max(4, d_ffn // 128)
     for d_shared, share, keep in ((d_ffn // 4, 2 / 3, 0.5), (d_ffn // 4, 2 / 3, 1.0), (d_ffn // 4, 0.8, 0.5),
@@ -239,6 +239,7 @@ def _ffn_table(dense: nn.Module, info: dict[str, Any], tokens_by_phase: dict[str
                  for phase, rounds in _round_times([reference], d_model, tokens_by_phase, device, dtype, repeats,
                                                    n_layers).items()}
     native = device.type == "cpu" and dtype == torch.float32 and moelab_native.library() is not None
+    shares = list(moelab_native.dense_shares()) if native else None  # measured first: not inside the grid's rounds
     cpu = CpuWatch()
 
     def seconds(layout: dict[str, Any]) -> dict[str, float]:
@@ -247,16 +248,17 @@ def _ffn_table(dense: nn.Module, info: dict[str, Any], tokens_by_phase: dict[str
                               repeats, n_layers)
 
     rows = [{"layer": layout, "seconds": seconds(layout)} for layout in grid(d_ffn)]
-    coefs = {phase: fit(rows, t, phase, native, d_model) for phase, t in tokens_by_phase.items()}
+    coefs = {phase: fit(rows, t, phase, native, d_model, shares) for phase, t in tokens_by_phase.items()}
     retimed = []
-    for i in _off_the_fit(rows, coefs, tokens_by_phase, native, d_model):
+    for i in _off_the_fit(rows, coefs, tokens_by_phase, native, d_model, shares):
         retimed.append({"layer": rows[i]["layer"], "first_seconds": rows[i]["seconds"]})
         rows[i] = {"layer": rows[i]["layer"], "seconds": seconds(rows[i]["layer"])}
     if retimed:
-        coefs = {phase: fit(rows, t, phase, native, d_model) for phase, t in tokens_by_phase.items()}
+        coefs = {phase: fit(rows, t, phase, native, d_model, shares) for phase, t in tokens_by_phase.items()}
     phases = {phase: {"tokens": t, "dense_ffn_s": dense_ffn[phase], "coef": coefs[phase].tolist()}
               for phase, t in tokens_by_phase.items()}
-    return {"version": TABLE_VERSION, "native": native, "model": {k: info[k] for k in ("source", "d_model", "d_ffn", "n_layers")},
+    return {"version": TABLE_VERSION, "native": native, **({"native_dense_shares": shares} if shares else {}),
+            "model": {k: info[k] for k in ("source", "d_model", "d_ffn", "n_layers")},
             "d_ffn": d_ffn, "n_layers": n_layers, "machine": machine_name(device),
             "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
             "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "phases": phases, "grid": rows,
@@ -271,12 +273,12 @@ OFF_THE_FIT = 2.0
 
 
 def _off_the_fit(rows: list[dict[str, Any]], coefs: dict[str, Any], tokens_by_phase: dict[str, int], native: bool,
-                 d_model: int) -> list[int]:
+                 d_model: int, shares: list[float] | None) -> list[int]:
     """The grid rows whose seconds are more than ``OFF_THE_FIT`` times off their fitted seconds in any phase."""
     out = []
     for i, row in enumerate(rows):
         for phase, t in tokens_by_phase.items():
-            fitted = float(layer_features(row["layer"], t, native, d_model) @ coefs[phase])
+            fitted = float(layer_features(row["layer"], t, native, d_model, shares) @ coefs[phase])
             if not 1 / OFF_THE_FIT <= fitted / max(row["seconds"][phase], 1e-12) <= OFF_THE_FIT:
                 out.append(i)
                 break

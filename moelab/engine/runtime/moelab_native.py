@@ -50,12 +50,15 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -981,16 +984,22 @@ def moe_routed(x: torch.Tensor, top: torch.Tensor, weights: torch.Tensor | None,
     ``[E, d, 2m]`` contiguous storage; ``wd_rows``: the down blocks as ``[E, m, d]`` contiguous storage.
     Up to ``DECODE_TOKENS`` tokens the selected experts are shared among the threads (a decode step reads
     each selected block once); more tokens are shared among them (``moelab_moe_prefill``), or, where each selects
-    ``NATIVE_DENSE_SHARE`` of the experts or more (``NATIVE_DENSE_SHARE_LONG`` past ``NATIVE_LONG_TOKENS``
-    tokens), run every expert in two GEMMs (``_routed_dense``)."""
+    this machine's ``dense_share`` of the experts or more, run every expert in two GEMMs (``_routed_dense``)."""
     T, k = top.shape
-    E, d = wgu_rows.shape[0], wgu_rows.shape[1]
     x = x.contiguous()
     top = top.contiguous().to(torch.int64)
     if weights is not None:
         weights = weights.to(torch.float32).contiguous()
-    if T > DECODE_TOKENS and k >= (NATIVE_DENSE_SHARE if T <= NATIVE_LONG_TOKENS else NATIVE_DENSE_SHARE_LONG) * E:
+    if T > DECODE_TOKENS and k >= dense_share(T) * wgu_rows.shape[0]:
         return _routed_dense(x, top, weights, wgu_rows, wd_rows, m, keep, act, skip_mean)
+    return _routed_pairs(x, top, weights, wgu_rows, wd_rows, m, keep, act, skip_mean)
+
+
+def _routed_pairs(x: torch.Tensor, top: torch.Tensor, weights: torch.Tensor | None, wgu_rows: torch.Tensor,
+                  wd_rows: torch.Tensor, m: int, keep: int, act: str, skip_mean: torch.Tensor | None) -> torch.Tensor:
+    """``moe_routed`` by the selected (token, expert) pairs only: the decode or the prefill kernel (contiguous
+    ``x``, int64 ``top`` and float32 ``weights`` as ``moe_routed`` makes them)."""
+    (T, k), (E, d) = top.shape, wgu_rows.shape[:2]
     out = torch.empty(T, d, dtype=torch.float32)
     run = library().moelab_moe_decode if T <= DECODE_TOKENS else library().moelab_moe_prefill
     run(T, k, E, d, m, min(keep, m), ACTIVATIONS[act], x.data_ptr(), top.data_ptr(),
@@ -1018,10 +1027,84 @@ def runs_native_prefill(tokens: int, expert_size: int, d_model: int) -> bool:
 
 #: from this share of the routed experts selected per token, a prefill runs every expert in two GEMMs (the selected
 #: ones' kept products between them, zeros for the rest); from NATIVE_LONG_TOKENS tokens on, from the lower share
-#: (the GEMMs' copy of the weights into one matrix is paid once a call). 96 twelve-neuron experts, half their down
-#: rows kept, 2 threads of an AVX-512 Xeon: at 512 tokens 12.6 ms by pairs against 14.2 ms in two GEMMs at top-62,
-#: 13.0 against 13.0 at top-72; at 2,048 tokens 55.9 against 64.3 ms at top-48, 70.7 against 61.9 at top-62
+#: (the GEMMs' copy of the weights into one matrix is paid once a call). These are the shares where a machine's own
+#: are not known (``dense_shares`` measures them), from 96 twelve-neuron experts, half their down rows kept, 2
+#: threads of an AVX-512 Xeon: at 512 tokens 12.6 ms by pairs against 14.2 ms in two GEMMs at top-62, 13.0 against
+#: 13.0 at top-72; at 2,048 tokens 55.9 against 64.3 ms at top-48, 70.7 against 61.9 at top-62
 NATIVE_DENSE_SHARE, NATIVE_DENSE_SHARE_LONG, NATIVE_LONG_TOKENS = 0.7, 0.55, 1024
+
+#: the layer ``measure_dense_shares`` times: ``--recipe best``'s experts on the default model (d_model, experts,
+#: neurons each, of which half kept), half of them selected, at half and twice NATIVE_LONG_TOKENS tokens
+CALIBRATION_LAYER = {"d_model": 576, "experts": 96, "expert_size": 12, "keep": 6}
+CALIBRATION_TOKENS = (NATIVE_LONG_TOKENS // 2, 2 * NATIVE_LONG_TOKENS)
+_shares: dict[int, tuple[float, float]] = {}
+_shares_lock = threading.Lock()
+
+
+def measure_dense_shares(rounds: int = 5) -> tuple[float, float]:
+    """This machine's (``NATIVE_DENSE_SHARE``, ``NATIVE_DENSE_SHARE_LONG``): at each of ``CALIBRATION_TOKENS``, the
+    pairs kernel and the two GEMMs run ``CALIBRATION_LAYER`` with half its experts selected, interleaved for
+    ``rounds`` rounds. The pairs' time grows with the share selected and the GEMMs' does not (they compute every
+    expert), so they cost the same from share 0.5 · GEMMs' median / pairs' median (above 1: the pairs kernel always
+    wins). Where the BLAS is fast against the kernels the GEMMs take over early (the Xeon above: 0.70 and 0.55);
+    on a 2-vCPU Zen 4 EPYC the pairs kernel ran 83 of 96 experts in 2,048 tokens 1.4x faster than the GEMMs."""
+    gen = torch.Generator().manual_seed(0)
+    E, d, m, keep = (CALIBRATION_LAYER[k] for k in ("experts", "d_model", "expert_size", "keep"))
+    wgu, wd = torch.randn(E, d, 2 * m, generator=gen) / 24, torch.randn(E, m, d, generator=gen) / 35
+    out = []
+    for tokens in CALIBRATION_TOKENS:
+        x = torch.randn(tokens, d, generator=gen)
+        top = torch.rand(tokens, E, generator=gen).argsort(dim=1)[:, : E // 2].contiguous()
+        calls = [lambda f=f: f(x, top, None, wgu, wd, m, keep, "silu", None) for f in (_routed_pairs, _routed_dense)]
+        seconds: list[list[float]] = [[], []]
+        for call in calls:  # untimed: the first call of each allocates and faults its buffers in
+            call()
+        for _ in range(rounds):
+            for call, times in zip(calls, seconds):
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+        out.append(round(0.5 * statistics.median(seconds[1]) / statistics.median(seconds[0]), 3))
+    return out[0], out[1]
+
+
+def dense_shares() -> tuple[float, float]:
+    """(``NATIVE_DENSE_SHARE``, ``NATIVE_DENSE_SHARE_LONG``) as this machine has them: measured once per kernel build
+    (source and CPU) and thread count (``measure_dense_shares``, about a second), kept beside the build as JSON and
+    read from there by later processes; the fixed shares where the kernels are not built."""
+    threads = torch.get_num_threads()
+    if (known := _shares.get(threads)) is not None:
+        return known
+    with _shares_lock:
+        if threads not in _shares:
+            _shares[threads] = _stored_shares(threads)
+    return _shares[threads]
+
+
+def _stored_shares(threads: int) -> tuple[float, float]:
+    if library() is None:
+        return NATIVE_DENSE_SHARE, NATIVE_DENSE_SHARE_LONG
+    path = _cache_dir() / f"moelab_native-{build_key()}-shares-{threads}.json"
+    try:
+        short, long = json.loads(path.read_text())["shares"]
+        return float(short), float(long)
+    except (OSError, ValueError, KeyError, TypeError):  # not measured yet here (or a file cut short)
+        pass
+    shares = measure_dense_shares()
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            json.dump({"shares": shares, "tokens": CALIBRATION_TOKENS, "layer": CALIBRATION_LAYER, "threads": threads}, f)
+        os.replace(f.name, path)
+    except OSError:  # a cache this user may read but not write: measured again by the next process
+        pass
+    return shares
+
+
+def dense_share(tokens: int) -> float:
+    """The share of the routed experts selected per token from which a prefill of ``tokens`` tokens runs every expert
+    in two GEMMs (``dense_shares``)."""
+    short, long = dense_shares()
+    return short if tokens <= NATIVE_LONG_TOKENS else long
 
 
 def _routed_dense(x: torch.Tensor, top: torch.Tensor, weights: torch.Tensor | None, wgu_rows: torch.Tensor,
