@@ -7,7 +7,8 @@ from typing import Any
 
 from moelab.engine.core.speed_prediction import PREDICTION_ERROR, close_phases, kernel_dense_words, slower_phases
 from moelab.engine.evaluation.busy_machine import busy_note
-from moelab.engine.evaluation.kernel_gain import LABEL as KERNEL_LABEL, NAME as KERNEL_DENSE, round_ratios, sparsity_gain
+from moelab.engine.evaluation.kernel_gain import (LABEL as KERNEL_LABEL, NAME as KERNEL_DENSE, round_ratios,
+                                                 slower_words, sparsity_gain)
 
 #: The phases an evaluation times (the keys of ``summary.speed.phases``) and their short names.
 PHASES = {"decode_b1": "decode b1", "decode_b8": "decode b8", "prefill": "prefill"}
@@ -15,11 +16,15 @@ PHASES = {"decode_b1": "decode b1", "decode_b8": "decode b8", "prefill": "prefil
 MODEL_NAMES = {"teal": "TEAL", KERNEL_DENSE: KERNEL_LABEL}
 
 
+def _phase(summary: dict[str, Any] | None, phase: str) -> dict[str, Any]:
+    """One phase of an evaluation's timing (``summary.speed.phases[phase]``; {} when not timed)."""
+    return (((summary or {}).get("speed") or {}).get("phases") or {}).get(phase) or {}
+
+
 def phase_speedup(summary: dict[str, Any] | None, phase: str, name: str = "converted") -> float | None:
     """Model ``name``'s speed over dense's in ``phase`` (dense time ÷ its time): the converted model's, or ``teal``'s
     (TEAL at the conversion's cost, timed in the same rounds); None when not timed."""
-    entry = (((summary or {}).get("speed") or {}).get("phases") or {}).get(phase) or {}
-    value = (entry.get("speedup") or {}).get(name)
+    value = (_phase(summary, phase).get("speedup") or {}).get(name)
     return float(value) if isinstance(value, (int, float)) else None
 
 
@@ -35,17 +40,19 @@ def how_timed(summary: dict[str, Any] | None) -> str:
 
 
 def phase_text(summary: dict[str, Any] | None, phase: str) -> str:
-    """'1.27×' or '0.81× (slower)' or '–'; the seconds are in :func:`phase_title`."""
+    """'1.27×', '0.81× (slower)', '0.99× (slower in 2 of 3 rounds)' (``slower_words``) or '–'; the seconds are in
+    :func:`phase_title`."""
     value = phase_speedup(summary, phase)
     if value is None:
         return "–"
-    return f"{value:.2f}×" + (" (slower)" if value < 1 else "")
+    words = slower_words(value, round_ratios(_phase(summary, phase), "converted", "dense"))
+    return f"{value:.2f}×" + (f" ({words})" if words else "")
 
 
 def phase_title(summary: dict[str, Any] | None, phase: str) -> str:
     """A cell's hover: both models' times in this phase, the converted model's ratio in each round (how far the
     machine moved it) and how they were measured."""
-    entry = ((((summary or {}).get("speed") or {}).get("phases") or {}).get(phase)) or {}
+    entry = _phase(summary, phase)
     seconds = entry.get("seconds") or {}
     if not seconds:
         return how_timed(summary)

@@ -63,6 +63,23 @@ def test_the_speedup_is_the_median_ratio_of_times_in_the_same_round(dense):
         assert f"{entry['speedup']['slowed']:5.2f}× dense (rounds {min(ratios):.2f}–{max(ratios):.2f})" in line, line
 
 
+def test_a_median_below_dense_says_whether_every_round_was():
+    """The CLI's line: '(slower)' where every round was slower, '(slower in 2 of 3 rounds)' where one was not (the
+    machine's drift, not the model), nothing at 1.0x or above."""
+    def phase(dense: list[float], model: list[float]) -> dict:
+        ratios = sorted(d / m for d, m in zip(dense, model))
+        return {"seconds": {"dense": sorted(dense)[1], "m": sorted(model)[1]}, "speedup": {"dense": 1.0, "m": ratios[1]},
+                "rounds": {"dense": dense, "m": model}, "batch": 1, "tokens": None}
+    speed = {"reference": "dense", "protocol": {"repeats": 3}, "runtime": "PyTorch eager", "device": "cpu: x",
+             "dtype": "float32", "threads": 2,
+             "phases": {"decode_b1": phase([0.97, 0.98, 1.02], [1.0] * 3), "decode_b8": phase([0.9] * 3, [1.0] * 3),
+                        "prefill": phase([1.0, 1.1, 1.2], [1.0] * 3)}}
+    b1, b8, prefill = describe(speed)[1:]
+    assert b1.endswith("0.98× dense (rounds 0.97–1.02)  (slower in 2 of 3 rounds)"), b1
+    assert b8.endswith("0.90× dense (rounds 0.90–0.90)  (slower)"), b8
+    assert prefill.endswith("1.10× dense (rounds 1.00–1.20)"), prefill
+
+
 def test_a_prefill_computes_the_last_positions_logits_as_generation_does(dense):
     """Where a model's forward takes ``logits_to_keep``, the timed prefill asks for the last position only (the
     protocol says so); a forward without it computes every position's. Either returns the same last logits."""

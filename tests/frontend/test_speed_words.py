@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from frontend.speed import (close_phases, kernel_words, phase_speedup, phase_title, predicted_cell, predicted_speed_words,
-                            slower_phases, speed_cell, teal_wins, teal_words)
+from frontend.speed import (close_phases, kernel_words, phase_speedup, phase_text, phase_title, predicted_cell,
+                            predicted_speed_words, slower_phases, speed_cell, teal_wins, teal_words)
 from moelab.engine.evaluation.kernel_gain import NAME as KERNEL_DENSE
 
 
@@ -46,6 +46,20 @@ def test_a_phase_hover_gives_the_ratio_of_every_round():
     s["speed"]["phases"]["prefill"]["rounds"] = {"dense": [0.9, 1.0, 1.1], "converted": [1.0, 1.0, 1.0]}
     assert "; converted over dense by round 0.90×, 1.00×, 1.10×; cpu: x86_64" in phase_title(s, "prefill")
     assert "by round" not in phase_title(s, "decode_b1")  # no rounds kept: nothing added
+
+
+def test_a_median_below_dense_says_how_many_of_its_rounds_were():
+    """'(slower)' where every round was slower than dense (or none was kept); where some round was not, how many
+    were: a median of 0.98x whose rounds ran 0.97-1.02x is not a model slower than dense."""
+    s = _summary(CONV, None, {"converted": 1.9})  # prefill 0.95x, no rounds kept
+    assert phase_text(s, "prefill") == "0.95× (slower)" and phase_text(s, "decode_b1") == "1.20×"
+    phases = s["speed"]["phases"]
+    phases["prefill"]["rounds"] = {"dense": [0.97, 0.98, 1.02], "converted": [1.0, 1.0, 1.0]}
+    phases["prefill"]["speedup"]["converted"] = 0.98
+    assert phase_text(s, "prefill") == "0.98× (slower in 2 of 3 rounds)"
+    phases["prefill"]["rounds"]["dense"] = [0.90, 0.95, 0.99]
+    phases["prefill"]["speedup"]["converted"] = 0.95
+    assert phase_text(s, "prefill") == "0.95× (slower)"
 
 
 def test_a_timing_on_a_busy_machine_says_so_in_the_cell_and_its_hover():

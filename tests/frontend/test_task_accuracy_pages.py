@@ -85,8 +85,10 @@ def test_tasks_from_the_workspace_shown_in_evaluations_and_compare(page, live, a
     # the whole models' speed in each phase, as this evaluation timed them (dense and converted, one process)
     speed = ev["summary"]["speed"]
     for phase, name in PHASES.items():
-        value = speed["phases"][phase]["speedup"]["converted"]
-        assert got[f"{name} speed × dense"] == f"{value:.2f}×" + (" (slower)" if value < 1 else ""), (phase, got)
+        value, rounds = speed["phases"][phase]["speedup"]["converted"], speed["phases"][phase]["rounds"]
+        below, n = sum(d < c for d, c in zip(rounds["dense"], rounds["converted"])), len(rounds["dense"])
+        words = "" if value >= 1 else " (slower)" if below == n else f" (slower in {below} of {n} rounds)"
+        assert got[f"{name} speed × dense"] == f"{value:.2f}×" + words, (phase, got)
     title = page.locator("#ev-table tr").nth(1).locator("td").nth(headers.index("decode b8 speed × dense")).get_attribute("title")
     ms = 1e3 * speed["phases"]["decode_b8"]["seconds"]["converted"]
     assert title.startswith("one decode step of batch 8: dense ") and f"converted {ms:.1f} ms" in title and "threads" in title

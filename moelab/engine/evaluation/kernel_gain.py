@@ -4,7 +4,7 @@ name among the timed models and the sparsity's own gain over it. Standard librar
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 #: the name a timing gives the baseline (``evaluation.speed.time_phases``' models)
@@ -34,3 +34,14 @@ def round_ratios(entry: Mapping[str, Any], model: str, ref: str) -> list[float]:
     ratio while it was timed; [] where the rounds were not kept."""
     rounds = entry.get("rounds") or {}
     return [r / m for r, m in zip(rounds.get(ref) or [], rounds.get(model) or []) if m > 0]
+
+
+def slower_words(speedup: float, ratios: Sequence[float]) -> str:
+    """What a median ``speedup`` below 1 says of the rounds it came from (``round_ratios``): 'slower' where every
+    round was slower (or none was kept), 'slower in 2 of 3 rounds' where some round was not (the median below 1 by
+    how far the machine moved while it was timed: the dense model in moelab's kernels prefills with dense's own GEMMs
+    and read 1.00x, rounds 0.99-1.02); '' at 1 or above."""
+    if speedup >= 1:
+        return ""
+    below = sum(r < 1 for r in ratios)
+    return "slower" if below == len(ratios) else f"slower in {below} of {len(ratios)} rounds"

@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from .busy_machine import busy_note
-from .kernel_gain import LABEL as KERNEL_LABEL, NAME as KERNEL_DENSE, round_ratios, sparsity_gain
+from .kernel_gain import LABEL as KERNEL_LABEL, NAME as KERNEL_DENSE, round_ratios, slower_words, sparsity_gain
 
 PHASES = ("decode_b1", "decode_b8", "prefill")
 RUNTIME = "PyTorch eager (transformers from_pretrained)"
@@ -392,7 +392,7 @@ def describe(speed: Mapping[str, Any], name: str | None = None) -> list[str]:
             spread = f" (rounds {min(ratios):.2f}–{max(ratios):.2f})" if len(ratios) > 1 else ""
             lines.append(f"  {phase_label(phase, entry):<24} {ref} {entry['seconds'][ref] * 1e3:8.1f} ms {unit:<8} "
                          f"{KERNEL_LABEL if model == KERNEL_DENSE else model:<9} {entry['seconds'][model] * 1e3:8.1f} ms  {ratio:5.2f}× {ref}"
-                         + spread + ("  (slower)" if ratio < 1 else ""))
+                         + spread + (f"  ({words})" if (words := slower_words(ratio, ratios)) else ""))
     if (gain := sparsity_gain(speed)) and (name is None or name == "converted"):
         lines.append("  converted over the dense model in moelab's kernels (the sparsity's own gain): "
                      + ", ".join(f"{PHASE_NAMES.get(p, p)} {g:.2f}×" for p, g in gain.items()))
