@@ -78,8 +78,8 @@ def grid(d_ffn: int) -> list[dict[str, Any]]:
                     "top_k": max(1, n_routed // 3), "down_keep": 0.5})
     # small experts (``--recipe best``'s layers): most of them selected (the products ranked for down_keep, and a
     # prefill past the machine's ``dense_share`` in two GEMMs), and 42% at the guard's boundary, where a prefill of
-    # such a layer costs about the dense FFN's (without those the fit read a Xeon's layers of 35-45 such experts of 80-100 at
-    # 0.94-0.95 of the dense FFN where they took 0.94-1.11, median 1.02, in the model)
+    # such a layer costs about the dense FFN's (without those the fit read a Xeon's layers of 35-45 such experts of
+    # 80-100 at 0.94-0.95 of the dense FFN where they took 0.94-1.11, median 1.02, in the model)
     m = max(4, d_ffn // 128)
     for d_shared, share, keep in ((d_ffn // 4, 2 / 3, 0.5), (d_ffn // 4, 2 / 3, 1.0), (d_ffn // 4, 0.8, 0.5),
                                   (d_ffn // 4, 0.42, 0.5), (d_ffn // 3, 0.42, 0.5)):

@@ -1047,7 +1047,7 @@ def measure_dense_shares(rounds: int = 5) -> tuple[float, float]:
     ``rounds`` rounds. The pairs' time grows with the share selected and the GEMMs' does not (they compute every
     expert), so they cost the same from share 0.5 · GEMMs' median / pairs' median (above 1: the pairs kernel always
     wins). Where the BLAS is fast against the kernels the GEMMs take over early (the Xeon above: 0.70 and 0.55);
-    on a 2-vCPU Zen 4 EPYC the pairs kernel ran 83 of 96 experts in 2,048 tokens 1.4x faster than the GEMMs."""
+    on a 2-vCPU Zen 4 EPYC the pairs kernel ran 86 of 96 experts in 2,048 tokens 1.4x faster than the GEMMs."""
     gen = torch.Generator().manual_seed(0)
     E, d, m, keep = (CALIBRATION_LAYER[k] for k in ("experts", "d_model", "expert_size", "keep"))
     wgu, wd = torch.randn(E, d, 2 * m, generator=gen) / 24, torch.randn(E, m, d, generator=gen) / 35
@@ -1070,7 +1070,7 @@ def measure_dense_shares(rounds: int = 5) -> tuple[float, float]:
 
 def dense_shares() -> tuple[float, float]:
     """(``NATIVE_DENSE_SHARE``, ``NATIVE_DENSE_SHARE_LONG``) as this machine has them: measured once per kernel build
-    (source and CPU) and thread count (``measure_dense_shares``, about a second), kept beside the build as JSON and
+    (source and CPU) and thread count (``measure_dense_shares``, about 0.6 s), kept beside the build as JSON and
     read from there by later processes; the fixed shares where the kernels are not built."""
     threads = torch.get_num_threads()
     if (known := _shares.get(threads)) is not None:
