@@ -446,15 +446,16 @@ def test_the_machines_shares_are_measured_once_and_kept_beside_the_build(tmp_pat
 
 
 def test_the_measured_share_is_where_the_pairs_kernel_would_cost_what_the_gemms_do(monkeypatch):
-    """With half the experts selected the pairs kernel taking 10 ms and the GEMMs 16 ms, the pairs cost as much as the
-    GEMMs at 0.5 · 16 / 10 = 0.8 of the experts selected (their time grows with the share, the GEMMs' does not); the
-    real kernels give a finite positive share at both lengths."""
+    """With half the experts selected the pairs kernel taking 40 ms and the GEMMs 64 ms, the pairs cost as much as the
+    GEMMs at 0.5 · 64 / 40 = 0.8 of the experts selected (their time grows with the share, the GEMMs' does not); the
+    real kernels give a finite positive share at both lengths. (Sleeps long enough that a loaded host's few ms of
+    oversleep stay within the tolerance.)"""
     import time
 
     timed = moelab_native.measure_dense_shares(rounds=1)
     assert len(timed) == 2 and all(0 < share < 10 for share in timed)
-    monkeypatch.setattr(moelab_native, "_routed_pairs", lambda *a: time.sleep(0.010))
-    monkeypatch.setattr(moelab_native, "_routed_dense", lambda *a: time.sleep(0.016))
+    monkeypatch.setattr(moelab_native, "_routed_pairs", lambda *a: time.sleep(0.040))
+    monkeypatch.setattr(moelab_native, "_routed_dense", lambda *a: time.sleep(0.064))
     for share in moelab_native.measure_dense_shares(rounds=3):
         assert share == pytest.approx(0.8, abs=0.08)
 
