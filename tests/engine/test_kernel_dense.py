@@ -138,7 +138,9 @@ def test_a_layer_a_conversion_keeps_dense_decodes_in_the_kernels_once_loaded(fam
                                                                               monkeypatch, one_thread):
     """``moelab_dense``: a loaded conversion's dense layer is its base MLP still (class name, isinstance, keys on
     disk), its down projection in the decode layout, and a decode step runs the whole-block call with the torch
-    path's logits; Phi-3's fused gate/up MLP is left as it is. Exported again, the same bytes are written."""
+    path's logits; Phi-3's fused gate/up MLP is left as it is. The model built in memory (which takes the dense model
+    over) has its kept layers so too, so that it computes the loaded model's bits. Exported again, the same bytes are
+    written."""
     from safetensors import safe_open
 
     from moelab.engine.runtime.export import build_moe_model, export_model, load_exported
@@ -147,13 +149,16 @@ def test_a_layer_a_conversion_keeps_dense_decodes_in_the_kernels_once_loaded(fam
     adapter = load_model(str(tiny_model(family)), data_dir=data_dir)
     base_mlp = type(adapter.layers[1].mlp)
     moe = build_moe_model(adapter, {0: convert_adapter(adapter, top_k=2)[0]})  # layers 1 and 2 stay dense
-    assert not any(map(_kernel_decoded, moe.modules()))  # the caller's dense model is left alone
+    applies = family != "phi3"
+    assert [_kernel_decoded(block.mlp) for block in moe.model.model.layers[1:]] == [applies] * 2  # as once loaded
     out = export_model(moe, tmp_path / "moe", adapter.tokenizer, {})
     loaded = load_exported(out).eval()
     dense_layers = [block.mlp for block in loaded.model.model.layers[1:]]
-    applies = family != "phi3"
     assert all(_kernel_decoded(m) == applies and isinstance(m, base_mlp) and type(m).__name__ == base_mlp.__name__
                for m in dense_layers)
+    ids = torch.randint(0, 500, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():  # a prefill: the in-memory model and the loaded one, bit for bit
+        assert torch.equal(moe(input_ids=ids).logits, loaded(input_ids=ids).logits)
     if applies:
         assert all(m.down_proj.weight.t().is_contiguous() for m in dense_layers)
     ids = torch.randint(0, 500, (8, 20), generator=torch.Generator().manual_seed(1))
