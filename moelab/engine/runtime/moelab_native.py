@@ -1091,10 +1091,12 @@ def _stored_shares(threads: int) -> tuple[float, float]:
     except (OSError, ValueError, KeyError, TypeError):  # not measured yet here (or a file cut short)
         pass
     shares = measure_dense_shares()
-    try:
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-            json.dump({"shares": shares, "tokens": CALIBRATION_TOKENS, "layer": CALIBRATION_LAYER, "threads": threads}, f)
-        os.replace(f.name, path)
+    try:  # staged as ``_compile`` stages the library: a failed write leaves nothing behind
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            staged = Path(tmp) / path.name
+            staged.write_text(json.dumps({"shares": shares, "tokens": CALIBRATION_TOKENS, "layer": CALIBRATION_LAYER,
+                                          "threads": threads}))
+            os.replace(staged, path)
     except OSError:  # a cache this user may read but not write: measured again by the next process
         pass
     return shares
