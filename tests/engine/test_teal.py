@@ -220,12 +220,12 @@ def test_evaluation_goes_on_without_teal_when_the_profile_is_gone(tiny, tmp_path
 
 @pytest.mark.parametrize("native", [True, False])
 def test_the_row_skipping_decode_kernel_computes_the_dense_products(native, monkeypatch, tmp_path):
-    """TEAL's CPU decode kernel gives what the dense products with the zeros in give: the native one
-    (``moelab_native.rows_matmul``: the rows some token of a block of up to eight needs, each read once for them) up to
-    ``DECODE_TOKENS`` tokens, and without it torch's ``skip_rows`` (one bag per thread over the rows of nonzero
+    """TEAL's CPU decode step gives what the dense products with the zeros in give: the native call
+    (``moelab_native.teal_decode``: the whole FFN, reading the rows some token of the step needs, each once for them)
+    up to ``DECODE_TOKENS`` tokens, and without it torch's ``skip_rows`` (one bag per thread over the rows of nonzero
     inputs) up to ``ROW_SKIP_MAX_TOKENS``; a token with every input zeroed gives zeros; more tokens, or a gradient,
-    take the dense path; the weights stay in the decode layout through ``use_decode_layout``; a token's product has
-    the same bits alone as in a block of four or eight."""
+    take the dense path; the weights stay in the decode layout through ``use_decode_layout``. Natively a token's
+    output has the same bits alone as in a step of any size up to eight, with any thread count."""
     from moelab.engine.runtime import moelab_native, moelab_teal
     from moelab.engine.runtime.moelab_teal import row_major_t, skip_rows
 
@@ -246,23 +246,46 @@ def test_the_row_skipping_decode_kernel_computes_the_dense_products(native, monk
     h = ACT2FN["silu"](F.linear(sparse, wg)) * F.linear(sparse, wu)
     want = F.linear(moelab_teal.magnitude_sparsify(h, 0.05), wd)
     most = moelab_native.DECODE_TOKENS if native else moelab_teal.ROW_SKIP_MAX_TOKENS
-    for threads in (1, 2, 3):  # the native kernel: output columns per thread; skip_rows: a bag per thread and token
+    decoded = mod._native_call if native else mod._row_product
+    steps = {}
+    for threads in (1, 2, 3):  # the native call: output columns per thread; skip_rows: a bag per thread and token
         monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
         with torch.no_grad():
             for n in range(1, most + 1):
-                assert mod._row_product(x[:n]) is not None
-                torch.testing.assert_close(mod(x[:n]), want[:n], rtol=1e-5, atol=1e-5)
+                assert decoded(x[:n])
+                steps[threads, n] = mod(x[:n])
+                torch.testing.assert_close(steps[threads, n], want[:n], rtol=1e-5, atol=1e-5)
             assert torch.equal(mod(x[:2])[1], torch.zeros(48))
-    assert mod._row_product(x[: most + 1]) is None
-    assert mod._row_product(x[:1].clone().requires_grad_()) is None  # training: the dense products
-    if native:  # a token alone, in a block of four and of eight: the same sums in the same order, the same bits
-        for lin in (mod.gate_proj, mod.down_proj):
-            rows = lin.weight.t()
-            inputs = sparse if lin is mod.gate_proj else torch.relu(torch.randn(9, 80))
-            eight = moelab_native.rows_matmul(inputs[1:9], rows)
-            for t in range(8):
-                assert torch.equal(moelab_native.rows_matmul(inputs[1 + t: 2 + t], rows), eight[t: t + 1])
-            assert torch.equal(moelab_native.rows_matmul(inputs[5:9], rows), eight[4:])
+    assert not decoded(x[: most + 1])
+    assert not decoded(x[:1].clone().requires_grad_())  # training: the dense products
+    if native:  # alone, in a step of four or eight, on 1-3 threads: the same sums in the same order, the same bits
+        assert all(torch.equal(out, steps[1, most][: len(out)]) for out in steps.values())
+        assert mod._native_call(x[:1].double()) is None and not mod._row_product(x[: most + 1])
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh", "relu"])
+@pytest.mark.parametrize("d_model, d_ffn", [(48, 96), (40, 72)])
+def test_the_native_teal_call_zeroes_what_torch_zeroes(act, d_model, d_ffn):
+    """``teal_decode`` at widths the 24-column micro-kernels tile (48 / 96) and ones they do not (40 / 72), for every
+    activation the kernels have: the torch path's values; thresholds of 0 zero nothing (the dense MLP); an input
+    exactly at the threshold is kept, as ``magnitude_sparsify`` keeps it; a threshold with no float32 below it (one that
+    rounds to 0) takes the torch path."""
+    from moelab.engine.runtime.moelab_teal import magnitude_sparsify
+
+    if moelab_native.library() is None:
+        pytest.skip("needs a C compiler")
+    wg, wu, wd = random_glu(d_model, d_ffn, seed=7)
+    x = torch.randn(8, d_model, generator=torch.Generator().manual_seed(8))
+    x[0, :4] = 0.5  # at the threshold: kept (|x| < t is zeroed)
+    for t_in, t_mid in ((0.5, 0.05), (0.0, 0.0)):
+        mod = teal_from_dense(wg, wu, wd, act, t_in, t_mid, 0.4, 0.3)
+        xs = magnitude_sparsify(x, t_in)
+        want = F.linear(magnitude_sparsify(ACT2FN[act](F.linear(xs, wg)) * F.linear(xs, wu), t_mid), wd)
+        with torch.no_grad():
+            assert mod._native_call(x) is not None
+            torch.testing.assert_close(mod(x), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(want, dense_glu(x, wg, wu, wd, act))  # the last pair zeroed nothing
+    assert teal_from_dense(wg, wu, wd, act, 1e-50, 0.0, 0.4, 0.3)._native_call(x) is None
 
 
 def test_the_evaluation_times_teal_beside_the_conversion(conversion, data_dir, one_thread):

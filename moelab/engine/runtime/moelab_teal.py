@@ -20,15 +20,15 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .moelab_kernels import row_major_t
-from .moelab_native import DECODE_TOKENS, library as native_library, rows_matmul
+from .moelab_native import ACTIVATIONS, DECODE_TOKENS, library as native_library, teal_decode
 
 
-#: CPU tokens per call up to which ``TealGLU`` reads only the weight rows its nonzero inputs need with torch's
-#: ``skip_rows``: a decode step of one or two sequences. For more tokens each token's rows are read again, where one
-#: dense GEMM reads every weight once (the default model's FFN at sparsities 0.5 / 0.5, 2 threads: 1.5x the dense
-#: FFN's speed for 1 token, 1.5-1.8x for 2, 0.9-1.2x for 4, 0.7x for 8). Where the native kernels are built, a
-#: decode step of up to ``moelab_native.DECODE_TOKENS`` tokens runs ``moelab_native.rows_matmul`` instead, which
-#: reads each needed row once for all of them.
+#: CPU tokens per call up to which ``TealGLU`` without the native kernels reads only the weight rows its nonzero
+#: inputs need with torch's ``skip_rows``: a decode step of one or two sequences. For more tokens each token's rows are
+#: read again, where one dense GEMM reads every weight once (the default model's FFN at sparsities 0.5 / 0.5, 2
+#: threads: 1.5x the dense FFN's speed for 1 token, 1.5-1.8x for 2, 0.9-1.2x for 4, 0.7x for 8). Where the native
+#: kernels are built, a decode step of up to ``moelab_native.DECODE_TOKENS`` tokens runs the whole FFN in one call
+#: (``moelab_native.teal_decode``), which reads each needed row once for all of them.
 ROW_SKIP_MAX_TOKENS = 2
 
 
@@ -84,9 +84,9 @@ class TealGLU(nn.Module):
     entries whose magnitude is below the threshold ``t``. One threshold serves gate and up: both
     read the same ``x``. A zeroed input entry means the matching weight *column* need not be read,
     which only a column-skipping kernel turns into saved time (TEAL's "Hardware Aware Acceleration"):
-    on CPU, a decode step (up to ``DECODE_TOKENS`` tokens with the native kernels, ``ROW_SKIP_MAX_TOKENS``
-    without) reads only the rows it needs from weights in the decode layout (``_row_product``); otherwise the
-    products are computed densely with the zeros in (the same values).
+    on CPU, a decode step reads only the rows it needs from weights in the decode layout: up to ``DECODE_TOKENS``
+    tokens in one native call (``_native_call``), else up to ``ROW_SKIP_MAX_TOKENS`` through torch
+    (``_row_product``); otherwise the products are computed densely with the zeros in (the same values).
     Parameters keep the dense names."""
 
     def __init__(self, spec: dict):
@@ -136,26 +136,47 @@ class TealGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         xt = x.reshape(-1, self.d_model)
+        if (call := self._native_call(xt)) is not None:
+            return call(xt).reshape(*lead, self.d_model)
         xs = magnitude_sparsify(xt, self.t_in)
-        if (product := self._row_product(xt)) is not None:
-            h = self.act_fn(product(xs, self.gate_proj.weight)) * product(xs, self.up_proj.weight)
-            y = product(magnitude_sparsify(h, self.t_mid), self.down_proj.weight)
+        if self._row_product(xt):
+            h = self.act_fn(skip_rows(xs, self.gate_proj.weight)) * skip_rows(xs, self.up_proj.weight)
+            y = skip_rows(magnitude_sparsify(h, self.t_mid), self.down_proj.weight)
         else:
             h = self.act_fn(self.gate_proj(xs)) * self.up_proj(xs)
             y = self.down_proj(magnitude_sparsify(h, self.t_mid))
         return y.reshape(*lead, self.d_model)
 
-    def _row_product(self, x: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-        """The row-skipping product ``(x [T, in], weight [out, in]) -> [T, out]`` for a CPU decode step without a
-        gradient on weights in the decode layout: the native kernel up to ``DECODE_TOKENS`` float32 tokens, torch's
-        ``skip_rows`` up to ``ROW_SKIP_MAX_TOKENS``; None otherwise (the dense products, the same values, zeros
-        multiplied)."""
+    def _decode_step(self, x: torch.Tensor) -> bool:
+        """Whether ``x [T, in]`` is a CPU decode step without a gradient on weights in the decode layout."""
         w = self.gate_proj.weight
-        T = x.shape[0]
-        if (x.device.type != "cpu" or T == 0 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-                or w.stride() != (1, w.shape[0])):
+        return (x.device.type == "cpu" and x.shape[0] > 0 and w.stride() == (1, w.shape[0])
+                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+
+    def _native_call(self, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The whole FFN in one native call (``moelab_native.teal_decode``) for a decode step of up to
+        ``DECODE_TOKENS`` float32 tokens where the kernels are built, the activation is theirs and both thresholds
+        have a float32 value below them (one that rounds to 0 or infinity takes torch's path); else None."""
+        if (x.shape[0] > DECODE_TOKENS or x.dtype != torch.float32 or self.act not in ACTIVATIONS
+                or not self._decode_step(x) or native_library() is None):
             return None
-        if (T <= DECODE_TOKENS and x.dtype == w.dtype == torch.float32 and native_library() is not None
-                and all(lin.weight.t().is_contiguous() for lin in (self.up_proj, self.down_proj))):
-            return lambda xs, weight: rows_matmul(xs, weight.t())
-        return skip_rows if T <= ROW_SKIP_MAX_TOKENS else None
+        weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        if any(w.dtype != torch.float32 or not w.t().is_contiguous() for w in weights):
+            return None
+        below_in, below_mid = (_kernel_threshold(t) for t in (self.t_in, self.t_mid))
+        if below_in is None or below_mid is None:
+            return None
+        rows = [w.t() for w in weights]
+        return lambda xt: teal_decode(xt, below_in, below_mid, *rows, self.act)
+
+    def _row_product(self, x: torch.Tensor) -> bool:
+        """Whether torch's row-skipping ``skip_rows`` computes the products (a decode step of up to
+        ``ROW_SKIP_MAX_TOKENS`` tokens, weights in the decode layout); else the dense products, the same values,
+        zeros multiplied."""
+        return x.shape[0] <= ROW_SKIP_MAX_TOKENS and self._decode_step(x)
+
+
+def _kernel_threshold(threshold: float) -> float | None:
+    """What the native kernel compares ``|x| <=`` with to zero the entries ``magnitude_sparsify`` zeroes in float32:
+    -1 for a threshold of 0 (nothing zeroed), else the largest float32 below it; None where there is none."""
+    return -1.0 if threshold <= 0 else _float_below(threshold, torch.float32)
