@@ -493,3 +493,45 @@ def test_the_build_key_names_an_arm_cpu_as_well_as_an_x86_one():
     other_part = arm.replace("0xd40", "0xd4f")  # a Neoverse V1 against a V2: same features line
     assert moelab_native.cpu_identity(arm) != moelab_native.cpu_identity(other_part)
     assert "Features\t: fp asimd sve" in moelab_native.cpu_identity(arm) and "other" not in moelab_native.cpu_identity(arm)
+
+
+#: x86 builds narrower than this CPU's that it can still run: the micro-kernels' token blocks are 8 wide only under
+#: AVX-512, 4 wide otherwise
+NARROWER_X86 = {"AVX2": ("-march=x86-64-v3", "avx2"), "SSE2": ("-march=x86-64", "sse2")}
+
+
+@pytest.mark.parametrize("build", NARROWER_X86)
+def test_the_teal_call_of_a_narrower_x86_build_gives_the_same_outputs(build, tmp_path):
+    """``moelab_teal_decode`` built for AVX2 or plain x86-64 (blocks of four tokens, a step of eight in two) and run here
+    gives this machine's build's outputs for 1-8 tokens at widths the 24-column kernels tile (48 / 96, with 2 threads
+    a slice of 48) and ones they do not (40 / 72)."""
+    import ctypes
+    import platform
+    import subprocess
+
+    march, flag = NARROWER_X86[build]
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    if platform.machine() != "x86_64" or flag not in flags or moelab_native.library() is None:
+        pytest.skip(f"needs an x86-64 CPU with {flag} and a C compiler")
+    src, lib = tmp_path / "moelab_native.c", tmp_path / "narrow.so"
+    src.write_text(moelab_native._SOURCE)
+    flags_ = [f for f in moelab_native._FLAGS if f != "-march=native"]
+    done = subprocess.run(["gcc", *flags_, march, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    narrow = ctypes.CDLL(str(lib)).moelab_teal_decode
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    narrow.restype, narrow.argtypes = None, [i64, i64, i64, ctypes.c_int, ptr, f32, f32, ptr, ptr, ptr, ptr, ctypes.c_int]
+    g = torch.Generator().manual_seed(11)
+    for d, D in ((48, 96), (40, 72)):
+        wg, wu = torch.randn(d, D, generator=g) / d ** 0.5, torch.randn(d, D, generator=g) / d ** 0.5
+        wd = torch.randn(D, d, generator=g) / D ** 0.5
+        x = torch.randn(8, d, generator=g)
+        for T in range(1, 9):
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                want = moelab_native.teal_decode(x[:T], 0.3, 0.02, wg, wu, wd, "silu")
+                got = torch.empty(T, d)
+                narrow(T, d, D, 0, x[:T].contiguous().data_ptr(), 0.3, 0.02, wg.data_ptr(), wu.data_ptr(),
+                       wd.data_ptr(), got.data_ptr(), threads)
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"{build} d={d} T={T}")

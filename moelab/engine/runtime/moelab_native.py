@@ -703,7 +703,7 @@ static inline int64_t slice_start(int64_t n, int64_t u, int64_t parts) {
 }
 
 /* columns c0..c1 of out [T, ·] (rows ldo apart) += Σ_j h_q[r_j] · W[r_j, c0..c1) over the n rows r_j (ascending;
-   W's rows ld apart; h_q: row q of h, stride hs), ROWS_TOKENS tokens at a time. Blocks of several tokens keep 24
+   W's rows ld apart; h_q: row q of h, stride hs). Blocks of several tokens keep 24
    columns of each token's outputs in registers (down_24, and down_24x8 under AVX-512), each weight vector loaded once
    for the block, the block filled up with tokens of zeros; one token goes row by row (down_rows). Row by row, several
    tokens' outputs were loaded and stored once per four rows and outgrew L1; 24 columns walked down every row waited on
@@ -712,9 +712,12 @@ static inline int64_t slice_start(int64_t n, int64_t u, int64_t parts) {
    model (d 576 / D 1,536, calibrated at cost 0.5, eight tokens, weights from memory, 2 threads of a Zen 4 EPYC,
    interleaved): 46.4 ms row by row, 37.0 in strips down every row, 32.1 in panels, 26.2 with the prefetch, the
    dense decode call 22.7 (another run: strips 34.9, panels 31.0, prefetched 23.5; panels of 16 rows 30.6, of 128
-   26.5). At two and four tokens 18.0 and 30.2 ms row by row, 16.8 and 20.9 now. Each column's sum runs in row
-   order either way, a row a token did not need adding its exact zero: a token's outputs have the same bits in a block
-   of any size and in any slice. */
+   26.5). At two and four tokens 18.0 and 30.2 ms row by row, 16.8 and 20.9 now. Those were eight consecutive tokens
+   of one text; eight tokens of eight texts, as a batch of eight sequences decodes, took 27.1 ms through the three
+   row-by-row calls TEAL made before, 22.3 in one call, 20.8 in the dense call, and the whole model's TEAL 0.5 went
+   from 1.11x to 1.17x dense at decode b8 (five rounds in one process; one sequence 1.48x either way). Each column's
+   sum runs in row order either way, a row a token did not need adding its exact zero: a token's outputs have the
+   same bits in a block of any size and in any slice. */
 #define ROWS_TOKENS 8
 #define ROWS_PANEL 32
 static void rows_columns(const float *h, int64_t hs, const int64_t *rows, int64_t n, const float *W, int64_t ld,
@@ -725,8 +728,8 @@ static void rows_columns(const float *h, int64_t hs, const int64_t *rows, int64_
     float *sink = T > 1 ? calloc(c1, sizeof(float)) : NULL;
     const float *hq[ROWS_TOKENS];
     float *outs[ROWS_TOKENS];
-    for (int64_t q0 = 0; q0 < T; q0 += ROWS_TOKENS) {
-        const int nq = T - q0 >= ROWS_TOKENS ? ROWS_TOKENS : (int)(T - q0);
+    for (int64_t q0 = 0; q0 < T; q0 += TBW) {  /* blocks of the widest micro-kernel: 8 tokens under AVX-512, else 4 */
+        const int nq = T - q0 >= TBW ? TBW : (int)(T - q0);
         const int block = nq == 1 ? 1 : nq <= TB ? TB : TBW;
         for (int q = 0; q < block; q++) {
             hq[q] = q < nq ? h + (q0 + q) * hs : zeros;
