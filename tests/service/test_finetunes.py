@@ -109,7 +109,7 @@ def test_api_defaults_are_the_engines():
     from typing import get_args
 
     from backend.schemas import FinetuneCreate, FinetuneMode
-    from moelab.engine.training.finetune import MODES, FinetuneParams
+    from moelab.engine.training.params import MODES, FinetuneParams
 
     assert set(get_args(FinetuneMode)) == set(MODES)
 

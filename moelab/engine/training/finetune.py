@@ -98,8 +98,8 @@ from ..memory import peak_rss_mib, reset_peak_rss
 from ..models import load_model, resolve_device
 from ..runtime.param_count import parameter_counts
 from ..progress import NO_PROGRESS, Cancelled, Progress
-# Declared in a module without torch (the API generates its request body from them), used and re-exported here.
-from .params import MODES, FinetuneError, FinetuneParams
+# Declared in a module without torch (the API generates its request body from them).
+from .params import FinetuneError, FinetuneParams
 from ..core.router_init import is_router_param
 
 TRAIN_LOG = "train_log.json"
