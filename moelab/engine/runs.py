@@ -378,9 +378,9 @@ def _bigbench_request(data_dir: Path, mc_per_task: int) -> TaskRequest | None:
 
 #: The TEAL baseline's calibration tokens when the record has no ``fit_tokens``: the partition methods' default.
 TEAL_FIT_TOKENS = 4096
-TEAL_NOTE = ("TEAL's saving needs sparse (column-skipping) kernels: on CPU a decode step of 1-2 tokens reads only the "
-             "weight rows its nonzero inputs need (timed in 'speed' beside the conversion), larger batches and prefill "
-             "run the dense products")
+TEAL_NOTE = ("TEAL's saving needs sparse (column-skipping) kernels: on CPU a decode step of up to 8 tokens (1-2 without "
+             "moelab's native kernels) reads only the weight rows some token's nonzero inputs need, each once (timed in "
+             "'speed' beside the conversion); prefill runs the dense products, where a batch needs nearly every row")
 
 
 def _teal_baseline(adapter: ModelAdapter, record: dict[str, Any], converted: Any, progress: Progress,
