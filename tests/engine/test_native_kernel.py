@@ -468,18 +468,23 @@ NARROW_TARGETS = {"x86-64 without AVX": ("gcc", "-march=x86-64"), "aarch64": ("a
 @pytest.mark.parametrize("target", NARROW_TARGETS)
 def test_the_kernels_build_where_a_register_holds_four_floats(target, tmp_path):
     import platform
-    import subprocess
 
     compiler, march = NARROW_TARGETS[target]
     if target.startswith("x86") and platform.machine() != "x86_64":
         pytest.skip("an x86-64 compiler target")
     if shutil.which(compiler) is None:
         pytest.skip(f"{compiler} is not installed (Debian: gcc-aarch64-linux-gnu)")
-    src = tmp_path / "moelab_native.c"
+    _build_for(compiler, march, tmp_path / "k.so")
+
+
+def _build_for(compiler: str, march: str, lib):
+    """The kernels' source compiled with ``compiler`` for ``march`` (the build's other flags) into ``lib``."""
+    import subprocess
+
+    src = lib.with_suffix(".c")
     src.write_text(moelab_native._SOURCE)
     flags = [f for f in moelab_native._FLAGS if f != "-march=native"]
-    done = subprocess.run([compiler, *flags, march, str(src), "-o", str(tmp_path / "k.so"), "-lm"], capture_output=True,
-                          text=True)
+    done = subprocess.run([compiler, *flags, march, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -501,27 +506,19 @@ NARROWER_X86 = {"AVX2": ("-march=x86-64-v3", "avx2"), "SSE2": ("-march=x86-64", 
 
 
 @pytest.mark.parametrize("build", NARROWER_X86)
-def test_the_teal_call_of_a_narrower_x86_build_gives_the_same_outputs(build, tmp_path):
+def test_the_teal_call_of_a_narrower_x86_build_gives_the_same_outputs(build, tmp_path, monkeypatch):
     """``moelab_teal_decode`` built for AVX2 or plain x86-64 (blocks of four tokens, a step of eight in two) and run here
     gives this machine's build's outputs for 1-8 tokens at widths the 24-column kernels tile (48 / 96, with 2 threads
     a slice of 48) and ones they do not (40 / 72)."""
-    import ctypes
     import platform
-    import subprocess
 
     march, flag = NARROWER_X86[build]
     with open("/proc/cpuinfo") as f:
         flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     if platform.machine() != "x86_64" or flag not in flags or moelab_native.library() is None:
         pytest.skip(f"needs an x86-64 CPU with {flag} and a C compiler")
-    src, lib = tmp_path / "moelab_native.c", tmp_path / "narrow.so"
-    src.write_text(moelab_native._SOURCE)
-    flags_ = [f for f in moelab_native._FLAGS if f != "-march=native"]
-    done = subprocess.run(["gcc", *flags_, march, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    narrow = ctypes.CDLL(str(lib)).moelab_teal_decode
-    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    narrow.restype, narrow.argtypes = None, [i64, i64, i64, ctypes.c_int, ptr, f32, f32, ptr, ptr, ptr, ptr, ctypes.c_int]
+    _build_for("gcc", march, tmp_path / "narrow.so")
+    narrow = moelab_native.load(tmp_path / "narrow.so").moelab_teal_decode
     g = torch.Generator().manual_seed(11)
     for d, D in ((48, 96), (40, 72)):
         wg, wu = torch.randn(d, D, generator=g) / d ** 0.5, torch.randn(d, D, generator=g) / d ** 0.5
@@ -529,7 +526,7 @@ def test_the_teal_call_of_a_narrower_x86_build_gives_the_same_outputs(build, tmp
         x = torch.randn(8, d, generator=g)
         for T in range(1, 9):
             for threads in (1, 2):
-                torch.set_num_threads(threads)
+                monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)  # what teal_decode passes on
                 want = moelab_native.teal_decode(x[:T], 0.3, 0.02, wg, wu, wd, "silu")
                 got = torch.empty(T, d)
                 narrow(T, d, D, 0, x[:T].contiguous().data_ptr(), 0.3, 0.02, wg.data_ptr(), wu.data_ptr(),

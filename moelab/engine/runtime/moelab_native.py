@@ -723,14 +723,17 @@ static inline int64_t slice_start(int64_t n, int64_t u, int64_t parts) {
 static void rows_columns(const float *h, int64_t hs, const int64_t *rows, int64_t n, const float *W, int64_t ld,
                          int64_t c0, int64_t c1, int64_t T, float *out, int64_t ldo) {
     if (c1 <= c0 || T == 0) return;
-    /* a block's missing tokens: inputs of zeros (as long as the rows read), outputs to a scratch row */
-    float *zeros = T > 1 ? calloc(n ? rows[n - 1] + 1 : 1, sizeof(float)) : NULL;
-    float *sink = T > 1 ? calloc(c1, sizeof(float)) : NULL;
+    float *zeros = NULL, *sink = NULL;
     const float *hq[ROWS_TOKENS];
     float *outs[ROWS_TOKENS];
     for (int64_t q0 = 0; q0 < T; q0 += TBW) {  /* blocks of the widest micro-kernel: 8 tokens under AVX-512, else 4 */
         const int nq = T - q0 >= TBW ? TBW : (int)(T - q0);
         const int block = nq == 1 ? 1 : nq <= TB ? TB : TBW;
+        if (nq < block && zeros == NULL) {  /* its missing tokens: inputs of zeros (as long as the rows read) and
+                                                outputs to a scratch row */
+            zeros = calloc(n ? rows[n - 1] + 1 : 1, sizeof(float));
+            sink = calloc(c1, sizeof(float));
+        }
         for (int q = 0; q < block; q++) {
             hq[q] = q < nq ? h + (q0 + q) * hs : zeros;
             outs[q] = q < nq ? out + (q0 + q) * ldo : sink;
@@ -1010,7 +1013,12 @@ def _compile() -> ctypes.CDLL | None:
             if done.returncode:
                 return None
             os.replace(lib, target)
-    library = ctypes.CDLL(str(target))
+    return load(target)
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The compiled kernel at ``path`` with its functions' signatures declared (a build for another target too)."""
+    library = ctypes.CDLL(str(path))
     decode, prefill, glu = library.moelab_moe_decode, library.moelab_moe_prefill, library.moelab_glu_keep
     decode.restype = prefill.restype = glu.restype = None
     decode.argtypes = prefill.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int]
