@@ -37,7 +37,7 @@ import numpy as np
 from ..evaluation.busy_machine import BUSY_SHARE
 
 TABLE_DIR = "speed-tables"
-TABLE_VERSION = 14  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
+TABLE_VERSION = 15  # 2: every expert masked at prefill (``runs_dense``); 3: native decode kernel; 4: native prefill;
 # 5: layouts timed as ratios to the dense FFN in the same rounds; 6: a decode step's whole block in one native call;
 # 7: the FFNs' share of the model measured, weights cycled past the largest cache, the shared expert's kept down rows,
 # a native prefill's two GEMMs where most experts are selected; 8: the neurons ranked for down_keep, the grid's
@@ -45,7 +45,8 @@ TABLE_VERSION = 14  # 2: every expert masked at prefill (``runs_dense``); 3: nat
 # 10: a prefill computes the last position's logits only, as generation does (``evaluation.speed``); 11: a prefill
 # of experts past NATIVE_PREFILL_MAX_EXPERT_BYTES runs torch's kernels; 12: a decode step of a top-0 layer (the grid's
 # all-shared layout) in the whole-block call; 13: two small-expert layouts at the speed guard's boundary; 14: the
-# prefill's choice between the pairs kernel and two GEMMs measured on the machine (``native_dense_shares``)
+# prefill's choice between the pairs kernel and two GEMMs measured on the machine (``native_dense_shares``); 15: the
+# rest of a step timed as the runtime runs it, its projections in the native decode call (``rest_share``)
 #: ``scope`` of a table that timed the FFN layers only (``speed_table.measure_ffn_table``: a streamed model)
 FFN_LAYERS = "ffn_layers"
 FEATURES = ("fixed", "shared_neurons", "touched_neurons", "computed_rows", "pairs", "router_scores", "dense_rows",
@@ -148,7 +149,10 @@ def predict(table: Mapping[str, Any], layers: Sequence[Mapping[str, Any]]) -> di
                                                                dense_shares(table)) @ coef)
                   / entry["dense_ffn_s"] for run in runs]
         share = entry["ffn_share"]
-        seconds = entry["dense_model_s"] * (1 - share + share * sum(ratios) / table["n_layers"])
+        # the rest of the step as moelab's runtime runs it (its projections in the native decode call); a table from
+        # before that was timed had the dense model's rest
+        rest = entry.get("rest_share", 1 - share)
+        seconds = entry["dense_model_s"] * (rest + share * sum(ratios) / table["n_layers"])
         out[phase] = {"seconds": seconds, "dense_seconds": entry["dense_model_s"],
                       "speedup": entry["dense_model_s"] / seconds if seconds > 0 else None}
     return out

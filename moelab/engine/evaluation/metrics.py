@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -28,6 +28,8 @@ from torch import nn
 from ..data.calibration import load_calibration
 from ..models import ModelAdapter
 from ..progress import NO_PROGRESS, Progress
+from ..runtime.modeling_moelab import layer_ffns
+from ..runtime.moelab_linear import projections_in_kernels
 
 
 def heldout_windows(
@@ -51,14 +53,19 @@ def heldout_windows(
 
 @contextmanager
 def swapped_mlps(adapter: ModelAdapter, modules: dict[int, nn.Module] | None) -> Iterator[None]:
-    """Temporarily replace layer MLPs by ``modules`` (None: the dense model as loaded)."""
+    """Temporarily replace layer MLPs by ``modules`` (None or none: the dense model as loaded). A variant swapped in
+    runs as moelab's runtime runs a conversion: its projections outside the FFNs in the native decode call too
+    (``moelab_linear``), so that a baseline timed this way and a converted model differ in their FFNs alone."""
     originals = {}
     try:
-        for i, mod in (modules or {}).items():
-            block = adapter.layers[i].block
-            originals[i] = block.mlp
-            block.mlp = mod
-        yield
+        with ExitStack() as stack:
+            for i, mod in (modules or {}).items():
+                block = adapter.layers[i].block
+                originals[i] = block.mlp
+                block.mlp = mod
+            if originals:
+                stack.enter_context(projections_in_kernels(adapter.model, layer_ffns(adapter.model)))
+            yield
     finally:
         for i, mod in originals.items():
             adapter.layers[i].block.mlp = mod

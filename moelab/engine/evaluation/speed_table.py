@@ -33,7 +33,8 @@ from torch import nn
 
 from ..atomic import write_json_atomic
 from ..core.speed_prediction import FFN_LAYERS, TABLE_DIR, TABLE_VERSION, cpu_machine_name, fit, layer_features, table_key
-from ..runtime.modeling_moelab import convert_in_place, decoder_layers, ffn_name
+from ..runtime.modeling_moelab import convert_in_place, decoder_layers, ffn_name, layer_ffns
+from ..runtime.moelab_linear import projections_in_kernels
 from ..runtime import moelab_native
 from ..runtime.moelab_moe import MoeFFN
 from .speed import CpuWatch, SpeedProtocol, prefill_length, time_phases
@@ -167,6 +168,14 @@ def without_ffns(model: nn.Module) -> Iterator[None]:
         convert_in_place(model, originals)
 
 
+@contextlib.contextmanager
+def _rest_in_kernels(model: nn.Module) -> Iterator[None]:
+    """``model`` without its FFNs (``without_ffns``) and with its other projections in the native decode call: the
+    part of a step a conversion does not change, as moelab's runtime runs it (``moelab_linear``)."""
+    with without_ffns(model), projections_in_kernels(model, layer_ffns(model)):
+        yield
+
+
 #: the dense model's own phases, timed quicker than an evaluation's (the table is a prediction's basis, not a result)
 TABLE_PROTOCOL = SpeedProtocol(repeats=2, decode_steps=8)
 
@@ -176,14 +185,15 @@ def measure_table(model: nn.Module, tokens: torch.Tensor, info: dict[str, Any], 
     """The kernel table of ``model`` (a dense causal LM; ``info``: its source, d_model, d_ffn, n_layers) on its device."""
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
-    whole = time_phases({"dense": model, "no_ffn": model}, tokens, protocol=protocol,
-                        setups={"no_ffn": lambda: without_ffns(model)})
+    whole = time_phases({"dense": model, "no_ffn": model, "no_ffn_kernels": model}, tokens, protocol=protocol,
+                        setups={"no_ffn": lambda: without_ffns(model), "no_ffn_kernels": lambda: _rest_in_kernels(model)})
     tokens_by_phase = {**PHASE_TOKENS, "prefill": int(whole["phases"]["prefill"]["tokens"])}
     mlp = _first_ffn(model)
     table = _ffn_table(copy.deepcopy(mlp), info, tokens_by_phase, device, dtype, repeats)
     for phase, entry in table["phases"].items():
         timed = whole["phases"][phase]
-        entry.update(dense_model_s=timed["seconds"]["dense"], ffn_share=max(0.0, 1 - 1 / timed["speedup"]["no_ffn"]))
+        entry.update(dense_model_s=timed["seconds"]["dense"], ffn_share=max(0.0, 1 - 1 / timed["speedup"]["no_ffn"]),
+                     rest_share=1 / timed["speedup"]["no_ffn_kernels"])
     return table
 
 

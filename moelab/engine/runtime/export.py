@@ -35,7 +35,7 @@ from .modeling_moelab import (
     MoelabConfig,
     MoelabForCausalLM,
     convert_in_place,
-    decode_kept_layers,
+    decode_in_kernels,
     decoder_layers,
     layer_spec,
     realign_parameters,
@@ -107,7 +107,7 @@ def build_moe_model(
     moe.model = hf
     config.base_config = hf.config  # the live model's config, so both stay consistent
     convert_in_place(hf, {int(i): m for i, m in layer_modules.items()})
-    decode_kept_layers(hf, specs, hf.config)
+    decode_in_kernels(hf, specs, hf.config)
     realign_parameters(hf)  # same numerics as the model reloaded from disk (bit-identical logits)
     moe.all_tied_weights_keys = moe.get_expanded_tied_weights_keys(all_submodels=True)
     if getattr(hf, "generation_config", None) is not None:

@@ -10,6 +10,7 @@ Files, read top to bottom (each imports only those above it)
 -----------------------------------------------------------
 ``moelab_routers.py``       the router kinds (scores, cost, fit, init) and ``ffn_macs``, the cost
 ``moelab_native.py``        the native CPU kernels (C, compiled on first use; torch where they cannot run)
+``moelab_linear.py``        a decode step's projections outside the FFN (attention's, the LM head) in those kernels
 ``moelab_triton.py``        the GPU decode kernels (Triton, where it is installed)
 ``moelab_kernels.py``       the routed experts' fast kernels and ``select_kernel``
 ``moelab_compat.py``        loading the keys earlier runtimes wrote
@@ -48,6 +49,7 @@ from .moelab_compat import is_legacy_expert_conversion, legacy_expert_conversion
 from .moelab_dense import KernelDecode, kernel_decode
 from .moelab_hierarchical import HierarchicalExperts, set_experts
 from .moelab_kernels import EXPERTS_IMPLS, decode_layout
+from .moelab_linear import kernel_projections
 from .moelab_lowrank import LowRankMoeFFN
 from .moelab_moe import MoeExperts, MoeFFN, MoeRouter
 from .moelab_routers import COMBINES, ROUTERS
@@ -202,15 +204,22 @@ def _activation_name(config: Any) -> str:
     return str(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", ""))
 
 
-def decode_kept_layers(model: nn.Module, moe_layers: list[dict], base_config: Any) -> None:
+def decode_in_kernels(model: nn.Module, moe_layers: list[dict], base_config: Any) -> None:
     """The layers ``model`` keeps dense (``{"kind": "dense"}`` in ``moe_layers``, or past its end) decode in the MoE
-    layers' whole-block call (``moelab_dense.kernel_decode``), their down projections in its layout: a model built in
+    layers' whole-block call (``moelab_dense.kernel_decode``), their down projections in its layout, and the
+    projections outside the FFNs in the native decode call (``moelab_linear.kernel_projections``): a model built in
     memory (``export.build_moe_model``) as one loaded from disk, so that both run the same calls on the same layouts
     and compute the same bits."""
     act = _activation_name(base_config)
     for i, block in enumerate(decoder_layers(model)):
         if i >= len(moe_layers) or moe_layers[i].get("kind") == "dense":
             kernel_decode(getattr(block, "mlp", None), act)
+    kernel_projections(model, layer_ffns(model))
+
+
+def layer_ffns(model: nn.Module) -> list[nn.Module]:
+    """Every decoder layer's FFN module (``ffn_name``)."""
+    return [getattr(block, ffn_name(block)) for block in decoder_layers(model)]
 
 
 class MoelabPreTrainedModel(PreTrainedModel):
@@ -246,7 +255,7 @@ class MoelabForCausalLM(MoelabPreTrainedModel, GenerationMixin):
         if len(config.moe_layers) > len(layers):
             raise ValueError(f"{len(config.moe_layers)} moe_layers for a model of {len(layers)} layers")
         convert_in_place(self.model, {i: build_layer_module(e) for i, e in enumerate(config.moe_layers)})
-        decode_kept_layers(self.model, config.moe_layers, config.base_config)
+        decode_in_kernels(self.model, config.moe_layers, config.base_config)
         self.post_init()
 
     # delegation ...............................................................
@@ -358,7 +367,7 @@ __all__ = [
     "TealGLU",
     "build_layer_module",
     "convert_in_place",
-    "decode_kept_layers",
+    "decode_in_kernels",
     "decoder_layers",
     "layer_spec",
     "realign_parameters",

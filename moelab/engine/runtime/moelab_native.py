@@ -32,7 +32,8 @@ a Python frame: the 30 FFNs of a ``--recipe best`` conversion at 0.5 took 9.3 ms
 MLPs 26-30 ms) on a 2-vCPU AMD EPYC, and the whole model 1.46x dense against 1.28x (``bench_recipe_speed --unfused``).
 
 TEAL's layers (``moelab_teal.TealGLU``) run a decode step in one call too (``teal_decode``): each product reads
-only the weight rows some token of the step (up to eight) has a nonzero input for, each row once for them all.
+only the weight rows some token of the step (up to eight) has a nonzero input for, each row once for them all. The
+projections outside the FFN (``moelab_linear``) run a decode step in ``linear_decode``.
 
 The source is compiled once per machine and source text (``-O3 -march=native -fopenmp``) into the user's
 cache (``MOELAB_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/moelab/kernels`` or ``~/.cache/moelab/kernels``),
@@ -864,6 +865,23 @@ static void rows_dot(const float *W, int64_t r0, int64_t r1, int64_t d, const fl
     }
 }
 
+/* y [T, n] = x [T, d] W^T (+ b) for W [n, d] in nn.Linear's layout, the threads sharing W's rows: a decode step's
+   projections outside the FFN (attention's, the LM head), whose weights torch's GEMV read at half this rate on a
+   Zen 4 EPYC (the LM head: 9-10 ms on one thread or two, 4.9 ms here on two). A token's row of y has the same bits
+   whichever tokens share the call and however many threads run it. */
+void moelab_linear_decode(int64_t T, int64_t d, int64_t n, const float *x, const float *W, const float *b, float *y,
+                          int nthreads) {
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const int64_t nth = omp_get_num_threads(), th = omp_get_thread_num();
+        const int64_t r0 = n * th / nth, r1 = n * (th + 1) / nth;
+        rows_dot(W, r0, r1, d, x, T, y, n);
+        if (b)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t r = r0; r < r1; r++) y[t * n + r] += b[r];
+    }
+}
+
 /* the k best of E scores into top[0..k), best first (ties: the lower index first): each score's rank is the count
    of scores above it, comparisons that vectorise. Slots a NaN left unranked keep a valid expert index. */
 static void select_top(const float *s, int64_t E, int64_t k, int64_t *top) {
@@ -1030,6 +1048,9 @@ def load(path: Path) -> ctypes.CDLL:
     teal = library.moelab_teal_decode
     teal.restype = None
     teal.argtypes = [i64, i64, i64, ctypes.c_int, ptr, f32, f32, ptr, ptr, ptr, ptr, ctypes.c_int]
+    linear = library.moelab_linear_decode
+    linear.restype = None
+    linear.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
     ffn = library.moelab_moe_ffn_decode
     ffn.restype = None
     ffn.argtypes = ([i64, i64, ctypes.c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, i64]
@@ -1294,6 +1315,17 @@ def moe_ffn_decode(x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, to
     lower index). Scores are summed in another order than torch's GEMM, so an expert whose score ties the k-th
     to float rounding may be selected where torch selects its rival."""
     return FusedDecode(shared, shared_keep, router, top_k, combine, wgu_rows, wd_rows, m, keep, act, skip_mean)(x)
+
+
+def linear_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [T, d] @ weight.T (+ bias)`` for a decode step (``moelab_linear_decode``): ``weight [n, d]`` contiguous, as
+    ``nn.Linear`` stores it, its rows shared among torch's threads."""
+    T, d = x.shape
+    x = x.contiguous()
+    out = torch.empty(T, weight.shape[0], dtype=torch.float32)
+    library().moelab_linear_decode(T, d, weight.shape[0], x.data_ptr(), weight.data_ptr(),
+                                   None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def teal_decode(x: torch.Tensor, below_in: float, below_mid: float, gate_rows: torch.Tensor, up_rows: torch.Tensor,
