@@ -259,8 +259,8 @@ def _kernel_dense_marks(points: list[dict[str, Any]], x: str, texts: list[str]) 
             out.append(go.Scatter(x=[statistics.median(speeds)], y=[1.0], mode="markers+text", text=[KERNELS_LABEL],
                                   textposition="bottom center", textfont={"size": 10, "color": colour}, cliponaxis=False,
                                   marker={"symbol": "diamond-open", "size": 12, "color": colour}, name=f"{t}: {KERNELS_LABEL}",
-                                  hovertemplate=KERNELS_LABEL + " (the same weights and outputs, each MLP in moelab's decode "
-                                  f"call), median of {len(speeds)} evaluation(s): %{{x:.2f}}× dense speed<extra>{t}</extra>"))
+                                  hovertemplate=KERNELS_LABEL + " (the same weights and outputs, its MLPs and projections in "
+                                  f"moelab's decode calls), median of {len(speeds)} evaluation(s): %{{x:.2f}}× dense speed<extra>{t}</extra>"))
     return out
 
 

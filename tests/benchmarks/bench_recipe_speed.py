@@ -9,7 +9,7 @@ The profile is the README's shape (``builtin:mixed``, 64 × 256 tokens); each va
 --recipe R --sparsity S`` as a user does (timed: building costs seconds too), then loaded with ``from_pretrained``. The
 kernel table is measured here (the designer's is measured by the profile job the same way). speed-up = dense time /
 converted time, interleaved round by round. The dense model in moelab's kernels (``evaluation.kernel_dense``: its own
-weights, each MLP in moelab's decode call) is timed in the same rounds, and each conversion's speed over it
+weights, its MLPs and the projections outside them in moelab's decode calls) is timed in the same rounds, and each conversion's speed over it
 (``over_dense_kernels``) is what its sparsity gives beyond the kernels. TEAL (``--teal``, default costs 0.5 and 0.75; ``--teal`` alone: none) is calibrated as an evaluation
 calibrates it and timed in the same rounds, with its row-skipping CPU decode kernel. Writes tests/benchmarks/results/bench_recipe_speed.json and prints one
 summary line.

@@ -107,8 +107,8 @@ def _evaluation_lines(evaluation: dict | None, record: dict) -> list[str]:
             lines += [f"Speed against the dense model ({speed['runtime']}; {speed['device']}, {speed['dtype']}, "
                       f"{speed['threads']} threads; median of {speed['protocol']['repeats']} interleaved rounds"
                       + ("; TEAL at the conversion's cost, timed the same way" if "teal" in others else "")
-                      + (f"; {KERNEL_LABEL}: the dense model's own weights, each MLP in moelab's decode call, what the "
-                         "kernels give without sparsity" if KERNEL_DENSE in others else "") + "):", "",
+                      + (f"; {KERNEL_LABEL}: the dense model's own weights, its MLPs and the projections outside "
+                         "them in moelab's decode calls, what the kernels give without sparsity" if KERNEL_DENSE in others else "") + "):", "",
                       "| phase | dense (ms) |" + "".join(f" {label} (ms) | {label} × dense speed |"
                                                   for label in (KERNEL_LABEL if n == KERNEL_DENSE else n for n in others)),
                       "|---|---|" + "---|---|" * len(others)]
