@@ -506,10 +506,11 @@ NARROWER_X86 = {"AVX2": ("-march=x86-64-v3", "avx2"), "SSE2": ("-march=x86-64", 
 
 
 @pytest.mark.parametrize("build", NARROWER_X86)
-def test_the_teal_call_of_a_narrower_x86_build_gives_the_same_outputs(build, tmp_path, monkeypatch):
+def test_the_teal_and_linear_calls_of_a_narrower_x86_build_give_the_same_outputs(build, tmp_path, monkeypatch):
     """``moelab_teal_decode`` built for AVX2 or plain x86-64 (blocks of four tokens, a step of eight in two) and run here
     gives this machine's build's outputs for 1-8 tokens at widths the 24-column kernels tile (48 / 96, with 2 threads
-    a slice of 48) and ones they do not (40 / 72)."""
+    a slice of 48) and ones they do not (40 / 72); and ``moelab_linear_decode`` (tokens in pairs there, in fours under
+    AVX-512) the same outputs, to the rounding another build's code allows."""
     import platform
 
     march, flag = NARROWER_X86[build]
@@ -518,7 +519,8 @@ def test_the_teal_call_of_a_narrower_x86_build_gives_the_same_outputs(build, tmp
     if platform.machine() != "x86_64" or flag not in flags or moelab_native.library() is None:
         pytest.skip(f"needs an x86-64 CPU with {flag} and a C compiler")
     _build_for("gcc", march, tmp_path / "narrow.so")
-    narrow = moelab_native.load(tmp_path / "narrow.so").moelab_teal_decode
+    narrow_library = moelab_native.load(tmp_path / "narrow.so")
+    narrow = narrow_library.moelab_teal_decode
     g = torch.Generator().manual_seed(11)
     for d, D in ((48, 96), (40, 72)):
         wg, wu = torch.randn(d, D, generator=g) / d ** 0.5, torch.randn(d, D, generator=g) / d ** 0.5
@@ -532,3 +534,8 @@ def test_the_teal_call_of_a_narrower_x86_build_gives_the_same_outputs(build, tmp
                 narrow(T, d, D, 0, x[:T].contiguous().data_ptr(), 0.3, 0.02, wg.data_ptr(), wu.data_ptr(),
                        wd.data_ptr(), got.data_ptr(), threads)
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"{build} d={d} T={T}")
+                want = moelab_native.linear_decode(x[:T], wd, None)  # [d_ffn, d] rows: D outputs of x's d inputs
+                got = torch.empty(T, D)
+                narrow_library.moelab_linear_decode(T, d, D, x[:T].contiguous().data_ptr(), wd.data_ptr(), None,
+                                                    got.data_ptr(), threads)
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"{build} linear d={d} T={T}")

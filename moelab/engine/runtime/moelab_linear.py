@@ -5,9 +5,9 @@ At a decode step of a few tokens torch computes an ``nn.Linear`` as a GEMV that 
 rate the machine allows (on 2 threads of a Zen 4 EPYC 11 GB/s, on one thread or two). A small model's step is dozens
 of them: the default model's 30 layers spent 10.4 ms of a 59 ms step in attention's projections and 10.2 ms in the
 LM head (49,152 × 576), against 26.7 ms in the FFNs (torch's profiler). The kernel (``moelab_native.linear_decode``)
-shares the weight's rows among the threads, a token's dot products 32 floats at a time: one token through a
-576 × 576 projection 127 → 67 µs, through the LM head 11.1 → 4.9 ms; eight tokens 158 → 115 µs and 20.6 → 8.6 ms
-(weights from memory, timed beside torch in one process). A conversion's FFNs run in moelab's kernels; without this
+shares the weight's rows among the threads, a token's dot products 32 floats at a time and, under AVX-512, four
+tokens' at once: one token through a 576 × 576 projection 118 → 45 µs, through the LM head 10.0 → 3.4 ms; eight
+tokens 210 → 85 µs and 22.1 → 6.7 ms (weights from memory, timed beside torch in one process; docs/runtime.md). A conversion's FFNs run in moelab's kernels; without this
 its step kept the dense model's slow projections, a fixed cost its FFNs' savings were measured against.
 
 ``kernel_projections`` gives every plain ``nn.Linear`` outside the decoder layers' FFNs that call at a decode step

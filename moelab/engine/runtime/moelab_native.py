@@ -831,13 +831,28 @@ static inline float dot_finish(v8 a0, v8 a1, v8 a2, v8 a3, const float *w, const
 }
 
 /* out[t · ld + r] = x_t · W[r] for rows r0..r1 of W [·, d] and the T rows of x (the shared expert's gate and up
-   rows and the router's, nn.Linear's layout: each a contiguous row of d). Tokens go in pairs, each weight vector
-   loaded serving both (one by one, a batch took two loads a multiply-add) */
+   rows and the router's, nn.Linear's layout: each a contiguous row of d). Tokens go in fours under AVX-512 (32
+   vector registers: 16 sums and 4 weight vectors), else in pairs, each weight vector loaded serving them all (one by
+   one, a batch took two loads a multiply-add); each token's sums run in the same order whatever its group */
 static void rows_dot(const float *W, int64_t r0, int64_t r1, int64_t d, const float *x, int64_t T, float *out,
                      int64_t ld) {
     for (int64_t r = r0; r < r1; r++) {
         const float *w = W + r * d;
         int64_t t = 0;
+#if defined(__AVX512F__)
+        for (; t + 4 <= T; t += 4) {
+            const float *x0 = x + t * d, *x1 = x0 + d, *x2 = x1 + d, *x3 = x2 + d;
+            DOT_ZERO(0); DOT_ZERO(1); DOT_ZERO(2); DOT_ZERO(3);
+            int64_t i = 0;
+            for (; i + 32 <= d; i += 32) {
+                PREFETCH(w + i); PREFETCH(w + i + 16);
+                const v8 w0 = *(const v8 *)(w + i), w1 = *(const v8 *)(w + i + 8);
+                const v8 w2 = *(const v8 *)(w + i + 16), w3 = *(const v8 *)(w + i + 24);
+                DOT_STEP(0); DOT_STEP(1); DOT_STEP(2); DOT_STEP(3);
+            }
+            DOT_END(0, t); DOT_END(1, t + 1); DOT_END(2, t + 2); DOT_END(3, t + 3);
+        }
+#endif
         for (; t + 2 <= T; t += 2) {
             const float *x0 = x + t * d, *x1 = x0 + d;
             DOT_ZERO(0); DOT_ZERO(1);
