@@ -7,8 +7,9 @@ of them: the default model's 30 layers spent 10.4 ms of a 59 ms step in attentio
 LM head (49,152 × 576), against 26.7 ms in the FFNs (torch's profiler). The kernel (``moelab_native.linear_decode``)
 shares the weight's rows among the threads, a token's dot products 32 floats at a time and, under AVX-512, four
 tokens' at once: one token through a 576 × 576 projection 118 → 45 µs, through the LM head 10.0 → 3.4 ms; eight
-tokens 210 → 85 µs and 22.1 → 6.7 ms (weights from memory, timed beside torch in one process; docs/runtime.md). A conversion's FFNs run in moelab's kernels; without this
-its step kept the dense model's slow projections, a fixed cost its FFNs' savings were measured against.
+tokens 210 → 85 µs and 22.1 → 6.7 ms (weights from memory, timed beside torch in one process; docs/runtime.md). A
+conversion's FFNs run in moelab's kernels; without this its step kept the dense model's slow projections, a fixed
+cost its FFNs' savings were measured against.
 
 ``kernel_projections`` gives every plain ``nn.Linear`` outside the decoder layers' FFNs that call at a decode step
 (up to ``DECODE_TOKENS`` float32 tokens on the CPU, no gradient, a contiguous weight); anything else runs
