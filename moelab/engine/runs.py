@@ -29,7 +29,7 @@ from .evaluation.speed import SpeedProtocol, time_phases
 from .evaluation.metrics import MC_TASKS, evaluate_models, evaluate_variants, heldout_windows, swapped_mlps
 from .methods import ConversionInputs, Method, check_conversion, get_method, method_of
 from .models import ModelAdapter, adapt, load_model
-from .runtime.export import CONVERSION_FILE, export_model, load_exported
+from .runtime.export import CONVERSION_FILE, export_model, load_exported, runtime_is_current
 from .runtime.param_count import ffn_flops_fraction
 from .profiling.store import ProfileNotFound, StoredProfile, write_profile
 from .profiling.profiler import ProfileSettings, profile_model
@@ -303,6 +303,8 @@ def run_evaluation(
     reference_scores.save(data_dir, key, results["dense"])
     timed: dict[str, Any] = {}
     if speed is not None:
+        if not runtime_is_current(conversion_dir):
+            notes["runtime"] = OLD_RUNTIME_NOTE.format(dir=conversion_dir)
         with progress.step("time dense and converted"):
             teal = (adapter, variants.get("teal")) if method.baselines is not None else None
             timed = {"speed": _time_models(dense, converted, teal, windows, speed)}
@@ -375,6 +377,10 @@ def _bigbench_request(data_dir: Path, mc_per_task: int) -> TaskRequest | None:
         return None
     return TaskRequest(tasks=("moelab_bigbench_mc",), limit=mc_per_task * len(MC_TASKS), data_dir=Path(data_dir))
 
+
+OLD_RUNTIME_NOTE = ("{dir} carries the runtime moelab had when it was written, and was timed with it; moelab's runtime "
+                    "has changed since (its kernels, and the baselines timed beside it, may be faster): "
+                    "`moelab export {dir} --format moelab --out NEW` writes the same weights with the current one")
 
 #: The TEAL baseline's calibration tokens when the record has no ``fit_tokens``: the partition methods' default.
 TEAL_FIT_TOKENS = 4096

@@ -152,6 +152,13 @@ def copy_runtime(out_dir: Path) -> None:
         shutil.copyfile(f, Path(out_dir) / f.name)
 
 
+def runtime_is_current(export_dir: Path | str) -> bool:
+    """Whether ``export_dir`` carries this moelab's runtime (``RUNTIME_FILES``) byte for byte: an export keeps the
+    runtime it was written with and loads with it, so one written before a kernel changed runs without the change."""
+    return all((Path(export_dir) / f.name).is_file() and (Path(export_dir) / f.name).read_bytes() == f.read_bytes()
+               for f in RUNTIME_FILES)
+
+
 def load_exported(path: Path | str, **kwargs: Any) -> nn.Module:
     """Load an exported MoE model (runs its bundled modeling_moelab.py)."""
     from transformers import AutoModelForCausalLM
