@@ -36,7 +36,8 @@ def how_timed(summary: dict[str, Any] | None) -> str:
     p = speed.get("protocol") or {}
     busy = busy_note(speed)
     return (f"{speed.get('device')}, {speed.get('dtype')}, {speed.get('threads')} threads, {speed.get('runtime')}; "
-            f"median of {p.get('repeats')} interleaved rounds" + (f"; {busy}" if busy else ""))
+            f"median of {p.get('repeats')} interleaved rounds" + (f"; {busy}" if busy else "")
+            + (f"; {speed['old_runtime']}" if speed.get("old_runtime") else ""))
 
 
 def phase_text(summary: dict[str, Any] | None, phase: str) -> str:
@@ -65,12 +66,14 @@ def phase_title(summary: dict[str, Any] | None, phase: str) -> str:
 
 def speed_cell(summary: dict[str, Any] | None, name: str = "converted") -> str:
     """'1.31× / 0.82× / 0.90×': every phase's speed over dense, in :data:`PHASES` order, marked '(busy machine)' when
-    other processes took a share of the CPUs that makes the ratios unreliable (``busy_note``); '' when not timed."""
+    other processes took a share of the CPUs that makes the ratios unreliable (``busy_note``) and '(older runtime)'
+    when the export ran a runtime older than moelab's (``old_runtime``); '' when not timed."""
     values = [phase_speedup(summary, phase, name) for phase in PHASES]
     if not any(v is not None for v in values):
         return ""
-    busy = busy_note((summary or {}).get("speed"))
-    return " / ".join("–" if v is None else f"{v:.2f}×" for v in values) + (" (busy machine)" if busy else "")
+    speed = (summary or {}).get("speed") or {}
+    marks = [mark for mark, on in (("busy machine", busy_note(speed)), ("older runtime", speed.get("old_runtime"))) if on]
+    return " / ".join("–" if v is None else f"{v:.2f}×" for v in values) + (f" ({', '.join(marks)})" if marks else "")
 
 
 def perplexity_ratio(summary: dict[str, Any] | None, name: str) -> float | None:

@@ -303,11 +303,9 @@ def run_evaluation(
     reference_scores.save(data_dir, key, results["dense"])
     timed: dict[str, Any] = {}
     if speed is not None:
-        if not runtime_is_current(conversion_dir):
-            notes["runtime"] = OLD_RUNTIME_NOTE.format(dir=conversion_dir)
         with progress.step("time dense and converted"):
             teal = (adapter, variants.get("teal")) if method.baselines is not None else None
-            timed = {"speed": _time_models(dense, converted, teal, windows, speed)}
+            timed = {"speed": {**_time_models(dense, converted, teal, windows, speed), **_runtime_age(conversion_dir)}}
     if method.extra_evaluation is not None:
         extra = method.extra_evaluation(converted, tokenizer, record, data_dir=data_dir, n_windows=n_windows,
                                         seq_len=seq_len, progress=progress)
@@ -356,6 +354,12 @@ def _time_models(dense: Any, converted: Any, teal: tuple[ModelAdapter, dict[int,
     return {**speed, **({"kernel_dense_note": problem} if problem else {})}
 
 
+def _runtime_age(conversion_dir: Path) -> dict[str, str]:
+    """``{"old_runtime": note}`` where the export carries a runtime other than this moelab's (it was timed with its
+    own: the note says so beside the times, wherever they are shown, and how to re-export), else ``{}``."""
+    return {} if runtime_is_current(conversion_dir) else {"old_runtime": OLD_RUNTIME_NOTE.format(dir=conversion_dir)}
+
+
 def _task_scores(models: dict[str, tuple[Any, dict[int, Any] | None]], tokenizer: Any,
                  loaded: list[tuple[TaskRequest, dict[str, Any]]], adapter: ModelAdapter | None, progress: Progress,
                  ) -> dict[str, dict[str, Any]]:
@@ -378,7 +382,7 @@ def _bigbench_request(data_dir: Path, mc_per_task: int) -> TaskRequest | None:
     return TaskRequest(tasks=("moelab_bigbench_mc",), limit=mc_per_task * len(MC_TASKS), data_dir=Path(data_dir))
 
 
-OLD_RUNTIME_NOTE = ("{dir} carries the runtime moelab had when it was written, and was timed with it; moelab's runtime "
+OLD_RUNTIME_NOTE = ("an older runtime: {dir} carries the runtime moelab had when it was written, and was timed with it; moelab's runtime "
                     "has changed since (its kernels, and the baselines timed beside it, may be faster): "
                     "`moelab export {dir} --format moelab --out NEW` writes the same weights with the current one")
 

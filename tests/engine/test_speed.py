@@ -141,12 +141,12 @@ def test_an_evaluation_times_its_converted_model_against_dense(tiny_model, data_
     assert ("kernel_dense_note" in speed) != bool(compiler)
     assert "speed" not in run_evaluation(conversion, data_dir=data_dir, n_windows=2, seq_len=16, write=False, mc_per_task=0,
                                          baselines=False, speed=None)
-    assert "runtime" not in report.get("notes", {})  # written by this moelab: its runtime is the current one
+    assert "old_runtime" not in speed  # written by this moelab: its runtime is the current one
 
 
 def test_an_evaluation_says_when_the_conversion_carries_an_older_runtime(tiny_model, data_dir, tmp_path_factory):
     """An export runs the runtime it was written with: one whose runtime differs from this moelab's is timed as written
-    and the evaluation says so, naming the command that writes it with the current runtime; that command's output
+    and the evaluation's speed says so, naming the command that writes it with the current runtime; that command's output
     carries the current runtime and the note goes."""
     from moelab.engine.runs import run_evaluation
     from moelab.engine.runtime.export import runtime_is_current
@@ -158,8 +158,9 @@ def test_an_evaluation_says_when_the_conversion_carries_an_older_runtime(tiny_mo
     assert not runtime_is_current(conversion)
     report = run_evaluation(conversion, data_dir=data_dir, n_windows=2, seq_len=16, write=False, mc_per_task=0,
                             baselines=False, speed=QUICK)
-    note = report["notes"]["runtime"]
+    note = report["speed"]["old_runtime"]
     assert f"moelab export {conversion} --format moelab --out NEW" in note and "timed with it" in note
+    assert f"  {note}" in describe(report["speed"])  # what `moelab evaluate` prints
     out = conversion.parent / "current"
     done = subprocess.run([sys.executable, "-m", "moelab.cli", "export", str(conversion), "--format", "moelab", "--out",
                            str(out)], capture_output=True, text=True, env={**os.environ, "MOELAB_DATA_DIR": str(data_dir)})

@@ -136,3 +136,16 @@ def test_the_kernel_baseline_says_its_speed_and_the_conversions_over_it():
     assert kernel_words(none) == ""
     none["speed"]["kernel_dense_note"] = "moelab's kernels run float32 on the CPU; this model is bfloat16 on cuda"
     assert kernel_words(none) == "not timed: moelab's kernels run float32 on the CPU; this model is bfloat16 on cuda"
+
+
+def test_a_timing_of_an_export_with_an_older_runtime_says_so_in_the_cell_and_its_hover():
+    """An evaluation of an export whose runtime is older than moelab's (``old_runtime``, with the re-export to run):
+    the speed cell is marked and the hover says why and what to run; a timing with the current runtime adds nothing."""
+    current, old = (_summary(CONV, None, {"converted": 1.9}) for _ in range(2))
+    old["speed"]["old_runtime"] = "an older runtime: runs/c1 carries … `moelab export runs/c1 --format moelab --out NEW` …"
+    assert speed_cell(current) == "1.20× / 1.10× / 0.95×"
+    assert speed_cell(old) == "1.20× / 1.10× / 0.95× (older runtime)"
+    assert "moelab export runs/c1 --format moelab --out NEW" in phase_title(old, "prefill")
+    assert "older runtime" not in phase_title(current, "prefill")
+    old["speed"]["others_cpu_share"] = 0.48
+    assert speed_cell(old) == "1.20× / 1.10× / 0.95× (busy machine, older runtime)"

@@ -384,6 +384,8 @@ def describe(speed: Mapping[str, Any], name: str | None = None) -> list[str]:
              f"{speed['threads']} threads; median of {p['repeats']} interleaved rounds)"]
     if (busy := busy_note(speed)) is not None:
         lines.append(f"  {busy}")
+    if speed.get("old_runtime"):
+        lines.append(f"  {speed['old_runtime']}")
     for model in names:
         for phase, entry in speed["phases"].items():
             unit = "per step" if phase != "prefill" else ""
