@@ -160,7 +160,7 @@ class _ZeroFFN(nn.Module):
 @contextlib.contextmanager
 def without_ffns(model: nn.Module) -> Iterator[None]:
     """``model`` with every decoder layer's FFN returning zeros, for the time of the block."""
-    originals = {i: getattr(layer, ffn_name(layer)) for i, layer in enumerate(decoder_layers(model))}
+    originals = dict(enumerate(layer_ffns(model)))
     convert_in_place(model, {i: _ZeroFFN() for i in originals})
     try:
         yield

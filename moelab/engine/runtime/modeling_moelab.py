@@ -10,12 +10,12 @@ Files, read top to bottom (each imports only those above it)
 -----------------------------------------------------------
 ``moelab_routers.py``       the router kinds (scores, cost, fit, init) and ``ffn_macs``, the cost
 ``moelab_native.py``        the native CPU kernels (C, compiled on first use; torch where they cannot run)
-``moelab_linear.py``        a decode step's projections outside the FFN (attention's, the LM head) in those kernels
 ``moelab_triton.py``        the GPU decode kernels (Triton, where it is installed)
 ``moelab_kernels.py``       the routed experts' fast kernels and ``select_kernel``
 ``moelab_compat.py``        loading the keys earlier runtimes wrote
 ``moelab_moe.py``           ``MoeExperts`` (reference forward), ``MoeRouter`` and ``MoeFFN``, the sparse block
 ``moelab_dense.py``         the layers kept dense, at a decode step in the sparse block's native call
+``moelab_linear.py``        a decode step's projections outside the FFN (attention's, the LM head) in a native call
 ``moelab_abstopk.py``       ``AbsTopKGLU``: EW Eq. 2 baseline, per-token top-k neurons
 ``moelab_teal.py``          ``TealGLU``: TEAL baseline, magnitude thresholds on the projections' inputs
 ``moelab_hierarchical.py``  ``HierarchicalExperts``: AF Eq. 10, sub-experts inside every expert

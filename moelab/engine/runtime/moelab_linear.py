@@ -26,6 +26,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from .moelab_moe import _needs_grad
 from .moelab_native import DECODE_TOKENS, library as native_library, linear_decode
 
 
@@ -37,9 +38,7 @@ class KernelLinear(nn.Linear):
         if (x.dtype == torch.float32 and x.is_cpu and 0 < x.numel() <= DECODE_TOKENS * self.in_features
                 and w.dtype == torch.float32 and w.is_cpu and w.is_contiguous()
                 and (b is None or (b.dtype == torch.float32 and b.is_cpu and b.is_contiguous()))
-                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
-                                                      or (b is not None and b.requires_grad)))
-                and native_library() is not None):
+                and not _needs_grad(x, w, b) and native_library() is not None):
             y = linear_decode(x.reshape(-1, self.in_features), w, b)
             return y.view(*x.shape[:-1], self.out_features)
         return super().forward(x)
