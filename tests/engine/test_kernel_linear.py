@@ -139,3 +139,7 @@ def test_the_prediction_takes_the_rest_of_a_step_as_the_runtime_runs_it():
     assert predict(table, dense_layers)["decode_b1"]["speedup"] == pytest.approx(1.0)
     phase["rest_share"] = 0.3  # the rest runs in 0.3 of the dense step, the FFNs in 0.4 as before
     assert predict(table, dense_layers)["decode_b1"]["speedup"] == pytest.approx(1 / 0.7)
+    # above 8 tokens the projections run torch's own forward: the rest is the dense model's, whatever was timed
+    prefill = {**phase, "tokens": 512, "rest_share": 0.62}
+    table["phases"] = {"prefill": prefill}
+    assert predict(table, dense_layers)["prefill"]["speedup"] == pytest.approx(1.0)

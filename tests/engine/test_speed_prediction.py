@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from moelab.engine.core.speed_prediction import (FEATURES, TABLE_DIR, TABLE_VERSION, describe_predicted, find_table, fit, layer_features,
+from moelab.engine.core.speed_prediction import (FEATURES, TABLE_DIR, TABLE_VERSION, busy_words, describe_predicted, find_table, fit, layer_features,
                                                   plan_layers, predict, predicted_summary, runs_dense,
                                                   kernel_dense_layers, kernel_dense_words)
 
@@ -387,7 +387,8 @@ def test_on_the_default_model_the_prediction_meets_the_measurement_within_20_per
     adapter = load_model("default", data_dir=data_dir)
     windows = heldout_windows(adapter.tokenizer, data_dir, seq_len=128, n_windows=4)
     table = find_table(data_dir, prof.manifest["model"]["source"])  # what the profile measured (or found) for the designer
-    if table is None or table["threads"] != torch.get_num_threads():
+    # a table timed while other processes took the CPUs says so and is not a basis for the check: timed again here
+    if table is None or table["threads"] != torch.get_num_threads() or busy_words(table):
         table = measure_table(adapter.model.eval(), windows, {"source": "default", "d_model": adapter.d_model,
                                                                "d_ffn": adapter.layers[0].d_ffn, "n_layers": len(adapter.layers)})
     layers = json.loads((tmp_path / "c" / "config.json").read_text())["moe_layers"]

@@ -149,13 +149,24 @@ def predict(table: Mapping[str, Any], layers: Sequence[Mapping[str, Any]]) -> di
                                                                dense_shares(table)) @ coef)
                   / entry["dense_ffn_s"] for run in runs]
         share = entry["ffn_share"]
-        # the rest of the step as moelab's runtime runs it (its projections in the native decode call); a table from
-        # before that was timed had the dense model's rest
-        rest = entry.get("rest_share", 1 - share)
+        rest = rest_share(entry)
         seconds = entry["dense_model_s"] * (rest + share * sum(ratios) / table["n_layers"])
         out[phase] = {"seconds": seconds, "dense_seconds": entry["dense_model_s"],
                       "speedup": entry["dense_model_s"] / seconds if seconds > 0 else None}
     return out
+
+
+def rest_share(entry: Mapping[str, Any]) -> float:
+    """The share of a dense step (a table's phase ``entry``) that is not its FFNs, as moelab's runtime runs it: timed
+    with the projections outside the FFNs in the native decode call (``rest_share``) where a step of this many tokens
+    runs them there (up to GATHER_MAX_TOKENS, ``runtime.moelab_linear``). Above, nothing differs from the dense model's
+    rest, so it is ``1 - ffn_share``: the second timing of the same thing only added its noise, and the dense model in
+    the kernels was predicted at 0.986-0.990x dense at prefill, where it runs the dense model's own GEMMs (a Zen 3 EPYC,
+    two tables). A table from before ``rest_share`` was timed has the dense model's rest in every phase."""
+    share = float(entry["ffn_share"])
+    if int(entry["tokens"]) > GATHER_MAX_TOKENS:
+        return 1 - share
+    return float(entry.get("rest_share", 1 - share))
 
 
 def _as_run(table: Mapping[str, Any], layer: Mapping[str, Any], tokens: int) -> Mapping[str, Any] | None:
