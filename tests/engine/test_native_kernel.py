@@ -90,10 +90,11 @@ def test_the_skipped_means_by_either_sum_equal_the_reference_loop(top_k, d_model
     assert seen == [1, 8, 64]
 
 
-@pytest.mark.parametrize("d_model, expert_size", [(40, 13), (576, 12), (50, 40)])
+@pytest.mark.parametrize("d_model, expert_size", [(40, 13), (576, 12), (72, 12), (50, 40)])
 def test_odd_sizes_take_the_remainder_paths(d_model, expert_size, monkeypatch):
-    """Widths that are not multiples of the kernels' 24-number tiles (d_model 40 and 50, 2m 26 and 80) and the
-    quickselect of experts wider than 32 neurons (down_keep 0.5 of 40) == the reference loop."""
+    """Widths that are not multiples of the kernels' 24-number tiles (d_model 40 and 50, 2m 26 and 80), a d_model
+    that AVX-512's 48-column down tiles leave 24 of (72), and the quickselect of experts wider than 32 neurons
+    (down_keep 0.5 of 40) == the reference loop."""
     mod = kernel_moe("ridge", "weighted", d_model=d_model, n_experts=6, top_k=3, d_shared=0, d_ffn=6 * expert_size,
                      down_keep=0.5)
     seen = calls(monkeypatch)

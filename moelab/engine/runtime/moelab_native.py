@@ -450,6 +450,31 @@ static void down_24x8(const float *Wd, int64_t ld, const int64_t *rows, int64_t 
     X8(DN_STORE)
 }
 
+/* down_24x8 on 48 columns: three 16-float vectors a row where 24 columns take a 16- and an 8-float one, so a
+   multiply-add does 16 lanes' work, not 12 on average, and each token's broadcast input serves 48 columns. The routed
+   prefill call (96 experts of 12, half of each down kept, 512 tokens, top-24 to top-48, 2 threads of an Ice Lake
+   Xeon, both builds in one process) took 12-14% less time; each column's sum runs in the same order, so the bits are
+   the same. At a decode step of 8 tokens (rows_columns), which reads the weights from memory, it gained nothing. */
+static void down_48x8(const float *Wd, int64_t ld, const int64_t *rows, int64_t n, const float *const *hq,
+                      float *const *outs, int64_t i) {
+#define D48_INIT(q) v16 a##q##0 = *(const v16 *)(outs[q] + i), a##q##1 = *(const v16 *)(outs[q] + i + 16), \
+    a##q##2 = *(const v16 *)(outs[q] + i + 32); const float *h##q = hq[q];
+#define D48_STEP(q) { v16 c##q = (v16)_mm512_set1_ps(h##q[r]); IN_REGISTERS1(c##q); \
+    a##q##0 += c##q * w0; a##q##1 += c##q * w1; a##q##2 += c##q * w2; }
+#define D48_STORE(q) *(v16 *)(outs[q] + i) = a##q##0; *(v16 *)(outs[q] + i + 16) = a##q##1; \
+    *(v16 *)(outs[q] + i + 32) = a##q##2;
+    X8(D48_INIT)
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t r = rows[j];
+        const float *wr = Wd + r * ld + i;
+        __builtin_prefetch(wr + 48); __builtin_prefetch(wr + 64); __builtin_prefetch(wr + 80);  /* as in down_24 */
+        v16 w0 = *(const v16 *)wr, w1 = *(const v16 *)(wr + 16), w2 = *(const v16 *)(wr + 32);
+        IN_REGISTERS3(w0, w1, w2);
+        X8(D48_STEP)
+    }
+    X8(D48_STORE)
+}
+
 /* gate_up_block, kept products and down_block for 8 tokens (xs, outs) of an expert whose 2m and d are multiples of
    24; h: scratch of 8·2m */
 static void expert_block8(const float *W, const float *Wd, int64_t d, int64_t m, int64_t keep, int act,
@@ -461,7 +486,9 @@ static void expert_block8(const float *W, const float *Wd, int64_t d, int64_t m,
     const int64_t n = kept_rows(h, m2, m, TBW, rows);
     const float *hq[TBW];
     for (int q = 0; q < TBW; q++) hq[q] = h + q * m2;
-    for (int64_t i = 0; i < d; i += 24) down_24x8(Wd, d, rows, n, hq, outs, i);
+    int64_t i = 0;
+    for (; i + 48 <= d; i += 48) down_48x8(Wd, d, rows, n, hq, outs, i);
+    for (; i < d; i += 24) down_24x8(Wd, d, rows, n, hq, outs, i);
 }
 #else
 #define TBW TB
