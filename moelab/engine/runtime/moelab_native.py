@@ -864,15 +864,6 @@ static inline float dot_finish(v8 a0, v8 a1, v8 a2, v8 a3, const float *w, const
     return s;
 }
 
-/* out[t · ld + r] = x_t · W[r] for rows r0..r1 of W [·, d] and the T rows of x (the shared expert's gate and up
-   rows and the router's, nn.Linear's layout: each a contiguous row of d). Tokens go in fours under AVX-512 (32
-   vector registers: 16 sums and 4 weight vectors), in threes under AVX2 (16: 12 sums and 4 weight vectors, each
-   token's inputs read by its multiply-adds from L1), then in pairs, each weight vector loaded once serving them all
-   (one by one, a batch took two loads a multiply-add). Each token's sums run in the same order whatever its group.
-   Threes and the weights pinned in registers (DOT_LOAD; GCC had folded their loads into every token's multiply-add)
-   took a batch of 8 through the 49,152-row LM head from 6.5-7.3 to 5.6-6.9 ms and through a 576-square projection
-   from 79-100 to 69-90 µs on a Zen 3 EPYC (2 threads; three runs, the builds side by side in one process), the
-   same bits; 1 to 4 tokens, which read the weights from memory, within that host's noise. */
 /* one group of N tokens (XN: the X-macro over 0..N-1) at a time through the row w, as long as N are left */
 #define DOT_X(q) const float *x##q = x + (t + q) * d; DOT_ZERO(q);
 #define DOT_S(q) DOT_STEP(q);
@@ -892,6 +883,16 @@ static inline float dot_finish(v8 a0, v8 a1, v8 a2, v8 a3, const float *w, const
 #define X2(F) F(0) F(1)
 #define X3(F) F(0) F(1) F(2)
 #define X4(F) F(0) F(1) F(2) F(3)
+
+/* out[t · ld + r] = x_t · W[r] for rows r0..r1 of W [·, d] and the T rows of x (the shared expert's gate and up
+   rows and the router's, nn.Linear's layout: each a contiguous row of d). Tokens go in fours under AVX-512 (32
+   vector registers: 16 sums and 4 weight vectors), in threes under AVX2 (16: 12 sums and 4 weight vectors, each
+   token's inputs read by its multiply-adds from L1), then in pairs, each weight vector loaded once serving them all
+   (one by one, a batch took two loads a multiply-add). Each token's sums run in the same order whatever its group.
+   Threes and the weights pinned in registers (DOT_LOAD; GCC had folded their loads into every token's multiply-add)
+   took a batch of 8 through the 49,152-row LM head from 6.5-7.3 to 5.6-6.9 ms and through a 576-square projection
+   from 79-100 to 69-90 µs on a Zen 3 EPYC (2 threads; three runs, the builds side by side in one process), the
+   same bits; 1 to 4 tokens, which read the weights from memory, within that host's noise. */
 static void rows_dot(const float *W, int64_t r0, int64_t r1, int64_t d, const float *x, int64_t T, float *out,
                      int64_t ld) {
     for (int64_t r = r0; r < r1; r++) {
