@@ -459,8 +459,8 @@ static void down_48x8(const float *Wd, int64_t ld, const int64_t *rows, int64_t 
                       float *const *outs, int64_t i) {
 #define D48_INIT(q) v16 a##q##0 = *(const v16 *)(outs[q] + i), a##q##1 = *(const v16 *)(outs[q] + i + 16), \
     a##q##2 = *(const v16 *)(outs[q] + i + 32); const float *h##q = hq[q];
-#define D48_STEP(q) { v16 c##q = (v16)_mm512_set1_ps(h##q[r]); IN_REGISTERS1(c##q); \
-    a##q##0 += c##q * w0; a##q##1 += c##q * w1; a##q##2 += c##q * w2; }
+#define D48_STEP(q) { V24_SCALAR(c##q, h##q[r]); a##q##0 += c##q##l * w0; a##q##1 += c##q##l * w1; \
+    a##q##2 += c##q##l * w2; }
 #define D48_STORE(q) *(v16 *)(outs[q] + i) = a##q##0; *(v16 *)(outs[q] + i + 16) = a##q##1; \
     *(v16 *)(outs[q] + i + 32) = a##q##2;
     X8(D48_INIT)
