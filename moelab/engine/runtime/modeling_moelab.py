@@ -15,6 +15,7 @@ Files, read top to bottom (each imports only those above it)
 ``moelab_compat.py``        loading the keys earlier runtimes wrote
 ``moelab_moe.py``           ``MoeExperts`` (reference forward), ``MoeRouter`` and ``MoeFFN``, the sparse block
 ``moelab_dense.py``         the layers kept dense, at a decode step in the sparse block's native call
+``moelab_layer.py``         a decoder layer's decode step in fewer Python and torch calls
 ``moelab_linear.py``        a decode step's projections outside the FFN (attention's, the LM head) in a native call
 ``moelab_abstopk.py``       ``AbsTopKGLU``: EW Eq. 2 baseline, per-token top-k neurons
 ``moelab_teal.py``          ``TealGLU``: TEAL baseline, magnitude thresholds on the projections' inputs
@@ -207,7 +208,8 @@ def _activation_name(config: Any) -> str:
 def decode_in_kernels(model: nn.Module, moe_layers: list[dict], base_config: Any) -> None:
     """The layers ``model`` keeps dense (``{"kind": "dense"}`` in ``moe_layers``, or past its end) decode in the MoE
     layers' whole-block call (``moelab_dense.kernel_decode``), their down projections in its layout, and the
-    projections outside the FFNs in the native decode call (``moelab_linear.kernel_projections``): a model built in
+    projections outside the FFNs in the native decode call and the decoder layers' lean decode step
+    (``moelab_linear.kernel_projections``, ``moelab_layer``): a model built in
     memory (``export.build_moe_model``) as one loaded from disk, so that both run the same calls on the same layouts
     and compute the same bits."""
     act = _activation_name(base_config)

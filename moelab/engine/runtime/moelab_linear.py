@@ -26,6 +26,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from .moelab_layer import lean_layers, plain_layers
 from .moelab_moe import _needs_grad
 from .moelab_native import DECODE_TOKENS, library as native_library, linear_decode
 
@@ -55,21 +56,24 @@ def projections(model: nn.Module, ffns: list[nn.Module]) -> list[nn.Linear]:
     return [m for m in model.modules() if type(m) is nn.Linear and id(m) not in inside]
 
 
-def kernel_projections(model: nn.Module, ffns: list[nn.Module]) -> list[nn.Linear]:
-    """Give ``projections(model, ffns)`` the native decode call; returns the modules changed."""
+def kernel_projections(model: nn.Module, ffns: list[nn.Module]) -> list[nn.Module]:
+    """Give ``projections(model, ffns)`` the native decode call, and the decoder layers around them the lean decode
+    step (``moelab_layer``); returns the modules changed."""
     changed = projections(model, ffns)
     for lin in changed:
         lin.__class__ = KernelLinear
-    return changed
+    return [*changed, *lean_layers(model)]
 
 
 @contextmanager
 def projections_in_kernels(model: nn.Module, ffns: list[nn.Module]) -> Iterator[None]:
-    """``model``'s projections outside ``ffns`` in the native decode call for the time of the block (a baseline timed
-    as moelab's runtime runs a conversion); as they were after it."""
+    """``model``'s projections outside ``ffns`` in the native decode call and its decoder layers' lean decode step for
+    the time of the block (a baseline timed as moelab's runtime runs a conversion); as they were after it."""
     changed = kernel_projections(model, ffns)
     try:
         yield
     finally:
         for lin in changed:
-            lin.__class__ = nn.Linear
+            if isinstance(lin, KernelLinear):
+                lin.__class__ = nn.Linear
+        plain_layers(changed)

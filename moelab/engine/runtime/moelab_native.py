@@ -33,7 +33,9 @@ MLPs 26-30 ms) on a 2-vCPU AMD EPYC, and the whole model 1.46x dense against 1.2
 
 TEAL's layers (``moelab_teal.TealGLU``) run a decode step in one call too (``teal_decode``): each product reads
 only the weight rows some token of the step (up to eight) has a nonzero input for, each row once for them all. The
-projections outside the FFN (``moelab_linear``) run a decode step in ``linear_decode``.
+projections outside the FFN (``moelab_linear``) run a decode step in ``linear_decode``, and a Llama-style decoder
+layer's attention half (``moelab_layer``) in two calls: ``attention_in`` (RMSNorm, q/k/v, rotary embedding) and
+``attention_out`` (attention over the KV cache, output projection, residual add, RMSNorm).
 
 The source is compiled once per machine and source text (``-O3 -march=native -fopenmp``) into the user's
 cache (``MOELAB_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/moelab/kernels`` or ``~/.cache/moelab/kernels``),
@@ -925,6 +927,114 @@ void moelab_linear_decode(int64_t T, int64_t d, int64_t n, const float *x, const
     }
 }
 
+/* y = weight · x / sqrt(mean(x²) + eps) for one row of d (transformers' RMSNorm of Llama-style models in float32) */
+static void rms_row(const float *x, const float *weight, float eps, int64_t d, float *y) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < d; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int64_t i = 0; i < d; i++) y[i] = weight[i] * (x[i] * r);
+}
+
+/* rotary embedding of one head of hd in place: x·cos + rotate_half(x)·sin, rotate_half(x) = (-x[h:], x[:h]) */
+static void rope_head(float *x, const float *c, const float *s, int64_t hd) {
+    const int64_t h = hd / 2;
+    for (int64_t i = 0; i < h; i++) {
+        const float a = x[i], b = x[i + h];
+        x[i] = a * c[i] - b * s[i];
+        x[i + h] = b * c[i + h] + a * s[i + h];
+    }
+}
+
+/* The attention half's inputs for a decode step of N tokens (one new token per sequence): xn = RMSNorm(x) (weight
+   nw, eps), then q/k/v [N, nq|nk|nv] = xn W^T (+ b) with the threads sharing each weight's rows, then the rotary
+   embedding (cs, sn [N, hd]: each token's cos and sin) on every head of q and k. One parallel region where
+   transformers makes some twenty torch calls. */
+void moelab_attn_in(int64_t N, int64_t d, const float *x, const float *nw, float eps, int64_t hd, int64_t nq,
+                    int64_t nk, int64_t nv, const float *wq, const float *wk, const float *wv, const float *bq,
+                    const float *bk, const float *bv, const float *cs, const float *sn, float *q, float *k, float *v,
+                    int nthreads) {
+    float *xn = malloc(sizeof(float) * N * d + 1);
+    for (int64_t t = 0; t < N; t++) rms_row(x + t * d, nw, eps, d, xn + t * d);
+    const int64_t hq = nq / hd, hk = nk / hd;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const int64_t nth = omp_get_num_threads(), th = omp_get_thread_num();
+        const float *ws[3] = {wq, wk, wv}, *bs[3] = {bq, bk, bv};
+        float *ys[3] = {q, k, v};
+        const int64_t ns[3] = {nq, nk, nv};
+        for (int j = 0; j < 3; j++) {
+            const int64_t r0 = ns[j] * th / nth, r1 = ns[j] * (th + 1) / nth;
+            rows_dot(ws[j], r0, r1, d, xn, N, ys[j], ns[j]);
+            if (bs[j])
+                for (int64_t t = 0; t < N; t++)
+                    for (int64_t r = r0; r < r1; r++) ys[j][t * ns[j] + r] += bs[j][r];
+        }
+        #pragma omp barrier
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < N * (hq + hk); i++) {
+            const int64_t t = i / (hq + hk), h = i % (hq + hk);
+            float *head = h < hq ? q + t * nq + h * hd : k + t * nk + (h - hq) * hd;
+            rope_head(head, cs + t * hd, sn + t * hd, hd);
+        }
+    }
+    free(xn);
+}
+
+/* The attention half's outputs for a decode step of B sequences, one new token each: each query head h of q [B, hq
+   · hd] attends (scale; softmax over the keys its mask row allows: mask [·, L] of bytes, row b at b · mstride, NULL
+   for all) to the L keys and values of kv head h / (hq / hk) (K, V: element strides per sequence, head and
+   position, the last dim contiguous), then o = att Wo^T (+ bo) with the threads sharing Wo's rows, then
+   hs = x + o and xn = RMSNorm(hs) (weight nw, eps). A row whose mask allows no key attends to nothing (zeros). */
+void moelab_attn_out(int64_t B, int64_t hq, int64_t hk, int64_t hd, int64_t L, const float *q, const float *K,
+                     const float *V, int64_t ksb, int64_t ksh, int64_t ksl, int64_t vsb, int64_t vsh, int64_t vsl,
+                     const uint8_t *mask, int64_t mstride, float scale, int64_t d, const float *wo, const float *bo,
+                     const float *x, const float *nw, float eps, float *hs, float *xn, int nthreads) {
+    const int64_t nq = hq * hd, rep = hq / hk;
+    float *att = malloc(sizeof(float) * B * nq + 1), *o = malloc(sizeof(float) * B * d + 1);
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const int64_t nth = omp_get_num_threads(), th = omp_get_thread_num();
+        float *p = malloc(sizeof(float) * L + 1);
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < B * hq; i++) {
+            const int64_t b = i / hq, h = i % hq, g = h / rep;
+            const float *qh = q + b * nq + h * hd, *Kh = K + b * ksb + g * ksh, *Vh = V + b * vsb + g * vsh;
+            const uint8_t *mb = mask ? mask + b * mstride : NULL;
+            float mx = -INFINITY, sum = 0.0f;
+            for (int64_t j = 0; j < L; j++) {
+                if (mb && !mb[j]) { p[j] = -INFINITY; continue; }
+                float dot = 0.0f;
+                for (int64_t c = 0; c < hd; c++) dot += qh[c] * Kh[j * ksl + c];
+                p[j] = dot * scale;
+                mx = p[j] > mx ? p[j] : mx;
+            }
+            float *out = att + b * nq + h * hd;
+            for (int64_t c = 0; c < hd; c++) out[c] = 0.0f;
+            if (mx == -INFINITY) continue;
+            for (int64_t j = 0; j < L; j++) {
+                p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - mx);
+                sum += p[j];
+            }
+            for (int64_t j = 0; j < L; j++) {
+                if (p[j] == 0.0f) continue;
+                const float w = p[j] / sum, *vj = Vh + j * vsl;
+                for (int64_t c = 0; c < hd; c++) out[c] += w * vj[c];
+            }
+        }
+        free(p);
+        const int64_t r0 = d * th / nth, r1 = d * (th + 1) / nth;
+        rows_dot(wo, r0, r1, nq, att, B, o, d);
+        #pragma omp barrier
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            for (int64_t c = 0; c < d; c++) hs[b * d + c] = x[b * d + c] + (bo ? o[b * d + c] + bo[c] : o[b * d + c]);
+            rms_row(hs + b * d, nw, eps, d, xn + b * d);
+        }
+    }
+    free(att);
+    free(o);
+}
+
 /* the k best of E scores into top[0..k), best first (ties: the lower index first): each score's rank is the count
    of scores above it, comparisons that vectorise. Slots a NaN left unranked keep a valid expert index. */
 static void select_top(const float *s, int64_t E, int64_t k, int64_t *top) {
@@ -1094,6 +1204,10 @@ def load(path: Path) -> ctypes.CDLL:
     linear = library.moelab_linear_decode
     linear.restype = None
     linear.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
+    attn_in, attn_out = library.moelab_attn_in, library.moelab_attn_out
+    attn_in.restype = attn_out.restype = None
+    attn_in.argtypes = [i64, i64, ptr, ptr, f32] + [i64] * 4 + [ptr] * 11 + [ctypes.c_int]
+    attn_out.argtypes = [i64] * 5 + [ptr] * 3 + [i64] * 6 + [ptr, i64, f32, i64] + [ptr] * 4 + [f32, ptr, ptr, ctypes.c_int]
     ffn = library.moelab_moe_ffn_decode
     ffn.restype = None
     ffn.argtypes = ([i64, i64, ctypes.c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, i64]
@@ -1369,6 +1483,47 @@ def linear_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     library().moelab_linear_decode(T, d, weight.shape[0], x.data_ptr(), weight.data_ptr(),
                                    None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def attention_in(x: torch.Tensor, norm: tuple[torch.Tensor, float], head_dim: int,
+                 weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's attention inputs in one call (``moelab_attn_in``): ``x [N, d]`` normalised (``norm``: the
+    RMSNorm's weight and eps), projected by the q, k and v ``weights`` (``[n, d]`` contiguous, as ``nn.Linear`` stores
+    them; ``biases`` or None), the rotary embedding (``cos``, ``sin`` ``[N, head_dim]`` contiguous) applied to q and
+    k. Returns q, k, v ``[N, n]``."""
+    N, d = x.shape
+    x = x.contiguous()
+    q, k, v = (torch.empty(N, w.shape[0], dtype=torch.float32) for w in weights)
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    library().moelab_attn_in(N, d, x.data_ptr(), norm[0].data_ptr(), norm[1], head_dim, q.shape[1], k.shape[1],
+                             v.shape[1], *map(ptr, weights), *map(ptr, biases), cos.data_ptr(), sin.data_ptr(),
+                             q.data_ptr(), k.data_ptr(), v.data_ptr(), torch.get_num_threads())
+    return q, k, v
+
+
+def attention_out(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                  out_proj: tuple[torch.Tensor, torch.Tensor | None], x: torch.Tensor,
+                  norm: tuple[torch.Tensor, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's attention and what follows it up to the FFN, in one call (``moelab_attn_out``): each sequence's
+    one query ``q [B, heads · hd]`` over its cache (``keys``, ``values`` ``[B, kv heads, L, hd]``, the last dim
+    contiguous; ``mask`` a bool ``[B or 1, 1, 1, L]`` with a contiguous last dim, True where a key may be attended,
+    or None for all), ``scale``, the output projection (``out_proj``: weight ``[d, heads · hd]`` contiguous, bias or
+    None) added to the residual ``x [B, d]``, and that sum RMS-normalised (``norm``). Returns ``(x + o, its norm)``."""
+    B, hk, L, hd = keys.shape
+    hq = q.shape[1] // hd
+    wo, bo = out_proj
+    d = wo.shape[0]
+    q, x = q.contiguous(), x.contiguous()
+    hs, xn = torch.empty(B, d, dtype=torch.float32), torch.empty(B, d, dtype=torch.float32)
+    mstride = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
+    library().moelab_attn_out(B, hq, hk, hd, L, q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0),
+                              keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+                              None if mask is None else mask.data_ptr(), mstride, scale, d, wo.data_ptr(),
+                              None if bo is None else bo.data_ptr(), x.data_ptr(), norm[0].data_ptr(), norm[1],
+                              hs.data_ptr(), xn.data_ptr(), torch.get_num_threads())
+    return hs, xn
 
 
 def teal_decode(x: torch.Tensor, below_in: float, below_mid: float, gate_rows: torch.Tensor, up_rows: torch.Tensor,
