@@ -1,7 +1,7 @@
 """A decoder layer's decode step in fewer calls (``runtime.moelab_layer``): transformers' logits to float rounding
-at decode steps of one and of eight sequences, with a padded batch's mask, a sliding window and Qwen2's biases; the
-native calls ran where they apply and transformers' own forward everywhere else; the layer reads as the class it was,
-and goes back to it after a timing's rounds."""
+at decode steps of one and of eight sequences, with a padded batch's mask, a sliding window, Qwen2's biases and
+Qwen3's head norms, in the native calls and in the torch ops that stand in for them; transformers' own forward
+everywhere else; the layer reads as the class it was, and goes back to it after a timing's rounds."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ VOCAB = 300
 CONFIGS = {
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),  # biases on q, k and v
+    "qwen3": ("Qwen3Config", {}),  # an RMSNorm on each q and k head
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "mistral-window": ("MistralConfig", {"sliding_window": 5}),  # a mask that drops the oldest keys
 }
@@ -141,7 +142,8 @@ def _with_plain(model: nn.Module, run):
     try:
         return run()
     finally:
-        lean_layers(model)
+        if layers:
+            lean_layers(model)
 
 
 def plain_forward(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -163,3 +165,34 @@ def test_the_layer_keeps_its_class_name_keys_and_parameters():
     gemma = transformers.AutoModelForCausalLM.from_config(
         transformers.Gemma2Config(vocab_size=VOCAB, **TINY, hidden_activation="gelu_pytorch_tanh"))
     assert lean_layers(gemma) == []
+
+
+@native
+def test_generate_takes_the_native_step_and_picks_transformers_tokens(one_thread):
+    """``generate()`` (what the Playground and a user call) passes nothing the lean step does not know: its decode
+    steps run the native calls, and greedy decoding picks the tokens transformers' forward picks."""
+    model = _model("llama")
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                  pad_token_id=0)
+    expected = model.generate(ids, **kwargs)
+    calls, counting = _counting("attention_in")
+    with projections_in_kernels(model, layer_ffns(model)), counting:
+        got = model.generate(ids, **kwargs)
+    assert torch.equal(got, expected)
+    assert len(calls) == 5 * TINY["num_hidden_layers"]  # every step after the prompt's, every layer
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_the_torch_op_step_computes_what_transformers_does(name, one_thread):
+    """With gradients enabled the native calls do not run: the lean step's torch ops give transformers' values (and
+    the gradient flows)."""
+    model = _model(name)
+    ids = torch.randint(1, VOCAB, (3, 1), generator=torch.Generator().manual_seed(5))
+    expected = plain_forward(model, ids)
+    calls, counting = _counting("attention_in")
+    with projections_in_kernels(model, layer_ffns(model)), counting, torch.enable_grad():
+        got = model(ids).logits
+        got.sum().backward()
+    assert not calls and model.model.layers[0].self_attn.q_proj.weight.grad is not None
+    assert (got.detach() - expected).abs().max() <= 1e-5 * expected.abs().max()

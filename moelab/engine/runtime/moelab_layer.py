@@ -10,8 +10,9 @@ through them. On the default model's ``best`` 0.5 conversion, 2 threads of a Xeo
 an RMSNorm 60-80 µs against 19 in a loop. ``lean_layers`` gives such a layer a decode step of one token a sequence
 (up to ``DECODE_TOKENS`` sequences) in
 
-1. ``moelab_native.attention_in``: the input RMSNorm, the q, k and v projections (biases included) and the rotary
-   embedding (``x·cos + rotate_half(x)·sin``, transformers' cos and sin of each position);
+1. ``moelab_native.attention_in``: the input RMSNorm, the q, k and v projections (biases included), Qwen3's RMSNorm
+   of each q and k head, and the rotary embedding (``x·cos + rotate_half(x)·sin``, transformers' cos and sin of each
+   position);
 2. the layer's own ``Cache.update`` (the KV cache is transformers', whatever its kind);
 3. ``moelab_native.attention_out``: the attention of each query head over its KV head's cache (grouped-query; the
    mask transformers built, a padded batch's or a sliding window's, or none), the output projection, the residual
@@ -26,7 +27,7 @@ shape, several new tokens a sequence) runs the same steps in torch ops:
 ``F.rms_norm`` for each norm, the projections' ``forward`` without ``nn.Module.__call__``, transformers' rotary
 formula and SDPA attention function with the layer's own arguments (a Qwen2 or Mistral layer's sliding window).
 
-Where it applies: the decoder layers of Llama (SmolLM, the default model's family), Qwen2 and Mistral as transformers
+Where it applies: the decoder layers of Llama (SmolLM, the default model's family), Qwen2, Qwen3 and Mistral as transformers
 5.2x writes them, in its SDPA attention (the default), with no hook on the layer's attention, norms or projections (a
 request for attention weights installs one), no keyword to pass on (a packed batch's sequence lengths), not in
 training mode. Anything else, a prefill of more than ``DECODE_TOKENS`` tokens included, runs transformers' own forward.
@@ -59,6 +60,7 @@ FAMILIES = (
     ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer", None),
     ("transformers.models.qwen2.modeling_qwen2", "Qwen2DecoderLayer", "attn"),
     ("transformers.models.mistral.modeling_mistral", "MistralDecoderLayer", "config"),
+    ("transformers.models.qwen3.modeling_qwen3", "Qwen3DecoderLayer", "attn"),  # and each head's q and k RMSNorm
 )
 
 
@@ -99,9 +101,10 @@ class LeanDecode:
         attn = self._modules["self_attn"]
         norms = self._modules["input_layernorm"], self._modules["post_attention_layernorm"]
         projections = [attn._modules[name] for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        head_norms = [attn._modules[name] for name in ("q_norm", "k_norm") if name in attn._modules]  # Qwen3's
         if (kwargs or self.training or position_embeddings is None or hidden_states.dim() != 3
                 or hidden_states.shape[0] * hidden_states.shape[1] > DECODE_TOKENS
-                or attn.config._attn_implementation != "sdpa" or _hooked(attn, *norms, *projections)):
+                or attn.config._attn_implementation != "sdpa" or _hooked(attn, *norms, *projections, *head_norms)):
             return super().forward(hidden_states, attention_mask=attention_mask,  # type: ignore[misc]
                                    position_ids=position_ids, cache=cache, use_cache=use_cache,
                                    position_embeddings=position_embeddings, **kwargs)
@@ -109,17 +112,21 @@ class LeanDecode:
         q_proj, k_proj, v_proj, o_proj = projections
         cos, sin = position_embeddings
         shape = (B, T, -1, attn.head_dim)
-        native = T == 1 and _native_fits(hidden_states, norms, projections, cos)
-        if native:  # norm, q/k/v and the rotary embedding in one call
+        native = T == 1 and _native_fits(hidden_states, norms, projections, head_norms, cos)
+        if native:  # norm, q/k/v, the heads' norms and the rotary embedding in one call
             rows = lambda t: t.expand(B, 1, t.shape[-1]).reshape(B, -1).contiguous()  # noqa: E731
             q2, k, v = attention_in(hidden_states.reshape(B, d), (norms[0].weight, norms[0].variance_epsilon),
                                     attn.head_dim, tuple(p.weight for p in projections[:3]),
-                                    tuple(p.bias for p in projections[:3]), rows(cos), rows(sin))
+                                    tuple(p.bias for p in projections[:3]), rows(cos), rows(sin),
+                                    (*(n.weight for n in head_norms), head_norms[0].variance_epsilon)
+                                    if head_norms else None)
             q, k, v = (t.view(shape).transpose(1, 2) for t in (q2, k, v))
         else:
             x = F.rms_norm(hidden_states, (d,), norms[0].weight, norms[0].variance_epsilon)
-            q = q_proj.forward(x).view(shape).transpose(1, 2)
-            k = k_proj.forward(x).view(shape).transpose(1, 2)
+            q, k = q_proj.forward(x).view(shape), k_proj.forward(x).view(shape)
+            if head_norms:
+                q, k = (F.rms_norm(t, (t.shape[-1],), n.weight, n.variance_epsilon) for t, n in zip((q, k), head_norms))
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = v_proj.forward(x).view(shape).transpose(1, 2)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
             q = q * cos + _rotate_half(q) * sin
@@ -143,12 +150,14 @@ def _f32(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.is_cpu and t.is_contiguous())
 
 
-def _native_fits(x: torch.Tensor, norms: tuple[nn.Module, ...], projections: list[nn.Module], cos: torch.Tensor) -> bool:
+def _native_fits(x: torch.Tensor, norms: tuple[nn.Module, ...], projections: list[nn.Module],
+                 head_norms: list[nn.Module], cos: torch.Tensor) -> bool:
     """Whether the native calls compute this step: float32 on the CPU, no gradient, plain linear projections of
-    contiguous weights, the kernels built."""
+    contiguous weights, q and k heads' norms of one eps (or none), the kernels built."""
     return (x.dtype == torch.float32 and x.is_cpu and cos.dtype == torch.float32 and not torch.is_grad_enabled()
             and all(isinstance(p, nn.Linear) and _f32(p.weight) and _f32(p.bias) for p in projections)
-            and all(_f32(n.weight) for n in norms) and native_library() is not None)
+            and all(_f32(n.weight) for n in (*norms, *head_norms))
+            and len({n.variance_epsilon for n in head_norms}) <= 1 and native_library() is not None)
 
 
 def _cache_fits(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> bool:

@@ -946,13 +946,14 @@ static void rope_head(float *x, const float *c, const float *s, int64_t hd) {
 }
 
 /* The attention half's inputs for a decode step of N tokens (one new token per sequence): xn = RMSNorm(x) (weight
-   nw, eps), then q/k/v [N, nq|nk|nv] = xn W^T (+ b) with the threads sharing each weight's rows, then the rotary
-   embedding (cs, sn [N, hd]: each token's cos and sin) on every head of q and k. One parallel region where
-   transformers makes some twenty torch calls. */
+   nw, eps), then q/k/v [N, nq|nk|nv] = xn W^T (+ b) with the threads sharing each weight's rows, then on every head
+   of q and k its RMSNorm (Qwen3's q_norm and k_norm: weights qn, kn [hd], eps heps; NULL for none) and the rotary
+   embedding (cs, sn [N, hd]: each token's cos and sin). One parallel region where transformers makes some twenty
+   torch calls. */
 void moelab_attn_in(int64_t N, int64_t d, const float *x, const float *nw, float eps, int64_t hd, int64_t nq,
                     int64_t nk, int64_t nv, const float *wq, const float *wk, const float *wv, const float *bq,
-                    const float *bk, const float *bv, const float *cs, const float *sn, float *q, float *k, float *v,
-                    int nthreads) {
+                    const float *bk, const float *bv, const float *qn, const float *kn, float heps, const float *cs,
+                    const float *sn, float *q, float *k, float *v, int nthreads) {
     float *xn = malloc(sizeof(float) * N * d + 1);
     for (int64_t t = 0; t < N; t++) rms_row(x + t * d, nw, eps, d, xn + t * d);
     const int64_t hq = nq / hd, hk = nk / hd;
@@ -974,6 +975,8 @@ void moelab_attn_in(int64_t N, int64_t d, const float *x, const float *nw, float
         for (int64_t i = 0; i < N * (hq + hk); i++) {
             const int64_t t = i / (hq + hk), h = i % (hq + hk);
             float *head = h < hq ? q + t * nq + h * hd : k + t * nk + (h - hq) * hd;
+            const float *hn = h < hq ? qn : kn;
+            if (hn) rms_row(head, hn, heps, hd, head);
             rope_head(head, cs + t * hd, sn + t * hd, hd);
         }
     }
@@ -1206,7 +1209,7 @@ def load(path: Path) -> ctypes.CDLL:
     linear.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
     attn_in, attn_out = library.moelab_attn_in, library.moelab_attn_out
     attn_in.restype = attn_out.restype = None
-    attn_in.argtypes = [i64, i64, ptr, ptr, f32] + [i64] * 4 + [ptr] * 11 + [ctypes.c_int]
+    attn_in.argtypes = [i64, i64, ptr, ptr, f32] + [i64] * 4 + [ptr] * 8 + [f32] + [ptr] * 5 + [ctypes.c_int]
     attn_out.argtypes = [i64] * 5 + [ptr] * 3 + [i64] * 6 + [ptr, i64, f32, i64] + [ptr] * 4 + [f32, ptr, ptr, ctypes.c_int]
     ffn = library.moelab_moe_ffn_decode
     ffn.restype = None
@@ -1488,17 +1491,20 @@ def linear_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def attention_in(x: torch.Tensor, norm: tuple[torch.Tensor, float], head_dim: int,
                  weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                  biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
-                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 cos: torch.Tensor, sin: torch.Tensor,
+                 head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> tuple[torch.Tensor, ...]:
     """A decode step's attention inputs in one call (``moelab_attn_in``): ``x [N, d]`` normalised (``norm``: the
     RMSNorm's weight and eps), projected by the q, k and v ``weights`` (``[n, d]`` contiguous, as ``nn.Linear`` stores
-    them; ``biases`` or None), the rotary embedding (``cos``, ``sin`` ``[N, head_dim]`` contiguous) applied to q and
-    k. Returns q, k, v ``[N, n]``."""
+    them; ``biases`` or None), each head of q and k RMS-normalised (``head_norms``: Qwen3's q and k norm weights
+    ``[head_dim]`` and their eps; None for none), the rotary embedding (``cos``, ``sin`` ``[N, head_dim]``
+    contiguous) applied to q and k. Returns q, k, v ``[N, n]``."""
     N, d = x.shape
     x = x.contiguous()
     q, k, v = (torch.empty(N, w.shape[0], dtype=torch.float32) for w in weights)
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     library().moelab_attn_in(N, d, x.data_ptr(), norm[0].data_ptr(), norm[1], head_dim, q.shape[1], k.shape[1],
-                             v.shape[1], *map(ptr, weights), *map(ptr, biases), cos.data_ptr(), sin.data_ptr(),
+                             v.shape[1], *map(ptr, weights), *map(ptr, biases), *map(ptr, (head_norms or (None,) * 2)[:2]),
+                             head_norms[2] if head_norms else 0.0, cos.data_ptr(), sin.data_ptr(),
                              q.data_ptr(), k.data_ptr(), v.data_ptr(), torch.get_num_threads())
     return q, k, v
 
