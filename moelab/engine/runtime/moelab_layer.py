@@ -114,13 +114,13 @@ class LeanDecode:
         shape = (B, T, -1, attn.head_dim)
         native = T == 1 and _native_fits(hidden_states, norms, projections, head_norms, cos)
         if native:  # norm, q/k/v, the heads' norms and the rotary embedding in one call
-            rows = lambda t: t.expand(B, 1, t.shape[-1]).reshape(B, -1).contiguous()  # noqa: E731
             q2, k, v = attention_in(hidden_states.reshape(B, d), (norms[0].weight, norms[0].variance_epsilon),
                                     attn.head_dim, tuple(p.weight for p in projections[:3]),
-                                    tuple(p.bias for p in projections[:3]), rows(cos), rows(sin),
+                                    tuple(p.bias for p in projections[:3]), *_position_rows(position_embeddings, B),
                                     (*(n.weight for n in head_norms), head_norms[0].variance_epsilon)
                                     if head_norms else None)
-            q, k, v = (t.view(shape).transpose(1, 2) for t in (q2, k, v))
+            k, v = (t.view(shape).transpose(1, 2) for t in (k, v))
+            q = None
         else:
             x = F.rms_norm(hidden_states, (d,), norms[0].weight, norms[0].variance_epsilon)
             q, k = q_proj.forward(x).view(shape), k_proj.forward(x).view(shape)
@@ -137,6 +137,8 @@ class LeanDecode:
             hs, x = attention_out(q2, k, v, attention_mask, attn.scaling, (o_proj.weight, o_proj.bias),
                                   hidden_states.reshape(B, d), (norms[1].weight, norms[1].variance_epsilon))
             return hs.view(B, T, d) + self._modules["mlp"](x.view(B, T, d))
+        if q is None:  # the native inputs, attended in torch (a cache or mask the native call does not read)
+            q = q2.view(shape).transpose(1, 2)
         window = ({} if self._window_from is None else
                   {"sliding_window": attn.sliding_window if self._window_from == "attn"
                    else getattr(attn.config, "sliding_window", None)})
@@ -144,6 +146,22 @@ class LeanDecode:
         hidden_states = hidden_states + o_proj.forward(out.reshape(B, T, -1))
         x = F.rms_norm(hidden_states, (d,), norms[1].weight, norms[1].variance_epsilon)
         return hidden_states + self._modules["mlp"](x)
+
+
+#: the last step's position embeddings and its cos and sin as one contiguous row a sequence (every layer of a step
+#: gets the same tuple); one tuple, replaced whole, so that a thread reads a key and its rows together
+_ROWS: tuple[Any, Any] = (None, None)
+
+
+def _position_rows(position_embeddings: tuple[torch.Tensor, torch.Tensor], B: int) -> tuple[torch.Tensor, ...]:
+    """cos and sin ``[B or 1, 1, hd]`` as ``[B, hd]`` contiguous rows, built once a step: the tuple is the key (held,
+    so that no other tuple can take its identity)."""
+    global _ROWS
+    last = _ROWS
+    if last[0] is not position_embeddings:
+        last = _ROWS = (position_embeddings,
+                        tuple(t.expand(B, 1, t.shape[-1]).reshape(B, -1).contiguous() for t in position_embeddings))
+    return last[1]
 
 
 def _f32(t: torch.Tensor | None) -> bool:
