@@ -20,9 +20,9 @@ an RMSNorm 60-80 µs against 19 in a loop. ``lean_layers`` gives such a layer a 
 4. the FFN (its own module: a conversion's native block) and the second residual add.
 
 On that machine the step ran 1.29-1.37× as fast as with transformers' layer forward (the same model, the two
-interleaved; batch 8 and 1), and ``bench_recipe_speed`` before and after measured ``best`` 0.5 at 1.27× and 1.63×
-dense, the dense model in moelab's kernels at 1.07× and 1.22×. The logits agree with transformers' to float32 rounding (3e-5 on logits of magnitude ~20):
-the sums run in another order. A step the native calls do not take (gradients, another dtype, a mask of another
+interleaved; batch 8 and 1), and ``bench_recipe_speed`` before and after measured ``best`` 0.5 at 1.27× and 1.60-1.64×
+dense, the dense model in moelab's kernels at 1.07× and 1.21-1.22× (three runs after). The logits agree with
+transformers' to float32 rounding (3e-5 on logits of magnitude ~20): the sums run in another order. A step the native calls do not take (gradients, another dtype, a mask of another
 shape, several new tokens a sequence) runs the same steps in torch ops:
 ``F.rms_norm`` for each norm, the projections' ``forward`` without ``nn.Module.__call__``, transformers' rotary
 formula and SDPA attention function with the layer's own arguments (a Qwen2 or Mistral layer's sliding window).
