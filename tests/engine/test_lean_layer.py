@@ -64,15 +64,18 @@ def _counting(name: str) -> tuple[list[int], mock._patch]:
 
 
 @native
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_decode_steps_give_transformers_logits_and_run_the_native_calls(name, one_thread):
+def test_decode_steps_give_transformers_logits_and_run_the_native_calls(name, threads, one_thread):
     """Batches of 1 and 8 sequences, 12 tokens of which the last 4 are decode steps; the window of 5 makes the mask
-    drop keys. The layers go back to transformers' forward after the block."""
+    drop keys; the calls' rows and heads shared among 1 or 3 threads. The layers go back to transformers' forward
+    after the block."""
     model = _model(name)
     ids = torch.randint(1, VOCAB, (8, 12), generator=torch.Generator().manual_seed(1))
     expected = [_steps(model, rows) for rows in (ids[:1], ids)]
     calls, counting = _counting("attention_out")
-    with projections_in_kernels(model, layer_ffns(model)), counting:
+    with (projections_in_kernels(model, layer_ffns(model)), counting,
+          mock.patch("torch.get_num_threads", return_value=threads)):
         assert all(isinstance(layer, LeanDecode) for layer in decoder_layers(model))
         got = [_steps(model, rows) for rows in (ids[:1], ids)]
     for g, e in zip(got, expected):
