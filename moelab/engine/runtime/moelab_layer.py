@@ -22,15 +22,17 @@ an RMSNorm 60-80 µs against 19 in a loop. ``lean_layers`` gives such a layer a 
 On that machine the step ran 1.29-1.37× as fast as with transformers' layer forward (the same model, the two
 interleaved; batch 8 and 1), and ``bench_recipe_speed`` before and after measured ``best`` 0.5 at 1.27× and 1.60-1.64×
 dense, the dense model in moelab's kernels at 1.07× and 1.21-1.22× (three runs after). The logits agree with
-transformers' to float32 rounding (3e-5 on logits of magnitude ~20): the sums run in another order. A step the native calls do not take (gradients, another dtype, a mask of another
-shape, several new tokens a sequence) runs the same steps in torch ops:
-``F.rms_norm`` for each norm, the projections' ``forward`` without ``nn.Module.__call__``, transformers' rotary
-formula and SDPA attention function with the layer's own arguments (a Qwen2 or Mistral layer's sliding window).
+transformers' to float32 rounding (3e-5 on logits of magnitude ~20): the sums run in another order. A step the native
+calls do not take (gradients, another dtype, a mask of another shape, several new tokens a sequence) runs the same
+steps in torch ops: ``F.rms_norm`` for each norm, the projections' ``forward`` without ``nn.Module.__call__``,
+transformers' rotary formula and SDPA attention function with the layer's own arguments (a Qwen2 or Mistral layer's
+sliding window).
 
-Where it applies: the decoder layers of Llama (SmolLM, the default model's family), Qwen2, Qwen3 and Mistral as transformers
-5.2x writes them, in its SDPA attention (the default), with no hook on the layer's attention, norms or projections (a
-request for attention weights installs one), no keyword to pass on (a packed batch's sequence lengths), not in
-training mode. Anything else, a prefill of more than ``DECODE_TOKENS`` tokens included, runs transformers' own forward.
+Where it applies: the decoder layers of Llama (SmolLM, the default model's family), Qwen2, Qwen3 and Mistral as
+transformers 5.2x writes them, in its SDPA attention (the default), with no hook on the layer's attention, norms or
+projections (a request for attention weights installs one), no keyword to pass on (a packed batch's sequence lengths),
+not in training mode. Anything else, a prefill of more than ``DECODE_TOKENS`` tokens included, runs transformers' own
+forward.
 
 The layer keeps its class for ``isinstance``, its printed name, parameters and keys: ``lean_layers`` gives it a
 subclass of its own class, as ``moelab_dense`` does a kept MLP.
@@ -38,6 +40,7 @@ subclass of its own class, as ``moelab_dense`` does a kept MLP.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from typing import Any
@@ -64,10 +67,11 @@ FAMILIES = (
 )
 
 
+@functools.cache
 def _families() -> dict[type, str | None]:
     """The installed transformers' classes of ``FAMILIES`` whose forward is the one restated: it names the KV cache
     ``cache`` (transformers 5.2x; an earlier one's ``past_key_values`` would be a keyword the lean step does not
-    know). A family this version lacks is left out."""
+    know). A family this version lacks is left out. Looked up once a process: every timing round's baseline asks."""
     found = {}
     for module, name, window in FAMILIES:
         try:

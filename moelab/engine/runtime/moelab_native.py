@@ -1210,7 +1210,8 @@ def load(path: Path) -> ctypes.CDLL:
     attn_in, attn_out = library.moelab_attn_in, library.moelab_attn_out
     attn_in.restype = attn_out.restype = None
     attn_in.argtypes = [i64, i64, ptr, ptr, f32] + [i64] * 4 + [ptr] * 8 + [f32] + [ptr] * 5 + [ctypes.c_int]
-    attn_out.argtypes = [i64] * 5 + [ptr] * 3 + [i64] * 6 + [ptr, i64, f32, i64] + [ptr] * 4 + [f32, ptr, ptr, ctypes.c_int]
+    attn_out.argtypes = ([i64] * 5 + [ptr] * 3 + [i64] * 6 + [ptr, i64, f32, i64] + [ptr] * 4
+                         + [f32, ptr, ptr, ctypes.c_int])
     ffn = library.moelab_moe_ffn_decode
     ffn.restype = None
     ffn.argtypes = ([i64, i64, ctypes.c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, i64]
@@ -1246,6 +1247,11 @@ def library() -> ctypes.CDLL | None:
     return _library
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer for a C argument, NULL for an absent one."""
+    return None if t is None else t.data_ptr()
+
+
 def usable(x: torch.Tensor, wgu_rows: torch.Tensor, act: str) -> bool:
     """Whether ``moe_routed`` runs this call: float32 CPU tensors, an activation it has, the kernel built."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and wgu_rows.dtype == torch.float32
@@ -1278,8 +1284,8 @@ def _routed_pairs(x: torch.Tensor, top: torch.Tensor, weights: torch.Tensor | No
     out = torch.empty(T, d, dtype=torch.float32)
     run = library().moelab_moe_decode if T <= DECODE_TOKENS else library().moelab_moe_prefill
     run(T, k, E, d, m, min(keep, m), ACTIVATIONS[act], x.data_ptr(), top.data_ptr(),
-        None if weights is None else weights.data_ptr(), wgu_rows.data_ptr(), wd_rows.data_ptr(),
-        None if skip_mean is None else skip_mean.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        _ptr(weights), wgu_rows.data_ptr(), wd_rows.data_ptr(), _ptr(skip_mean), out.data_ptr(),
+        torch.get_num_threads())
     return out
 
 
@@ -1392,7 +1398,7 @@ def _routed_dense(x: torch.Tensor, top: torch.Tensor, weights: torch.Tensor | No
     h = x @ wgu_rows.permute(1, 0, 2).reshape(d, E * 2 * m)  # [E, d, 2m] storage -> [d, E·2m]: one copy a call
     kept = torch.empty(T, E * m, dtype=torch.float32)
     library().moelab_select_keep(T, E, m, k, min(keep, m), ACTIVATIONS[act], h.data_ptr(), top.data_ptr(),
-                                 None if weights is None else weights.data_ptr(), kept.data_ptr(), torch.get_num_threads())
+                                 _ptr(weights), kept.data_ptr(), torch.get_num_threads())
     out = kept @ wd_rows.reshape(E * m, d)
     if skip_mean is not None:
         out += skipped_means(top, skip_mean)
@@ -1436,11 +1442,11 @@ class FusedDecode:
                  wd_rows: torch.Tensor, m: int, keep: int, act: str, skip_mean: torch.Tensor | None = None) -> None:
         (sg, su, sd), ds = (shared, shared[0].shape[0]) if shared is not None else ((None, None, None), 0)
         rw, rb = router
-        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         self.top_k, self.act = top_k, ACTIVATIONS[act]
         self._run = library().moelab_moe_ffn_decode
-        middle = (ds, min(shared_keep, ds), ptr(sg), ptr(su), ptr(sd), wgu_rows.shape[0], top_k, rw.data_ptr(), ptr(rb),
-                  FUSED_COMBINES[combine], m, min(keep, m), wgu_rows.data_ptr(), wd_rows.data_ptr(), ptr(skip_mean))
+        middle = (ds, min(shared_keep, ds), _ptr(sg), _ptr(su), _ptr(sd), wgu_rows.shape[0], top_k, rw.data_ptr(),
+                  _ptr(rb), FUSED_COMBINES[combine], m, min(keep, m), wgu_rows.data_ptr(), wd_rows.data_ptr(),
+                  _ptr(skip_mean))
         # as ctypes values once, not converted at every call
         self._middle = tuple(kind(v) for kind, v in zip(self._run.argtypes[4:], middle))
 
@@ -1484,7 +1490,7 @@ def linear_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     x = x.contiguous()
     out = torch.empty(T, weight.shape[0], dtype=torch.float32)
     library().moelab_linear_decode(T, d, weight.shape[0], x.data_ptr(), weight.data_ptr(),
-                                   None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+                                   _ptr(bias), out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -1501,9 +1507,9 @@ def attention_in(x: torch.Tensor, norm: tuple[torch.Tensor, float], head_dim: in
     N, d = x.shape
     x = x.contiguous()
     q, k, v = (torch.empty(N, w.shape[0], dtype=torch.float32) for w in weights)
-    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     library().moelab_attn_in(N, d, x.data_ptr(), norm[0].data_ptr(), norm[1], head_dim, q.shape[1], k.shape[1],
-                             v.shape[1], *map(ptr, weights), *map(ptr, biases), *map(ptr, (head_norms or (None,) * 2)[:2]),
+                             v.shape[1], *map(_ptr, weights), *map(_ptr, biases),
+                             *map(_ptr, (head_norms or (None,) * 2)[:2]),
                              head_norms[2] if head_norms else 0.0, cos.data_ptr(), sin.data_ptr(),
                              q.data_ptr(), k.data_ptr(), v.data_ptr(), torch.get_num_threads())
     return q, k, v
@@ -1526,9 +1532,8 @@ def attention_out(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     mstride = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
     library().moelab_attn_out(B, hq, hk, hd, L, q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0),
                               keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-                              None if mask is None else mask.data_ptr(), mstride, scale, d, wo.data_ptr(),
-                              None if bo is None else bo.data_ptr(), x.data_ptr(), norm[0].data_ptr(), norm[1],
-                              hs.data_ptr(), xn.data_ptr(), torch.get_num_threads())
+                              _ptr(mask), mstride, scale, d, wo.data_ptr(), _ptr(bo), x.data_ptr(), norm[0].data_ptr(),
+                              norm[1], hs.data_ptr(), xn.data_ptr(), torch.get_num_threads())
     return hs, xn
 
 
